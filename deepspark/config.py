@@ -1,0 +1,286 @@
+"""Prototxt files into schema messages, with errors that point at FILE:LINE:COL."""
+
+import os
+import re
+
+from google.protobuf import text_format
+
+from deepspark.proto import deepspark_pb2 as pb
+
+
+class ConfigError(Exception):
+    """A bad input file: one line, `FILE:LINE:COL: what is wrong`."""
+
+    def __init__(self, message, filename=None, line=None, col=None):
+        self.message = message
+        self.filename = filename
+        self.line = line
+        self.col = col
+        super().__init__(str(self))
+
+    def __str__(self):
+        where = [str(x) for x in (self.filename, self.line, self.col) if x is not None]
+        return ": ".join([":".join(where), self.message]) if where else self.message
+
+
+class SourceMap:
+    """Where each top-level `layer { }` block of a prototxt starts, and its fields.
+
+    Protobuf's text parser reports positions only for syntax errors; the graph's
+    semantic errors (unknown bottom, bad shape) point at the layer through this map.
+    """
+
+    def __init__(self, filename, layers=None):
+        self.filename = filename
+        self.layers = layers or []  # per layer: {"layer": (line, col), field: (line, col)}
+
+    def where(self, layer_index, field=None):
+        """(filename, line, col) of a layer, or of one of its top-level fields."""
+        if layer_index is None or layer_index >= len(self.layers):
+            return self.filename, None, None
+        fields = self.layers[layer_index]
+        line, col = fields.get(field) or fields["layer"]
+        return self.filename, line, col
+
+    def error(self, message, layer_index=None, field=None):
+        return ConfigError(message, *self.where(layer_index, field))
+
+
+_TOKEN = re.compile(
+    r'"(?:[^"\\\n]|\\.)*"'      # double-quoted string
+    r"|'(?:[^'\\\n]|\\.)*'"     # single-quoted string
+    r"|#[^\n]*"                   # comment
+    r"|(?P<field>[A-Za-z_]\w*)(?=\s*[:{<])"  # a field name: followed by ':' or a block
+    r"|(?P<open>[{<])|(?P<close>[}>])|(?P<newline>\n)")
+
+
+def _scan_layers(text):
+    """Positions of the top-level `layer` blocks and of each block's own fields."""
+    layers, depth, line, line_start = [], 0, 1, 0
+    last_field, last_position = None, None
+    for match in _TOKEN.finditer(text):
+        kind = match.lastgroup
+        if kind == "newline":
+            line, line_start = line + 1, match.end()
+        elif kind == "field":
+            last_field = match.group()
+            if depth == 1 and layers and layers[-1] is not None:
+                layers[-1].setdefault(last_field, (line, match.start() - line_start + 1))
+            elif depth == 0:
+                last_position = (line, match.start() - line_start + 1)
+        elif kind == "open":
+            if depth == 0 and last_field == "layer":
+                layers.append({"layer": last_position})
+            depth += 1
+        elif kind == "close":
+            depth = max(depth - 1, 0)
+    return layers
+
+
+_V1_LAYERS = re.compile(r"^\s*layers\s*[:{<]", re.M)
+
+
+def _parse(text, message, filename):
+    match = _V1_LAYERS.search(text)
+    if match:
+        line = text.count("\n", 0, match.start()) + 1
+        raise ConfigError(
+            "this net uses Caffe's old V1 'layers { }' format; upgrade it with Caffe's "
+            "upgrade_net_proto_text tool to the 'layer { }' format", filename, line, 1)
+    try:
+        text_format.Parse(text, message)
+    except text_format.ParseError as error:
+        raise _parse_error(error, text, message, filename) from None
+    return message
+
+
+_NO_FIELD = re.compile(r'Message type "deepspark\.(\w+)" has no field named "(\w+)"')
+
+
+def _parse_error(error, text, message, filename):
+    line, col = error.GetLine(), error.GetColumn()
+    detail = str(error)
+    detail = re.sub(r"^\d+:\d+ : ", "", detail)
+    known = _NO_FIELD.search(detail)
+    if known:
+        owner, field = known.groups()
+        detail = f"unknown field '{field}' in {owner}"
+        if isinstance(message, pb.NetParameter) and owner == "LayerParameter":
+            unsupported = _unsupported_type_at(text, line)
+            if unsupported:
+                from deepspark.graph import supported_types  # the layer table lives in graph
+
+                detail = (f"layer type '{unsupported}' is not supported (its '{field}' is "
+                          f"unknown); supported types: {', '.join(supported_types())}")
+    detail = detail.replace("deepspark.", "")
+    return ConfigError(detail, filename, line if line > 0 else None, col if col > 0 else None)
+
+
+def _unsupported_type_at(text, line):
+    """The `type:` of the layer block that contains `line`, if it is not one we support."""
+    from deepspark.graph import supported_types
+
+    offset = sum(len(l) + 1 for l in text.split("\n")[: line - 1])
+    blocks = [m.start() for m in re.finditer(r"^\s*layer\s*[{<]", text, re.M)]
+    start = max([b for b in blocks if b <= offset], default=None)
+    if start is None:
+        return None
+    kind = re.search(r'\btype\s*:\s*"([^"]*)"', text[start:])
+    if kind and kind.group(1) not in supported_types():
+        return kind.group(1)
+    return None
+
+
+def _read(path, what):
+    try:
+        with open(path, encoding="utf-8") as stream:
+            return stream.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} file not found", path) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read {what} file: {error}", path) from None
+
+
+def parse_net(text, filename="<string>"):
+    """A NetParameter and its SourceMap from prototxt text."""
+    net = _parse(text, pb.NetParameter(), filename)
+    return net, SourceMap(filename, _scan_layers(text))
+
+
+def load_net(path):
+    """A NetParameter and its SourceMap from a net .prototxt file."""
+    return parse_net(_read(path, "net"), path)
+
+
+def parse_deepspark(text, filename="<string>"):
+    return _parse(text, pb.DeepSparkParameter(), filename)
+
+
+def resolve(path, base_dir):
+    """Caffe resolves paths against the working directory; we also try the referring file's folder."""
+    if not path or os.path.isabs(path) or os.path.exists(path):
+        return path
+    candidate = os.path.join(base_dir, path)
+    if os.path.exists(candidate):
+        return candidate
+    # A path written relative to a project root (as Caffe's examples are)
+    # still resolves when its tail exists beside the referring file.
+    tail = os.path.join(base_dir, os.path.basename(path))
+    return tail if os.path.exists(tail) else path
+
+
+def resolve_output_prefix(prefix, base_dir):
+    """A snapshot prefix whose folder exists relative to the working directory or base_dir."""
+    if not prefix or os.path.isabs(prefix):
+        return prefix
+    folder = os.path.dirname(prefix)
+    if not folder or os.path.isdir(folder):
+        return prefix
+    candidate = os.path.join(base_dir, prefix)
+    return candidate if os.path.isdir(os.path.dirname(candidate)) else prefix
+
+
+class Solver:
+    """A solver prototxt with its nets loaded: train net, test nets, source maps."""
+
+    def __init__(self, param, path, train_net, train_map, test_nets):
+        self.param = param
+        self.path = path
+        self.train_net = train_net
+        self.train_map = train_map
+        self.test_nets = test_nets  # list of (NetParameter, SourceMap, NetState)
+
+    @property
+    def deepspark(self):
+        return self.param.deepspark_param
+
+
+def load_solver(path):
+    """Parse a solver prototxt, resolve and load the nets it names, check its arithmetic."""
+    param = _parse(_read(path, "solver"), pb.SolverParameter(), path)
+    base = os.path.dirname(os.path.abspath(path))
+
+    def net_from_file(field):
+        net_path = resolve(getattr(param, field), base)
+        if not os.path.exists(net_path):
+            raise ConfigError(f"{field}: net file '{getattr(param, field)}' not found "
+                              f"(looked in {os.getcwd()} and {base})", path)
+        setattr(param, field, net_path)
+        return load_net(net_path)
+
+    train_fields = [f for f in ("train_net_param", "train_net", "net_param", "net") if param.HasField(f)]
+    if len(train_fields) != 1:
+        raise ConfigError("a solver needs exactly one of train_net_param, train_net, net_param, net "
+                          f"(found {len(train_fields) or 'none'})", path)
+    field = train_fields[0]
+    if field.endswith("_param"):
+        train, train_map = getattr(param, field), SourceMap(path)
+    else:
+        train, train_map = net_from_file(field)
+
+    tests = []
+    for net in param.test_net_param:
+        tests.append((net, SourceMap(path)))
+    for i, test_path in enumerate(param.test_net):
+        resolved = resolve(test_path, base)
+        if not os.path.exists(resolved):
+            raise ConfigError(f"test_net: net file '{test_path}' not found", path)
+        param.test_net[i] = resolved
+        tests.append(load_net(resolved))
+    if not tests and (param.HasField("net") or param.HasField("net_param")) and param.test_iter:
+        tests.append((train, train_map))
+    if len(param.test_iter) != len(tests):
+        raise ConfigError(f"test_iter must be given once per test net ({len(tests)} test nets, "
+                          f"{len(param.test_iter)} test_iter)", path)
+    if param.test_state and len(param.test_state) != len(tests):
+        raise ConfigError("test_state must be given once per test net, or not at all", path)
+    test_nets = []
+    for i, (net, source) in enumerate(tests):
+        state = pb.NetState()
+        state.CopyFrom(param.test_state[i]) if param.test_state else None
+        state.phase = pb.TEST
+        test_nets.append((net, source, state))
+
+    check_solver(param, path)
+    param.snapshot_prefix = resolve_output_prefix(param.snapshot_prefix, base)
+    return Solver(param, path, train, train_map, test_nets)
+
+
+SOLVER_TYPES = ("SGD", "Nesterov", "AdaGrad", "RMSProp", "AdaDelta", "Adam")
+LR_POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid")
+
+
+def solver_type(param):
+    """The solver type, honouring the deprecated solver_type enum as Caffe does."""
+    if param.HasField("type") or not param.HasField("solver_type"):
+        return param.type
+    return SOLVER_TYPES[param.solver_type]
+
+
+def check_solver(param, path):
+    kind = solver_type(param)
+    if kind not in SOLVER_TYPES:
+        raise ConfigError(f"type: unknown solver type '{kind}'; supported: {', '.join(SOLVER_TYPES)}", path)
+    policy = param.lr_policy or "fixed"
+    if policy not in LR_POLICIES:
+        raise ConfigError(f"lr_policy: unknown policy '{policy}'; supported: {', '.join(LR_POLICIES)}", path)
+    needs = {"step": ("gamma", "stepsize"), "exp": ("gamma",), "inv": ("gamma", "power"),
+             "multistep": ("gamma", "stepvalue"), "poly": ("power",), "sigmoid": ("gamma", "stepsize")}
+    for field in needs.get(policy, ()):
+        present = len(param.stepvalue) if field == "stepvalue" else param.HasField(field)
+        if not present:
+            raise ConfigError(f"lr_policy '{policy}' needs {field}", path)
+    if policy == "step" and param.stepsize <= 0:
+        raise ConfigError("stepsize must be positive for lr_policy 'step'", path)
+    if list(param.stepvalue) != sorted(param.stepvalue):
+        raise ConfigError("stepvalue must be increasing", path)
+    if param.regularization_type not in ("L1", "L2"):
+        raise ConfigError(f"regularization_type: '{param.regularization_type}' is not L1 or L2", path)
+    if param.iter_size < 1:
+        raise ConfigError("iter_size must be at least 1", path)
+    if param.average_loss < 1:
+        raise ConfigError("average_loss must be at least 1", path)
+    if param.max_iter < 0:
+        raise ConfigError("max_iter must not be negative", path)
+    if param.test_interval < 0 or any(t < 0 for t in param.test_iter):
+        raise ConfigError("test_interval and test_iter must not be negative", path)

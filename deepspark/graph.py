@@ -1,0 +1,748 @@
+"""The net as a DAG for one phase: layer filtering, blobs, Caffe's shape inference."""
+
+import math
+from dataclasses import dataclass, field
+
+from deepspark.config import ConfigError, SourceMap
+from deepspark.proto import deepspark_pb2 as pb
+
+
+class ShapeError(ValueError):
+    """A shape that cannot exist; the graph names the layer."""
+
+
+# ---------------------------------------------------------------------------
+# The layer table: type -> shape function. A shape function takes the layer's
+# LayerParameter, its bottom shapes (tuples) and the build context, and returns
+# (top shapes, parameter blob shapes in Caffe's order).
+
+SHAPES = {}
+LOSS_TYPES = {"SoftmaxWithLoss", "SigmoidCrossEntropyLoss", "EuclideanLoss"}
+DATA_TYPES = {"Data", "Input", "DummyData", "MemoryData"}
+
+
+def shape_function(*types):
+    def register(function):
+        for kind in types:
+            SHAPES[kind] = function
+        return function
+    return register
+
+
+def supported_types():
+    return sorted(SHAPES)
+
+
+def canonical_axis(axis, num_axes, what="axis"):
+    if not -num_axes <= axis < num_axes:
+        raise ShapeError(f"{what} {axis} is out of range for a {num_axes}-axis blob")
+    return axis % num_axes
+
+
+def count(shape, start=0, end=None):
+    return math.prod(shape[start:end])
+
+
+def fmt(shape):
+    if shape is None:
+        return "?"
+    return "x".join(str(d) for d in shape) if shape else "scalar"
+
+
+def _same(lp, bottoms, ctx):
+    return [bottoms[0]] * max(len(lp.top), 1), []
+
+
+shape_function("ReLU", "ELU", "Sigmoid", "TanH", "AbsVal", "Power", "Exp", "Log", "BNLL",
+               "Dropout", "Softmax")(_same)
+
+
+@shape_function("Split")
+def _split(lp, bottoms, ctx):
+    return [bottoms[0]] * len(lp.top), []
+
+
+@shape_function("Silence")
+def _silence(lp, bottoms, ctx):
+    return [], []
+
+
+@shape_function("LRN")
+def _lrn(lp, bottoms, ctx):
+    if len(bottoms[0]) != 4:
+        raise ShapeError(f"LRN needs a 4-axis input, got {fmt(bottoms[0])}")
+    if lp.lrn_param.local_size % 2 == 0:
+        raise ShapeError("LRN local_size must be odd")
+    return [bottoms[0]], []
+
+
+@shape_function("PReLU")
+def _prelu(lp, bottoms, ctx):
+    if len(bottoms[0]) < 2:
+        raise ShapeError("PReLU needs an input with a channel axis")
+    slopes = () if lp.prelu_param.channel_shared else (bottoms[0][1],)
+    return [bottoms[0]], [slopes]
+
+
+@shape_function("BatchNorm")
+def _batch_norm(lp, bottoms, ctx):
+    channels = bottoms[0][1] if len(bottoms[0]) > 1 else 1
+    return [bottoms[0]], [(channels,), (channels,), (1,)]
+
+
+def _broadcast_shape(lp, bottoms, param, what):
+    """The shape of a Scale/Bias operand: bottom[1]'s, or the learned blob's."""
+    shape = bottoms[0]
+    if len(bottoms) > 1:
+        operand = bottoms[1]
+        axis = 0 if not operand else canonical_axis(param.axis, len(shape))
+        if tuple(shape[axis:axis + len(operand)]) != tuple(operand):
+            raise ShapeError(f"{what} operand {fmt(operand)} does not match input {fmt(shape)} at axis {axis}")
+        return tuple(operand), False
+    if param.num_axes < -1:
+        raise ShapeError(f"{what} num_axes must be -1 or non-negative")
+    axis = canonical_axis(param.axis, len(shape) + 1) if len(shape) else 0
+    end = len(shape) if param.num_axes == -1 else axis + param.num_axes
+    if end > len(shape):
+        raise ShapeError(f"{what} axis {param.axis} + num_axes {param.num_axes} exceeds input {fmt(shape)}")
+    return tuple(shape[axis:end]), True
+
+
+@shape_function("Scale")
+def _scale(lp, bottoms, ctx):
+    operand, learned = _broadcast_shape(lp, bottoms, lp.scale_param, "Scale")
+    params = [operand] if learned else []
+    if lp.scale_param.bias_term:
+        params.append(operand)
+    return [bottoms[0]], params
+
+
+@shape_function("Bias")
+def _bias(lp, bottoms, ctx):
+    operand, learned = _broadcast_shape(lp, bottoms, lp.bias_param, "Bias")
+    return [bottoms[0]], [operand] if learned else []
+
+
+@shape_function("Eltwise")
+def _eltwise(lp, bottoms, ctx):
+    for shape in bottoms[1:]:
+        if shape != bottoms[0]:
+            raise ShapeError(f"Eltwise inputs differ in shape: {', '.join(fmt(s) for s in bottoms)}")
+    param = lp.eltwise_param
+    if param.coeff and (param.operation != pb.EltwiseParameter.SUM or len(param.coeff) != len(bottoms)):
+        raise ShapeError("Eltwise coeff is for SUM only, one per input")
+    return [bottoms[0]], []
+
+
+@shape_function("Concat")
+def _concat(lp, bottoms, ctx):
+    param = lp.concat_param
+    axis = param.concat_dim if param.HasField("concat_dim") else param.axis
+    axis = canonical_axis(axis, len(bottoms[0]))
+    total = 0
+    for shape in bottoms:
+        if len(shape) != len(bottoms[0]) or any(
+                a != b for i, (a, b) in enumerate(zip(shape, bottoms[0])) if i != axis):
+            raise ShapeError(f"Concat inputs must match except on axis {axis}: "
+                             f"{', '.join(fmt(s) for s in bottoms)}")
+        total += shape[axis]
+    top = list(bottoms[0])
+    top[axis] = total
+    return [tuple(top)], []
+
+
+@shape_function("Slice")
+def _slice(lp, bottoms, ctx):
+    param = lp.slice_param
+    axis = param.slice_dim if param.HasField("slice_dim") else param.axis
+    shape = bottoms[0]
+    axis = canonical_axis(axis, len(shape))
+    points = list(param.slice_point)
+    tops = len(lp.top)
+    if points:
+        if len(points) != tops - 1:
+            raise ShapeError(f"Slice needs {tops - 1} slice_point values for {tops} tops")
+        bounds = [0] + points + [shape[axis]]
+        if any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ShapeError(f"slice points {points} do not split axis {axis} of size {shape[axis]}")
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    else:
+        if shape[axis] % tops:
+            raise ShapeError(f"axis {axis} of size {shape[axis]} does not split into {tops} equal parts")
+        sizes = [shape[axis] // tops] * tops
+    return [shape[:axis] + (size,) + shape[axis + 1:] for size in sizes], []
+
+
+@shape_function("Flatten")
+def _flatten(lp, bottoms, ctx):
+    shape = bottoms[0]
+    start = canonical_axis(lp.flatten_param.axis, len(shape))
+    end = canonical_axis(lp.flatten_param.end_axis, len(shape))
+    return [shape[:start] + (count(shape, start, end + 1),) + shape[end + 1:]], []
+
+
+@shape_function("Reshape")
+def _reshape(lp, bottoms, ctx):
+    shape, param = bottoms[0], lp.reshape_param
+    start = param.axis if param.axis >= 0 else len(shape) + param.axis + 1
+    if not 0 <= start <= len(shape):
+        raise ShapeError(f"Reshape axis {param.axis} is out of range for {fmt(shape)}")
+    end = len(shape) if param.num_axes == -1 else start + param.num_axes
+    if param.num_axes < -1 or end > len(shape):
+        raise ShapeError(f"Reshape num_axes {param.num_axes} is out of range for {fmt(shape)}")
+    dims = list(param.shape.dim)
+    if dims.count(-1) > 1:
+        raise ShapeError("Reshape allows at most one -1 dimension")
+    new = []
+    for i, dim in enumerate(dims):
+        if dim == 0:
+            if start + i >= len(shape):
+                raise ShapeError(f"Reshape dim {i} is 0 but the input has no axis {start + i}")
+            dim = shape[start + i]
+        elif dim < -1:
+            raise ShapeError(f"Reshape dim {dim} is invalid")
+        new.append(dim)
+    top = list(shape[:start]) + new + list(shape[end:])
+    if -1 in top:
+        known = count([d for d in top if d != -1])
+        if known == 0 or count(shape) % known:
+            raise ShapeError(f"cannot reshape {fmt(shape)} into {fmt(top)}")
+        top[top.index(-1)] = count(shape) // known
+    if count(top) != count(shape):
+        raise ShapeError(f"Reshape changes the element count: {fmt(shape)} to {fmt(top)}")
+    return [tuple(top)], []
+
+
+@shape_function("InnerProduct")
+def _inner_product(lp, bottoms, ctx):
+    param, shape = lp.inner_product_param, bottoms[0]
+    if not param.num_output:
+        raise ShapeError("InnerProduct needs num_output")
+    axis = canonical_axis(param.axis, len(shape))
+    k, n = count(shape, axis), param.num_output
+    params = [(k, n) if param.transpose else (n, k)]
+    if param.bias_term:
+        params.append((n,))
+    return [shape[:axis] + (n,)], params
+
+
+def _per_axis(repeated, h, w, has_hw, default, spatial, what):
+    """Caffe's rule for kernel/pad/stride: the _h/_w pair (2D), else one value or one per axis."""
+    if has_hw:
+        if spatial != 2:
+            raise ShapeError(f"{what}_h/{what}_w are for 2D only")
+        return [h, w]
+    values = list(repeated)
+    if not values:
+        if default is None:
+            raise ShapeError(f"{what} is required")
+        return [default] * spatial
+    if len(values) == 1:
+        return values * spatial
+    if len(values) != spatial:
+        raise ShapeError(f"{what} needs 1 or {spatial} values, got {len(values)}")
+    return values
+
+
+def conv_geometry(param, spatial):
+    """kernel, pad, stride, dilation lists of a ConvolutionParameter (Caffe's defaults)."""
+    kernel = _per_axis(param.kernel_size, param.kernel_h, param.kernel_w,
+                       param.HasField("kernel_h") or param.HasField("kernel_w"), None, spatial, "kernel_size")
+    pad = _per_axis(param.pad, param.pad_h, param.pad_w,
+                    param.HasField("pad_h") or param.HasField("pad_w"), 0, spatial, "pad")
+    stride = _per_axis(param.stride, param.stride_h, param.stride_w,
+                       param.HasField("stride_h") or param.HasField("stride_w"), 1, spatial, "stride")
+    dilation = _per_axis(param.dilation, 0, 0, False, 1, spatial, "dilation")
+    if any(k <= 0 for k in kernel) or any(s <= 0 for s in stride) or any(d <= 0 for d in dilation):
+        raise ShapeError("kernel, stride and dilation must be positive")
+    return kernel, pad, stride, dilation
+
+
+@shape_function("Convolution", "Deconvolution")
+def _convolution(lp, bottoms, ctx):
+    param, shape = lp.convolution_param, bottoms[0]
+    axis = canonical_axis(param.axis, len(shape))
+    spatial = len(shape) - axis - 1
+    if spatial < 1:
+        raise ShapeError(f"{lp.type} needs spatial axes after axis {axis}, got {fmt(shape)}")
+    kernel, pad, stride, dilation = conv_geometry(param, spatial)
+    channels, outputs, group = shape[axis], param.num_output, param.group
+    if not outputs:
+        raise ShapeError(f"{lp.type} needs num_output")
+    if group < 1 or channels % group or outputs % group:
+        raise ShapeError(f"group {group} must divide both input channels {channels} and num_output {outputs}")
+    out = []
+    for size, k, p, s, d in zip(shape[axis + 1:], kernel, pad, stride, dilation):
+        extent = d * (k - 1) + 1
+        if lp.type == "Deconvolution":
+            o = s * (size - 1) + extent - 2 * p
+        else:
+            if size + 2 * p < extent:
+                raise ShapeError(f"kernel extent {extent} is larger than the padded input "
+                                 f"{size}+2*{p} of {fmt(shape)}")
+            o = (size + 2 * p - extent) // s + 1
+        if o <= 0:
+            raise ShapeError(f"output size {o} from input {fmt(shape)} is not positive")
+        out.append(o)
+    if lp.type == "Deconvolution":
+        weights = (channels, outputs // group) + tuple(kernel)
+    else:
+        weights = (outputs, channels // group) + tuple(kernel)
+    params = [weights] + ([(outputs,)] if param.bias_term else [])
+    return [shape[:axis] + (outputs,) + tuple(out)], params
+
+
+def pool_geometry(param, height, width):
+    """kernel, pad, stride (each as (h, w)) of a PoolingParameter, as Caffe's PoolingLayer sets them up."""
+    if param.global_pooling:
+        if param.HasField("kernel_size") or param.HasField("kernel_h") or param.HasField("kernel_w"):
+            raise ShapeError("global_pooling takes no kernel size")
+        kernel = (height, width)
+    elif param.HasField("kernel_size") and not (param.HasField("kernel_h") or param.HasField("kernel_w")):
+        kernel = (param.kernel_size, param.kernel_size)
+    elif param.HasField("kernel_h") and param.HasField("kernel_w") and not param.HasField("kernel_size"):
+        kernel = (param.kernel_h, param.kernel_w)
+    else:
+        raise ShapeError("Pooling needs kernel_size, or kernel_h and kernel_w (not both)")
+    pad = (param.pad_h, param.pad_w) if param.HasField("pad_h") or param.HasField("pad_w") else (param.pad,) * 2
+    if param.HasField("stride_h") or param.HasField("stride_w"):
+        stride = (param.stride_h, param.stride_w)
+    else:
+        stride = (param.stride,) * 2
+    if param.global_pooling and (any(pad) or any(s != 1 for s in stride)):
+        raise ShapeError("global_pooling needs pad 0 and stride 1")
+    if min(kernel) <= 0 or min(stride) <= 0:
+        raise ShapeError("Pooling kernel and stride must be positive")
+    if any(pad) and param.pool not in (pb.PoolingParameter.MAX, pb.PoolingParameter.AVE):
+        raise ShapeError("padding is implemented for MAX and AVE pooling only")
+    if pad[0] >= kernel[0] or pad[1] >= kernel[1]:
+        raise ShapeError(f"pad {pad} must be smaller than the kernel {kernel}")
+    return kernel, pad, stride
+
+
+def pooled_size(size, kernel, pad, stride, ceil_mode=True):
+    """Caffe's pooled output size: ceil, then clipped so the last window starts inside the input."""
+    if size + 2 * pad < kernel:
+        raise ShapeError(f"kernel {kernel} is larger than the padded input {size}+2*{pad}")
+    span = size + 2 * pad - kernel
+    out = (-(-span // stride) if ceil_mode else span // stride) + 1
+    if pad and (out - 1) * stride >= size + pad:
+        out -= 1
+    return out
+
+
+@shape_function("Pooling")
+def _pooling(lp, bottoms, ctx):
+    shape, param = bottoms[0], lp.pooling_param
+    if len(shape) != 4:
+        raise ShapeError(f"Pooling needs a 4-axis input, got {fmt(shape)}")
+    kernel, pad, stride = pool_geometry(param, shape[2], shape[3])
+    out = [pooled_size(shape[2 + i], kernel[i], pad[i], stride[i], param.ceil_mode) for i in range(2)]
+    tops = [shape[:2] + tuple(out)] * max(len(lp.top), 1)
+    return tops, []
+
+
+def _loss(lp, bottoms, ctx):
+    return [()] + [bottoms[0]] * (len(lp.top) - 1), []
+
+
+@shape_function("SoftmaxWithLoss")
+def _softmax_loss(lp, bottoms, ctx):
+    shape = bottoms[0]
+    axis = canonical_axis(lp.softmax_param.axis, len(shape))
+    if len(bottoms) < 2 or count(shape[:axis]) * count(shape, axis + 1) != count(bottoms[1]):
+        raise ShapeError(f"SoftmaxWithLoss needs one label per prediction: predictions {fmt(shape)}, "
+                         f"labels {fmt(bottoms[1]) if len(bottoms) > 1 else 'missing'}")
+    return _loss(lp, bottoms, ctx)
+
+
+@shape_function("SigmoidCrossEntropyLoss", "EuclideanLoss")
+def _pairwise_loss(lp, bottoms, ctx):
+    if len(bottoms) != 2 or count(bottoms[0]) != count(bottoms[1]):
+        raise ShapeError(f"{lp.type} needs two inputs of the same size, got "
+                         f"{', '.join(fmt(s) for s in bottoms)}")
+    return _loss(lp, bottoms, ctx)
+
+
+@shape_function("Accuracy")
+def _accuracy(lp, bottoms, ctx):
+    shape = bottoms[0]
+    axis = canonical_axis(lp.accuracy_param.axis, len(shape))
+    if lp.accuracy_param.top_k > shape[axis]:
+        raise ShapeError(f"top_k {lp.accuracy_param.top_k} exceeds the {shape[axis]} classes")
+    if len(bottoms) < 2 or count(shape[:axis]) * count(shape, axis + 1) != count(bottoms[1]):
+        raise ShapeError("Accuracy needs one label per prediction")
+    return [()] + [(shape[axis],)] * (len(lp.top) - 1), []
+
+
+@shape_function("ArgMax")
+def _argmax(lp, bottoms, ctx):
+    shape, param = bottoms[0], lp.argmax_param
+    if param.HasField("axis"):
+        axis = canonical_axis(param.axis, len(shape))
+        if param.top_k > shape[axis]:
+            raise ShapeError(f"top_k {param.top_k} exceeds axis {axis} of size {shape[axis]}")
+        top = list(shape)
+        top[axis] = param.top_k
+    else:
+        if param.top_k > count(shape, 1):
+            raise ShapeError(f"top_k {param.top_k} exceeds the {count(shape, 1)} values per item")
+        top = [1] * max(len(shape), 3)
+        top[0], top[2] = shape[0], param.top_k
+        top[1] = 2 if param.out_max_val else 1
+    return [tuple(top)], []
+
+
+# Data layers: their shapes come from the prototxt or from the data itself.
+
+@shape_function("Input")
+def _input(lp, bottoms, ctx):
+    shapes = [tuple(s.dim) for s in lp.input_param.shape]
+    if len(shapes) not in (1, len(lp.top)):
+        raise ShapeError("Input needs one shape, or one per top")
+    return (shapes * len(lp.top) if len(shapes) == 1 else shapes), []
+
+
+@shape_function("DummyData")
+def _dummy(lp, bottoms, ctx):
+    param = lp.dummy_data_param
+    if param.shape:
+        shapes = [tuple(s.dim) for s in param.shape]
+    else:
+        fields = [list(param.num), list(param.channels), list(param.height), list(param.width)]
+        n = max(len(f) for f in fields)
+        if n == 0 or any(len(f) not in (1, n) for f in fields):
+            raise ShapeError("DummyData needs shape, or num/channels/height/width given 1 or N times")
+        shapes = [tuple(f[i] if len(f) > 1 else f[0] for f in fields) for i in range(n)]
+    if len(shapes) not in (1, len(lp.top)):
+        raise ShapeError("DummyData needs one shape, or one per top")
+    return (shapes * len(lp.top) if len(shapes) == 1 else shapes), []
+
+
+@shape_function("MemoryData")
+def _memory(lp, bottoms, ctx):
+    p = lp.memory_data_param
+    return [(p.batch_size, p.channels, p.height, p.width), (p.batch_size,)][:len(lp.top)], []
+
+
+def crop_shape(transform, shape):
+    """(C, H, W) after transform_param's crop."""
+    c, h, w = shape
+    crop_h = transform.crop_h or transform.crop_size
+    crop_w = transform.crop_w or transform.crop_size
+    if crop_h and crop_w:
+        if crop_h > h or crop_w > w:
+            raise ShapeError(f"crop {crop_h}x{crop_w} is larger than the {h}x{w} images")
+        return c, crop_h, crop_w
+    return c, h, w
+
+
+@shape_function("Data")
+def _data(lp, bottoms, ctx):
+    if not lp.data_param.batch_size:
+        raise ShapeError("Data needs data_param.batch_size")
+    if len(lp.top) not in (1, 2):
+        raise ShapeError("Data has one or two tops (data, label)")
+    source_shape = ctx.data_shape(lp)
+    batch = ctx.batch_size or lp.data_param.batch_size
+    if source_shape is None:
+        return [None, (batch,)][:len(lp.top)], []
+    return [(batch,) + crop_shape(lp.transform_param, source_shape), (batch,)][:len(lp.top)], []
+
+
+# ---------------------------------------------------------------------------
+# Phases and the DAG
+
+def state_meets_rule(state, rule):
+    """Caffe's Net::StateMeetsRule."""
+    if rule.HasField("phase") and rule.phase != state.phase:
+        return False
+    if rule.HasField("min_level") and state.level < rule.min_level:
+        return False
+    if rule.HasField("max_level") and state.level > rule.max_level:
+        return False
+    stages = set(state.stage)
+    return all(s in stages for s in rule.stage) and not any(s in stages for s in rule.not_stage)
+
+
+def layer_included(layer, state):
+    if layer.include:
+        return any(state_meets_rule(state, rule) for rule in layer.include)
+    return not any(state_meets_rule(state, rule) for rule in layer.exclude)
+
+
+def make_state(net_param, phase=None, stages=None, level=None):
+    state = pb.NetState()
+    state.CopyFrom(net_param.state)
+    if phase is not None:
+        state.phase = phase
+    if stages is not None:
+        del state.stage[:]
+        state.stage.extend(stages)
+    if level is not None:
+        state.level = level
+    return state
+
+
+def upgrade_inputs(net_param):
+    """Caffe's deprecated `input:`/`input_shape:`/`input_dim:` as an Input layer named 'input'."""
+    if not net_param.input:
+        return None
+    layer = pb.LayerParameter(name="input", type="Input", top=list(net_param.input))
+    if net_param.input_shape:
+        for shape in net_param.input_shape:
+            layer.input_param.shape.add().CopyFrom(shape)
+    elif net_param.input_dim:
+        dims = list(net_param.input_dim)
+        if len(dims) != 4 * len(net_param.input):
+            raise ShapeError("input_dim needs 4 values per input")
+        for i in range(len(net_param.input)):
+            layer.input_param.shape.add().dim.extend(dims[4 * i:4 * i + 4])
+    else:
+        raise ShapeError("input blobs need input_shape or input_dim")
+    return layer
+
+
+@dataclass
+class Layer:
+    """One layer of the net in this phase, with its shapes."""
+
+    name: str
+    type: str
+    bottoms: list
+    tops: list
+    param: object  # the LayerParameter
+    index: object  # its position in NetParameter.layer (None when synthesized)
+    bottom_shapes: list = field(default_factory=list)
+    top_shapes: list = field(default_factory=list)
+    param_shapes: list = field(default_factory=list)
+    loss_weights: list = field(default_factory=list)
+
+    def param_spec(self, i):
+        """lr_mult, decay_mult and share name of parameter blob i (Caffe's defaults when unset)."""
+        spec = self.param.param[i] if i < len(self.param.param) else pb.ParamSpec()
+        lr, decay = spec.lr_mult, spec.decay_mult
+        if self.type == "BatchNorm":
+            lr, decay = 0.0, 0.0  # Caffe keeps BatchNorm's statistics out of the solver.
+        return lr, decay, spec.name
+
+    @property
+    def in_place(self):
+        return bool(self.tops) and self.tops[0] in self.bottoms[:1]
+
+
+@dataclass
+class Param:
+    """A learnable blob: its owner layer, index in that layer and Caffe's solver multipliers."""
+
+    layer: str
+    index: int
+    shape: tuple
+    lr_mult: float
+    decay_mult: float
+    sharers: list = field(default_factory=list)  # (layer, index) pairs that reuse it
+
+    @property
+    def size(self):
+        return count(self.shape) if self.shape is not None else None
+
+
+class BuildContext:
+    """What shape inference needs from outside the prototxt: the data shapes and a batch size."""
+
+    def __init__(self, data_shape=None, batch_size=None):
+        self._data_shape = data_shape
+        self.batch_size = batch_size
+        self.warnings = []
+
+    def data_shape(self, layer_param):
+        if self._data_shape is None:
+            return None
+        shape = self._data_shape(layer_param)
+        if isinstance(shape, str):
+            self.warnings.append(shape)
+            return None
+        return tuple(shape) if shape is not None else None
+
+
+class Graph:
+    """The net of one phase: layers in order, blob shapes, learnable parameters."""
+
+    def __init__(self, net_param, phase=pb.TRAIN, stages=None, level=None, source=None,
+                 data_shape=None, batch_size=None):
+        self.net_param = net_param
+        self.source = source or SourceMap("<net>")
+        self.state = make_state(net_param, phase, stages, level)
+        self.phase = self.state.phase
+        self.context = BuildContext(data_shape, batch_size)
+        self.layers = []
+        self.blobs = {}  # name -> shape (the latest version of in-place blobs)
+        self.producers = {}  # name -> layer name
+        self.consumers = {}  # name -> [layer names]
+        self.params = []
+        self._build()
+
+    @property
+    def name(self):
+        return self.net_param.name
+
+    @property
+    def warnings(self):
+        return self.context.warnings
+
+    def _error(self, message, index, field=None):
+        return self.source.error(message, index, field)
+
+    def _build(self):
+        for i, lp in enumerate(self.net_param.layer):
+            if lp.type not in SHAPES:
+                raise self._error(f"layer '{lp.name}': unknown layer type '{lp.type}'; supported types: "
+                                  f"{', '.join(supported_types())}", i, "type")
+            if lp.include and lp.exclude:
+                raise self._error(f"layer '{lp.name}': give include rules or exclude rules, not both", i)
+        try:
+            upgraded = upgrade_inputs(self.net_param)
+        except ShapeError as error:
+            raise self._error(str(error), None) from None
+        entries = [(None, upgraded)] if upgraded else []
+        entries += [(i, lp) for i, lp in enumerate(self.net_param.layer) if layer_included(lp, self.state)]
+        names = set()
+        for index, lp in entries:
+            if lp.name in names:
+                raise self._error(f"layer name '{lp.name}' is used twice in this phase", index, "name")
+            names.add(lp.name)
+            self._add(index, lp)
+        self._collect_params()
+
+    def _add(self, index, lp):
+        layer = Layer(lp.name, lp.type, list(lp.bottom), list(lp.top), lp, index)
+        for b, bottom in enumerate(layer.bottoms):
+            if bottom not in self.blobs:
+                raise self._error(f"layer '{lp.name}': bottom '{bottom}' is not produced by any earlier layer "
+                                  f"in phase {pb.Phase.Name(self.phase)}", index, "bottom")
+            layer.bottom_shapes.append(self.blobs[bottom])
+            self.consumers.setdefault(bottom, []).append(lp.name)
+        for t, top in enumerate(layer.tops):
+            in_place = t < len(layer.bottoms) and layer.bottoms[t] == top
+            if top in self.blobs and not in_place:
+                raise self._error(f"layer '{lp.name}': top '{top}' is already produced by layer "
+                                  f"'{self.producers[top]}' (only in-place use may reuse a blob name)",
+                                  index, "top")
+        if lp.type not in DATA_TYPES and not layer.bottoms:
+            raise self._error(f"layer '{lp.name}' ({lp.type}) needs a bottom", index)
+        if any(shape is None for shape in layer.bottom_shapes):
+            tops, params = [None] * len(layer.tops), [None] * _param_count_unknown(lp)
+        else:
+            try:
+                tops, params = SHAPES[lp.type](lp, [tuple(s) for s in layer.bottom_shapes], self.context)
+            except ShapeError as error:
+                raise self._error(f"layer '{lp.name}' ({lp.type}): {error}", index) from None
+        if len(tops) < len(layer.tops):
+            raise self._error(f"layer '{lp.name}' ({lp.type}) has {len(layer.tops)} tops; it makes "
+                              f"{len(tops)}", index, "top")
+        layer.top_shapes = [tuple(s) if s is not None else None for s in tops[:len(layer.tops)]]
+        layer.param_shapes = [tuple(s) if s is not None else None for s in params]
+        if lp.loss_weight:
+            if len(lp.loss_weight) != len(layer.tops):
+                raise self._error(f"layer '{lp.name}': loss_weight must be given once per top, or not at all",
+                                  index, "loss_weight")
+            layer.loss_weights = list(lp.loss_weight)
+        else:
+            default = 1.0 if lp.type in LOSS_TYPES else 0.0
+            layer.loss_weights = [default] + [0.0] * (len(layer.tops) - 1) if layer.tops else []
+        for top, shape in zip(layer.tops, layer.top_shapes):
+            self.blobs[top] = shape
+            self.producers[top] = lp.name
+        self.layers.append(layer)
+
+    def _collect_params(self):
+        shared = {}
+        for layer in self.layers:
+            for i, shape in enumerate(layer.param_shapes):
+                lr, decay, name = layer.param_spec(i)
+                if name and name in shared:
+                    owner = shared[name]
+                    if owner.shape is not None and shape is not None and count(owner.shape) != count(shape):
+                        raise self._error(f"layer '{layer.name}': shared parameter '{name}' has shape "
+                                          f"{fmt(shape)}, its owner '{owner.layer}' has {fmt(owner.shape)}",
+                                          layer.index, "param")
+                    owner.sharers.append((layer.name, i))
+                    continue
+                param = Param(layer.name, i, shape, lr, decay)
+                if name:
+                    shared[name] = param
+                self.params.append(param)
+
+    # -- questions the backends and the CLI ask -------------------------------
+
+    def layer(self, name):
+        return next(layer for layer in self.layers if layer.name == name)
+
+    @property
+    def inputs(self):
+        """Tops of data layers, in order."""
+        return [top for layer in self.layers if layer.type in DATA_TYPES for top in layer.tops]
+
+    @property
+    def outputs(self):
+        """Blobs no later layer reads or rewrites (Caffe's net outputs)."""
+        result = []
+        for i, layer in enumerate(self.layers):
+            later = self.layers[i + 1:]
+            for top in layer.tops:
+                if top not in result and not any(top in l.bottoms or top in l.tops for l in later):
+                    result.append(top)
+        return result
+
+    @property
+    def param_count(self):
+        """Learnable values, shared blobs counted once; None when a shape is unknown."""
+        sizes = [p.size for p in self.params]
+        return None if None in sizes else sum(sizes)
+
+    @property
+    def known_param_count(self):
+        return sum(p.size for p in self.params if p.size is not None)
+
+    @property
+    def param_shapes(self):
+        return [p.shape for p in self.params]
+
+    def split_blobs(self):
+        """Blobs consumed by more than one layer: where Caffe inserts its implicit Split layers."""
+        return {blob: layers for blob, layers in self.consumers.items() if len(layers) > 1}
+
+    def describe(self):
+        """`describe` rows: name, type, top shapes, parameter shapes; then the totals line."""
+        rows = [("name", "type", "tops", "parameters")]
+        for layer in self.layers:
+            tops = ", ".join(f"{t} {fmt(s)}" for t, s in zip(layer.tops, layer.top_shapes)) or "-"
+            params = ", ".join(fmt(s) for s in layer.param_shapes) or "-"
+            rows.append((layer.name, layer.type, tops, params))
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3]
+                 for row in rows]
+        total = self.param_count
+        if total is None:
+            lines.append(f"total parameters: {self.known_param_count} (known so far; some shapes are unknown)")
+        else:
+            lines.append(f"total parameters: {total}")
+        return "\n".join(line.rstrip() for line in lines)
+
+
+def _param_count_unknown(lp):
+    """How many parameter blobs a layer has when its input shape is unknown."""
+    kind = lp.type
+    if kind in ("Convolution", "Deconvolution"):
+        return 1 + lp.convolution_param.bias_term
+    if kind == "InnerProduct":
+        return 1 + lp.inner_product_param.bias_term
+    if kind == "BatchNorm":
+        return 3
+    if kind == "PReLU":
+        return 1
+    if kind == "Scale":
+        return (len(lp.bottom) == 1) + lp.scale_param.bias_term
+    if kind == "Bias":
+        return int(len(lp.bottom) == 1)
+    return 0
