@@ -1,0 +1,393 @@
+"""ExchangeClient: a worker's persistent connection to the exchange server, blocking or overlapped with computation."""
+
+import logging
+import math
+import socket
+import threading
+import time
+
+import numpy as np
+
+from .. import rules
+from . import protocol as P
+from .transport import PeerClosed, byte_view, recv_exact, recv_header, send_frame, tune
+
+log = logging.getLogger("deepspark.exchange.client")
+
+DEFAULT_CHUNK = 1 << 16
+APPLIED = "applied"  # the elastic difference was applied
+RESET = "reset"      # parameters were replaced by the center (non-finite refusal or rejoin)
+
+
+class NonFiniteError(P.RefusedError):
+    """The server refused parameters holding NaN or Inf."""
+
+
+class ExchangeClient:
+    """One worker's side of the exchange.
+
+    address      (host, port) of the ExchangeServer
+    secret       the per-job secret
+    worker_id    this worker's id (uint32)
+    shapes       blob shapes for the model fingerprint (default: one flat blob of the params' size)
+    timeout      seconds to wait on the server before treating the connection as lost
+    retries      connection attempts (with exponential back-off from `backoff` to `max_backoff`)
+    on_nonfinite "reset": replace the parameters with the center; "raise": NonFiniteError
+    """
+
+    def __init__(self, address, secret, worker_id, *, shapes=None, timeout=120.0,
+                 connect_timeout=10.0, retries=8, backoff=0.05, max_backoff=2.0,
+                 on_nonfinite="reset", chunk=DEFAULT_CHUNK):
+        if on_nonfinite not in ("reset", "raise"):
+            raise ValueError("on_nonfinite must be 'reset' or 'raise'")
+        self.address = (address[0], int(address[1]))
+        self._secret = P.as_secret(secret)
+        self.worker_id = int(worker_id)
+        if not 0 <= self.worker_id < 2 ** 32:
+            raise ValueError("worker_id must fit in 32 bits")
+        self._shapes = None if shapes is None else P.normalize_shapes(shapes)
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.on_nonfinite = on_nonfinite
+        self._chunk = int(chunk)
+        self._sock = None
+        self._buf = None
+        self._send_header = bytearray(P.HEADER_SIZE)
+        self._recv_header = memoryview(bytearray(P.HEADER_SIZE))
+        self._error_buf = memoryview(bytearray(P.MAX_ERROR_BYTES))
+        self._closed = False
+        # overlapped mode
+        self._cond = threading.Condition()
+        self._thread = None
+        self._job = None          # (iteration, loss) waiting for the background thread
+        self._pending = False     # an exchange was started and not yet applied
+        self._result = None       # APPLIED / RESET / an exception, set by the background thread
+        # counters
+        self.exchanges = 0
+        self.resets = 0
+        self.reconnects = 0
+        self.blocked_seconds = 0.0
+        self.server_iteration = 0
+
+    # ---- connection -----------------------------------------------------
+
+    @property
+    def size(self):
+        return None if self._buf is None else self._buf.size
+
+    def connect(self, size=None):
+        """Connect and authenticate (with retries); `size` or shapes fix the parameter count."""
+        if self._buf is None:
+            if self._shapes is None:
+                if size is None:
+                    raise ValueError("the first connect needs the parameter count (or pass shapes=)")
+                self._shapes = P.normalize_shapes(None, size)
+            n = P.shapes_size(self._shapes)
+            if size is not None and size != n:
+                raise ValueError("params hold %d values, shapes %d" % (size, n))
+            self._buf = np.empty(n, dtype=np.float32)
+            self._fingerprint = P.fingerprint(self._shapes)
+        delay = self.backoff
+        for attempt in range(1, self.retries + 1):
+            try:
+                self._open()
+                return self
+            except P.RefusedError:
+                raise  # wrong secret or model: retrying cannot help
+            except OSError as e:
+                self._drop()
+                if attempt == self.retries or self._closed:
+                    raise ConnectionError("could not reach the exchange server at %s:%d after %d attempts: %s"
+                                          % (self.address + (attempt, e))) from e
+                log.info("worker %d: connecting to %s:%d failed (%s); retrying in %.2fs",
+                         self.worker_id, *self.address, e, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, self.max_backoff)
+
+    def _open(self):
+        sock = socket.create_connection(self.address, timeout=self.connect_timeout)
+        self._sock = sock
+        tune(sock)
+        wid = self.worker_id
+        nonce = P.new_nonce()
+        send_frame(sock, P.encode_header(P.HELLO, wid, length=len(nonce)), nonce)
+        h = self._read_header(None)
+        if h.type != P.CHALLENGE:
+            raise P.ProtocolError("expected CHALLENGE, got %s" % P.TYPE_NAMES[h.type])
+        reply = bytearray(h.length)
+        recv_exact(sock, memoryview(reply))
+        server_nonce, proof = bytes(reply[:P.NONCE_SIZE]), bytes(reply[P.NONCE_SIZE:])
+        if not P.proofs_match(proof, P.server_proof(self._secret, nonce, server_nonce, wid)):
+            raise P.RefusedError(P.E_AUTH, "the server at %s:%d does not hold this job's secret" % self.address)
+        mine = P.client_proof(self._secret, nonce, server_nonce, wid, self._fingerprint)
+        payload = mine + self._fingerprint
+        send_frame(sock, P.encode_header(P.AUTH, wid, length=len(payload)), payload)
+        h = self._read_header(None)
+        if h.type != P.WELCOME:
+            raise P.ProtocolError("expected WELCOME, got %s" % P.TYPE_NAMES[h.type])
+        self.server_iteration = h.iteration
+        sock.settimeout(self.timeout)
+
+    def _read_header(self, model_bytes):
+        """Next header; an ERROR frame becomes RefusedError (NonFiniteError for non-finite)."""
+        h = recv_header(self._sock, self._recv_header, model_bytes)
+        if h.type == P.ERROR:
+            view = self._error_buf[:h.length]
+            recv_exact(self._sock, view)
+            cls = NonFiniteError if h.flags == P.E_NONFINITE else P.RefusedError
+            raise cls(h.flags, P.decode_error(view))
+        return h
+
+    def _drop(self):
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    def _ensure(self, size):
+        if self._buf is not None and size != self._buf.size:
+            raise ValueError("params hold %d values, this client exchanges %d" % (size, self._buf.size))
+        if self._sock is None:
+            self.connect(size)
+
+    # ---- one round trip, with rejoin on a lost connection ------------------
+
+    def _round_trip(self, send_from, apply_to, iteration, loss):
+        """Send x from `send_from`; apply d to `apply_to`, or leave d in the buffer when None.
+
+        Returns APPLIED or RESET. After a lost connection the worker rejoins and resumes
+        from x̃ (written where d would have been applied), rather than guessing whether
+        the server applied the interrupted update.
+        """
+        try:
+            return self._exchange_once(send_from, apply_to, iteration, loss)
+        except NonFiniteError:
+            if self.on_nonfinite == "raise":
+                raise
+            log.warning("worker %d: server refused non-finite parameters; resetting from the center",
+                        self.worker_id)
+            self._pull_into(self._buf if apply_to is None else apply_to)
+            self.resets += 1
+            return RESET
+        except P.RefusedError:
+            raise
+        except (OSError, P.ProtocolError) as e:
+            if self._closed:
+                raise
+            log.warning("worker %d: exchange connection lost (%s); rejoining", self.worker_id, e)
+            self._drop()
+            self.connect()
+            self.reconnects += 1
+            self._pull_into(self._buf if apply_to is None else apply_to)
+            self.resets += 1
+            return RESET
+
+    def _exchange_once(self, send_from, apply_to, iteration, loss):
+        sock = self._sock
+        buf, view = self._buf, byte_view(self._buf)
+        n = buf.size
+        P.pack_header_into(self._send_header, P.EXCHANGE, self.worker_id, iteration, 4 * n, loss)
+        send_frame(sock, self._send_header, byte_view(send_from))
+        h = self._read_header(4 * n)
+        if h.type != P.DIFF:
+            raise P.ProtocolError("expected DIFF, got %s" % P.TYPE_NAMES[h.type])
+        self.server_iteration = h.iteration
+        if apply_to is None:
+            recv_exact(sock, view)
+        else:
+            # x −= d slice by slice while the rest of d is still arriving.
+            got, done, chunk = 0, 0, self._chunk
+            while done < n:
+                k = sock.recv_into(view[got:])
+                if not k:
+                    raise PeerClosed("server closed the connection after %d of %d bytes" % (got, 4 * n))
+                got += k
+                ready = got >> 2
+                if got < 4 * n:
+                    ready -= ready % chunk
+                if ready > done:
+                    rules.apply_to_worker(apply_to[done:ready], buf[done:ready])
+                    done = ready
+        self.exchanges += 1
+        return APPLIED
+
+    def _pull_into(self, out):
+        P.pack_header_into(self._send_header, P.PULL, self.worker_id)
+        send_frame(self._sock, self._send_header)
+        h = self._read_header(4 * out.size)
+        if h.type != P.CENTER:
+            raise P.ProtocolError("expected CENTER, got %s" % P.TYPE_NAMES[h.type])
+        recv_exact(self._sock, byte_view(out))
+        self.server_iteration = h.iteration
+        return out
+
+    # ---- blocking API -----------------------------------------------------
+
+    def exchange(self, params, iteration=0, loss=math.nan):
+        """One elastic exchange, in place on `params` (flat contiguous float32).
+
+        Returns "applied", or "reset" when `params` were replaced by the center.
+        """
+        params = _check_params(params)
+        t0 = time.perf_counter()
+        if self._pending:
+            self.wait(params)
+        self._ensure(params.size)
+        try:
+            return self._round_trip(params, params, iteration, loss)
+        finally:
+            self.blocked_seconds += time.perf_counter() - t0
+
+    def pull(self, out=None):
+        """A copy of the center x̃ (a rejoining worker starts from it)."""
+        if self._pending:
+            raise RuntimeError("an overlapped exchange is in flight; call wait(params) first")
+        if out is None:
+            if self._buf is None and self._shapes is None:
+                raise ValueError("pull before the first exchange needs out= or shapes=")
+            out = np.empty(self._buf.size if self._buf is not None else P.shapes_size(self._shapes),
+                           dtype=np.float32)
+        out = _check_params(out)
+        self._ensure(out.size)
+        try:
+            return self._pull_into(out)
+        except P.RefusedError:
+            raise
+        except (OSError, P.ProtocolError):
+            self._drop()
+            self.connect()
+            self.reconnects += 1
+            return self._pull_into(out)
+
+    def report(self, iteration, loss=math.nan):
+        """Tell the server the worker's iteration and loss (for the driver's progress display)."""
+        if self._pending or self._sock is None:
+            return  # progress is best-effort; never block training for it
+        P.pack_header_into(self._send_header, P.REPORT, self.worker_id, iteration, 0, loss)
+        try:
+            send_frame(self._sock, self._send_header)
+        except OSError:
+            self._drop()
+
+    # ---- overlapped API -----------------------------------------------------
+
+    @property
+    def pending(self):
+        return self._pending
+
+    def exchange_async(self, params, iteration=0, loss=math.nan):
+        """Start exchanging a snapshot of `params` and return at once.
+
+        The difference comes back while the caller keeps computing; `poll(params)`
+        applies it when it has arrived (taken against the snapshot sent, applied
+        to the current params). A previous exchange still in flight is waited for first.
+        """
+        params = _check_params(params)
+        t0 = time.perf_counter()
+        if self._pending:
+            self._wait_apply(params)
+        self._ensure(params.size)
+        np.copyto(self._buf, params)  # the snapshot; d later arrives in the same buffer
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._background, daemon=True,
+                                                name="exchange-worker-%d" % self.worker_id)
+                self._thread.start()
+            self._job = (iteration, loss)
+            self._pending = True
+            self._result = None
+            self._cond.notify_all()
+        self.blocked_seconds += time.perf_counter() - t0
+
+    def poll(self, params):
+        """Apply the in-flight exchange's result to `params` if it has arrived; True when applied."""
+        if not self._pending or self._result is None:
+            return False
+        t0 = time.perf_counter()
+        self._apply(_check_params(params))
+        self.blocked_seconds += time.perf_counter() - t0
+        return True
+
+    def wait(self, params):
+        """Block until the in-flight exchange is back and apply it; False when nothing was in flight."""
+        if not self._pending:
+            return False
+        t0 = time.perf_counter()
+        self._wait_apply(_check_params(params))
+        self.blocked_seconds += time.perf_counter() - t0
+        return True
+
+    def _wait_apply(self, params):
+        with self._cond:
+            while self._result is None:
+                self._cond.wait()
+        self._apply(params)
+
+    def _apply(self, params):
+        result = self._result
+        self._pending = False
+        self._result = None
+        if isinstance(result, BaseException):
+            raise result
+        if result == APPLIED:
+            rules.apply_to_worker(params, self._buf)
+        else:
+            np.copyto(params, self._buf)
+
+    def _background(self):
+        while True:
+            with self._cond:
+                while self._job is None and not self._closed:
+                    self._cond.wait()
+                if self._job is None:
+                    return
+                iteration, loss = self._job
+                self._job = None
+            try:
+                result = self._round_trip(self._buf, None, iteration, loss)
+            except BaseException as e:  # handed to the training thread
+                result = e
+            with self._cond:
+                self._result = result
+                self._cond.notify_all()
+
+    # ---- teardown -------------------------------------------------------------
+
+    def close(self):
+        if self._closed:
+            return
+        if self._pending:
+            with self._cond:
+                while self._result is None:
+                    self._cond.wait()
+            self._pending = False
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._sock is not None:
+            try:
+                P.pack_header_into(self._send_header, P.BYE, self.worker_id)
+                send_frame(self._sock, self._send_header)
+            except OSError:
+                pass
+            self._drop()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _check_params(params):
+    if not isinstance(params, np.ndarray) or params.dtype != np.float32 \
+            or not params.flags.c_contiguous or not params.flags.writeable:
+        raise TypeError("params must be a writable C-contiguous float32 numpy array "
+                        "(the exchange works in place on it)")
+    return params.reshape(-1)

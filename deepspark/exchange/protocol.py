@@ -1,0 +1,219 @@
+"""Wire format of the ParameterExchanger: frame header, message types, handshake proofs and validation (no sockets)."""
+
+import hashlib
+import hmac
+import math
+import secrets
+import struct
+from collections import namedtuple
+
+MAGIC = b"DSPX"
+VERSION = 1
+
+# magic, version, type, flags, worker id, iteration, payload length (bytes), value.
+# `value` carries the loss on EXCHANGE and REPORT so progress needs no extra frame;
+# `flags` carries the error code on ERROR.
+HEADER = struct.Struct("<4sBBHIqQd")
+HEADER_SIZE = HEADER.size
+
+# Message types.
+HELLO = 1        # client -> server: client nonce
+CHALLENGE = 2    # server -> client: server nonce + server's proof
+AUTH = 3         # client -> server: client's proof + model fingerprint
+WELCOME = 4      # server -> client: accepted
+EXCHANGE = 5     # client -> server: parameters x (float32)
+DIFF = 6         # server -> client: elastic difference d (float32)
+PULL = 7         # client -> server: ask for the center
+CENTER = 8       # server -> client: the center x~ (float32)
+REPORT = 9       # client -> server: iteration and loss, no reply
+ERROR = 10       # either way: UTF-8 reason, code in flags
+BYE = 11         # client -> server: closing, no reply
+
+TYPE_NAMES = {
+    HELLO: "HELLO", CHALLENGE: "CHALLENGE", AUTH: "AUTH", WELCOME: "WELCOME",
+    EXCHANGE: "EXCHANGE", DIFF: "DIFF", PULL: "PULL", CENTER: "CENTER",
+    REPORT: "REPORT", ERROR: "ERROR", BYE: "BYE",
+}
+
+# Error codes (ERROR frame flags).
+E_PROTOCOL = 1
+E_AUTH = 2
+E_FINGERPRINT = 3
+E_NONFINITE = 4
+E_TIMEOUT = 5
+E_SHUTDOWN = 6
+ERROR_NAMES = {
+    E_PROTOCOL: "protocol", E_AUTH: "authentication", E_FINGERPRINT: "fingerprint",
+    E_NONFINITE: "non-finite", E_TIMEOUT: "timeout", E_SHUTDOWN: "shutdown",
+}
+
+NONCE_SIZE = 32
+PROOF_SIZE = 32  # HMAC-SHA256
+MAX_ERROR_BYTES = 1024
+MAX_FINGERPRINT_BYTES = 64 * 1024
+MAX_DIMS = 32
+
+# Payload lengths the small (non-model) frames may have: (minimum, maximum).
+_SMALL_LIMITS = {
+    HELLO: (NONCE_SIZE, NONCE_SIZE),
+    CHALLENGE: (NONCE_SIZE + PROOF_SIZE, NONCE_SIZE + PROOF_SIZE),
+    AUTH: (PROOF_SIZE, PROOF_SIZE + MAX_FINGERPRINT_BYTES),
+    WELCOME: (0, 0),
+    PULL: (0, 0),
+    REPORT: (0, 0),
+    ERROR: (0, MAX_ERROR_BYTES),
+    BYE: (0, 0),
+}
+MAX_SMALL_PAYLOAD = max(hi for _, hi in _SMALL_LIMITS.values())
+_MODEL_TYPES = (EXCHANGE, DIFF, CENTER)
+
+Header = namedtuple("Header", "type flags worker_id iteration length value")
+
+
+class ProtocolError(Exception):
+    """A frame that breaks the protocol; the connection cannot go on."""
+
+    code = E_PROTOCOL
+
+
+class RefusedError(Exception):
+    """The peer sent an ERROR frame; `code` says why (see ERROR_NAMES)."""
+
+    def __init__(self, code, reason):
+        super().__init__("exchange refused (%s): %s" % (ERROR_NAMES.get(code, code), reason))
+        self.code = code
+        self.reason = reason
+
+
+def encode_header(type_, worker_id=0, iteration=0, length=0, value=math.nan, flags=0):
+    return HEADER.pack(MAGIC, VERSION, type_, flags, worker_id, iteration, length, value)
+
+
+def pack_header_into(buf, type_, worker_id=0, iteration=0, length=0, value=math.nan, flags=0):
+    """Write a header into a preallocated buffer (the hot path allocates nothing)."""
+    HEADER.pack_into(buf, 0, MAGIC, VERSION, type_, flags, worker_id, iteration, length, value)
+
+
+def decode_header(buf, model_bytes=None):
+    """Parse and validate a header; raise ProtocolError on anything unexpected.
+
+    `model_bytes` is the exact payload length of a model-sized frame (4 × the
+    parameter count); before the handshake it is None and model frames are refused.
+    A length is checked before anything is read or allocated after the header.
+    """
+    if len(buf) != HEADER_SIZE:
+        raise ProtocolError("truncated header: %d of %d bytes" % (len(buf), HEADER_SIZE))
+    magic, version, type_, flags, worker_id, iteration, length, value = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError("bad magic %r (not a DeepSpark exchange peer)" % bytes(magic))
+    if version != VERSION:
+        raise ProtocolError("protocol version %d, expected %d" % (version, VERSION))
+    if type_ in _MODEL_TYPES:
+        if model_bytes is None:
+            raise ProtocolError("%s before the handshake completed" % TYPE_NAMES[type_])
+        if length != model_bytes:
+            raise ProtocolError("%s payload of %d bytes, the model needs exactly %d"
+                                % (TYPE_NAMES[type_], length, model_bytes))
+    elif type_ in _SMALL_LIMITS:
+        lo, hi = _SMALL_LIMITS[type_]
+        if not lo <= length <= hi:
+            raise ProtocolError("%s payload of %d bytes, allowed %d..%d"
+                                % (TYPE_NAMES[type_], length, lo, hi))
+    else:
+        raise ProtocolError("unknown message type %d" % type_)
+    return Header(type_, flags, worker_id, iteration, length, value)
+
+
+def encode_error(code, reason, worker_id=0):
+    """A whole ERROR frame; the reason is cut to MAX_ERROR_BYTES on a character boundary."""
+    data = reason.encode("utf-8")[:MAX_ERROR_BYTES].decode("utf-8", "ignore").encode("utf-8")
+    return encode_header(ERROR, worker_id, length=len(data), flags=code) + data
+
+
+def decode_error(payload):
+    return bytes(payload).decode("utf-8", "replace")
+
+
+# ---- handshake -------------------------------------------------------------
+
+def as_secret(secret):
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8")
+    if not isinstance(secret, (bytes, bytearray)) or not secret:
+        raise ValueError("the job secret must be a non-empty str or bytes")
+    return bytes(secret)
+
+
+def new_nonce():
+    return secrets.token_bytes(NONCE_SIZE)
+
+
+def server_proof(secret, client_nonce, server_nonce, worker_id):
+    msg = b"DSPX-server" + client_nonce + server_nonce + struct.pack("<I", worker_id)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def client_proof(secret, client_nonce, server_nonce, worker_id, fingerprint_bytes):
+    # The fingerprint is bound into the proof so nobody in between can swap it.
+    msg = (b"DSPX-client" + server_nonce + client_nonce + struct.pack("<I", worker_id)
+           + fingerprint_bytes)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def proofs_match(a, b):
+    return hmac.compare_digest(bytes(a), bytes(b))
+
+
+# ---- model fingerprint -----------------------------------------------------
+
+def normalize_shapes(shapes, size=None):
+    """Blob shapes as a tuple of int tuples; a flat vector of `size` when shapes is None."""
+    if shapes is None:
+        if size is None:
+            raise ValueError("need blob shapes or a parameter count")
+        return ((int(size),),)
+    out = tuple(tuple(int(d) for d in s) for s in shapes)
+    if any(d < 0 for s in out for d in s) or any(len(s) > MAX_DIMS for s in out):
+        raise ValueError("bad blob shapes %r" % (shapes,))
+    return out
+
+
+def shapes_size(shapes):
+    return sum(math.prod(s) for s in shapes)
+
+
+def fingerprint(shapes):
+    """Parameter count and blob shapes as bytes: <Q count> <I blobs> then <I ndim> <Q dims>…"""
+    parts = [struct.pack("<QI", shapes_size(shapes), len(shapes))]
+    for s in shapes:
+        parts.append(struct.pack("<I%dQ" % len(s), len(s), *s))
+    data = b"".join(parts)
+    if len(data) > MAX_FINGERPRINT_BYTES:
+        raise ValueError("model has too many blobs for a fingerprint (%d bytes)" % len(data))
+    return data
+
+
+def parse_fingerprint(data):
+    """(count, shapes) from fingerprint bytes; ProtocolError when malformed (never over-reads)."""
+    data = bytes(data)
+    try:
+        count, nblobs = struct.unpack_from("<QI", data, 0)
+        off = 12
+        shapes = []
+        for _ in range(nblobs):
+            (ndim,) = struct.unpack_from("<I", data, off)
+            if ndim > MAX_DIMS:
+                raise ProtocolError("fingerprint blob with %d dimensions" % ndim)
+            shapes.append(struct.unpack_from("<%dQ" % ndim, data, off + 4))
+            off += 4 + 8 * ndim
+    except struct.error:
+        raise ProtocolError("truncated model fingerprint") from None
+    if off != len(data):
+        raise ProtocolError("model fingerprint has %d trailing bytes" % (len(data) - off))
+    return count, tuple(shapes)
+
+
+def describe_shapes(count, shapes, limit=6):
+    shown = ", ".join("x".join(map(str, s)) or "scalar" for s in shapes[:limit])
+    more = ", …" if len(shapes) > limit else ""
+    return "%d parameters in %d blobs [%s%s]" % (count, len(shapes), shown, more)

@@ -1,0 +1,362 @@
+"""ExchangeServer: holds the center x̃ and applies asynchronous EASGD for every connected worker."""
+
+import logging
+import math
+import socket
+import threading
+import time
+
+import numpy as np
+
+from .. import rules
+from . import protocol as P
+from .transport import PeerClosed, byte_view, recv_exact, recv_header, send_frame, tune
+
+log = logging.getLogger("deepspark.exchange.server")
+
+# Floats per slice of the elastic update: small enough to stay in cache between
+# the receive, the difference, the finiteness check and the add (measured).
+DEFAULT_CHUNK = 1 << 16
+
+
+class _Refuse(Exception):
+    def __init__(self, code, reason):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class ExchangeServer:
+    """The parameter exchanger's server side: one thread per worker connection.
+
+    center        initial x̃ (copied into one float32 vector)
+    secret        the per-job secret (str or bytes) both sides prove they hold
+    moving_rate   α; decays × decay_rate every decay_step exchanges, at most decay_limit times (<0: no bound)
+    server_factor scales the center's share of d (x̃ += server_factor·d); decays likewise
+    shapes        blob shapes for the model fingerprint (default: one flat blob)
+    consistent    serialise updates under a lock (deterministic tests); default is lock-free
+    idle_timeout  seconds a connected worker may stay silent before it is dropped
+    """
+
+    def __init__(self, center, secret, moving_rate, host="127.0.0.1", port=0, *,
+                 shapes=None, server_factor=1.0,
+                 decay_rate=1.0, decay_step=0, decay_limit=-1,
+                 factor_decay_rate=1.0, factor_decay_step=0, factor_decay_limit=-1,
+                 consistent=False, idle_timeout=600.0, handshake_timeout=10.0,
+                 chunk=DEFAULT_CHUNK):
+        center = np.asarray(center)
+        if not np.issubdtype(center.dtype, np.floating) or center.size == 0:
+            raise ValueError("center must be a non-empty float array")
+        self._center = np.array(center, dtype=np.float32).ravel()  # own copy
+        if not rules.all_finite(self._center):
+            raise ValueError("center holds NaN or Inf")
+        self._shapes = P.normalize_shapes(shapes, self._center.size)
+        if P.shapes_size(self._shapes) != self._center.size:
+            raise ValueError("shapes hold %d parameters, the center %d"
+                             % (P.shapes_size(self._shapes), self._center.size))
+        self._fingerprint = P.fingerprint(self._shapes)
+        self._secret = P.as_secret(secret)
+        if not 0.0 < moving_rate <= 1.0:
+            raise ValueError("moving_rate must be in (0, 1], got %r" % (moving_rate,))
+        self.base_moving_rate = float(moving_rate)
+        self.base_server_factor = float(server_factor)
+        self.decay = (float(decay_rate), int(decay_step), int(decay_limit))
+        self.factor_decay = (float(factor_decay_rate), int(factor_decay_step), int(factor_decay_limit))
+        self.consistent = consistent
+        self.idle_timeout = idle_timeout
+        self.handshake_timeout = handshake_timeout
+        self._chunk = int(chunk)
+        self._host, self._port = host, port
+        self._lock = threading.Lock() if consistent else None
+        self._books = threading.Lock()  # bookkeeping only, never held during the update
+        self._workers = {}
+        self._exchanges = 0
+        self.refused = []  # (peer, reason) of refused connections, most recent last
+        self._conns = set()
+        self._listener = None
+        self._accept_thread = None
+        self._stopping = threading.Event()
+        self._started = time.monotonic()
+
+    # ---- public ---------------------------------------------------------
+
+    @property
+    def address(self):
+        if self._listener is None:
+            raise RuntimeError("server not started")
+        return self._listener.getsockname()[:2]
+
+    @property
+    def size(self):
+        return self._center.size
+
+    @property
+    def exchanges(self):
+        """Elastic updates applied to the center so far (all workers)."""
+        return self._exchanges
+
+    @property
+    def moving_rate(self):
+        return rules.decayed(self.base_moving_rate, *self.decay, self._exchanges)
+
+    @property
+    def server_factor(self):
+        return rules.decayed(self.base_server_factor, *self.factor_decay, self._exchanges)
+
+    def start(self):
+        sock = socket.create_server((self._host, self._port), backlog=64)
+        sock.settimeout(0.2)  # the accept loop notices stop() within this
+        self._listener = sock
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="exchange-accept",
+                                               daemon=True)
+        self._accept_thread.start()
+        log.info("exchange server on %s:%d, %d parameters", *self.address, self._center.size)
+        return self
+
+    def pull(self, out=None):
+        """A copy of the center x̃ (for evaluation and snapshots)."""
+        if out is None:
+            out = np.empty_like(self._center)
+        if self._lock is not None:
+            with self._lock:
+                np.copyto(out, self._center)
+        else:
+            np.copyto(out, self._center)
+        return out
+
+    def stats(self):
+        """Per worker_id: exchanges, iteration, loss, seconds since last contact, connected, refusals."""
+        now = time.monotonic()
+        with self._books:
+            out = {}
+            for wid, w in self._workers.items():
+                d = dict(w)
+                d["seconds_since_contact"] = now - d.pop("last_contact")
+                out[wid] = d
+            return out
+
+    def stop(self):
+        self._stopping.set()
+        if self._listener is not None:
+            self._listener.close()
+        if self._accept_thread is not None:
+            self._accept_thread.join(2.0)
+        with self._books:
+            conns = list(self._conns)
+        for sock, thread in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for sock, thread in conns:
+            thread.join(2.0)
+
+    def __enter__(self):
+        if self._listener is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # ---- connections ----------------------------------------------------
+
+    def _accept_loop(self):
+        while not self._stopping.is_set():
+            try:
+                sock, peer = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            tune(sock)
+            t = threading.Thread(target=self._serve, args=(sock, peer),
+                                 name="exchange-%s:%d" % peer[:2], daemon=True)
+            with self._books:
+                self._conns.add((sock, t))
+            t.start()
+
+    def _serve(self, sock, peer):
+        peer_name = "%s:%d" % peer[:2]
+        wid = None
+        entry = (sock, threading.current_thread())
+        try:
+            sock.settimeout(self.handshake_timeout)
+            wid = self._handshake(sock, peer_name)
+            sock.settimeout(self.idle_timeout)
+            self._loop(sock, wid)
+        except _Refuse as e:
+            self._refuse(sock, peer_name, wid, e.code, e.reason)
+        except P.ProtocolError as e:
+            self._refuse(sock, peer_name, wid, P.E_PROTOCOL, str(e))
+        except socket.timeout:
+            phase = "handshake" if wid is None else "exchange"
+            limit = self.handshake_timeout if wid is None else self.idle_timeout
+            self._refuse(sock, peer_name, wid, P.E_TIMEOUT,
+                         "silent for more than %gs during the %s" % (limit, phase))
+        except (PeerClosed, OSError) as e:
+            if not self._stopping.is_set():
+                log.info("worker %s (%s) disconnected: %s", wid, peer_name, e)
+        finally:
+            sock.close()
+            with self._books:
+                self._conns.discard(entry)
+                if wid is not None and self._workers.get(wid, {}).get("peer") == peer_name:
+                    self._workers[wid]["connected"] = False
+
+    def _refuse(self, sock, peer_name, wid, code, reason):
+        who = "worker %d (%s)" % (wid, peer_name) if wid is not None else peer_name
+        log.warning("refused %s: %s: %s", who, P.ERROR_NAMES[code], reason)
+        with self._books:
+            self.refused.append((peer_name, reason))
+            del self.refused[:-100]
+        try:
+            sock.settimeout(1.0)
+            sock.sendall(P.encode_error(code, reason, wid or 0))
+        except OSError:
+            pass
+
+    def _handshake(self, sock, peer_name):
+        hview = memoryview(bytearray(P.HEADER_SIZE))
+        small = memoryview(bytearray(P.MAX_SMALL_PAYLOAD))
+        h = recv_header(sock, hview, None)
+        if h.type != P.HELLO:
+            raise P.ProtocolError("expected HELLO, got %s" % P.TYPE_NAMES[h.type])
+        wid = h.worker_id
+        recv_exact(sock, small[:h.length])
+        client_nonce = bytes(small[:h.length])
+        server_nonce = P.new_nonce()
+        proof = P.server_proof(self._secret, client_nonce, server_nonce, wid)
+        send_frame(sock, P.encode_header(P.CHALLENGE, wid, length=len(server_nonce) + len(proof)),
+                   server_nonce + proof)
+        h = recv_header(sock, hview, None)
+        if h.type != P.AUTH or h.worker_id != wid:
+            raise P.ProtocolError("expected AUTH from worker %d, got %s from worker %d"
+                                  % (wid, P.TYPE_NAMES[h.type], h.worker_id))
+        recv_exact(sock, small[:h.length])
+        their_proof = bytes(small[:P.PROOF_SIZE])
+        their_fp = bytes(small[P.PROOF_SIZE:h.length])
+        if not P.proofs_match(their_proof, P.client_proof(self._secret, client_nonce,
+                                                          server_nonce, wid, their_fp)):
+            raise _Refuse(P.E_AUTH, "authentication failed: worker %d does not hold this job's secret" % wid)
+        if their_fp != self._fingerprint:
+            mine = P.describe_shapes(P.shapes_size(self._shapes), self._shapes)
+            try:
+                theirs = P.describe_shapes(*P.parse_fingerprint(their_fp))
+            except P.ProtocolError as e:
+                theirs = "a malformed fingerprint (%s)" % e
+            raise _Refuse(P.E_FINGERPRINT, "model mismatch: the server holds %s, worker %d was built with %s"
+                          % (mine, wid, theirs))
+        send_frame(sock, P.encode_header(P.WELCOME, wid, iteration=self._exchanges))
+        with self._books:
+            prev = self._workers.get(wid)
+            self._workers[wid] = {
+                "exchanges": prev["exchanges"] if prev else 0,
+                "iteration": prev["iteration"] if prev else 0,
+                "loss": prev["loss"] if prev else math.nan,
+                "last_contact": time.monotonic(),
+                "connected": True,
+                "connections": (prev["connections"] if prev else 0) + 1,
+                "refused_nonfinite": prev["refused_nonfinite"] if prev else 0,
+                "peer": peer_name,
+            }
+        log.info("worker %d joined from %s", wid, peer_name)
+        return wid
+
+    def _loop(self, sock, wid):
+        n = self._center.size
+        model_bytes = 4 * n
+        buf = np.empty(n, dtype=np.float32)  # receives x, becomes d in place, is sent back
+        view = byte_view(buf)
+        chunk = min(self._chunk, n)
+        ok = np.empty(chunk, dtype=bool)
+        scratch = np.empty(chunk, dtype=np.float32)
+        hview = memoryview(bytearray(P.HEADER_SIZE))
+        out_header = bytearray(P.HEADER_SIZE)
+        small = memoryview(bytearray(P.MAX_ERROR_BYTES))
+        me = self._workers[wid]
+        while True:
+            h = recv_header(sock, hview, model_bytes)
+            if h.worker_id != wid:
+                raise P.ProtocolError("frame from worker %d on worker %d's connection" % (h.worker_id, wid))
+            if h.type == P.EXCHANGE:
+                self._exchange(sock, wid, h, buf, view, chunk, ok, scratch, out_header)
+            elif h.type == P.PULL:
+                P.pack_header_into(out_header, P.CENTER, wid, iteration=self._exchanges, length=model_bytes)
+                if self._lock is not None:
+                    with self._lock:
+                        send_frame(sock, out_header, byte_view(self._center))
+                else:
+                    send_frame(sock, out_header, byte_view(self._center))
+            elif h.type == P.REPORT:
+                pass
+            elif h.type == P.BYE:
+                log.info("worker %d left", wid)
+                return
+            elif h.type == P.ERROR:
+                recv_exact(sock, small[:h.length])
+                log.warning("worker %d sent an error: %s", wid, P.decode_error(small[:h.length]))
+                return
+            else:
+                raise P.ProtocolError("unexpected %s from worker %d" % (P.TYPE_NAMES[h.type], wid))
+            me["last_contact"] = time.monotonic()
+            if h.type in (P.EXCHANGE, P.REPORT):
+                me["iteration"] = h.iteration
+                if math.isfinite(h.value):
+                    me["loss"] = h.value
+
+    def _exchange(self, sock, wid, h, buf, view, chunk, ok, scratch, out_header):
+        center = self._center
+        n = center.size
+        nbytes = 4 * n
+        count = self._exchanges
+        alpha = rules.decayed(self.base_moving_rate, *self.decay, count)
+        factor = rules.decayed(self.base_server_factor, *self.factor_decay, count)
+        lock = self._lock
+        finite = True
+        if lock is not None:
+            recv_exact(sock, view)
+            lock.acquire()
+        try:
+            # d = α(x − x̃) slice by slice as the bytes arrive (lock-free: x̃ is read
+            # while other workers add to it, as in the paper's asynchronous variant).
+            done = 0
+            got = nbytes if lock is not None else 0
+            while done < n:
+                if got < nbytes:
+                    k = sock.recv_into(view[got:])
+                    if not k:
+                        raise PeerClosed("worker %d closed the connection after %d of %d payload bytes"
+                                         % (wid, got, nbytes))
+                    got += k
+                ready = got >> 2
+                if got < nbytes:
+                    ready -= ready % chunk  # whole slices only, fewer numpy calls
+                while done < ready:
+                    end = min(done + chunk, ready)
+                    seg = buf[done:end]
+                    rules.elastic_difference(seg, center[done:end], alpha, out=seg)
+                    if finite and not rules.all_finite(seg, ok[:end - done]):
+                        finite = False
+                    done = end
+            if not finite:
+                # Nothing has touched the center yet: refuse, keep the connection.
+                with self._books:
+                    self._workers[wid]["refused_nonfinite"] += 1
+                reason = "worker %d sent NaN or Inf parameters at iteration %d; reset from the center" % (wid, h.iteration)
+                log.warning(reason)
+                sock.sendall(P.encode_error(P.E_NONFINITE, reason, wid))
+                return
+            # x̃ += factor·d and send d, slice by slice so the worker applies while we add.
+            P.pack_header_into(out_header, P.DIFF, wid, iteration=count, length=nbytes)
+            sock.sendall(out_header)
+            for start in range(0, n, chunk):
+                end = min(start + chunk, n)
+                rules.apply_to_center(center[start:end], buf[start:end], factor, scratch[:end - start])
+                sock.sendall(view[4 * start:4 * end])
+        finally:
+            if lock is not None:
+                lock.release()
+        with self._books:
+            self._exchanges += 1
+            self._workers[wid]["exchanges"] += 1

@@ -1,0 +1,50 @@
+"""Socket plumbing shared by the exchange server and client: exact reads into preallocated buffers, scatter sends, socket options."""
+
+import socket
+
+from . import protocol
+
+
+class PeerClosed(ConnectionError):
+    """The peer closed the connection, possibly in the middle of a frame."""
+
+
+def tune(sock):
+    # Small frames (headers, PULL, REPORT) must not wait for Nagle; the kernel's
+    # own buffer autotuning beats fixed SO_SNDBUF/SO_RCVBUF sizes on loopback (measured).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def byte_view(array):
+    """A writable/readable byte memoryview of a contiguous numpy array (no copy)."""
+    return memoryview(array).cast("B")
+
+
+def recv_exact(sock, view):
+    """Fill `view` completely from `sock`; PeerClosed if the stream ends first."""
+    got, want = 0, len(view)
+    while got < want:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise PeerClosed("peer closed the connection after %d of %d bytes" % (got, want))
+        got += k
+
+
+def recv_header(sock, view, model_bytes):
+    """Read and validate one header into `view` (HEADER_SIZE bytes)."""
+    recv_exact(sock, view)
+    return protocol.decode_header(view, model_bytes)
+
+
+def send_frame(sock, header, payload=None):
+    """Send a header and an optional payload (a byte view) with one syscall when the kernel takes it all."""
+    if payload is None or len(payload) == 0:
+        sock.sendall(header)
+        return
+    sent = sock.sendmsg([header, payload])
+    hlen = len(header)
+    if sent < hlen:
+        sock.sendall(memoryview(header)[sent:])
+        sock.sendall(payload)
+    elif sent - hlen < len(payload):
+        sock.sendall(payload[sent - hlen:])

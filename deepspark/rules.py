@@ -1,0 +1,130 @@
+"""Update rules: asynchronous EASGD (the default), its schedules, and the model-averaging baselines."""
+
+import math
+
+import numpy as np
+
+
+# ---- asynchronous EASGD -----------------------------------------------------
+
+def elastic_difference(x, center, moving_rate, out=None):
+    """d = α·(x − x̃). `out` may be `x` itself (the server computes d in its receive buffer)."""
+    out = np.subtract(x, center, out=out)
+    out *= np.float32(moving_rate)
+    return out
+
+
+def apply_to_worker(x, d):
+    """x ← x − d, in place."""
+    np.subtract(x, d, out=x)
+    return x
+
+
+def apply_to_center(center, d, server_factor=1.0, scratch=None):
+    """x̃ ← x̃ + server_factor·d, in place; `scratch` (shaped like d) avoids an allocation."""
+    if server_factor == 1.0:
+        np.add(center, d, out=center)
+    else:
+        np.add(center, np.multiply(d, np.float32(server_factor), out=scratch), out=center)
+    return center
+
+
+def easgd_step(x, center, moving_rate, server_factor=1.0):
+    """One elastic exchange on both sides, in place; returns d."""
+    d = elastic_difference(x, center, moving_rate)
+    apply_to_worker(x, d)
+    apply_to_center(center, d, server_factor)
+    return d
+
+
+def all_finite(a, scratch=None):
+    """True when `a` holds no NaN or ±Inf; `scratch` is a bool array shaped like `a`."""
+    return bool(np.isfinite(a, out=scratch).all())
+
+
+def decayed(value, rate, step, limit, count):
+    """`value` after `count` exchanges: × rate every `step` exchanges, at most `limit` times.
+
+    DeepSpark's moving-rate and server-factor schedules; step ≤ 0 means never,
+    limit < 0 means without bound.
+    """
+    if step <= 0 or limit == 0 or rate == 1.0:
+        return value
+    times = count // step
+    if limit > 0:
+        times = min(times, limit)
+    return value * rate ** times
+
+
+# ---- when to exchange --------------------------------------------------------
+
+def periodic_due(iteration, period):
+    """Exchange (or average) after every `period` local iterations; iteration counts from 1."""
+    return period > 0 and iteration % period == 0
+
+
+def adaptive_due(loss_since_exchange, first_period_loss):
+    """DeepSpark's variable τ: exchange once the loss summed since the last exchange exceeds the first period's."""
+    return first_period_loss is not None and first_period_loss > 0 and loss_since_exchange > first_period_loss
+
+
+class ExchangeSchedule:
+    """Decides after each local iteration whether the worker exchanges now (fixed or adaptive period)."""
+
+    def __init__(self, period, adaptive=False):
+        if period < 1:
+            raise ValueError("period must be ≥ 1, got %r" % (period,))
+        self.period = period
+        self.adaptive = adaptive
+        self.iteration = 0
+        self.first_period_loss = None
+        self.loss_since_exchange = 0.0
+        self.iterations_since_exchange = 0
+
+    def step(self, loss=0.0):
+        """Record one local iteration with its loss; True when it is time to exchange."""
+        self.iteration += 1
+        self.iterations_since_exchange += 1
+        if math.isfinite(loss):
+            self.loss_since_exchange += loss
+        if not self.adaptive or self.first_period_loss is None:
+            due = periodic_due(self.iteration, self.period)
+            if due and self.adaptive:
+                self.first_period_loss = self.loss_since_exchange
+        else:
+            due = adaptive_due(self.loss_since_exchange, self.first_period_loss)
+        if due:
+            self.loss_since_exchange = 0.0
+            self.iterations_since_exchange = 0
+        return due
+
+
+# ---- baselines ---------------------------------------------------------------
+
+def average_models(models, out=None):
+    """The element-wise mean of equally shaped parameter vectors.
+
+    Synchronous averaging (CaffeOnSpark-style, every iteration) and periodic model
+    averaging (SparkNet-style, every τ) are this same step at different periods.
+    """
+    models = list(models)
+    if not models:
+        raise ValueError("no models to average")
+    if out is None:
+        out = np.array(models[0], dtype=np.float32)
+    else:
+        np.copyto(out, models[0])
+    for m in models[1:]:
+        out += m
+    out *= np.float32(1.0 / len(models))
+    return out
+
+
+def averaging_step(workers, period, iteration, out=None):
+    """Baseline round: when due, every worker's parameters become their mean (in place); returns whether it ran."""
+    if not periodic_due(iteration, period):
+        return False
+    mean = average_models(workers, out=out)
+    for w in workers:
+        np.copyto(w, mean)
+    return True
