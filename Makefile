@@ -1,0 +1,63 @@
+# DeepSpark's commands. `make demo` and `make test` set up everything they need
+# (venv, pip packages, Debian packages, pycaffe, the Fashion-MNIST LMDBs) and
+# skip what is already done, so a second run starts at once.
+
+PYTHON  ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMPS  := .stamps
+DATA    := data
+FASHION := /usr/share/datasets/fashion-mnist
+PYTEST_ARGS ?=
+
+.PHONY: help setup system venv caffe data test demo bench proto clean
+
+help:
+	@echo "make demo    LeNet on Fashion-MNIST: 2 Spark workers, async EASGD, local[2]"
+	@echo "make test    the test suite (sets up venv, Debian packages, pycaffe, data)"
+	@echo "make bench   the benchmarks in bench/ (JSON in bench/results/)"
+	@echo "make caffe   build pycaffe into $(VENV) (cached in ~/.cache/deepspark)"
+	@echo "make proto   regenerate deepspark/proto from proto/deepspark.proto"
+
+setup: system venv caffe data
+
+system: $(STAMPS)/system
+$(STAMPS)/system: tools/setup-system.sh
+	@bash tools/setup-system.sh
+	@mkdir -p $(STAMPS) && touch $@
+
+venv: $(STAMPS)/venv
+$(STAMPS)/venv: setup.py constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "[venv] installing deepspark and its test dependencies into $(VENV)"
+	@$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[tensorflow,test,bench]'
+	@mkdir -p $(STAMPS) && touch $@
+
+caffe: $(STAMPS)/caffe
+$(STAMPS)/caffe: tools/build-caffe.sh $(STAMPS)/system $(STAMPS)/venv
+	@bash tools/build-caffe.sh $(VENV)
+	@mkdir -p $(STAMPS) && touch $@
+
+data: $(DATA)/fashion_mnist_train_lmdb $(DATA)/fashion_mnist_test_lmdb
+$(DATA)/fashion_mnist_train_lmdb: | $(STAMPS)/venv $(STAMPS)/system
+	@mkdir -p $(DATA)
+	$(BIN)/deepspark convert-mnist $(FASHION)/train-images-idx3-ubyte.gz $(FASHION)/train-labels-idx1-ubyte.gz $@
+$(DATA)/fashion_mnist_test_lmdb: | $(STAMPS)/venv $(STAMPS)/system
+	@mkdir -p $(DATA)
+	$(BIN)/deepspark convert-mnist $(FASHION)/t10k-images-idx3-ubyte.gz $(FASHION)/t10k-labels-idx1-ubyte.gz $@
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/python tools/demo.py
+
+bench: setup
+	@mkdir -p bench/results
+	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+proto: $(STAMPS)/system
+	protoc -Iproto --python_out=deepspark/proto proto/deepspark.proto
+
+clean:
+	rm -rf $(STAMPS) output

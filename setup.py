@@ -1,0 +1,28 @@
+"""Packaging for DeepSpark: the `deepspark` library and console command."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="deepspark",
+    version="0.1.0",
+    description="Caffe-defined networks trained on Apache Spark with asynchronous Elastic Averaging SGD",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="BSD-2-Clause",
+    python_requires=">=3.11",
+    packages=find_packages(include=["deepspark", "deepspark.*"]),
+    install_requires=[
+        "numpy>=1.26",
+        "protobuf>=6.31.1,<8",
+        "lmdb>=1.4",
+        "pillow>=10",
+        "pyspark>=3.5",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "tensorflow": ["tensorflow-cpu>=2.16"],
+        "test": ["pytest>=8", "hypothesis>=6"],
+        "bench": ["matplotlib>=3.8"],
+    },
+    entry_points={"console_scripts": ["deepspark = deepspark.cli:main"]},
+)

@@ -1,0 +1,44 @@
+"""The committed generated code matches proto/deepspark.proto, and the schema matches Caffe's numbering."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+from deepspark.proto import deepspark_pb2 as pb
+
+
+def test_generated_code_is_fresh(tmp_path):
+    protoc = shutil.which("protoc")
+    assert protoc, "protoc is missing: `make test` installs protobuf-compiler"
+    subprocess.run([protoc, f"-I{ROOT}/proto", f"--python_out={tmp_path}", f"{ROOT}/proto/deepspark.proto"],
+                   check=True)
+    fresh = (tmp_path / "deepspark_pb2.py").read_text()
+    committed = open(os.path.join(ROOT, "deepspark/proto/deepspark_pb2.py")).read()
+    assert fresh == committed, "deepspark/proto is stale: run `make proto` and commit the result"
+
+
+def caffe_fields(text, message):
+    body = re.search(r"\nmessage %s \{(.*?)\n\}" % message, text, re.S).group(1)
+    return {m.group(2): int(m.group(3)) for m in
+            re.finditer(r"^\s*(optional|repeated|required)\s+[\w.]+\s+(\w+)\s*=\s*(\d+)", body, re.M)}
+
+
+@pytest.mark.parametrize("name", [
+    "BlobShape", "BlobProto", "Datum", "FillerParameter", "NetParameter", "SolverParameter", "SolverState",
+    "NetState", "NetStateRule", "ParamSpec", "LayerParameter", "TransformationParameter", "LossParameter",
+    "AccuracyParameter", "ArgMaxParameter", "ConcatParameter", "BatchNormParameter", "BiasParameter",
+    "ConvolutionParameter", "DataParameter", "DropoutParameter", "DummyDataParameter", "EltwiseParameter",
+    "ELUParameter", "ExpParameter", "FlattenParameter", "InnerProductParameter", "InputParameter",
+    "LogParameter", "LRNParameter", "MemoryDataParameter", "PoolingParameter", "PowerParameter",
+    "ReLUParameter", "ReshapeParameter", "ScaleParameter", "SigmoidParameter", "SliceParameter",
+    "SoftmaxParameter", "TanHParameter", "PReLUParameter"])
+def test_field_names_and_numbers_match_caffe(caffe_source, name):
+    caffe = caffe_fields(open(os.path.join(caffe_source, "src/caffe/proto/caffe.proto")).read(), name)
+    ours = {f.name: f.number for f in getattr(pb, name).DESCRIPTOR.fields}
+    ours.pop("deepspark_param", None)
+    for field, number in ours.items():
+        assert caffe.get(field) == number, f"{name}.{field} = {number}, Caffe has {caffe.get(field)}"
