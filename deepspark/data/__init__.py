@@ -1,0 +1,38 @@
+"""The shared data pipeline: Datum/LMDB I/O, sharding, Caffe's transform_param, batches, converters."""
+
+import os
+
+from deepspark.data.datum import DataError, decode_datum, encode_datum, load_mean
+from deepspark.data.feeder import DataFeeder, feeder_for
+from deepspark.data.lmdb_io import count, is_lmdb, peek_shape, shard_range
+from deepspark.data.transform import Transformer
+
+__all__ = ["DataError", "DataFeeder", "Transformer", "count", "decode_datum", "encode_datum",
+           "feeder_for", "load_mean", "peek_shape", "shard_range", "source_shape"]
+
+
+def source_shape(layer_param, data_shape=None):
+    """(C, H, W) of a Data layer's records before crop, or a warning string if it cannot tell.
+
+    In order: the LMDB at data_param.source (relative to cwd) if it exists; the
+    data_shape override ((C, H, W), or a dict by layer name or data top); what the
+    prototxt fixes (the mean file's dims; crop size with the channel count that
+    per-channel mean_value gives).
+    """
+    source = layer_param.data_param.source
+    if source and os.path.exists(source):
+        return peek_shape(source)
+    if isinstance(data_shape, dict):
+        data_shape = next((data_shape[k] for k in [layer_param.name, *layer_param.top[:1]]
+                           if k in data_shape), None)
+    if data_shape is not None:
+        return tuple(int(d) for d in data_shape)
+    tp = layer_param.transform_param
+    if tp.mean_file and os.path.exists(tp.mean_file):
+        return tuple(int(d) for d in load_mean(tp.mean_file).shape)
+    crop_h, crop_w = tp.crop_h or tp.crop_size, tp.crop_w or tp.crop_size
+    if crop_h and crop_w and len(tp.mean_value) > 1:
+        return (len(tp.mean_value), crop_h, crop_w)
+    what = f"source {source!r} not found" if source else "no data_param.source"
+    return (f"layer {layer_param.name!r}: {what}; its data shape is unknown "
+            "(create the LMDB or give the data shape C,H,W)")

@@ -1,0 +1,232 @@
+"""The dataset tools: convert-mnist, convert-imageset and compute-image-mean, as Caffe's tools do them."""
+
+import gzip
+import io
+import os
+import random
+import sys
+import zlib
+
+import numpy as np
+
+from deepspark.config import ConfigError
+from deepspark.data import lmdb_io
+from deepspark.data.datum import (DataError, array_to_blobproto, datum_to_array, encode_image,
+                                  image_to_array, make_datum, parse_datum)
+from deepspark.proto import deepspark_pb2 as pb
+
+IDX_IMAGES_MAGIC = 2051
+IDX_LABELS_MAGIC = 2049
+
+
+def _say(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# MNIST (IDX files, gzipped or not)
+
+def read_idx(path, magic):
+    """(header dims, payload bytes) of an IDX file with the expected magic number."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise DataError(f"cannot read ({e.strerror})", path) from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise DataError(f"corrupt gzip file ({e})", path) from None
+    ndims = 3 if magic == IDX_IMAGES_MAGIC else 1
+    kind = "image" if magic == IDX_IMAGES_MAGIC else "label"
+    header = 4 * (1 + ndims)
+    if len(raw) < header:
+        raise DataError(f"too short for an IDX {kind} file ({len(raw)} bytes)", path)
+    found = int.from_bytes(raw[:4], "big")
+    if found != magic:
+        raise DataError(f"wrong magic number {found} (an IDX {kind} file starts with {magic})",
+                        path)
+    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndims)]
+    expected = int(np.prod(dims))
+    payload = memoryview(raw)[header:]
+    if len(payload) != expected:
+        raise DataError(f"holds {len(payload)} bytes after the header, but the header "
+                        f"({'x'.join(map(str, dims))}) says {expected}", path)
+    return dims, payload
+
+
+def convert_mnist(images, labels, out, overwrite=False):
+    """IDX images + labels → LMDB of Datum (1x28x28 raw bytes), keys %08d; returns the count."""
+    (n, rows, cols), pixels = read_idx(images, IDX_IMAGES_MAGIC)
+    (n_labels,), label_bytes = read_idx(labels, IDX_LABELS_MAGIC)
+    if n != n_labels:
+        raise DataError(f"holds {n} images but {labels} holds {n_labels} labels", images)
+    _say(f"A total of {n} items.")
+    _say(f"Rows: {rows} Cols: {cols}")
+    pixels = np.frombuffer(pixels, dtype=np.uint8).reshape(n, 1, rows, cols)
+    label_values = np.frombuffer(label_bytes, dtype=np.uint8)
+
+    def records():
+        for i in range(n):
+            yield f"{i:08d}".encode(), make_datum(pixels[i], int(label_values[i])).SerializeToString()
+
+    written = lmdb_io.write_lmdb(out, records(), overwrite=overwrite)
+    _say(f"Processed {written} files.")
+    return written
+
+
+# ---------------------------------------------------------------------------
+# Image folders (Caffe's convert_imageset)
+
+def read_list_file(listfile):
+    """[(filename, label, line_number)] of a `FILENAME LABEL` list file."""
+    try:
+        with open(listfile, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise DataError(f"cannot read the list file ({e.strerror})", listfile) from None
+    except UnicodeDecodeError:
+        raise DataError("the list file is not UTF-8 text", listfile) from None
+    entries = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        # Caffe splits at the last space, so filenames may hold spaces.
+        filename, _, label = line.rpartition(" ")
+        try:
+            label = int(label)
+        except ValueError:
+            filename = ""
+        if not filename.strip():
+            raise ConfigError(f"expected 'FILENAME LABEL', got {line!r}", listfile, number)
+        entries.append((filename.strip(), label, number))
+    if not entries:
+        raise DataError("the list file names no images", listfile)
+    return entries
+
+
+def _match_ext(filename, encode_type):
+    ext = os.path.splitext(filename)[1].lower().lstrip(".")
+    aliases = {"jpg": "jpeg"}
+    return aliases.get(ext, ext) == aliases.get(encode_type, encode_type)
+
+
+def _read_image_datum(path, label, color, resize, encode_type):
+    """Caffe's ReadImageToDatum: a Datum of the image at path (raw pixels, or encoded bytes)."""
+    from PIL import Image, ImageOps
+    with open(path, "rb") as f:
+        raw = f.read()
+    with Image.open(io.BytesIO(raw)) as image:
+        image.load()
+        own_color = image.mode not in ("L", "1", "I", "I;16", "F", "LA")
+        image = ImageOps.exif_transpose(image)  # OpenCV's imread honours EXIF orientation
+        if resize:
+            image = image.convert("RGB" if color else "L").resize(
+                (resize[1], resize[0]), Image.BILINEAR)
+        array = image_to_array(image, color)
+    if not encode_type:
+        return make_datum(array, label)
+    # Like Caffe, an encoded Datum carries no channels/height/width.
+    datum = pb.Datum(label=label, encoded=True)
+    if own_color == color and not resize and _match_ext(path, encode_type):
+        datum.data = raw  # the file as it is (Caffe's ReadFileToDatum)
+    else:
+        datum.data = encode_image(array, encode_type)
+    return datum
+
+
+def convert_imageset(root, listfile, out, gray=False, shuffle=False, resize_height=0,
+                     resize_width=0, encoded=False, encode_type="", check_size=False,
+                     seed=None, overwrite=False):
+    """Images listed in `FILENAME LABEL` lines → LMDB of Datum with keys %08d_FILENAME.
+
+    Colour images are stored BGR, as Caffe (OpenCV) stores them. Returns the count.
+    """
+    if bool(resize_height) != bool(resize_width):
+        raise ConfigError("give both --resize-height and --resize-width, or neither")
+    if resize_height < 0 or resize_width < 0:
+        raise ConfigError("--resize-height and --resize-width must be positive")
+    encode_type = (encode_type or "").lower().lstrip(".")
+    if encode_type and encode_type not in ("png", "jpg", "jpeg"):
+        raise ConfigError(f"unknown --encode-type {encode_type!r} (png or jpg)")
+    if encode_type and not encoded:
+        encoded = True  # Caffe: "encode_type specified, assuming encoded=true"
+    entries = read_list_file(listfile)
+    if shuffle:
+        _say("Shuffling data")
+        random.Random(seed).shuffle(entries)
+    _say(f"A total of {len(entries)} images.")
+    resize = (resize_height, resize_width) if resize_height else None
+    color = not gray
+    first_size = []
+
+    def records():
+        for index, (filename, label, number) in enumerate(entries):
+            path = os.path.join(root, filename)
+            if encoded:
+                kind = encode_type or os.path.splitext(filename)[1].lower().lstrip(".")
+                if kind not in ("png", "jpg", "jpeg"):
+                    raise ConfigError(f"cannot guess the encoding of {filename!r}; "
+                                      "give --encode-type png|jpg", listfile, number)
+            else:
+                kind = ""
+            try:
+                datum = _read_image_datum(path, label, color, resize, kind)
+            except OSError as e:
+                what = e.strerror or str(e)
+                raise ConfigError(f"cannot read image {path} ({what})", listfile, number) from None
+            except (ValueError, SyntaxError) as e:
+                raise ConfigError(f"cannot decode image {path} ({e})", listfile, number) from None
+            if check_size and not encoded:
+                size = (datum.channels, datum.height, datum.width)
+                if first_size and size != first_size[0]:
+                    raise ConfigError(f"image {path} is {'x'.join(map(str, size))}, the first "
+                                      f"was {'x'.join(map(str, first_size[0]))} (--check-size)",
+                                      listfile, number)
+                first_size[:] = [size]
+            yield f"{index:08d}_{filename}".encode(), datum.SerializeToString()
+            if (index + 1) % 1000 == 0:
+                _say(f"Processed {index + 1} files.")
+
+    written = lmdb_io.write_lmdb(out, records(), overwrite=overwrite)
+    if written % 1000:
+        _say(f"Processed {written} files.")
+    return written
+
+
+# ---------------------------------------------------------------------------
+# The mean image
+
+def compute_image_mean(db, out, overwrite=False):
+    """The per-pixel mean of an LMDB's images → .binaryproto (1xCxHxW); returns the count."""
+    lmdb_io._refuse_existing(out, overwrite)
+    total, shape, first_key = None, None, None
+    n = 0
+    for key, value in lmdb_io.read_records(db):
+        array = datum_to_array(parse_datum(value, key, db), key, db)
+        if total is None:
+            shape, first_key = array.shape, key
+            total = np.zeros(shape, dtype=np.float64 if array.dtype != np.uint8 else np.int64)
+        elif array.shape != shape:
+            raise DataError(f"record {key.decode('utf-8', 'backslashreplace')!r} is "
+                            f"{'x'.join(map(str, array.shape))} but record "
+                            f"{first_key.decode('utf-8', 'backslashreplace')!r} is "
+                            f"{'x'.join(map(str, shape))}; a mean needs images of one size", db)
+        total += array
+        n += 1
+        if n % 10000 == 0:
+            _say(f"Processed {n} files.")
+    if n == 0:
+        raise DataError("the LMDB is empty; no mean to compute", db)
+    if n % 10000:
+        _say(f"Processed {n} files.")
+    mean = (total / n).astype(np.float32)
+    _say(f"Write to {out}")
+    lmdb_io.atomic_write_bytes(out, array_to_blobproto(mean).SerializeToString(),
+                               overwrite=overwrite)
+    _say(f"Number of channels: {shape[0]}")
+    for c in range(shape[0]):
+        _say(f"mean_value channel [{c}]: {float(mean[c].mean())}")
+    return n

@@ -1,0 +1,281 @@
+"""Caffe's Datum and BlobProto records to and from numpy arrays (raw, float_data, PNG/JPEG)."""
+
+import io
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from deepspark.config import ConfigError
+from deepspark.proto import deepspark_pb2 as pb
+
+
+class DataError(ConfigError):
+    """A bad data file or record: one line naming the file (and the record's key)."""
+
+
+def _where(key):
+    if key is None:
+        return "record"
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        key = bytes(key).decode("utf-8", "backslashreplace")
+    return f"record {key!r}"
+
+
+# Colour order: Caffe reads images with OpenCV, so a 3-channel Datum holds BGR
+# (raw or encoded-then-decoded). Pillow speaks RGB; we flip at the Pillow boundary
+# so that our LMDBs and Caffe's hold the same bytes.
+
+def image_to_array(image, color=None):
+    """A Pillow image to uint8 CHW in Caffe's channel order (gray: 1 channel, colour: BGR).
+
+    color=None keeps the image's own kind (Caffe's DecodeDatumNative), True forces
+    3 channels, False forces 1.
+    """
+    if color is None:
+        color = image.mode not in ("L", "I;16", "I", "F", "1", "LA")
+    image = image.convert("RGB" if color else "L")
+    array = np.asarray(image, dtype=np.uint8)
+    if array.ndim == 2:
+        return array[np.newaxis].copy()
+    return np.ascontiguousarray(array[:, :, ::-1].transpose(2, 0, 1))
+
+
+def array_to_image(array):
+    """uint8 CHW (1 channel, or 3 channels BGR) to a Pillow image."""
+    from PIL import Image
+    array = np.asarray(array)
+    if array.ndim != 3 or array.shape[0] not in (1, 3):
+        raise ValueError(f"an image needs 1 or 3 channels in CHW order, got shape {array.shape}")
+    if array.dtype != np.uint8:
+        raise ValueError(f"an encoded image needs uint8 pixels, got {array.dtype}")
+    if array.shape[0] == 1:
+        return Image.fromarray(array[0], "L")
+    return Image.fromarray(np.ascontiguousarray(array[::-1].transpose(1, 2, 0)), "RGB")
+
+
+def encode_image(array, encode_type):
+    """uint8 CHW to PNG or JPEG bytes (Caffe's cv::imencode of '.png'/'.jpg')."""
+    kind = {"png": "PNG", "jpg": "JPEG", "jpeg": "JPEG"}.get(encode_type.lower().lstrip("."))
+    if kind is None:
+        raise ValueError(f"unknown encode type {encode_type!r} (png or jpg)")
+    out = io.BytesIO()
+    # OpenCV's default JPEG quality is 95.
+    array_to_image(array).save(out, kind, **({"quality": 95} if kind == "JPEG" else {}))
+    return out.getvalue()
+
+
+def decode_image(data, color=None):
+    """PNG/JPEG bytes to uint8 CHW (Caffe channel order)."""
+    from PIL import Image
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()
+        return image_to_array(image, color)
+
+
+def make_datum(array, label=0, encoded=None):
+    """A Datum message from a CHW array: uint8 → data bytes, float → float_data."""
+    array = np.asarray(array)
+    if array.ndim != 3:
+        raise ValueError(f"a Datum holds one CHW image, got shape {array.shape}")
+    datum = pb.Datum()
+    if encoded:
+        datum.data = encode_image(array, encoded)
+        datum.encoded = True
+        datum.label = int(label)
+        return datum
+    datum.channels, datum.height, datum.width = (int(d) for d in array.shape)
+    if array.dtype == np.uint8:
+        datum.data = array.tobytes()
+    else:
+        datum.float_data.extend(array.astype(np.float32).ravel().tolist())
+    datum.label = int(label)
+    return datum
+
+
+def encode_datum(array, label=0, encoded=None):
+    """Serialized Datum bytes of a CHW array; encoded='png'|'jpg' stores a compressed image.
+
+    Like Caffe's convert_imageset, an encoded Datum carries only data, label and
+    encoded=true (no channels/height/width).
+    """
+    return make_datum(array, label, encoded).SerializeToString()
+
+
+def parse_datum(value, key=None, filename=None):
+    """Serialized bytes to a Datum message, or DataError naming the key."""
+    datum = pb.Datum()
+    try:
+        datum.ParseFromString(bytes(value))
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise DataError(f"{_where(key)}: corrupt Datum ({e})", filename) from None
+    return datum
+
+
+def datum_to_array(datum, key=None, filename=None, color=None):
+    """A Datum message to a CHW array: uint8 for data bytes/encoded, float32 for float_data."""
+    if datum.encoded:
+        try:
+            return decode_image(datum.data, color)
+        except Exception as e:  # Pillow raises many kinds for bad images
+            raise DataError(f"{_where(key)}: cannot decode the encoded image ({e})",
+                            filename) from None
+    shape = (datum.channels, datum.height, datum.width)
+    size = shape[0] * shape[1] * shape[2]
+    if min(shape) <= 0:
+        raise DataError(f"{_where(key)}: Datum has no shape "
+                        f"(channels={shape[0]} height={shape[1]} width={shape[2]})", filename)
+    if datum.data:
+        if len(datum.data) != size:
+            raise DataError(f"{_where(key)}: data holds {len(datum.data)} bytes, "
+                            f"expected {size} for {shape[0]}x{shape[1]}x{shape[2]}", filename)
+        array = np.frombuffer(datum.data, dtype=np.uint8).reshape(shape)
+    elif len(datum.float_data):
+        if len(datum.float_data) != size:
+            raise DataError(f"{_where(key)}: float_data holds {len(datum.float_data)} values, "
+                            f"expected {size} for {shape[0]}x{shape[1]}x{shape[2]}", filename)
+        array = np.array(datum.float_data, dtype=np.float32).reshape(shape)
+    else:
+        raise DataError(f"{_where(key)}: Datum has neither data nor float_data", filename)
+    if color is not None and array.shape[0] != (3 if color else 1):
+        raise DataError(f"{_where(key)}: force_color/force_gray apply to encoded Datums only "
+                        f"(this one is raw with {array.shape[0]} channels)", filename)
+    return array
+
+
+def decode_datum(value, key=None, filename=None, color=None):
+    """Serialized Datum bytes to (CHW array, label); corrupt records raise DataError naming the key."""
+    datum = parse_datum(value, key, filename)
+    return datum_to_array(datum, key, filename, color), datum.label
+
+
+# ---------------------------------------------------------------------------
+# BlobProto: the .binaryproto mean file of compute_image_mean
+
+def array_to_blobproto(array):
+    """A float array to a BlobProto, with shape and the legacy num/channels/height/width.
+
+    A CHW array is stored as 1xCxHxW, as Caffe's compute_image_mean writes it.
+    """
+    array = np.asarray(array, dtype=np.float32)
+    if array.ndim == 3:
+        array = array[np.newaxis]
+    blob = pb.BlobProto()
+    blob.shape.dim.extend(int(d) for d in array.shape)
+    if array.ndim == 4:
+        blob.num, blob.channels, blob.height, blob.width = (int(d) for d in array.shape)
+    blob.data.extend(array.ravel().tolist())
+    return blob
+
+
+def blobproto_to_array(blob):
+    """A BlobProto to a float32 array in its shape (shape if set, else legacy 4-D)."""
+    if blob.HasField("shape"):
+        shape = tuple(blob.shape.dim)
+    else:
+        shape = (blob.num, blob.channels, blob.height, blob.width)
+    values = blob.data if len(blob.data) else blob.double_data
+    size = int(np.prod(shape)) if shape else 1
+    if len(values) != size:
+        raise ValueError(f"BlobProto holds {len(values)} values but its shape "
+                         f"{'x'.join(map(str, shape))} needs {size}")
+    return np.array(values, dtype=np.float32).reshape(shape)
+
+
+def load_mean(path):
+    """A mean .binaryproto to float32 CHW; errors name the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise DataError(f"cannot read the mean file ({e.strerror})", path) from None
+    blob = pb.BlobProto()
+    try:
+        blob.ParseFromString(raw)
+        mean = blobproto_to_array(blob)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise DataError(f"not a BlobProto mean file ({e})", path) from None
+    if mean.ndim == 4 and mean.shape[0] == 1:
+        mean = mean[0]
+    if mean.ndim != 3 or mean.size == 0:
+        raise DataError(f"a mean file holds one CxHxW image, this one is "
+                        f"{'x'.join(map(str, mean.shape)) or 'empty'}", path)
+    return mean
+
+
+def save_mean(array, path):
+    """Write a CHW mean as .binaryproto (temp name, then rename)."""
+    from deepspark.data.lmdb_io import atomic_write_bytes
+    atomic_write_bytes(path, array_to_blobproto(array).SerializeToString())
+
+
+# ---------------------------------------------------------------------------
+# Many records at once
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _tail_label(tail):
+    """The label of a Datum tail (the bytes after data) holding only label/encoded=false, else None."""
+    datum = pb.Datum()
+    try:
+        datum.ParseFromString(tail)
+    except (DecodeError, RuntimeError, ValueError):
+        return None
+    fields = {f.name for f, _ in datum.ListFields()}
+    if fields - {"label", "encoded"} or datum.encoded:
+        return None
+    return datum.label
+
+
+def decode_datums(keys, values, filename=None, color=None, shape=None, dtype=None):
+    """Many serialized Datums → (N×C×H×W array, float32 labels); all must be one shape.
+
+    Raw uint8 Datums laid out as Caffe writes them (channels, height, width, data,
+    label) are decoded with a handful of numpy operations per distinct record
+    length instead of a protobuf parse each; any other record takes the
+    per-record path, which is also where a corrupt record gets its error.
+    """
+    n = len(values)
+    if shape is None and n:
+        first, _ = decode_datum(values[0], keys[0], filename, color)
+        shape, dtype = first.shape, first.dtype
+    images = np.empty((n,) + tuple(shape), dtype=dtype)
+    labels = np.empty(n, dtype=np.float32)
+    done = np.zeros(n, dtype=bool)
+    size = int(np.prod(shape))
+    if n and dtype == np.uint8:
+        header = (pb.Datum(channels=shape[0], height=shape[1], width=shape[2]).SerializeToString()
+                  + b"\x22" + _varint(size))
+        lengths = np.fromiter(map(len, values), dtype=np.int64, count=n)
+        for length in np.unique(lengths):
+            tail_length = int(length) - len(header) - size
+            if tail_length < 0:
+                continue
+            rows = np.flatnonzero(lengths == length)
+            buf = np.frombuffer(b"".join([values[i] for i in rows]), dtype=np.uint8)
+            buf = buf.reshape(len(rows), int(length))
+            ok = (buf[:, :len(header)] == np.frombuffer(header, dtype=np.uint8)).all(axis=1)
+            tails, inverse = np.unique(buf[:, len(header) + size:], axis=0, return_inverse=True)
+            tail_labels = [_tail_label(t.tobytes()) for t in tails]
+            tail_ok = np.array([label is not None for label in tail_labels], dtype=bool)
+            ok &= tail_ok[inverse.ravel()]
+            take = rows[ok]
+            images[take] = buf[ok, len(header):len(header) + size].reshape((len(take),) + shape)
+            labels[take] = np.array([label or 0 for label in tail_labels],
+                                    dtype=np.float32)[inverse.ravel()[ok]]
+            done[take] = True
+    for i in np.flatnonzero(~done):
+        array, label = decode_datum(values[i], keys[i], filename, color)
+        if array.shape != tuple(shape) or array.dtype != dtype:
+            raise DataError(
+                f"{_where(keys[i])} is {'x'.join(map(str, array.shape))} {array.dtype} but the "
+                f"first record is {'x'.join(map(str, shape))} {np.dtype(dtype)}; records must be "
+                "one size (convert-imageset --resize-height/--resize-width)", filename)
+        images[i], labels[i] = array, label
+    return images, labels

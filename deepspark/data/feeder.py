@@ -1,0 +1,274 @@
+"""Batches for a Data layer: one shard of an LMDB, looped like Caffe's Data layer, transformed."""
+
+import logging
+import os
+import queue
+import threading
+
+import numpy as np
+
+from deepspark.config import ConfigError
+from deepspark.data import lmdb_io
+from deepspark.data.datum import DataError, decode_datum, decode_datums
+from deepspark.data.transform import Transformer, _phase
+from deepspark.proto import deepspark_pb2 as pb
+
+# A shard whose decoded pixels fit in this many bytes is read into memory once
+# (cheap: ~0.1 s for 60,000 MNIST records); a larger one is streamed from a cursor.
+MEMORY_LIMIT = 2 << 30
+
+log = logging.getLogger(__name__)
+
+
+def _color(transform_param):
+    if transform_param.force_color and transform_param.force_gray:
+        raise ConfigError("transform_param: force_color and force_gray cannot both be set")
+    if transform_param.force_color:
+        return True
+    if transform_param.force_gray:
+        return False
+    return None
+
+
+class DataFeeder:
+    """Batches {top: array} for one Data layer: data float32 NCHW, label float32 (N,).
+
+    Reads records [start, stop) of the LMDB (shard `shard` of `num_shards`) in key
+    order, and like Caffe's Data layer goes back to the shard's first record at
+    its end, a batch spanning the seam. With shuffle=True the order is a fresh
+    permutation every epoch. The same seed gives the same batches, whichever
+    backend consumes them.
+    """
+
+    def __init__(self, layer_param, phase=pb.TRAIN, source=None, shard=0, num_shards=1,
+                 seed=None, shuffle=False, batch_size=None, prefetch=0, memory_limit=MEMORY_LIMIT,
+                 mean=None):
+        if layer_param.type != "Data":
+            raise ConfigError(f"layer {layer_param.name!r}: DataFeeder reads Data layers, "
+                              f"not {layer_param.type}")
+        data_param = layer_param.data_param
+        if data_param.HasField("backend") and data_param.backend == pb.DataParameter.LEVELDB:
+            raise ConfigError(f"layer {layer_param.name!r}: LEVELDB is not supported; "
+                              "use backend: LMDB")
+        self.name = layer_param.name
+        self.tops = list(layer_param.top)
+        if len(self.tops) not in (1, 2):
+            raise ConfigError(f"layer {self.name!r}: a Data layer has one or two tops (data, label)")
+        self.path = source or data_param.source
+        if not self.path:
+            raise ConfigError(f"layer {self.name!r}: data_param.source is not set")
+        self.batch_size = int(batch_size or data_param.batch_size)
+        if self.batch_size <= 0:
+            raise ConfigError(f"layer {self.name!r}: data_param.batch_size must be positive")
+        self.phase = _phase(phase)
+        seeds = np.random.SeedSequence(seed).spawn(2)
+        self.order_rng = np.random.default_rng(seeds[0])
+        self.transformer = Transformer(_merged_transform(layer_param), self.phase, mean=mean,
+                                       seed=seeds[1])
+        self.shuffle = bool(shuffle)
+
+        total = lmdb_io.count(self.path)
+        self.start, self.stop = lmdb_io.shard_range(total, shard, num_shards)
+        self.size = self.stop - self.start
+        if self.size == 0:
+            raise DataError(f"shard {shard} of {num_shards} is empty: the LMDB holds only "
+                            f"{total} records", self.path)
+        self._color = _color(layer_param.transform_param)
+        key, value = next(lmdb_io.read_records(self.path, self.start, self.start + 1))
+        first, _ = decode_datum(value, key, self.path, self._color)
+        self.source_shape, self._dtype = tuple(first.shape), first.dtype
+        self.transformer._check(self.source_shape)
+        self.in_memory = self.size * first.nbytes <= memory_limit
+        if self.in_memory:
+            self._images, self._labels = self._load()
+        else:
+            self._keys = (list(lmdb_io.read_records(self.path, self.start, self.stop,
+                                                    keys_only=True)) if self.shuffle else None)
+            self._stream = None
+        self._order = None
+        self._position = 0
+        self.epoch = 0
+        self._prefetch = int(prefetch)
+        self._queue = None
+        self._thread = None
+        self._stop = threading.Event()
+
+    # -- reading -----------------------------------------------------------
+
+    def _decode(self, keys, values):
+        return decode_datums(keys, values, self.path, self._color, self.source_shape, self._dtype)
+
+    def _load(self, chunk=8192):
+        images = np.empty((self.size,) + self.source_shape, dtype=self._dtype)
+        labels = np.empty(self.size, dtype=np.float32)
+        keys, values, filled = [], [], 0
+        for key, value in lmdb_io.read_records(self.path, self.start, self.stop):
+            keys.append(key)
+            values.append(value)
+            if len(values) == chunk:
+                end = filled + len(values)
+                images[filled:end], labels[filled:end] = self._decode(keys, values)
+                keys, values, filled = [], [], end
+        if values:
+            images[filled:], labels[filled:] = self._decode(keys, values)
+        return images, labels
+
+    def _next_indices(self, n):
+        """The next n positions in the shard (0-based), wrapping at the end of an epoch."""
+        out = np.empty(n, dtype=np.int64)
+        filled = 0
+        while filled < n:
+            if self._position == 0 and self.shuffle:
+                self._order = self.order_rng.permutation(self.size)
+            take = min(n - filled, self.size - self._position)
+            if self._order is not None:
+                out[filled:filled + take] = self._order[self._position:self._position + take]
+            else:
+                out[filled:filled + take] = np.arange(self._position, self._position + take)
+            filled += take
+            self._position += take
+            if self._position == self.size:
+                self._position = 0
+                self.epoch += 1
+                log.debug("%s: Restarting data prefetching from start.", self.name)
+        return out
+
+    def _read_streamed(self, indices):
+        if self._stream is None:
+            self._env = lmdb_io.open_db(self.path)
+            self._txn = self._env.begin(buffers=False)
+            self._cursor = self._txn.cursor()
+            self._stream = self._seek(0)
+        keys, values = [], []
+        for index in indices:
+            if self._keys is not None:
+                key = self._keys[index]
+                value = self._txn.get(key)
+            else:
+                if index == 0 or self._stream_index != index:
+                    self._seek(index)
+                key, value = self._cursor.item()
+                self._cursor.next()
+                self._stream_index = index + 1
+            keys.append(key)
+            values.append(value)
+        return self._decode(keys, values)
+
+    def _seek(self, index):
+        self._cursor.first()
+        for _ in range(self.start + index):
+            self._cursor.next()
+        self._stream_index = index
+        return True
+
+    def _assemble(self):
+        indices = self._next_indices(self.batch_size)
+        if self.in_memory:
+            if self._order is None and indices[-1] - indices[0] == len(indices) - 1:
+                images = self._images[indices[0]:indices[-1] + 1]  # a view: no gather
+            else:
+                images = self._images[indices]
+            labels = self._labels[indices]
+        else:
+            images, labels = self._read_streamed(indices)
+        batch = {self.tops[0]: self.transformer.apply(images)}
+        if len(self.tops) > 1:
+            batch[self.tops[1]] = labels
+        return batch
+
+    # -- the interface -------------------------------------------------------
+
+    @property
+    def shape(self):
+        """(N, C, H, W) of the data top after transform."""
+        return (self.batch_size,) + self.transformer.output_shape(self.source_shape)
+
+    @property
+    def shapes(self):
+        """{top: shape} of every top."""
+        out = {self.tops[0]: self.shape}
+        if len(self.tops) > 1:
+            out[self.tops[1]] = (self.batch_size,)
+        return out
+
+    def next_batch(self):
+        """The next batch {top: array}."""
+        if self._prefetch <= 0:
+            return self._assemble()
+        if self._thread is None:
+            self._queue = queue.Queue(maxsize=self._prefetch)
+            self._thread = threading.Thread(target=self._produce, name=f"prefetch-{self.name}",
+                                            daemon=True)
+            self._thread.start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _produce(self):
+        while not self._stop.is_set():
+            try:
+                item = self._assemble()
+            except BaseException as e:  # handed to the consumer, raised there
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.next_batch()
+
+    def close(self):
+        """Stop the prefetch thread and release the database."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if not self.in_memory and self._stream is not None:
+            self._txn.abort()
+            lmdb_io.close_db(self.path)
+            self._stream = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # a half-built feeder, or interpreter shutdown
+            pass
+
+
+def _merged_transform(layer_param):
+    """transform_param with Caffe's deprecated data_param scale/mean_file/crop_size/mirror folded in."""
+    tp = pb.TransformationParameter()
+    tp.CopyFrom(layer_param.transform_param)
+    dp = layer_param.data_param
+    for field in ("scale", "mean_file", "crop_size", "mirror"):
+        if dp.HasField(field) and not tp.HasField(field):
+            setattr(tp, field, getattr(dp, field))
+    return tp
+
+
+def feeder_for(layer_param, phase=pb.TRAIN, **kwargs):
+    """A batch source for a data layer: DataFeeder for Data; other types are the backends' own."""
+    if layer_param.type == "Data":
+        return DataFeeder(layer_param, phase, **kwargs)
+    raise ConfigError(f"layer {layer_param.name!r}: the data pipeline reads Data layers (LMDB); "
+                      f"{layer_param.type} is handled by the backend")
+
+
+def source_path(layer_param):
+    """The Data layer's source, as the user wrote it (relative paths are relative to cwd)."""
+    return os.path.abspath(layer_param.data_param.source) if layer_param.data_param.source else None

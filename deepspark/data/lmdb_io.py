@@ -1,0 +1,213 @@
+"""LMDB reading by record range (shards), and writing under a temp name that is renamed at the end."""
+
+import contextlib
+import itertools
+import os
+import shutil
+import threading
+
+import lmdb
+
+from deepspark.data.datum import DataError, decode_datum
+
+# Caffe commits every 1000 records; so do we (it bounds what a retry after a
+# full map has to redo).
+COMMIT_EVERY = 1000
+INITIAL_MAP_SIZE = 1 << 26  # grows by doubling; LMDB files are as large as the data, not the map
+
+
+def is_lmdb(path):
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "data.mdb"))
+
+
+# py-lmdb refuses to open one environment twice in a process, and a feeder, the
+# describe step and a converter may all want the same database: share one
+# environment per path, counted.
+_environments = {}
+_environments_lock = threading.Lock()
+
+
+def open_db(path):
+    """Open an LMDB directory read-only (shared, no locks: readers only), or DataError saying why not.
+
+    Pair every open_db with close_db(path), or use `with opened(path) as env:`.
+    """
+    if not os.path.exists(path):
+        raise DataError("no such LMDB (create it with deepspark convert-mnist / convert-imageset, "
+                        "or fix data_param.source)", path)
+    if not is_lmdb(path):
+        raise DataError("not an LMDB (expected a directory holding data.mdb)", path)
+    real = os.path.realpath(path)
+    with _environments_lock:
+        entry = _environments.get(real)
+        if entry is None:
+            try:
+                env = lmdb.open(real, readonly=True, lock=False, readahead=False, max_readers=512)
+            except lmdb.Error as e:
+                raise DataError(f"not a readable LMDB ({e})", path) from None
+            entry = _environments[real] = [env, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def close_db(path):
+    """Release an open_db(path); the environment closes with its last user."""
+    real = os.path.realpath(path)
+    with _environments_lock:
+        entry = _environments.get(real)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _environments[real]
+            entry[0].close()
+
+
+@contextlib.contextmanager
+def opened(path):
+    env = open_db(path)
+    try:
+        yield env
+    finally:
+        close_db(path)
+
+
+def count(path):
+    """Number of records in the LMDB at path."""
+    with opened(path) as env:
+        return env.stat()["entries"]
+
+
+def first_record(path):
+    """(key, value) of the first record, or DataError if the database is empty."""
+    for key, value in read_records(path, 0, 1):
+        return key, value
+    raise DataError("the LMDB is empty", path)
+
+
+def peek_shape(path):
+    """(C, H, W) of the first record (decoding it if it is an encoded image)."""
+    key, value = first_record(path)
+    array, _ = decode_datum(value, key, path)
+    return tuple(int(d) for d in array.shape)
+
+
+def shard_range(n_records, shard, num_shards):
+    """[start, stop) of shard i of n: contiguous, sizes differ by at most one."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} is not in 0..{num_shards - 1}")
+    return n_records * shard // num_shards, n_records * (shard + 1) // num_shards
+
+
+def read_records(path, start=0, stop=None, keys_only=False):
+    """(key, value) bytes of records start..stop-1 in key order (keys only: key)."""
+    with opened(path) as env, env.begin(buffers=False) as txn:
+        cursor = txn.cursor()
+        if not cursor.first():
+            return
+        # LMDB has no index by position: step over the first `start` keys.
+        for _ in range(start):
+            if not cursor.next():
+                return
+        items = cursor.iternext(keys=True, values=not keys_only)
+        yield from (items if stop is None else itertools.islice(items, max(stop - start, 0)))
+
+
+# ---------------------------------------------------------------------------
+# Writing
+
+def temp_path(out_path):
+    return f"{out_path.rstrip(os.sep)}.tmp-{os.getpid()}"
+
+
+def _refuse_existing(out_path, overwrite):
+    if os.path.lexists(out_path) and not overwrite:
+        raise DataError("already exists; remove it or choose another output name", out_path)
+    parent = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(parent):
+        raise DataError(f"the output's directory {parent} does not exist", out_path)
+
+
+def _replace(tmp, out_path):
+    """Move tmp to out_path; an existing out_path is swapped out first, then removed."""
+    old = None
+    if os.path.lexists(out_path):
+        old = f"{out_path.rstrip(os.sep)}.old-{os.getpid()}"
+        os.rename(out_path, old)
+    os.rename(tmp, out_path)
+    if old is not None:
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.remove(old)
+
+
+def _remove(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def write_lmdb(out_path, records, overwrite=False, map_size=INITIAL_MAP_SIZE,
+               commit_every=COMMIT_EVERY):
+    """Write (key, value) bytes pairs to a new LMDB at out_path; returns the record count.
+
+    Records go to `out_path.tmp-<pid>` and are renamed to out_path only when all
+    are committed, so a failed or interrupted run never leaves a half-written
+    database at out_path. The map doubles whenever it fills.
+    """
+    _refuse_existing(out_path, overwrite)
+    tmp = temp_path(out_path)
+    _remove(tmp)
+    written = 0
+    try:
+        env = lmdb.open(tmp, map_size=map_size, subdir=True, meminit=False, map_async=True)
+        try:
+            pending = []
+            for key, value in records:
+                pending.append((key.encode() if isinstance(key, str) else key, value))
+                if len(pending) >= commit_every:
+                    _commit(env, pending)
+                    written += len(pending)
+                    pending = []
+            if pending:
+                _commit(env, pending)
+                written += len(pending)
+            env.sync(True)
+        finally:
+            env.close()
+        _replace(tmp, out_path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return written
+
+
+def _commit(env, pending):
+    while True:
+        try:
+            with env.begin(write=True) as txn:
+                for key, value in pending:
+                    txn.put(key, value)
+            return
+        except lmdb.MapFullError:
+            env.set_mapsize(env.info()["map_size"] * 2)
+
+
+def atomic_write_bytes(out_path, data, overwrite=True):
+    """Write a small file under a temp name, then rename it into place."""
+    if not overwrite:
+        _refuse_existing(out_path, overwrite)
+    tmp = temp_path(out_path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        _remove(tmp)
+        raise
