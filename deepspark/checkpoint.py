@@ -1,0 +1,160 @@
+"""Caffe's .caffemodel and .solverstate files, in and out, written atomically."""
+
+import os
+
+import numpy as np
+
+from deepspark.config import ConfigError
+from deepspark.proto import deepspark_pb2 as pb
+
+
+def atomic_write(path, data):
+    """Write bytes to a temporary name beside `path`, then rename: never a half-written file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    partial = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(partial, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def array_to_blob(array, blob=None):
+    blob = blob if blob is not None else pb.BlobProto()
+    array = np.asarray(array, dtype=np.float32)
+    blob.shape.dim.extend(array.shape)
+    blob.data.extend(array.ravel().tolist())
+    return blob
+
+
+def blob_to_array(blob):
+    """A BlobProto as float32, with its shape (or the legacy num/channels/height/width)."""
+    if blob.HasField("shape"):
+        shape = tuple(blob.shape.dim)
+    elif blob.num or blob.channels or blob.height or blob.width:
+        shape = (blob.num, blob.channels, blob.height, blob.width)
+    else:
+        shape = (len(blob.data) or len(blob.double_data),)
+    values = blob.data if len(blob.data) else blob.double_data
+    array = np.asarray(values, dtype=np.float32)
+    if array.size != int(np.prod(shape)):
+        raise ValueError(f"blob holds {array.size} values for shape {shape}")
+    return array.reshape(shape)
+
+
+def _layer_blobs(graph, arrays):
+    """Per layer name, its parameter arrays in Caffe's order (shared blobs repeated in each sharer)."""
+    if len(arrays) != len(graph.params):
+        raise ValueError(f"{len(arrays)} arrays for {len(graph.params)} parameters")
+    by_position = {}
+    for param, array in zip(graph.params, arrays):
+        array = np.asarray(array, dtype=np.float32)
+        if tuple(array.shape) != tuple(param.shape):
+            raise ValueError(f"layer '{param.layer}' param {param.index}: shape {array.shape}, "
+                             f"expected {param.shape}")
+        by_position[(param.layer, param.index)] = array
+        for sharer in param.sharers:
+            by_position[sharer] = array
+    blobs = {}
+    for layer in graph.layers:
+        blobs[layer.name] = [by_position[(layer.name, i)] for i in range(len(layer.param_shapes))]
+    return blobs
+
+
+def net_to_proto(graph, arrays):
+    """A NetParameter like Caffe's Net::ToProto: every layer's definition, learned blobs attached."""
+    net = pb.NetParameter(name=graph.name)
+    blobs = _layer_blobs(graph, arrays)
+    for layer in graph.layers:
+        out = net.layer.add()
+        out.CopyFrom(layer.param)
+        del out.blobs[:]
+        out.phase = graph.phase
+        for array in blobs[layer.name]:
+            array_to_blob(array, out.blobs.add())
+    return net
+
+
+def save_caffemodel(path, graph, arrays):
+    """Write the weights of `graph` (arrays in graph.params order) as a Caffe .caffemodel."""
+    atomic_write(path, net_to_proto(graph, arrays).SerializeToString())
+
+
+def read_caffemodel(path):
+    """{layer name: [float32 arrays]} from a .caffemodel written by Caffe or by us."""
+    try:
+        with open(path, "rb") as stream:
+            data = stream.read()
+    except OSError as error:
+        raise ConfigError(f"cannot read weights: {error.strerror}", path) from None
+    net = pb.NetParameter()
+    try:
+        net.ParseFromString(data)
+    except Exception:
+        raise ConfigError("not a .caffemodel (binary NetParameter): cannot parse it", path) from None
+    if not net.layer:
+        raise ConfigError("this .caffemodel has no layers (V1 'layers' models need Caffe's upgrade tool)", path)
+    try:
+        return {layer.name: [blob_to_array(b) for b in layer.blobs] for layer in net.layer if layer.blobs}
+    except ValueError as error:
+        raise ConfigError(f"corrupt blob: {error}", path) from None
+
+
+def weights_for(graph, layer_blobs, initial, path="<weights>"):
+    """graph.params-ordered arrays: copied from `layer_blobs` by layer name (Caffe's
+    CopyTrainedLayersFrom), `initial` for layers the file does not have."""
+    out = []
+    for param, init in zip(graph.params, initial):
+        source = layer_blobs.get(param.layer)
+        if source is None:
+            out.append(init)
+            continue
+        if param.index >= len(source):
+            raise ConfigError(f"layer '{param.layer}' has {len(source)} blobs in the weights, "
+                              f"the net needs {len(graph.layer(param.layer).param_shapes)}", path)
+        blob = source[param.index]
+        if tuple(blob.shape) != tuple(param.shape):
+            if blob.size != int(np.prod(param.shape)) or blob.ndim != 4:
+                raise ConfigError(f"cannot copy param {param.index} of layer '{param.layer}': shape mismatch, "
+                                  f"weights have {blob.shape}, the net needs {param.shape}", path)
+            blob = blob.reshape(param.shape)  # legacy 4D blob, as Caffe accepts
+        out.append(np.ascontiguousarray(blob, dtype=np.float32))
+    return out
+
+
+def snapshot_paths(prefix, iteration):
+    base = f"{prefix}_iter_{iteration}"
+    return base + ".caffemodel", base + ".solverstate"
+
+
+def save_solverstate(path, state):
+    atomic_write(path, state.SerializeToString())
+
+
+def read_solverstate(path):
+    try:
+        with open(path, "rb") as stream:
+            data = stream.read()
+    except OSError as error:
+        raise ConfigError(f"cannot read solver state: {error.strerror}", path) from None
+    state = pb.SolverState()
+    try:
+        state.ParseFromString(data)
+    except Exception:
+        raise ConfigError("not a .solverstate (binary SolverState): cannot parse it", path) from None
+    return state
+
+
+def learned_net_path(state, solverstate_path):
+    """The .caffemodel a solver state names, relative to the state's folder when not found as is."""
+    learned = state.learned_net
+    if learned and not os.path.exists(learned):
+        beside = os.path.join(os.path.dirname(solverstate_path), os.path.basename(learned))
+        if os.path.exists(beside):
+            return beside
+    return learned

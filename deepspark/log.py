@@ -1,0 +1,73 @@
+"""Caffe-style log lines (glog's prefix) to stderr and a log file, and a progress line on a terminal."""
+
+import datetime
+import os
+import sys
+import time
+
+
+class Log:
+    """`I1129 13:02:03.123456 4242 deepspark] message` lines, like Caffe's glog output.
+
+    The prefix carries the wall-clock time that `deepspark plot` reads back.
+    On a terminal a progress line is redrawn below the log lines.
+    """
+
+    def __init__(self, path=None, stream=None, progress=None):
+        self.stream = stream or sys.stderr
+        self.file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a", encoding="utf-8")
+        self.progress_enabled = self.stream.isatty() if progress is None else progress
+        self._progress = ""
+
+    def info(self, message, level="I"):
+        now = datetime.datetime.now()
+        line = f"{level}{now:%m%d %H:%M:%S.%f} {os.getpid()} deepspark] {message}"
+        if self._progress:
+            self.stream.write("\r\033[K")
+        self.stream.write(line + "\n")
+        if self._progress:
+            self.stream.write(self._progress)
+        self.stream.flush()
+        if self.file:
+            self.file.write(line + "\n")
+            self.file.flush()
+
+    def warning(self, message):
+        self.info(message, "W")
+
+    def progress(self, text):
+        """Redraw the progress line (terminals only)."""
+        if not self.progress_enabled:
+            return
+        self._progress = text
+        self.stream.write("\r\033[K" + text)
+        self.stream.flush()
+
+    def end_progress(self):
+        if self._progress:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self._progress = ""
+
+    def close(self):
+        self.end_progress()
+        if self.file:
+            self.file.close()
+            self.file = None
+
+
+def progress_bar(done, total, width=30, started=None, extra=""):
+    """`[=====>    ] 1200/10000  312 it/s  ETA 28s  extra`."""
+    fraction = min(done / total, 1.0) if total else 1.0
+    filled = int(fraction * width)
+    bar = "=" * filled + (">" if filled < width else "") + " " * (width - filled - 1)
+    text = f"[{bar[:width]}] {done}/{total}"
+    if started is not None and done:
+        elapsed = time.monotonic() - started
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (total - done) / rate if rate > 0 else 0.0
+        text += f"  {rate:.1f} it/s  ETA {eta:.0f}s"
+    return text + (f"  {extra}" if extra else "")
