@@ -374,5 +374,12 @@ def test_write_lmdb_is_atomic_and_grows_its_map(tmp_path):
     with pytest.raises(RuntimeError):
         lmdb_io.write_lmdb(str(tmp_path / "new_lmdb"), failing())
     assert not os.path.exists(tmp_path / "new_lmdb") and leftovers(tmp_path) == []
+
+    def interrupted():
+        yield from big[:120]
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        lmdb_io.write_lmdb(str(tmp_path / "int_lmdb"), interrupted(), commit_every=50)
+    assert not os.path.exists(tmp_path / "int_lmdb") and leftovers(tmp_path) == []
     assert lmdb_io.write_lmdb(out, big[:2], overwrite=True) == 2
     assert lmdb_io.count(out) == 2 and leftovers(tmp_path) == []

@@ -41,12 +41,12 @@ def read_idx(path, magic):
     ndims = 3 if magic == IDX_IMAGES_MAGIC else 1
     kind = "image" if magic == IDX_IMAGES_MAGIC else "label"
     header = 4 * (1 + ndims)
-    if len(raw) < header:
-        raise DataError(f"too short for an IDX {kind} file ({len(raw)} bytes)", path)
-    found = int.from_bytes(raw[:4], "big")
+    found = int.from_bytes(raw[:4], "big") if len(raw) >= 4 else None
     if found != magic:
         raise DataError(f"wrong magic number {found} (an IDX {kind} file starts with {magic})",
                         path)
+    if len(raw) < header:
+        raise DataError(f"too short for an IDX {kind} file ({len(raw)} bytes)", path)
     dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndims)]
     expected = int(np.prod(dims))
     payload = memoryview(raw)[header:]
