@@ -1,0 +1,20 @@
+"""Backends behind one contract (base.Model); pick one by name, imported only when asked for."""
+
+import importlib
+
+BACKENDS = {
+    "tensorflow": "deepspark.backends.tensorflow",
+    "caffe": "deepspark.backends.caffe",
+}
+
+
+def backend_module(name):
+    """The module of backend `name`; importing it is what loads TensorFlow or pycaffe."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend '{name}'; supported: {', '.join(sorted(BACKENDS))}")
+    return importlib.import_module(BACKENDS[name])
+
+
+def create_model(backend_name, net_param, solver_param=None, **kw):
+    """A base.Model of backend `backend_name` for this net (and solver, to train it)."""
+    return backend_module(backend_name).Model(net_param, solver_param, **kw)

@@ -1,0 +1,191 @@
+"""The backend contract: a Caffe net and solver as a model with Caffe's parameter layout.
+
+Every backend's Model takes the same arguments and honours the same
+layout: parameters are float32 arrays in Caffe's blob order and shapes
+(graph.params: layer by layer, shared blobs once; OIHW convolution weights),
+and the flat vector the exchanger moves is their concatenation in that
+order. `step` is one Caffe solver iteration, `forward` one Caffe forward
+pass, and the solver state is Caffe's SolverState.
+"""
+
+import abc
+
+import numpy as np
+
+from deepspark import schedule
+from deepspark.config import ConfigError, solver_type
+from deepspark.graph import DATA_TYPES, Graph, fmt
+from deepspark.proto import deepspark_pb2 as pb
+
+
+class Model(abc.ABC):
+    """A net (and its solver) compiled by one backend.
+
+    net_param: the NetParameter; solver_param: the SolverParameter (None for a
+    net that is only run forward); phase: pb.TRAIN or pb.TEST; source: the
+    net's config.SourceMap, for errors; batch_size: overrides the data layers'
+    batch size; seed: fillers and random layers (default: the solver's
+    random_seed when set); stages: NetState stages; data_shape: callable
+    (LayerParameter -> (C, H, W)) giving Data layers their image shape.
+    """
+
+    def __init__(self, net_param, solver_param=None, phase=pb.TRAIN, source=None, batch_size=None,
+                 seed=None, stages=None, data_shape=None):
+        self.net_param = net_param
+        self.solver_param = pb.SolverParameter() if solver_param is None else solver_param
+        self.graph = Graph(net_param, phase, stages=stages, source=source, data_shape=data_shape,
+                           batch_size=batch_size)
+        self._check_shapes()
+        if seed is None and self.solver_param.random_seed >= 0:
+            seed = self.solver_param.random_seed
+        self.seed = seed
+        self.phase = self.graph.phase
+        self.solver_type = solver_type(self.solver_param)
+        self.iter = 0
+        self.current_step = 0
+        self.param_shapes = [tuple(p.shape) for p in self.graph.params]
+        self.param_sizes = [int(np.prod(s, dtype=np.int64)) for s in self.param_shapes]
+        self.param_offsets = np.concatenate([[0], np.cumsum(self.param_sizes, dtype=np.int64)]).tolist()
+        self.param_count = self.param_offsets[-1]
+        self.iter_size = max(self.solver_param.iter_size, 1)
+        self.history_sets = schedule.HISTORY_SETS[self.solver_type]
+
+    def _check_shapes(self):
+        for layer in self.graph.layers:
+            if any(shape is None for shape in layer.top_shapes):
+                kind = "its data shape" if layer.type in DATA_TYPES else "a shape"
+                raise ConfigError(f"layer '{layer.name}' ({layer.type}): {kind} is unknown; pass "
+                                  "data_shape=callable returning (channels, height, width)",
+                                  *self.graph.source.where(layer.index))
+
+    # -- parameters -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def get_params(self):
+        """float32 copies of the parameters, Caffe's order and shapes."""
+
+    @abc.abstractmethod
+    def set_params(self, arrays):
+        """Load parameters given in Caffe's order and shapes."""
+
+    def get_flat(self, out=None):
+        """All parameters as one C-contiguous float32 vector, Caffe's order."""
+        if out is None:
+            out = np.empty(self.param_count, np.float32)
+        for array, start, end in zip(self.get_params(), self.param_offsets, self.param_offsets[1:]):
+            out[start:end] = array.reshape(-1)
+        return out
+
+    def set_flat(self, vector):
+        self.set_params(self.split_flat(vector))
+
+    def split_flat(self, vector):
+        """Views of a flat vector as the parameter arrays."""
+        vector = np.asarray(vector, np.float32)
+        if vector.shape != (self.param_count,):
+            raise ValueError(f"flat parameter vector has shape {vector.shape}, expected ({self.param_count},)")
+        return [vector[start:end].reshape(shape) for shape, start, end
+                in zip(self.param_shapes, self.param_offsets, self.param_offsets[1:])]
+
+    def check_arrays(self, arrays, shapes=None, what="parameter"):
+        """float32 arrays in the expected shapes, or a ValueError naming the first mismatch."""
+        shapes = self.param_shapes if shapes is None else shapes
+        arrays = list(arrays)
+        if len(arrays) != len(shapes):
+            raise ValueError(f"expected {len(shapes)} {what} arrays, got {len(arrays)}")
+        result = []
+        for i, (array, shape) in enumerate(zip(arrays, shapes)):
+            array = np.asarray(array, np.float32)
+            if array.shape != tuple(shape):
+                if array.size != int(np.prod(shape, dtype=np.int64)):
+                    raise ValueError(f"{what} {i} has shape {fmt(array.shape)}, expected {fmt(shape)}")
+                array = array.reshape(shape)  # Caffe's legacy 4-axis blobs of the same count
+            result.append(array)
+        return result
+
+    def layer_blobs(self, layer_name):
+        """Indices into the parameter list of a layer's blobs, in the layer's order (shared ones too)."""
+        layer = self.graph.layer(layer_name)
+        index = {}
+        for i, param in enumerate(self.graph.params):
+            index[(param.layer, param.index)] = i
+            for sharer in param.sharers:
+                index[tuple(sharer)] = i
+        return [index[(layer.name, b)] for b in range(len(layer.param_shapes))]
+
+    def get_blobs(self, layer_name):
+        """A layer's parameter blobs (Caffe's net.params[layer_name]) as float32 arrays."""
+        params = self.get_params()
+        return [params[i] for i in self.layer_blobs(layer_name)]
+
+    def set_blobs(self, layer_name, arrays):
+        params = self.get_params()
+        indices = self.layer_blobs(layer_name)
+        arrays = self.check_arrays(arrays, [self.param_shapes[i] for i in indices], f"'{layer_name}' blob")
+        for i, array in zip(indices, arrays):
+            params[i] = array
+        self.set_params(params)
+
+    # -- running --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def step(self, batch):
+        """One solver iteration; `batch` is {data top: array}, or a list of iter_size of them.
+
+        Returns the loss (sum of loss_weight * loss tops, averaged over iter_size).
+        """
+
+    @abc.abstractmethod
+    def forward(self, batch):
+        """{output blob: array} of one forward pass (the phase's semantics), Caffe's layout."""
+
+    def batches(self, batch):
+        """`batch` as a list of iter_size dicts."""
+        batches = [batch] if isinstance(batch, dict) else list(batch)
+        if len(batches) != self.iter_size:
+            raise ValueError(f"step needs {self.iter_size} batches (iter_size), got {len(batches)}")
+        return batches
+
+    def learning_rate(self):
+        """The learning rate Caffe's solver would use at the current iteration."""
+        return schedule.learning_rate(self.solver_param, self.iter, self.current_step)[0]
+
+    def next_rate(self):
+        """The rate for this iteration, advancing the multistep counter as Caffe does."""
+        rate, self.current_step = schedule.learning_rate(self.solver_param, self.iter, self.current_step)
+        return rate
+
+    # -- solver state ---------------------------------------------------------
+
+    @property
+    def history_shapes(self):
+        return self.param_shapes * self.history_sets
+
+    @abc.abstractmethod
+    def get_history(self):
+        """The solver's history blobs, Caffe's SolverState order, as float32 arrays."""
+
+    @abc.abstractmethod
+    def set_history(self, arrays):
+        """Load history blobs given in Caffe's SolverState order."""
+
+    def get_state(self):
+        """Caffe's SolverState: iter, current_step and one history blob per history array."""
+        state = pb.SolverState(iter=self.iter, current_step=self.current_step)
+        for array in self.get_history():
+            blob = state.history.add()
+            blob.shape.dim.extend(array.shape)
+            blob.data.extend(array.reshape(-1).tolist())
+        return state
+
+    def set_state(self, state):
+        if len(state.history) != len(self.history_shapes):
+            raise ValueError(f"solver state has {len(state.history)} history blobs; a {self.solver_type} "
+                             f"solver for this net has {len(self.history_shapes)}")
+        arrays = []
+        for blob, shape in zip(state.history, self.history_shapes):
+            data = blob.double_data if len(blob.double_data) else blob.data
+            arrays.append(np.asarray(data, np.float32))
+        self.set_history(self.check_arrays(arrays, self.history_shapes, "history blob"))
+        self.iter = state.iter
+        self.current_step = state.current_step

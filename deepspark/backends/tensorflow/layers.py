@@ -1,0 +1,582 @@
+"""The layer table: each Caffe layer type as one small TensorFlow function.
+
+A layer function takes (layer, bottoms, params, ctx): the graph.Layer (its
+LayerParameter and shapes), its bottom Blobs, its parameter blobs as tensors
+in Caffe's shapes, and the compiler's Context; it returns its top Blobs.
+Adding a layer means one function and its @layer registration here.
+
+Convolutions, pooling and LRN compute in NHWC (TensorFlow's fast layout on
+CPU) and hand NHWC blobs on; layers that only care about the channel axis keep
+that layout, every other layer sees Caffe's (N, C, H, W).
+"""
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from deepspark import fillers
+from deepspark.graph import canonical_axis, conv_geometry, pool_geometry
+from deepspark.proto import deepspark_pb2 as pb
+
+TO_NHWC = (0, 2, 3, 1)
+TO_NCHW = (0, 3, 1, 2)
+
+LAYERS = {}
+
+
+def layer(*types):
+    def register(function):
+        for kind in types:
+            LAYERS[kind] = function
+        return function
+    return register
+
+
+class Blob(NamedTuple):
+    """A blob's tensor and its layout: Caffe's, or NHWC (4-axis blobs only)."""
+
+    tensor: tf.Tensor
+    nhwc: bool = False
+
+    @property
+    def rank(self):
+        return self.tensor.shape.rank
+
+    @property
+    def caffe(self):
+        """The tensor in Caffe's layout."""
+        return tf.transpose(self.tensor, TO_NCHW) if self.nhwc else self.tensor
+
+    @property
+    def as_nhwc(self):
+        if self.nhwc:
+            return self.tensor
+        if self.rank != 4:
+            raise NotImplementedError(f"the TensorFlow backend supports 2D spatial layers only, got a "
+                                      f"{self.rank}-axis blob")
+        return tf.transpose(self.tensor, TO_NHWC)
+
+    def axis(self, axis):
+        """The tensor axis that holds Caffe's axis `axis`."""
+        axis = canonical_axis(axis, self.rank)
+        return TO_NHWC.index(axis) if self.nhwc else axis
+
+    def like(self, tensor):
+        return Blob(tensor, self.nhwc)
+
+
+def same_layout(blobs):
+    """The tensors of `blobs` in one layout (NHWC only if all are), and that layout."""
+    nhwc = all(b.nhwc for b in blobs)
+    return [b.tensor if nhwc else b.caffe for b in blobs], nhwc
+
+
+def broadcast(blob, operand, axis):
+    """(x, operand) ready to combine: operand covers Caffe axes axis..axis+operand.rank of blob."""
+    count = operand.shape.rank
+    if blob.nhwc and axis == 1 and count == 1:
+        return blob.tensor, operand
+    if blob.nhwc and axis == 1 and count == 3:
+        return blob.tensor, tf.transpose(operand, (1, 2, 0))
+    x = blob.caffe
+    shape = [1] * axis + operand.shape.as_list() + [1] * (x.shape.rank - axis - count)
+    return x, tf.reshape(operand, shape)
+
+
+def one_top(function):
+    """A layer whose single top is function(x, param) on the bottom's tensor, layout kept."""
+    def run(layer, bottoms, params, ctx):
+        return [bottoms[0].like(function(bottoms[0].tensor, layer.param))]
+    run.__name__ = function.__name__
+    run.__doc__ = function.__doc__
+    return run
+
+
+# -- data -----------------------------------------------------------------------
+
+@layer("Input", "Data", "MemoryData")
+def data(layer, bottoms, params, ctx):
+    return [Blob(ctx.inputs[top]) for top in layer.tops]
+
+
+@layer("DummyData")
+def dummy_data(layer, bottoms, params, ctx):
+    """Caffe's DummyData: filled once for constant fillers, refilled every pass otherwise."""
+    specs = list(layer.param.dummy_data_param.data_filler) or [pb.FillerParameter()]
+    tops = []
+    for i, shape in enumerate(layer.top_shapes):
+        filler = specs[i] if len(specs) > 1 else specs[0]
+        kind = filler.type or "constant"
+        if kind == "constant":
+            value = tf.fill(shape, filler.value)
+        elif kind == "uniform":
+            value = ctx.rng.uniform(shape, filler.min, filler.max)
+        elif kind == "gaussian" and filler.sparse < 0:
+            value = ctx.rng.normal(shape, filler.mean, filler.std)
+        else:
+            value = tf.constant(fillers.fill(filler, shape, np.random.default_rng(ctx.seed)))
+        tops.append(Blob(value))
+    return tops
+
+
+# -- vision ---------------------------------------------------------------------
+
+def _explicit_pad(pad):
+    return [[0, 0], [pad[0], pad[0]], [pad[1], pad[1]], [0, 0]] if any(pad) else "VALID"
+
+
+def _check_2d(layer, what):
+    param = layer.param.convolution_param
+    if len(layer.bottom_shapes[0]) != 4 or canonical_axis(param.axis, 4) != 1:
+        raise NotImplementedError(f"layer '{layer.name}': the TensorFlow backend supports 2D {what} only")
+
+
+@layer("Convolution")
+def convolution(layer, bottoms, params, ctx):
+    _check_2d(layer, "convolution")
+    param = layer.param.convolution_param
+    kernel, pad, stride, dilation = conv_geometry(param, 2)
+    weights = tf.transpose(params[0], (2, 3, 1, 0))  # OIHW -> HWIO; TF groups by input channels
+    y = tf.nn.conv2d(bottoms[0].as_nhwc, weights, strides=[1, *stride, 1], padding=_explicit_pad(pad),
+                     dilations=[1, *dilation, 1])
+    if param.bias_term:
+        y = tf.nn.bias_add(y, params[1])
+    return [Blob(y, True)]
+
+
+@layer("Deconvolution")
+def deconvolution(layer, bottoms, params, ctx):
+    """The adjoint of Caffe's convolution with the same (C_in, C_out/group, kh, kw) blob."""
+    _check_2d(layer, "deconvolution")
+    param = layer.param.convolution_param
+    kernel, pad, stride, dilation = conv_geometry(param, 2)
+    x = bottoms[0].as_nhwc
+    n, _, h, w = layer.bottom_shapes[0]
+    group, outputs = param.group, param.num_output
+    full = [s * (size - 1) + d * (k - 1) + 1 for size, k, s, d in zip((h, w), kernel, stride, dilation)]
+    weights = tf.transpose(params[0], (2, 3, 1, 0))  # (kh, kw, C_out/group, C_in)
+    inputs = tf.split(x, group, axis=3) if group > 1 else [x]
+    filters = tf.split(weights, group, axis=3) if group > 1 else [weights]
+    ys = [tf.nn.conv2d_transpose(xg, wg, [n, *full, outputs // group], strides=[1, *stride, 1],
+                                 padding="VALID", dilations=[1, *dilation, 1])
+          for xg, wg in zip(inputs, filters)]
+    y = tf.concat(ys, axis=3) if group > 1 else ys[0]
+    out_h, out_w = layer.top_shapes[0][2:]
+    y = y[:, pad[0]:pad[0] + out_h, pad[1]:pad[1] + out_w, :]
+    if param.bias_term:
+        y = tf.nn.bias_add(y, params[1])
+    return [Blob(y, True)]
+
+
+def average_divisor(size, out, kernel, pad, stride):
+    """Caffe's AVE pooling divisor per output position on one axis: the window clipped to size+pad."""
+    starts = np.arange(out) * stride - pad
+    return np.minimum(starts + kernel, size + pad) - starts
+
+
+@layer("Pooling")
+def pooling(layer, bottoms, params, ctx):
+    param = layer.param.pooling_param
+    if len(layer.tops) > 1:
+        raise NotImplementedError(f"layer '{layer.name}': the pooling mask top is not supported")
+    _, _, h, w = layer.bottom_shapes[0]
+    kernel, pad, stride = pool_geometry(param, h, w)
+    out = layer.top_shapes[0][2:]
+    x = bottoms[0].as_nhwc
+    if param.pool not in (pb.PoolingParameter.MAX, pb.PoolingParameter.AVE):
+        raise NotImplementedError(f"layer '{layer.name}': only MAX and AVE pooling are supported")
+    is_max = param.pool == pb.PoolingParameter.MAX
+    if param.global_pooling or (tuple(kernel) == (h, w) and tuple(out) == (1, 1) and not any(pad)):
+        y = tf.reduce_max(x, (1, 2), keepdims=True) if is_max else tf.reduce_mean(x, (1, 2), keepdims=True)
+        return [Blob(y, True)]
+    # Pad so the VALID windows are exactly Caffe's ceil-mode windows: padding
+    # never wins a max and adds nothing to a sum.
+    needed = [(o - 1) * s + k for o, s, k in zip(out, stride, kernel)]
+    after = [max(n - size - p, 0) for n, size, p in zip(needed, (h, w), pad)]
+    if any(pad) or any(after):
+        fill = np.finfo(np.float32).min if is_max else 0.0
+        x = tf.pad(x, [[0, 0], [pad[0], after[0]], [pad[1], after[1]], [0, 0]], constant_values=fill)
+    if any(n < size + p + a for n, size, p, a in zip(needed, (h, w), pad, after)):
+        x = x[:, :needed[0], :needed[1], :]
+    if is_max:
+        return [Blob(tf.nn.max_pool2d(x, kernel, stride, "VALID"), True)]
+    y = tf.nn.avg_pool2d(x, kernel, stride, "VALID")
+    divisor = np.outer(average_divisor(h, out[0], kernel[0], pad[0], stride[0]),
+                       average_divisor(w, out[1], kernel[1], pad[1], stride[1]))
+    ratio = (kernel[0] * kernel[1]) / divisor
+    if not np.all(ratio == 1):
+        y = y * tf.constant(ratio[:, :, None], tf.float32)
+    return [Blob(y, True)]
+
+
+@layer("LRN")
+def lrn(layer, bottoms, params, ctx):
+    param = layer.param.lrn_param
+    size, alpha, beta = param.local_size, param.alpha, param.beta
+    x = bottoms[0].as_nhwc
+    if param.norm_region == pb.LRNParameter.ACROSS_CHANNELS:
+        # TF's sqr_sum runs over depth_radius on each side: Caffe's window of local_size.
+        y = tf.nn.local_response_normalization(x, depth_radius=(size - 1) // 2, bias=param.k,
+                                               alpha=alpha / size, beta=beta)
+        return [Blob(y, True)]
+    # WITHIN_CHANNEL: Caffe's square -> AVE pool (zero padded, divisor size^2) -> (1 + alpha*s)^-beta.
+    half = (size - 1) // 2
+    squares = tf.pad(tf.square(x), [[0, 0], [half, half], [half, half], [0, 0]])
+    mean = tf.nn.avg_pool2d(squares, size, 1, "VALID")
+    return [Blob(x * tf.pow(1.0 + alpha * mean, -beta), True)]
+
+
+# -- common ---------------------------------------------------------------------
+
+@layer("InnerProduct")
+def inner_product(layer, bottoms, params, ctx):
+    param = layer.param.inner_product_param
+    shape = layer.bottom_shapes[0]
+    axis = canonical_axis(param.axis, len(shape))
+    rows = math.prod(shape[:axis])
+    x = tf.reshape(bottoms[0].caffe, (rows, -1))
+    y = tf.matmul(x, params[0], transpose_b=not param.transpose)
+    if param.bias_term:
+        y = tf.nn.bias_add(y, params[1])
+    return [Blob(tf.reshape(y, layer.top_shapes[0]))]
+
+
+@layer("Dropout")
+def dropout(layer, bottoms, params, ctx):
+    """Caffe's dropout: keep with probability 1-p and scale by 1/(1-p) in TRAIN; identity in TEST."""
+    ratio = layer.param.dropout_param.dropout_ratio
+    x = bottoms[0].tensor
+    if not ctx.train or ratio == 0:
+        return [bottoms[0]]
+    keep = ctx.rng.uniform(tf.shape(x)) >= ratio
+    return [bottoms[0].like(tf.where(keep, x * (1.0 / (1.0 - ratio)), 0.0))]
+
+
+@layer("BatchNorm")
+def batch_norm(layer, bottoms, params, ctx):
+    """Caffe's BatchNorm: blobs (mean*s, var*s, s); batch statistics update them in TRAIN."""
+    param = layer.param.batch_norm_param
+    blob = bottoms[0]
+    x = blob.tensor
+    channel = blob.axis(1) if blob.rank > 1 else None
+    axes = [a for a in range(blob.rank) if a != channel]
+    shape = [1] * blob.rank
+    if channel is not None:
+        shape[channel] = -1
+    use_global = param.use_global_stats if param.HasField("use_global_stats") else not ctx.train
+    mean_blob, var_blob, factor_blob = params
+    if use_global:
+        factor = tf.where(factor_blob[0] == 0, 0.0, 1.0 / tf.where(factor_blob[0] == 0, 1.0, factor_blob[0]))
+        mean, var = mean_blob * factor, var_blob * factor
+    else:
+        mean, var = tf.nn.moments(x, axes)
+        fraction = param.moving_average_fraction
+        m = math.prod(layer.bottom_shapes[0]) // (layer.bottom_shapes[0][1] if blob.rank > 1 else 1)
+        correction = m / (m - 1) if m > 1 else 1.0
+        ctx.update(layer, 0, fraction * mean_blob + tf.stop_gradient(mean))
+        ctx.update(layer, 1, fraction * var_blob + correction * tf.stop_gradient(var))
+        ctx.update(layer, 2, fraction * factor_blob + 1.0)
+    y = (x - tf.reshape(mean, shape)) * tf.reshape(tf.math.rsqrt(var + param.eps), shape)
+    return [blob.like(y)]
+
+
+def _operand_axis(layer, param, operand_rank):
+    rank = len(layer.bottom_shapes[0])
+    if len(layer.bottoms) > 1 and operand_rank == 0:
+        return 0
+    return canonical_axis(param.axis, rank) if rank else 0
+
+
+@layer("Scale")
+def scale(layer, bottoms, params, ctx):
+    param = layer.param.scale_param
+    blob = bottoms[0]
+    params = list(params)
+    operand = bottoms[1].caffe if len(bottoms) > 1 else params.pop(0)
+    axis = _operand_axis(layer, param, operand.shape.rank)
+    x, factor = broadcast(blob, operand, axis)
+    y = x * factor
+    if param.bias_term:
+        y = y + broadcast(blob, params[0], axis)[1]
+    return [Blob(y, blob.nhwc and x is blob.tensor)]
+
+
+@layer("Bias")
+def bias(layer, bottoms, params, ctx):
+    param = layer.param.bias_param
+    blob = bottoms[0]
+    operand = bottoms[1].caffe if len(bottoms) > 1 else params[0]
+    x, term = broadcast(blob, operand, _operand_axis(layer, param, operand.shape.rank))
+    return [Blob(x + term, blob.nhwc and x is blob.tensor)]
+
+
+@layer("Eltwise")
+def eltwise(layer, bottoms, params, ctx):
+    param = layer.param.eltwise_param
+    xs, nhwc = same_layout(bottoms)
+    if param.operation == pb.EltwiseParameter.PROD:
+        y = xs[0]
+        for x in xs[1:]:
+            y = y * x
+    elif param.operation == pb.EltwiseParameter.MAX:
+        y = xs[0]
+        for x in xs[1:]:
+            y = tf.maximum(y, x)
+    else:
+        coeffs = list(param.coeff) or [1.0] * len(xs)
+        y = xs[0] if coeffs[0] == 1 else coeffs[0] * xs[0]
+        for c, x in zip(coeffs[1:], xs[1:]):
+            y = y + (x if c == 1 else c * x)
+    return [Blob(y, nhwc)]
+
+
+@layer("Concat")
+def concat(layer, bottoms, params, ctx):
+    param = layer.param.concat_param
+    axis = param.concat_dim if param.HasField("concat_dim") else param.axis
+    xs, nhwc = same_layout(bottoms)
+    if len(xs) == 1:
+        return [Blob(xs[0], nhwc)]
+    return [Blob(tf.concat(xs, Blob(xs[0], nhwc).axis(axis)), nhwc)]
+
+
+@layer("Slice")
+def slice_(layer, bottoms, params, ctx):
+    param = layer.param.slice_param
+    axis = param.slice_dim if param.HasField("slice_dim") else param.axis
+    blob = bottoms[0]
+    caffe_axis = canonical_axis(axis, blob.rank)
+    sizes = [shape[caffe_axis] for shape in layer.top_shapes]
+    return [blob.like(t) for t in tf.split(blob.tensor, sizes, axis=blob.axis(caffe_axis))]
+
+
+@layer("Split")
+def split(layer, bottoms, params, ctx):
+    return [bottoms[0]] * len(layer.tops)
+
+
+@layer("Silence")
+def silence(layer, bottoms, params, ctx):
+    return []
+
+
+@layer("Flatten", "Reshape")
+def reshape(layer, bottoms, params, ctx):
+    return [Blob(tf.reshape(bottoms[0].caffe, layer.top_shapes[0]))]
+
+
+@layer("Softmax")
+def softmax(layer, bottoms, params, ctx):
+    blob = bottoms[0]
+    return [blob.like(tf.nn.softmax(blob.tensor, axis=blob.axis(layer.param.softmax_param.axis)))]
+
+
+@layer("ArgMax")
+def argmax(layer, bottoms, params, ctx):
+    """Caffe's ArgMax; among equal values the higher index wins, as Caffe's pair sort does."""
+    param = layer.param.argmax_param
+    x = tf.stop_gradient(bottoms[0].caffe)
+    shape = layer.bottom_shapes[0]
+    if param.HasField("axis"):
+        axis = canonical_axis(param.axis, len(shape))
+        moved = tf.experimental.numpy.moveaxis(x, axis, -1)
+    else:
+        moved = tf.reshape(x, (shape[0], -1))
+    size = moved.shape[-1]
+    values, reversed_index = tf.math.top_k(tf.reverse(moved, [-1]), param.top_k, sorted=True)
+    index = tf.cast(size - 1 - reversed_index, tf.float32)
+    if param.HasField("axis"):
+        y = values if param.out_max_val else index
+        y = tf.experimental.numpy.moveaxis(y, -1, axis)
+    elif param.out_max_val:
+        y = tf.stack([index, values], axis=1)
+    else:
+        y = index[:, None, :]
+    return [Blob(tf.reshape(y, layer.top_shapes[0]))]
+
+
+# -- neurons --------------------------------------------------------------------
+
+@layer("ReLU")
+@one_top
+def relu(x, lp):
+    slope = lp.relu_param.negative_slope
+    return tf.nn.relu(x) if slope == 0 else tf.maximum(x, 0.0) + slope * tf.minimum(x, 0.0)
+
+
+@layer("Sigmoid")
+@one_top
+def sigmoid(x, lp):
+    return tf.sigmoid(x)
+
+
+@layer("TanH")
+@one_top
+def tanh(x, lp):
+    return tf.tanh(x)
+
+
+@layer("AbsVal")
+@one_top
+def absval(x, lp):
+    return tf.abs(x)
+
+
+@layer("BNLL")
+@one_top
+def bnll(x, lp):
+    return tf.nn.softplus(x)
+
+
+@layer("ELU")
+@one_top
+def elu(x, lp):
+    alpha = lp.elu_param.alpha
+    return tf.where(x > 0, x, alpha * tf.math.expm1(tf.minimum(x, 0.0)))
+
+
+@layer("Power")
+@one_top
+def power(x, lp):
+    """Caffe's Power: (shift + scale * x) ^ power."""
+    p = lp.power_param
+    y = x if p.scale == 1 else p.scale * x
+    if p.shift:
+        y = y + p.shift
+    if p.power == 1:
+        return y
+    if p.power == 2:
+        return tf.square(y)
+    return tf.pow(y, p.power)
+
+
+@layer("Exp")
+@one_top
+def exp(x, lp):
+    """Caffe's Exp: base ^ (shift + scale * x); base -1 means e."""
+    p = lp.exp_param
+    log_base = 1.0 if p.base == -1 else math.log(p.base)
+    return tf.exp(log_base * (p.shift + p.scale * x))
+
+
+@layer("Log")
+@one_top
+def log(x, lp):
+    """Caffe's Log: log_base(shift + scale * x); base -1 means e."""
+    p = lp.log_param
+    y = tf.math.log(p.shift + p.scale * x)
+    return y if p.base == -1 else y * (1.0 / math.log(p.base))
+
+
+@layer("PReLU")
+def prelu(layer, bottoms, params, ctx):
+    blob = bottoms[0]
+    slope = params[0]
+    if slope.shape.rank == 0:
+        x = blob.tensor
+    else:
+        x, slope = broadcast(blob, slope, 1)
+    y = tf.nn.relu(x) + slope * tf.minimum(x, 0.0)
+    return [Blob(y, blob.nhwc and x is blob.tensor)]
+
+
+# -- losses and scores ------------------------------------------------------------
+
+def _class_rows(layer, blob, axis):
+    """Scores as (outer*inner, classes) rows, Caffe's class axis last."""
+    shape = layer.bottom_shapes[0]
+    outer, classes = math.prod(shape[:axis]), shape[axis]
+    x = tf.reshape(blob.caffe, (outer, classes, -1))
+    return tf.reshape(tf.transpose(x, (0, 2, 1)), (-1, classes))
+
+
+def _labels(blob):
+    return tf.cast(tf.reshape(blob.caffe, (-1,)), tf.int32)
+
+
+def loss_normalizer(loss_param, outer, inner, valid):
+    """Caffe's LossLayer::GetNormalizer (with the legacy `normalize` flag), at least 1."""
+    mode = loss_param.normalization
+    if not loss_param.HasField("normalization") and loss_param.HasField("normalize"):
+        mode = pb.LossParameter.VALID if loss_param.normalize else pb.LossParameter.BATCH_SIZE
+    if mode == pb.LossParameter.FULL:
+        value = float(outer * inner)
+    elif mode == pb.LossParameter.VALID:
+        value = valid
+    elif mode == pb.LossParameter.BATCH_SIZE:
+        value = float(outer)
+    else:
+        value = 1.0
+    return tf.maximum(tf.cast(value, tf.float32), 1.0)
+
+
+@layer("SoftmaxWithLoss")
+def softmax_loss(layer, bottoms, params, ctx):
+    shape = layer.bottom_shapes[0]
+    loss_param = layer.param.loss_param
+    axis = canonical_axis(layer.param.softmax_param.axis, len(shape))
+    logits = _class_rows(layer, bottoms[0], axis)
+    labels = _labels(bottoms[1])
+    logp = tf.nn.log_softmax(logits, axis=1)
+    if loss_param.HasField("ignore_label"):
+        valid = tf.not_equal(labels, loss_param.ignore_label)
+        picked = tf.gather(logp, tf.where(valid, labels, 0), batch_dims=1)
+        nll = tf.where(valid, -picked, 0.0)
+        count = tf.reduce_sum(tf.cast(valid, tf.float32))
+    else:
+        nll = -tf.gather(logp, labels, batch_dims=1)
+        count = float(nll.shape[0])
+    outer, inner = math.prod(shape[:axis]), math.prod(shape[axis + 1:])
+    loss = tf.reduce_sum(nll) / loss_normalizer(loss_param, outer, inner, count)
+    tops = [Blob(loss)]
+    if len(layer.tops) > 1:
+        tops.append(Blob(tf.nn.softmax(bottoms[0].caffe, axis=axis)))
+    return tops
+
+
+@layer("EuclideanLoss")
+def euclidean_loss(layer, bottoms, params, ctx):
+    """sum((a - b)^2) / (2 N)."""
+    a = bottoms[0].caffe
+    b = tf.reshape(bottoms[1].caffe, layer.bottom_shapes[0])
+    return [Blob(tf.reduce_sum(tf.square(a - b)) / (2.0 * layer.bottom_shapes[0][0]))]
+
+
+@layer("SigmoidCrossEntropyLoss")
+def sigmoid_cross_entropy_loss(layer, bottoms, params, ctx):
+    """Caffe's SigmoidCrossEntropyLoss: the summed cross-entropy over N (the batch)."""
+    logits = bottoms[0].caffe
+    targets = tf.reshape(bottoms[1].caffe, layer.bottom_shapes[0])
+    entropy = tf.nn.sigmoid_cross_entropy_with_logits(labels=targets, logits=logits)
+    return [Blob(tf.reduce_sum(entropy) / float(layer.bottom_shapes[0][0]))]
+
+
+@layer("Accuracy")
+def accuracy(layer, bottoms, params, ctx):
+    """Caffe's Accuracy: correct when fewer than top_k classes rank above the label.
+
+    Caffe sorts (score, class) pairs descending, so a class ranks above the label
+    when its score is greater, or equal with a higher class index.
+    """
+    param = layer.param.accuracy_param
+    shape = layer.bottom_shapes[0]
+    axis = canonical_axis(param.axis, len(shape))
+    scores = tf.stop_gradient(_class_rows(layer, bottoms[0], axis))
+    labels = _labels(bottoms[1])
+    valid = tf.not_equal(labels, param.ignore_label) if param.HasField("ignore_label") else \
+        tf.ones_like(labels, tf.bool)
+    safe = tf.where(valid, labels, 0)
+    mine = tf.gather(scores, safe, batch_dims=1)[:, None]
+    classes = tf.range(shape[axis])[None, :]
+    above = (scores > mine) | ((scores == mine) & (classes > safe[:, None]))
+    correct = (tf.reduce_sum(tf.cast(above, tf.int32), axis=1) < param.top_k) & valid
+    correct = tf.cast(correct, tf.float32)
+    tops = [Blob(tf.reduce_sum(correct) / tf.reduce_sum(tf.cast(valid, tf.float32)))]
+    if len(layer.tops) > 1:
+        weights = tf.cast(valid, tf.float32)
+        hits = tf.math.unsorted_segment_sum(correct, safe, shape[axis])
+        totals = tf.math.unsorted_segment_sum(weights, safe, shape[axis])
+        tops.append(Blob(tf.where(totals > 0, hits / tf.maximum(totals, 1.0), 0.0)))
+    return tops

@@ -1,0 +1,198 @@
+"""The TensorFlow backend's Model: variables in Caffe's layout and a compiled solver step."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import tensorflow as tf
+
+from deepspark import fillers, schedule
+from deepspark.backends import base
+from deepspark.backends.tensorflow import compiler
+from deepspark.graph import fmt
+from deepspark.proto import deepspark_pb2 as pb
+
+TF_OPS = SimpleNamespace(sqrt=tf.sqrt, sign=tf.sign, sum=tf.reduce_sum, where=tf.where)
+
+# Data layers whose tops come from the batch; DummyData makes its own.
+FED_TYPES = ("Input", "Data", "MemoryData")
+
+
+class Model(base.Model):
+    """base.Model on TensorFlow: every pass is one traced tf.function; the rate is a tensor argument.
+
+    jit_compile: compile the step with XLA (off by default: measured slower for
+    LeNet on CPU here).
+    """
+
+    def __init__(self, net_param, solver_param=None, phase=pb.TRAIN, source=None, batch_size=None,
+                 seed=None, stages=None, data_shape=None, jit_compile=False):
+        super().__init__(net_param, solver_param, phase, source=source, batch_size=batch_size, seed=seed,
+                         stages=stages, data_shape=data_shape)
+        graph = self.graph
+        self.train = self.phase == pb.TRAIN
+        self.feeds = {top: tuple(shape) for layer in graph.layers if layer.type in FED_TYPES
+                      for top, shape in zip(layer.tops, layer.top_shapes)}
+        self._index = compiler.blob_index(graph)
+        self._variables = [tf.Variable(array, name=f"param{i}")
+                           for i, array in enumerate(fillers.init_params(graph, self.seed))]
+        rng_seed = self.seed if self.seed is not None and self.seed >= 0 else \
+            np.random.SeedSequence().entropy % 2 ** 63
+        self._rng = tf.random.Generator.from_seed(rng_seed)
+        self._random_seed = int(rng_seed)
+        self._lr_mults = [p.lr_mult for p in graph.params]
+        self._decay_mults = [p.decay_mult for p in graph.params]
+        self._trainable = [i for i, mult in enumerate(self._lr_mults) if mult != 0]
+        self._history = None
+        self._accumulated = None
+
+        feed = {top: tf.TensorSpec(shape, tf.float32) for top, shape in self.feeds.items()}
+        scalar = tf.TensorSpec((), tf.float32)
+        flat = tf.TensorSpec((self.param_count,), tf.float32)
+        compile_options = dict(jit_compile=jit_compile, reduce_retracing=True)
+        self._step_fn = tf.function(self._step, input_signature=[feed, scalar, scalar], **compile_options)
+        self._accumulate_fn = tf.function(self._accumulate, input_signature=[feed], **compile_options)
+        self._apply_fn = tf.function(self._apply_accumulated, input_signature=[scalar, scalar],
+                                     **compile_options)
+        self._forward_fn = tf.function(self._forward, input_signature=[feed], **compile_options)
+        self._gradients_fn = tf.function(self._gradients, input_signature=[feed], **compile_options)
+        self._get_flat_fn = tf.function(self._flat, input_signature=[])
+        self._set_flat_fn = tf.function(self._assign_flat, input_signature=[flat])
+
+    # -- the traced computations -------------------------------------------------
+
+    def _pass(self, inputs, differentiate):
+        """Forward (and backward): (loss, {blob: Blob}, Caffe's diffs or None, running-stat updates)."""
+        ctx = compiler.Context(self.graph, inputs, self.train, self._rng, self._random_seed, self._index)
+        watched = [self._variables[i] for i in self._trainable]
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(watched)
+            loss, blobs = compiler.run(self.graph, self._variables, ctx)
+        grads = None
+        if differentiate:
+            found = tape.gradient(loss, watched) if watched else []
+            grads = [tf.zeros(shape, tf.float32) for shape in self.param_shapes]
+            for i, grad in zip(self._trainable, found):
+                if grad is not None:
+                    grads[i] = tf.convert_to_tensor(grad)
+        return loss, blobs, grads, ctx.updates
+
+    def _apply_running(self, updates):
+        for i, value in updates:
+            self._variables[i].assign(value)
+
+    def _solve(self, grads, rate, iteration):
+        weights, history = schedule.apply_update(
+            self.solver_param, self._variables, grads, self._history, rate, iteration,
+            self._lr_mults, self._decay_mults, ops=TF_OPS)
+        for i in self._trainable:  # a zero lr_mult leaves the blob as it is
+            self._variables[i].assign(weights[i])
+        for variable, value in zip(self._history, history):
+            variable.assign(value)
+
+    def _step(self, inputs, rate, iteration):
+        loss, _, grads, updates = self._pass(inputs, True)
+        self._apply_running(updates)
+        self._solve(grads, rate, iteration)
+        return loss
+
+    def _accumulate(self, inputs):
+        loss, _, grads, updates = self._pass(inputs, True)
+        self._apply_running(updates)
+        for total, grad in zip(self._accumulated, grads):
+            total.assign_add(grad)
+        return loss
+
+    def _apply_accumulated(self, rate, iteration):
+        self._solve([total.read_value() for total in self._accumulated], rate, iteration)
+        for total in self._accumulated:
+            total.assign(tf.zeros_like(total))
+
+    def _forward(self, inputs):
+        _, blobs, _, updates = self._pass(inputs, False)
+        self._apply_running(updates)
+        return {name: blobs[name].caffe for name in self.graph.outputs}
+
+    def _gradients(self, inputs):
+        loss, _, grads, _ = self._pass(inputs, True)
+        return loss, grads
+
+    def _flat(self):
+        return tf.concat([tf.reshape(v, [-1]) for v in self._variables], axis=0)
+
+    def _assign_flat(self, vector):
+        for variable, part in zip(self._variables, tf.split(vector, self.param_sizes)):
+            variable.assign(tf.reshape(part, variable.shape))
+
+    # -- the contract --------------------------------------------------------------
+
+    def feed(self, batch):
+        """The batch as float32 arrays for the data tops, checked against their shapes."""
+        result = {}
+        for top, shape in self.feeds.items():
+            if top not in batch:
+                raise KeyError(f"the batch has no '{top}'; this net reads {', '.join(self.feeds)}")
+            array = np.asarray(batch[top], np.float32)
+            if array.shape != shape:
+                if array.size != int(np.prod(shape)):
+                    raise ValueError(f"batch '{top}' has shape {fmt(array.shape)}, the net expects {fmt(shape)}")
+                array = array.reshape(shape)
+            result[top] = array
+        return result
+
+    def _ensure_solver(self):
+        if self._history is None:
+            self._history = [tf.Variable(tf.zeros(shape, tf.float32), name=f"history{i}")
+                             for i, shape in enumerate(self.history_shapes)]
+        if self.iter_size > 1 and self._accumulated is None:
+            self._accumulated = [tf.Variable(tf.zeros(shape, tf.float32), name=f"diff{i}")
+                                 for i, shape in enumerate(self.param_shapes)]
+
+    def step(self, batch):
+        batches = self.batches(batch)
+        self._ensure_solver()
+        rate = tf.constant(self.next_rate(), tf.float32)
+        iteration = tf.constant(float(self.iter), tf.float32)
+        if self.iter_size == 1:
+            loss = self._step_fn(self.feed(batches[0]), rate, iteration)
+        else:
+            loss = tf.add_n([self._accumulate_fn(self.feed(b)) for b in batches]) / self.iter_size
+            self._apply_fn(rate, iteration)
+        self.iter += 1
+        return float(loss)
+
+    def forward(self, batch):
+        return {name: value.numpy() for name, value in self._forward_fn(self.feed(batch)).items()}
+
+    def gradients(self, batch):
+        """(loss, Caffe's parameter diffs of one forward/backward), without touching the weights."""
+        loss, grads = self._gradients_fn(self.feed(batch))
+        return float(loss), [g.numpy() for g in grads]
+
+    def get_params(self):
+        return [np.array(v.numpy(), np.float32) for v in self._variables]
+
+    def set_params(self, arrays):
+        for variable, array in zip(self._variables, self.check_arrays(arrays)):
+            variable.assign(array)
+
+    def get_flat(self, out=None):
+        flat = self._get_flat_fn().numpy()
+        if out is None:
+            return flat if flat.flags.writeable else flat.copy()
+        np.copyto(out, flat)
+        return out
+
+    def set_flat(self, vector):
+        vector = np.ascontiguousarray(vector, np.float32)
+        if vector.shape != (self.param_count,):
+            raise ValueError(f"flat parameter vector has shape {vector.shape}, expected ({self.param_count},)")
+        self._set_flat_fn(vector)
+
+    def get_history(self):
+        self._ensure_solver()
+        return [np.array(h.numpy(), np.float32) for h in self._history]
+
+    def set_history(self, arrays):
+        self._ensure_solver()
+        for variable, array in zip(self._history, self.check_arrays(arrays, self.history_shapes, "history blob")):
+            variable.assign(array)

@@ -1,0 +1,139 @@
+"""Caffe's learning-rate policies and solver update arithmetic, shared by every backend.
+
+The update is written once, over an `ops` namespace (sqrt, sign, sum, where),
+so the same lines run on NumPy arrays (the reference the tests use) and on
+TensorFlow tensors (the TensorFlow backend's compiled step).
+"""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+
+from deepspark.config import solver_type
+
+NUMPY = SimpleNamespace(sqrt=np.sqrt, sign=np.sign, sum=np.sum, where=np.where)
+
+# History blobs per learnable parameter, as Caffe's SolverState stores them:
+# AdaDelta and Adam keep a second set, appended after the first.
+HISTORY_SETS = {"SGD": 1, "Nesterov": 1, "AdaGrad": 1, "RMSProp": 1, "AdaDelta": 2, "Adam": 2}
+
+
+def learning_rate(param, iteration, current_step=0):
+    """(rate, current_step) at `iteration`, as Caffe's SGDSolver::GetLearningRate.
+
+    `current_step` is the solver's counter that 'multistep' advances (at most
+    one step per call, as Caffe does) and 'step' recomputes.
+    """
+    policy = param.lr_policy or "fixed"
+    base, gamma, power = param.base_lr, param.gamma, param.power
+    if policy == "fixed":
+        rate = base
+    elif policy == "step":
+        current_step = iteration // param.stepsize
+        rate = base * gamma ** current_step
+    elif policy == "exp":
+        rate = base * gamma ** iteration
+    elif policy == "inv":
+        rate = base * (1.0 + gamma * iteration) ** -power
+    elif policy == "multistep":
+        if current_step < len(param.stepvalue) and iteration >= param.stepvalue[current_step]:
+            current_step += 1
+        rate = base * gamma ** current_step
+    elif policy == "poly":
+        rate = base * (1.0 - iteration / param.max_iter) ** power
+    elif policy == "sigmoid":
+        exponent = -gamma * (iteration - param.stepsize)
+        rate = 0.0 if exponent > 700 else base / (1.0 + math.exp(exponent))
+    else:
+        raise ValueError(f"unknown lr_policy '{policy}'")
+    return float(rate), current_step
+
+
+def history_sets(param):
+    return HISTORY_SETS[solver_type(param)]
+
+
+def clip_factor(param, grads, ops=NUMPY):
+    """Caffe's ClipGradients: the factor clip/‖g‖ when the global L2 norm exceeds clip_gradients, else 1."""
+    clip = param.clip_gradients
+    if clip < 0 or not grads:
+        return None
+    norm = ops.sqrt(sum(ops.sum(g * g) for g in grads))
+    return ops.where(norm > clip, clip / ops.where(norm > 0, norm, 1.0), 1.0)
+
+
+def regularize(param, weight, grad, decay_mult, ops=NUMPY):
+    """Caffe's Regularize: g + local_decay * w (L2) or g + local_decay * sign(w) (L1)."""
+    local_decay = param.weight_decay * decay_mult
+    if not local_decay:
+        return grad
+    if param.regularization_type == "L1":
+        return grad + local_decay * ops.sign(weight)
+    return grad + local_decay * weight
+
+
+def update_value(kind, param, grad, history, local_rate, iteration, ops=NUMPY):
+    """Caffe's ComputeUpdateValue for one blob: (the diff to subtract from w, new history tuple).
+
+    `history` holds this blob's one (or two, for AdaDelta and Adam) history
+    values; `iteration` is the solver's iter before the update.
+    """
+    momentum, delta = param.momentum, param.delta
+    if kind == "SGD":
+        (v,) = history
+        v = momentum * v + local_rate * grad
+        return v, (v,)
+    if kind == "Nesterov":
+        (v_prev,) = history
+        v = momentum * v_prev + local_rate * grad
+        return (1.0 + momentum) * v - momentum * v_prev, (v,)
+    if kind == "AdaGrad":
+        (h,) = history
+        h = h + grad * grad
+        return local_rate * (grad / (ops.sqrt(h) + delta)), (h,)
+    if kind == "RMSProp":
+        (h,) = history
+        decay = param.rms_decay
+        h = (1.0 - decay) * (grad * grad) + decay * h
+        return local_rate * (grad / (ops.sqrt(h) + delta)), (h,)
+    if kind == "AdaDelta":
+        h, h2 = history
+        h = (1.0 - momentum) * (grad * grad) + momentum * h
+        step = grad * ops.sqrt((h2 + delta) / (h + delta))
+        h2 = (1.0 - momentum) * (step * step) + momentum * h2
+        return local_rate * step, (h, h2)
+    if kind == "Adam":
+        m, v = history
+        beta1, beta2 = param.momentum, param.momentum2
+        t = iteration + 1
+        correction = ops.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t)
+        m = (1.0 - beta1) * grad + beta1 * m
+        v = (1.0 - beta2) * (grad * grad) + beta2 * v
+        return (local_rate * correction) * (m / (ops.sqrt(v) + delta)), (m, v)
+    raise ValueError(f"unknown solver type '{kind}'")
+
+
+def apply_update(param, weights, grads, history, rate, iteration, lr_mults, decay_mults, ops=NUMPY):
+    """Caffe's SGDSolver::ApplyUpdate: clip, normalize by iter_size, regularize, update.
+
+    `grads` are the diffs summed over iter_size passes; `history` is the flat
+    list in SolverState order. Returns (new weights, new history list).
+    """
+    kind = solver_type(param)
+    n = len(weights)
+    sets = HISTORY_SETS[kind]
+    factor = clip_factor(param, grads, ops)
+    new_weights, new_history = [], [None] * (n * sets)
+    for i, (w, g) in enumerate(zip(weights, grads)):
+        if factor is not None:
+            g = g * factor
+        if param.iter_size > 1:
+            g = g * (1.0 / param.iter_size)
+        g = regularize(param, w, g, decay_mults[i], ops)
+        diff, hist = update_value(kind, param, g, [history[s * n + i] for s in range(sets)],
+                                  rate * lr_mults[i], iteration, ops)
+        new_weights.append(w - diff)
+        for s in range(sets):
+            new_history[s * n + i] = hist[s]
+    return new_weights, new_history
