@@ -13,12 +13,12 @@ class Log:
     On a terminal a progress line is redrawn below the log lines.
     """
 
-    def __init__(self, path=None, stream=None, progress=None):
+    def __init__(self, path=None, stream=None, progress=None, append=False):
         self.stream = stream or sys.stderr
         self.file = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.file = open(path, "a", encoding="utf-8")
+            self.file = open(path, "a" if append else "w", encoding="utf-8")
         self.progress_enabled = self.stream.isatty() if progress is None else progress
         self._progress = ""
 

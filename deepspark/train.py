@@ -101,14 +101,15 @@ class Trainer:
     """One training process: model, shard of data, Caffe's display/test/snapshot cadence."""
 
     def __init__(self, solver, backend="tensorflow", log=None, weights=None, snapshot=None, max_iter=None,
-                 shard=0, num_shards=1, evaluate=True, sources=None):
+                 shard=0, num_shards=1, evaluate=True, sources=None, seed_offset=None):
         self.solver, self.param = solver, solver.param
         self.log = log or Log()
         self.max_iter = self.param.max_iter if max_iter is None else max_iter
         seed = self.param.random_seed if self.param.random_seed >= 0 else None
         self.model = create_model(backend, solver.train_net, self.param, source=solver.train_map,
                                   data_shape=data_shape)
-        self.feeders = feeders_for(self.model.graph, pb.TRAIN, seed=None if seed is None else seed + shard,
+        offset = shard if seed_offset is None else seed_offset
+        self.feeders = feeders_for(self.model.graph, pb.TRAIN, seed=None if seed is None else seed + offset,
                                    shard=shard, num_shards=num_shards, sources=sources)
         self.evaluator = Evaluator(solver, backend, self.log, seed) if evaluate and solver.test_nets else None
         if weights:
@@ -239,7 +240,7 @@ def cmd_train(args):
 
         return run_spark(solver, args)
     output = os.path.dirname(solver.param.snapshot_prefix) or "."
-    log = Log(os.path.join(output, "train.log"))
+    log = Log(os.path.join(output, "train.log"), append=bool(args.snapshot))
     trainer = Trainer(solver, ds.backend, log, weights=args.weights, snapshot=args.snapshot)
     try:
         trainer.solve()

@@ -1,0 +1,78 @@
+"""Loss and test outputs against wall-clock time, from a run's history or from any training log."""
+
+import datetime
+import re
+
+import numpy as np
+
+LINE = re.compile(r"^[IWEF](\d{4} \d\d:\d\d:\d\d\.\d+) \S+ \S+\] (.*)$")
+TRAIN = re.compile(r"Iteration (\d+)(?: \([^)]*\))?, loss = ([-+\w.]+)")
+TESTING = re.compile(r"Iteration (\d+), Testing net \(#(\d+)\)")
+OUTPUT = re.compile(r"Test net output #\d+: (\S+) = ([-+\w.]+)")
+
+
+def parse_log(lines):
+    """History entries (seconds, iteration, loss, {test output: value}) from Caffe-style log lines."""
+    history, start, testing = [], None, None
+    for line in lines:
+        match = LINE.match(line.rstrip("\n"))
+        if not match:
+            continue
+        when = datetime.datetime.strptime(match.group(1), "%m%d %H:%M:%S.%f")
+        start = when if start is None else start
+        seconds, message = (when - start).total_seconds(), match.group(2)
+        if (m := TESTING.search(message)):
+            testing = (int(m.group(1)), m.group(2))
+            history.append((seconds, testing[0], float("nan"), {}))
+        elif (m := OUTPUT.search(message)) and testing is not None and history:
+            history[-1][3][f"test{testing[1]}/{m.group(1)}"] = float(m.group(2))
+        elif (m := TRAIN.search(message)):
+            testing = None
+            history.append((seconds, int(m.group(1)), float(m.group(2)), {}))
+    return history
+
+
+def plot_history(history, path, title="training"):
+    """A PNG with the training loss and each test output against seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    train = [(t, loss) for t, _, loss, _ in history if np.isfinite(loss)]
+    if train:
+        top.plot(*zip(*train), label="train loss")
+    tests = {}
+    for t, _, _, values in history:
+        for name, value in values.items():
+            tests.setdefault(name, []).append((t, value))
+    for name, points in sorted(tests.items()):
+        (top if "loss" in name else bottom).plot(*zip(*points), marker="o", label=name)
+    top.set_ylabel("loss")
+    bottom.set_ylabel("test output")
+    bottom.set_xlabel("wall-clock seconds")
+    for axes in (top, bottom):
+        axes.grid(alpha=0.3)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(loc="best")
+    top.set_title(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def cmd_plot(args):
+    from deepspark.config import ConfigError
+
+    try:
+        with open(args.log, encoding="utf-8") as stream:
+            history = parse_log(stream)
+    except OSError as error:
+        raise ConfigError(f"cannot read the log: {error.strerror}", args.log) from None
+    if not history:
+        raise ConfigError("no 'Iteration N, loss = L' or test output lines in this log", args.log)
+    plot_history(history, args.output, title=args.log)
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,65 @@
+"""Small synthetic LMDBs and nets for tests: a learnable two-class image problem."""
+
+import numpy as np
+
+from deepspark.data import encode_datum
+from deepspark.data.lmdb_io import write_lmdb
+
+
+def make_lmdb(path, count, seed=0, size=8, classes=2):
+    """Images whose class is which half of the image is bright; labels 0..classes-1."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for i in range(count):
+        label = int(rng.integers(classes))
+        image = rng.integers(0, 60, size=(1, size, size), dtype=np.uint8)
+        rows = slice(0, size // 2) if label == 0 else slice(size // 2, size)
+        image[:, rows, :] += 150
+        records.append((b"%08d" % i, encode_datum(image, label)))
+    write_lmdb(str(path), records)
+    return str(path)
+
+
+NET = """name: "Tiny"
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TRAIN }}
+  transform_param {{ scale: 0.00390625 }} data_param {{ source: "{train}" batch_size: 10 backend: LMDB }} }}
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TEST }}
+  transform_param {{ scale: 0.00390625 }} data_param {{ source: "{test}" batch_size: 10 backend: LMDB }} }}
+layer {{ name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param {{ num_output: 4 kernel_size: 3 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "pool" type: "Pooling" bottom: "conv" top: "pool" pooling_param {{ pool: MAX kernel_size: 2 stride: 2 }} }}
+layer {{ name: "relu" type: "ReLU" bottom: "pool" top: "pool" }}
+layer {{ name: "ip" type: "InnerProduct" bottom: "pool" top: "ip"
+  inner_product_param {{ num_output: 2 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "accuracy" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy" include {{ phase: TEST }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }}
+"""
+
+SOLVER = """net: "{net}"
+test_iter: 10
+test_interval: {test_interval}
+base_lr: 0.05
+momentum: 0.9
+weight_decay: 0.0005
+lr_policy: "inv"
+gamma: 0.0001
+power: 0.75
+display: 20
+max_iter: {max_iter}
+snapshot: {snapshot}
+snapshot_prefix: "{prefix}"
+random_seed: 3
+deepspark_param {{ workers: {workers} period: 4 moving_rate: 0.4 exchange_timeout: 60 connect_timeout: {connect_timeout} }}
+"""
+
+
+def make_job(folder, max_iter=60, test_interval=30, snapshot=0, workers=2, train_records=200, connect_timeout=120):
+    """A tiny solver + net + LMDBs under `folder`; returns the solver path."""
+    train = make_lmdb(folder / "train_lmdb", train_records, seed=1)
+    test = make_lmdb(folder / "test_lmdb", 100, seed=2)  # 10 test batches of 10 cover it exactly
+    (folder / "net.prototxt").write_text(NET.format(train=train, test=test))
+    solver = folder / "solver.prototxt"
+    solver.write_text(SOLVER.format(net=folder / "net.prototxt", test_interval=test_interval, max_iter=max_iter,
+                                    snapshot=snapshot, prefix=folder / "out" / "tiny", workers=workers,
+                                    connect_timeout=connect_timeout))
+    return str(solver)

@@ -1,0 +1,71 @@
+"""`deepspark train --algorithm single`, `test` and `plot`: Caffe's log lines, snapshots, reloaded weights."""
+
+import re
+
+import pytest
+
+from conftest import run_cli
+from synthetic import make_job
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("single")
+    solver = make_job(folder, max_iter=60, test_interval=30, snapshot=40)
+    status, out, err = run_cli("train", "--solver", solver, "--algorithm", "single")
+    assert status == 0, err
+    return folder, err
+
+
+def test_log_lines_are_caffes(trained):
+    _, log = trained
+    for pattern in (r"Iteration 0, Testing net \(#0\)", r"Test net output #0: accuracy = [\d.]+",
+                    r"Iteration 20 \([\d.]+ iter/s\), loss = [\d.]+", r"Iteration 40, lr = 0.0498",
+                    r"Snapshotting to binary proto file \S+tiny_iter_40.caffemodel",
+                    r"Snapshotting solver state to binary proto file \S+tiny_iter_40.solverstate",
+                    r"Iteration 60, Testing net", "Optimization Done."):
+        assert re.search(pattern, log), pattern
+
+
+def test_snapshots_at_interval_and_end(trained):
+    folder, _ = trained
+    names = sorted(p.name for p in (folder / "out").iterdir())
+    assert names == ["tiny_iter_40.caffemodel", "tiny_iter_40.solverstate", "tiny_iter_60.caffemodel",
+                     "tiny_iter_60.solverstate", "train.log"]
+
+
+def test_learns_and_reloaded_weights_give_the_same_accuracy(trained):
+    folder, log = trained
+    final = float(re.findall(r"Test net output #0: accuracy = ([\d.]+)", log)[-1])
+    assert final >= 0.9  # the halves problem is easy
+    status, out, err = run_cli("test", "--model", str(folder / "net.prototxt"),
+                               "--weights", str(folder / "out" / "tiny_iter_60.caffemodel"), "--iterations", "10")
+    assert status == 0, err
+    assert float(re.search(r"accuracy = ([\d.]+)", err).group(1)) == pytest.approx(final, abs=1e-6)
+
+
+def test_resume_from_snapshot_continues_to_max_iter(trained):
+    folder, _ = trained
+    status, _, err = run_cli("train", "--solver", str(folder / "solver.prototxt"), "--algorithm", "single",
+                             "--snapshot", str(folder / "out" / "tiny_iter_40.solverstate"))
+    assert status == 0, err
+    assert "Restoring previous solver status" in err and "Iteration 0, Testing" not in err
+    assert "Iteration 60, Testing net" in err
+
+
+def test_plot_from_log(trained, tmp_path):
+    folder, _ = trained
+    png = tmp_path / "curves.png"
+    status, out, err = run_cli("plot", str(folder / "out" / "train.log"), "-o", str(png))
+    assert status == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_bad_solver_and_weights_are_one_line_errors(tmp_path, trained):
+    folder, _ = trained
+    status, _, err = run_cli("train", "--solver", str(tmp_path / "absent.prototxt"), "--algorithm", "single")
+    assert status == 1 and err.strip().endswith("absent.prototxt: solver file not found")
+    bad = tmp_path / "bad.caffemodel"
+    bad.write_bytes(b"garbage!")
+    status, _, err = run_cli("test", "--model", str(folder / "net.prototxt"), "--weights", str(bad))
+    assert status == 1 and "not a .caffemodel" in err.strip().splitlines()[-1]
