@@ -310,12 +310,15 @@ def test_shuffle_permutes_each_epoch_and_the_seed_fixes_it(ten):
     assert epochs(1, prefetch=2) == first
 
 
-def test_streamed_and_in_memory_feeders_give_identical_batches(ten):
+@pytest.mark.parametrize("window_bytes", [1, 1 << 20])
+def test_streamed_and_in_memory_feeders_give_identical_batches(ten, monkeypatch, window_bytes):
+    from deepspark.data import feeder
+    monkeypatch.setattr(feeder, "STREAM_WINDOW_BYTES", window_bytes)  # 1: windows of one batch
     layer = data_layer(ten, batch=4, transform_text="crop_size: 1 mirror: true")
-    a = DataFeeder(layer, "TRAIN", seed=9, shard=0, num_shards=2)
-    b = DataFeeder(layer, "TRAIN", seed=9, shard=0, num_shards=2, memory_limit=0)
+    a = DataFeeder(layer, "TRAIN", seed=9, shard=1, num_shards=2)
+    b = DataFeeder(layer, "TRAIN", seed=9, shard=1, num_shards=2, memory_limit=0)
     assert a.in_memory and not b.in_memory
-    for _ in range(5):
+    for _ in range(7):
         x, y = a.next_batch(), b.next_batch()
         np.testing.assert_array_equal(x["data"], y["data"])
         np.testing.assert_array_equal(x["label"], y["label"])

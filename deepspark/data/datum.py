@@ -233,6 +233,26 @@ def _tail_label(tail):
     return datum.label
 
 
+def _tail_labels(tails):
+    """(float32 labels, ok) of the rows of Datum tails: `label` as a varint, maybe `encoded: false`."""
+    n, width = tails.shape
+    if width == 0:
+        return np.zeros(n, dtype=np.float32), np.ones(n, dtype=bool)
+    varint = tails[:, 1:]
+    if 2 <= width <= 6 and (tails[:, 0] == 0x28).all():
+        # A non-negative label: 0x28 then a varint whose last byte alone lacks the high bit.
+        high = varint >= 0x80
+        if (high[:, :-1].all() and not high[:, -1].any()):
+            weights = np.left_shift(np.int64(1), 7 * np.arange(width - 1, dtype=np.int64))
+            return ((varint & 0x7F).astype(np.int64) @ weights).astype(np.float32), np.ones(n, bool)
+    # Anything else (negative labels, an explicit encoded=false): one parse per distinct tail.
+    unique, inverse = np.unique(tails, axis=0, return_inverse=True)
+    parsed = [_tail_label(t.tobytes()) for t in unique]
+    ok = np.array([label is not None for label in parsed], dtype=bool)[inverse.ravel()]
+    values = np.array([label or 0 for label in parsed], dtype=np.float32)[inverse.ravel()]
+    return values, ok
+
+
 def decode_datums(keys, values, filename=None, color=None, shape=None, dtype=None):
     """Many serialized Datums → (N×C×H×W array, float32 labels); all must be one shape.
 
@@ -258,17 +278,19 @@ def decode_datums(keys, values, filename=None, color=None, shape=None, dtype=Non
             if tail_length < 0:
                 continue
             rows = np.flatnonzero(lengths == length)
-            buf = np.frombuffer(b"".join([values[i] for i in rows]), dtype=np.uint8)
-            buf = buf.reshape(len(rows), int(length))
+            whole = len(rows) == n  # the usual case: one layout, no gathers
+            buf = np.frombuffer(b"".join(values if whole else [values[i] for i in rows]),
+                                dtype=np.uint8).reshape(len(rows), int(length))
             ok = (buf[:, :len(header)] == np.frombuffer(header, dtype=np.uint8)).all(axis=1)
-            tails, inverse = np.unique(buf[:, len(header) + size:], axis=0, return_inverse=True)
-            tail_labels = [_tail_label(t.tobytes()) for t in tails]
-            tail_ok = np.array([label is not None for label in tail_labels], dtype=bool)
-            ok &= tail_ok[inverse.ravel()]
+            row_labels, tail_ok = _tail_labels(buf[:, len(header) + size:])
+            ok &= tail_ok
+            pixels = buf[:, len(header):len(header) + size].reshape((len(rows),) + tuple(shape))
+            if whole and ok.all():
+                images[:], labels[:] = pixels, row_labels
+                done[:] = True
+                break
             take = rows[ok]
-            images[take] = buf[ok, len(header):len(header) + size].reshape((len(take),) + shape)
-            labels[take] = np.array([label or 0 for label in tail_labels],
-                                    dtype=np.float32)[inverse.ravel()[ok]]
+            images[take], labels[take] = pixels[ok], row_labels[ok]
             done[take] = True
     for i in np.flatnonzero(~done):
         array, label = decode_datum(values[i], keys[i], filename, color)

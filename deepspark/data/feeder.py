@@ -1,5 +1,6 @@
 """Batches for a Data layer: one shard of an LMDB, looped like Caffe's Data layer, transformed."""
 
+import itertools
 import logging
 import os
 import queue
@@ -16,6 +17,8 @@ from deepspark.proto import deepspark_pb2 as pb
 # A shard whose decoded pixels fit in this many bytes is read into memory once
 # (cheap: ~0.1 s for 60,000 MNIST records); a larger one is streamed from a cursor.
 MEMORY_LIMIT = 2 << 30
+# A streamed shard is decoded a window of records at a time.
+STREAM_WINDOW_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +80,18 @@ class DataFeeder:
         key, value = next(lmdb_io.read_records(self.path, self.start, self.start + 1))
         first, _ = decode_datum(value, key, self.path, self._color)
         self.source_shape, self._dtype = tuple(first.shape), first.dtype
-        self.transformer._check(self.source_shape)
+        self.transformer.check(self.source_shape)
         self.in_memory = self.size * first.nbytes <= memory_limit
         if self.in_memory:
             self._images, self._labels = self._load()
         else:
             self._keys = (list(lmdb_io.read_records(self.path, self.start, self.stop,
                                                     keys_only=True)) if self.shuffle else None)
-            self._stream = None
+            self._txn = None
+            self._chunks = None
+            self._window = (0, (), ())
+            self._window_size = max(self.batch_size,
+                                    min(8192, STREAM_WINDOW_BYTES // max(first.nbytes, 1)))
         self._order = None
         self._position = 0
         self.epoch = 0
@@ -98,19 +105,17 @@ class DataFeeder:
     def _decode(self, keys, values):
         return decode_datums(keys, values, self.path, self._color, self.source_shape, self._dtype)
 
+    def _decode_block(self, block):
+        return self._decode([key for key, _ in block], [value for _, value in block])
+
     def _load(self, chunk=8192):
         images = np.empty((self.size,) + self.source_shape, dtype=self._dtype)
         labels = np.empty(self.size, dtype=np.float32)
-        keys, values, filled = [], [], 0
-        for key, value in lmdb_io.read_records(self.path, self.start, self.stop):
-            keys.append(key)
-            values.append(value)
-            if len(values) == chunk:
-                end = filled + len(values)
-                images[filled:end], labels[filled:end] = self._decode(keys, values)
-                keys, values, filled = [], [], end
-        if values:
-            images[filled:], labels[filled:] = self._decode(keys, values)
+        filled = 0
+        for block in lmdb_io.read_chunks(self.path, self.start, self.stop, chunk):
+            end = filled + len(block)
+            images[filled:end], labels[filled:end] = self._decode_block(block)
+            filled = end
         return images, labels
 
     def _next_indices(self, n):
@@ -134,32 +139,41 @@ class DataFeeder:
         return out
 
     def _read_streamed(self, indices):
-        if self._stream is None:
-            self._env = lmdb_io.open_db(self.path)
-            self._txn = self._env.begin(buffers=False)
-            self._cursor = self._txn.cursor()
-            self._stream = self._seek(0)
-        keys, values = [], []
-        for index in indices:
-            if self._keys is not None:
-                key = self._keys[index]
-                value = self._txn.get(key)
-            else:
-                if index == 0 or self._stream_index != index:
-                    self._seek(index)
-                key, value = self._cursor.item()
-                self._cursor.next()
-                self._stream_index = index + 1
-            keys.append(key)
-            values.append(value)
-        return self._decode(keys, values)
+        if self._keys is not None:
+            # Shuffled: one lookup per record, in this epoch's order.
+            if self._txn is None:
+                self._txn = lmdb_io.open_db(self.path).begin(buffers=False)
+            keys = [self._keys[index] for index in indices]
+            return self._decode(keys, [self._txn.get(key) for key in keys])
+        # In order: decode a window of records at a time; a batch takes runs of it.
+        images = np.empty((len(indices),) + self.source_shape, dtype=self._dtype)
+        labels = np.empty(len(indices), dtype=np.float32)
+        j = 0
+        while j < len(indices):
+            index = int(indices[j])
+            first, window_images, window_labels = self._window
+            if not first <= index < first + len(window_images):
+                self._window = self._next_window(index)
+                continue
+            run = min(len(indices) - j, first + len(window_images) - index)
+            images[j:j + run] = window_images[index - first:index - first + run]
+            labels[j:j + run] = window_labels[index - first:index - first + run]
+            j += run
+        return images, labels
 
-    def _seek(self, index):
-        self._cursor.first()
-        for _ in range(self.start + index):
-            self._cursor.next()
-        self._stream_index = index
-        return True
+    def _next_window(self, index):
+        """The decoded window of records starting at shard position `index`."""
+        first, window_images, _ = self._window
+        if self._chunks is None or index != first + len(window_images):
+            if self._chunks is not None:
+                self._chunks.close()
+            self._chunks = lmdb_io.read_chunks(self.path, self.start + index, self.stop,
+                                               self._window_size)
+        block = next(self._chunks, None)
+        if block is None:
+            raise DataError(f"the LMDB changed while being read (record {self.start + index} "
+                            "is gone)", self.path)
+        return (index,) + self._decode_block(block)
 
     def _assemble(self):
         indices = self._next_indices(self.batch_size)
@@ -232,10 +246,14 @@ class DataFeeder:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if not self.in_memory and self._stream is not None:
-            self._txn.abort()
-            lmdb_io.close_db(self.path)
-            self._stream = None
+        if not self.in_memory:
+            if self._chunks is not None:
+                self._chunks.close()
+                self._chunks = None
+            if self._txn is not None:
+                self._txn.abort()
+                self._txn = None
+                lmdb_io.close_db(self.path)
 
     def __enter__(self):
         return self

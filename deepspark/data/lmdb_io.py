@@ -101,18 +101,41 @@ def shard_range(n_records, shard, num_shards):
     return n_records * shard // num_shards, n_records * (shard + 1) // num_shards
 
 
+def _positioned(txn, start):
+    """A cursor on record `start` (LMDB has no index by position: step over the keys), or None."""
+    cursor = txn.cursor()
+    if not cursor.first():
+        return None
+    for _ in range(start):
+        if not cursor.next():
+            return None
+    return cursor
+
+
 def read_records(path, start=0, stop=None, keys_only=False):
     """(key, value) bytes of records start..stop-1 in key order (keys only: key)."""
     with opened(path) as env, env.begin(buffers=False) as txn:
-        cursor = txn.cursor()
-        if not cursor.first():
+        cursor = _positioned(txn, start)
+        if cursor is None:
             return
-        # LMDB has no index by position: step over the first `start` keys.
-        for _ in range(start):
-            if not cursor.next():
-                return
         items = cursor.iternext(keys=True, values=not keys_only)
         yield from (items if stop is None else itertools.islice(items, max(stop - start, 0)))
+
+
+def read_chunks(path, start=0, stop=None, chunk=4096):
+    """Lists of up to `chunk` (key, value) pairs of records start..stop-1, read in C."""
+    with opened(path) as env, env.begin(buffers=False) as txn:
+        cursor = _positioned(txn, start)
+        if cursor is None:
+            return
+        items = cursor.iternext(keys=True, values=True)
+        remaining = float("inf") if stop is None else stop - start
+        while remaining > 0:
+            block = list(itertools.islice(items, int(min(chunk, remaining))))
+            if not block:
+                return
+            remaining -= len(block)
+            yield block
 
 
 # ---------------------------------------------------------------------------

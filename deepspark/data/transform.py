@@ -49,7 +49,8 @@ class Transformer:
         """(C, H, W) of the transformed images for (C, H, W) input."""
         return crop_shape(self.param, tuple(shape))
 
-    def _check(self, shape):
+    def check(self, shape):
+        """ConfigError unless the mean, mean_value and crop fit (C, H, W) images."""
         c, h, w = shape
         if self.mean is not None and self.mean.shape != (c, h, w):
             raise ConfigError(f"transform_param: the mean is {'x'.join(map(str, self.mean.shape))} "
@@ -85,7 +86,7 @@ class Transformer:
         if batch.ndim != 4:
             raise ValueError(f"a batch is NCHW, got shape {batch.shape}")
         n, c, h, w = batch.shape
-        self._check((c, h, w))
+        self.check((c, h, w))
         oc, oh, ow = self.output_shape((c, h, w))
         if out is None:
             out = np.empty((n, oc, oh, ow), dtype=np.float32)
