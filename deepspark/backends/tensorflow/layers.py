@@ -34,6 +34,15 @@ def layer(*types):
     return register
 
 
+def _permute(x, order):
+    """tf.transpose, or a free reshape when the moved axes are all of size 1 (e.g. one channel)."""
+    shape = x.shape.as_list()
+    moved = [shape[i] for i in order]
+    if None not in shape and [d for d in shape if d != 1] == [d for d in moved if d != 1]:
+        return tf.reshape(x, moved)
+    return tf.transpose(x, order)
+
+
 class Blob(NamedTuple):
     """A blob's tensor and its layout: Caffe's, or NHWC (4-axis blobs only)."""
 
@@ -47,7 +56,7 @@ class Blob(NamedTuple):
     @property
     def caffe(self):
         """The tensor in Caffe's layout."""
-        return tf.transpose(self.tensor, TO_NCHW) if self.nhwc else self.tensor
+        return _permute(self.tensor, TO_NCHW) if self.nhwc else self.tensor
 
     @property
     def as_nhwc(self):
@@ -56,7 +65,7 @@ class Blob(NamedTuple):
         if self.rank != 4:
             raise NotImplementedError(f"the TensorFlow backend supports 2D spatial layers only, got a "
                                       f"{self.rank}-axis blob")
-        return tf.transpose(self.tensor, TO_NHWC)
+        return _permute(self.tensor, TO_NHWC)
 
     def axis(self, axis):
         """The tensor axis that holds Caffe's axis `axis`."""
@@ -519,14 +528,13 @@ def softmax_loss(layer, bottoms, params, ctx):
     axis = canonical_axis(layer.param.softmax_param.axis, len(shape))
     logits = _class_rows(layer, bottoms[0], axis)
     labels = _labels(bottoms[1])
-    logp = tf.nn.log_softmax(logits, axis=1)
     if loss_param.HasField("ignore_label"):
         valid = tf.not_equal(labels, loss_param.ignore_label)
-        picked = tf.gather(logp, tf.where(valid, labels, 0), batch_dims=1)
-        nll = tf.where(valid, -picked, 0.0)
+        nll = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.where(valid, labels, 0), logits=logits)
+        nll = tf.where(valid, nll, 0.0)
         count = tf.reduce_sum(tf.cast(valid, tf.float32))
     else:
-        nll = -tf.gather(logp, labels, batch_dims=1)
+        nll = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
         count = float(nll.shape[0])
     outer, inner = math.prod(shape[:axis]), math.prod(shape[axis + 1:])
     loss = tf.reduce_sum(nll) / loss_normalizer(loss_param, outer, inner, count)
