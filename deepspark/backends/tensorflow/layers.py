@@ -147,9 +147,15 @@ def convolution(layer, bottoms, params, ctx):
     _check_2d(layer, "convolution")
     param = layer.param.convolution_param
     kernel, pad, stride, dilation = conv_geometry(param, 2)
-    weights = tf.transpose(params[0], (2, 3, 1, 0))  # OIHW -> HWIO; TF groups by input channels
-    y = tf.nn.conv2d(bottoms[0].as_nhwc, weights, strides=[1, *stride, 1], padding=_explicit_pad(pad),
-                     dilations=[1, *dilation, 1])
+    weights = tf.transpose(params[0], (2, 3, 1, 0))  # OIHW -> HWIO
+    x = bottoms[0].as_nhwc
+    # TF has no grouped-convolution gradient on CPU: one convolution per group.
+    group = param.group
+    inputs = tf.split(x, group, axis=3) if group > 1 else [x]
+    filters = tf.split(weights, group, axis=3) if group > 1 else [weights]
+    ys = [tf.nn.conv2d(xg, wg, strides=[1, *stride, 1], padding=_explicit_pad(pad), dilations=[1, *dilation, 1])
+          for xg, wg in zip(inputs, filters)]
+    y = tf.concat(ys, axis=3) if group > 1 else ys[0]
     if param.bias_term:
         y = tf.nn.bias_add(y, params[1])
     return [Blob(y, True)]
