@@ -1,0 +1,70 @@
+"""Every net of the model zoo (models/*/) compiles on the TensorFlow backend and trains a step.
+
+The Data layers get their image shape from the model's deploy.prototxt Input
+and a batch of 2; labels are 0, valid for every classifier.
+"""
+
+import glob
+import math
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from deepspark.backends import create_model  # noqa: E402
+from deepspark.config import load_net, load_solver  # noqa: E402
+from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = sorted(os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(ROOT, "models", "*", "solver.prototxt")))
+BATCH = 2
+
+
+def image_shape(folder):
+    """(C, H, W) of the deploy net's Input, which is the crop the train net's Data layers produce."""
+    deploy, _ = load_net(os.path.join(folder, "deploy.prototxt"))
+    for layer in deploy.layer:
+        if layer.type == "Input":
+            return tuple(layer.input_param.shape[0].dim[1:])
+    return tuple(deploy.input_shape[0].dim[1:]) if deploy.input_shape else tuple(deploy.input_dim[1:4])
+
+
+def random_batch(model, seed=0):
+    rng = np.random.default_rng(seed)
+    return {top: (rng.standard_normal(shape).astype(np.float32) if len(shape) > 1 else np.zeros(shape, np.float32))
+            for top, shape in model.feeds.items()}
+
+
+def test_the_zoo_is_there():
+    assert MODELS, "models/*/solver.prototxt: no nets found"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_model_trains_and_tests(name, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    folder = os.path.join(ROOT, "models", name)
+    solver = load_solver(os.path.join(folder, "solver.prototxt"))
+    shape = image_shape(folder)
+
+    train = create_model("tensorflow", solver.train_net, solver.param, phase=pb.TRAIN, source=solver.train_map,
+                         batch_size=BATCH, seed=1, data_shape=lambda layer: shape)
+    assert train.param_count == sum(math.prod(s) for s in train.param_shapes) > 0
+    before = train.get_flat()
+    loss = train.step(random_batch(train))
+    assert math.isfinite(loss) and loss > 0
+    after = train.get_flat()
+    assert np.all(np.isfinite(after)) and not np.array_equal(before, after)
+
+    net, source, state = solver.test_nets[0] if solver.test_nets else (solver.train_net, solver.train_map,
+                                                                        pb.NetState(phase=pb.TEST))
+    test = create_model("tensorflow", net, phase=pb.TEST, source=source, batch_size=BATCH, seed=1,
+                        stages=list(state.stage), data_shape=lambda layer: shape)
+    assert test.param_shapes == train.param_shapes
+    test.set_flat(after)
+    outputs = test.forward(random_batch(test))
+    assert outputs and all(np.all(np.isfinite(v)) for v in outputs.values())
+    for top, value in outputs.items():
+        if "accuracy" in top:
+            assert 0 <= float(value) <= 1
