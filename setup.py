@@ -22,6 +22,7 @@ setup(
     extras_require={
         "tensorflow": ["tensorflow-cpu>=2.16"],
         "test": ["pytest>=8", "hypothesis>=6"],
+        "caffe": ["six"],
         "bench": ["matplotlib>=3.8"],
     },
     entry_points={"console_scripts": ["deepspark = deepspark.cli:main"]},
