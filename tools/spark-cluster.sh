@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Starts, stops or reports a Spark standalone master and two workers on 127.0.0.1,
+# from the pip-installed pyspark (which ships no start-master.sh / start-worker.sh).
+#   tools/spark-cluster.sh start|stop|status
+# Environment: VENV (default .venv), CLUSTER_DIR (default /tmp/deepspark-spark-cluster),
+# SPARK_MASTER_PORT (7077), SPARK_MASTER_WEBUI_PORT (8080), WORKERS (2), WORKER_CORES (1), WORKER_MEMORY (2g).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+venv=${VENV:-$here/.venv}
+dir=${CLUSTER_DIR:-/tmp/deepspark-spark-cluster}
+port=${SPARK_MASTER_PORT:-7077}
+webui=${SPARK_MASTER_WEBUI_PORT:-8080}
+workers=${WORKERS:-2}
+cores=${WORKER_CORES:-1}
+memory=${WORKER_MEMORY:-2g}
+url="spark://127.0.0.1:$port"
+
+spark_home() {
+  "$venv/bin/python" -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))'
+}
+
+alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+alive_workers() {
+  curl -fsS "http://127.0.0.1:$webui/json/" 2>/dev/null |
+    "$venv/bin/python" -c 'import json,sys; print(sum(w["state"]=="ALIVE" for w in json.load(sys.stdin)["workers"]))' 2>/dev/null || echo 0
+}
+
+start() {
+  if alive "$dir/master.pid"; then
+    echo "cluster already running at $url"; return 0
+  fi
+  export SPARK_HOME; SPARK_HOME=$(spark_home)
+  export SPARK_LOCAL_IP=127.0.0.1 PYSPARK_PYTHON="$venv/bin/python"
+  mkdir -p "$dir"
+  echo "[cluster] starting master at $url (web UI :$webui)"
+  nohup "$SPARK_HOME/bin/spark-class" org.apache.spark.deploy.master.Master \
+    --host 127.0.0.1 --port "$port" --webui-port "$webui" >"$dir/master.log" 2>&1 &
+  echo $! >"$dir/master.pid"
+  for i in $(seq 1 "$workers"); do
+    echo "[cluster] starting worker $i ($cores core, $memory)"
+    mkdir -p "$dir/work-$i"
+    nohup "$SPARK_HOME/bin/spark-class" org.apache.spark.deploy.worker.Worker \
+      --host 127.0.0.1 --cores "$cores" --memory "$memory" --webui-port $((webui + i)) \
+      --work-dir "$dir/work-$i" "$url" >"$dir/worker-$i.log" 2>&1 &
+    echo $! >"$dir/worker-$i.pid"
+  done
+  for _ in $(seq 1 120); do
+    if [ "$(alive_workers)" -ge "$workers" ]; then
+      echo "[cluster] ready: $url with $workers workers ALIVE"; return 0
+    fi
+    sleep 0.5
+  done
+  echo "[cluster] workers did not register within 60 s; logs in $dir" >&2
+  tail -n 20 "$dir"/*.log >&2 || true
+  stop
+  return 1
+}
+
+stop() {
+  for pidfile in "$dir"/worker-*.pid "$dir/master.pid"; do
+    [ -f "$pidfile" ] || continue
+    if alive "$pidfile"; then kill "$(cat "$pidfile")" 2>/dev/null || true; fi
+  done
+  for pidfile in "$dir"/worker-*.pid "$dir/master.pid"; do
+    [ -f "$pidfile" ] || continue
+    for _ in $(seq 1 20); do alive "$pidfile" || break; sleep 0.25; done
+    if alive "$pidfile"; then kill -9 "$(cat "$pidfile")" 2>/dev/null || true; fi
+    rm -f "$pidfile"
+  done
+  echo "[cluster] stopped"
+}
+
+status() {
+  if alive "$dir/master.pid"; then
+    echo "master $url running; $(alive_workers) workers ALIVE"
+  else
+    echo "not running"; return 3
+  fi
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+esac
