@@ -1,4 +1,4 @@
-"""`deepspark train --algorithm single`, `test` and `plot`: Caffe's log lines, snapshots, reloaded weights."""
+"""Caffe's Solver::Solve in one process: `deepspark train --algorithm single`, `test` and `plot`."""
 
 import re
 

@@ -1,4 +1,4 @@
-"""Caffe's Solver::Solve in one process (`--algorithm single`), and the `test` verb."""
+"""Caffe's Solver::Solve in one process: `deepspark train --algorithm single`, `test` and `plot`."""
 
 import collections
 import os
