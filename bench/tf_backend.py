@@ -107,8 +107,8 @@ def timed(step, data, steps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="training steps per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40, help="training steps per round")
+    parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--jit", action="store_true", help="compile our step with XLA")
     args = parser.parse_args()
@@ -118,16 +118,21 @@ def main():
     rates = {name: [] for name in contenders}
     for name, (step, data) in contenders.items():
         timed(step, data, args.warmup)
-    for _ in range(args.rounds):
-        for name, (step, data) in contenders.items():
+    order = list(contenders)
+    for round_index in range(args.rounds):
+        for name in order if round_index % 2 == 0 else order[::-1]:
+            step, data = contenders[name]
             rates[name].append(timed(step, data, args.steps))
-    medians = {name: statistics.median(r) for name, r in rates.items()}
     for name, r in rates.items():
         print(json.dumps({"bench": "tf_backend_lenet_step", "impl": name, "batch": BATCH,
-                          "images_per_s": round(medians[name], 1), "rounds": [round(x, 1) for x in r],
+                          "images_per_s": round(statistics.median(r), 1), "best": round(max(r), 1),
                           "jit_compile": args.jit if name == "deepspark_tf" else False}))
-    print(json.dumps({"bench": "tf_backend_lenet_step", "ratio_vs_keras":
-                      round(medians["deepspark_tf"] / medians["keras"], 3), "target": 0.95}))
+    # Rounds alternate, so each pair saw about the same machine load: the median
+    # of the per-round ratios is the figure least moved by other processes.
+    ratios = [ours / theirs for ours, theirs in zip(rates["deepspark_tf"], rates["keras"])]
+    print(json.dumps({"bench": "tf_backend_lenet_step", "ratio_vs_keras": round(statistics.median(ratios), 3),
+                      "ratio_of_best": round(max(rates["deepspark_tf"]) / max(rates["keras"]), 3),
+                      "target": 0.95}))
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"bench": "tf_backend_lenet_step", "peak_rss_mb": round(peak_kb / 1024, 1)}))
 

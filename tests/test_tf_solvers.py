@@ -192,3 +192,42 @@ def test_same_seed_same_start_and_trajectory():
     b, _ = make(SOLVERS["SGD"])
     np.testing.assert_array_equal(a.get_flat(), b.get_flat())
     assert a.step(batch(0)) == b.step(batch(0))
+
+
+CONV_NET = """
+layer { name: "data" type: "Input" top: "x" top: "y"
+  input_param { shape { dim: 2 dim: 3 dim: 5 dim: 5 } shape { dim: 2 dim: 4 dim: 3 dim: 3 } } }
+layer { name: "conv" type: "Convolution" bottom: "x" top: "c"
+  convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "gaussian" } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "c" bottom: "y" top: "loss" }
+"""
+
+
+def test_conv_kernels_cross_the_contract_in_caffe_layout():
+    # Kernels are stored HWIO inside; params, flat vector and history are OIHW outside.
+    net, _ = parse_net(CONV_NET)
+    model = create_model("tensorflow", net, text_format.Parse('type: "Adam" base_lr: 0.1 momentum: 0.9', pb.SolverParameter()))
+    assert model.param_shapes == [(4, 3, 3, 3), (4,)]
+    values = np.arange(model.param_count, dtype=np.float32)
+    model.set_flat(values)
+    np.testing.assert_array_equal(model.get_params()[0], values[:108].reshape(4, 3, 3, 3))
+    np.testing.assert_array_equal(model.get_flat(), values)
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((2, 3, 5, 5)), "y": rng.standard_normal((2, 4, 3, 3))}
+    model.set_params([rng.standard_normal((4, 3, 3, 3)) * 0.1, np.zeros(4)])
+    loss, grads = model.gradients(data)
+    w = model.get_params()[0].astype(np.float64)
+    patches = np.stack([data["x"][:, :, i:i + 3, j:j + 3] for i in range(3) for j in range(3)], axis=-1)
+    c = np.einsum("ncklp,ockl->nop", patches, w).reshape(2, 4, 3, 3)
+    r = c - data["y"]
+    assert loss == pytest.approx((r ** 2).sum() / 4, rel=1e-4)
+    want = np.einsum("nop,ncklp->ockl", r.reshape(2, 4, 9), patches) / 2
+    np.testing.assert_allclose(grads[0], want, rtol=1e-4, atol=1e-5)
+    model.step(data)
+    history = model.get_history()
+    assert [h.shape for h in history] == [(4, 3, 3, 3), (4,)] * 2
+    np.testing.assert_allclose(history[0], 0.1 * want, rtol=1e-4, atol=1e-6)  # Adam's m after one step
+    state = model.get_state()
+    other = create_model("tensorflow", net, text_format.Parse('type: "Adam" base_lr: 0.1 momentum: 0.9', pb.SolverParameter()))
+    other.set_state(state)
+    np.testing.assert_array_equal(other.get_history()[2], history[2])

@@ -6,7 +6,7 @@ at trace time only.
 
 import tensorflow as tf
 
-from deepspark.backends.tensorflow.layers import LAYERS, Blob
+from deepspark.backends.tensorflow.layers import LAYERS, PARAM_ORDER, Blob
 
 
 def blob_index(graph):
@@ -20,11 +20,39 @@ def blob_index(graph):
             for layer in graph.layers}
 
 
+def wanted_order(layer_type, blob):
+    """The axis order a layer function takes blob `blob` in (None: Caffe's)."""
+    return PARAM_ORDER.get(layer_type, {}).get(blob)
+
+
+def storage_orders(graph):
+    """Per graph.params entry, the permutation of Caffe's axes it is stored in (None: Caffe's).
+
+    A blob is stored as its layer function wants it, unless it is shared by a
+    layer that wants it otherwise.
+    """
+    orders = []
+    for param in graph.params:
+        users = [(param.layer, param.index)] + [tuple(s) for s in param.sharers]
+        wanted = {(wanted_order(graph.layer(name).type, i), graph.layer(name).param_shapes[i]) for name, i in users}
+        orders.append(wanted.pop()[0] if len(wanted) == 1 else None)
+    return orders
+
+
+def permute(value, order):
+    return value if order is None else tf.transpose(value, order)
+
+
+def inverse(order):
+    return None if order is None else tuple(sorted(range(len(order)), key=order.__getitem__))
+
+
 class Context:
     """What layer functions need beyond their bottoms: inputs, phase, randomness, state updates."""
 
-    def __init__(self, graph, inputs, train, rng=None, seed=0, index=None):
+    def __init__(self, graph, inputs, train, rng=None, seed=0, index=None, orders=None):
         self.graph = graph
+        self.orders = orders or [None] * len(graph.params)  # storage order of each parameter
         self.inputs = inputs
         self.train = train
         self.rng = rng
@@ -36,20 +64,26 @@ class Context:
         self.updates.append((self.index[layer.name][blob], value))
 
 
-def layer_params(layer, indices, params):
+def layer_params(layer, indices, params, orders):
+    """A layer's parameter values in the shapes and axis orders its function takes."""
     values = []
-    for i, shape in zip(indices, layer.param_shapes):
-        value = params[i]
+    for b, (i, shape) in enumerate(zip(indices, layer.param_shapes)):
+        value, stored, wanted = params[i], orders[i], wanted_order(layer.type, b)
+        if stored == wanted and (stored is not None or tuple(value.shape) == tuple(shape)):
+            values.append(value)
+            continue
+        value = permute(value, inverse(stored))
         if tuple(value.shape) != tuple(shape):  # a blob shared with a differently shaped owner
             value = tf.reshape(value, shape)
-        values.append(value)
+        values.append(permute(value, wanted))
     return values
 
 
 def run(graph, params, ctx):
     """One forward pass: (the weighted loss, {blob name: its last Blob}).
 
-    `params` are tensors (or variables) in graph.params order and Caffe's shapes.
+    `params` are tensors (or variables) in graph.params order, each in Caffe's
+    shape permuted by ctx.orders (by default: Caffe's layout).
     """
     blobs = {}
     loss = tf.constant(0.0)
@@ -59,7 +93,7 @@ def run(graph, params, ctx):
         if propagate:
             bottoms = [b if down else Blob(tf.stop_gradient(b.tensor), b.nhwc)
                        for b, down in zip(bottoms, propagate)]
-        tops = LAYERS[layer.type](layer, bottoms, layer_params(layer, ctx.index[layer.name], params), ctx)
+        tops = LAYERS[layer.type](layer, bottoms, layer_params(layer, ctx.index[layer.name], params, ctx.orders), ctx)
         for name, value, weight in zip(layer.tops, tops, layer.loss_weights):
             blobs[name] = value
             if weight:

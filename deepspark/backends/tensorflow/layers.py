@@ -25,6 +25,11 @@ TO_NCHW = (0, 3, 1, 2)
 
 LAYERS = {}
 
+# Parameter blobs a layer function takes in another layout than Caffe's, as the
+# permutation from Caffe's axes: convolution kernels as HWIO, TensorFlow's own.
+# The model stores them so, and converts only at the contract's boundary.
+PARAM_ORDER = {"Convolution": {0: (2, 3, 1, 0)}, "Deconvolution": {0: (2, 3, 1, 0)}}
+
 
 def layer(*types):
     def register(function):
@@ -147,7 +152,7 @@ def convolution(layer, bottoms, params, ctx):
     _check_2d(layer, "convolution")
     param = layer.param.convolution_param
     kernel, pad, stride, dilation = conv_geometry(param, 2)
-    weights = tf.transpose(params[0], (2, 3, 1, 0))  # OIHW -> HWIO
+    weights = params[0]  # HWIO (PARAM_ORDER)
     x = bottoms[0].as_nhwc
     # TF has no grouped-convolution gradient on CPU: one convolution per group.
     group = param.group
@@ -171,7 +176,7 @@ def deconvolution(layer, bottoms, params, ctx):
     n, _, h, w = layer.bottom_shapes[0]
     group, outputs = param.group, param.num_output
     full = [s * (size - 1) + d * (k - 1) + 1 for size, k, s, d in zip((h, w), kernel, stride, dilation)]
-    weights = tf.transpose(params[0], (2, 3, 1, 0))  # (kh, kw, C_out/group, C_in)
+    weights = params[0]  # (kh, kw, C_out/group, C_in): Caffe's blob in PARAM_ORDER
     inputs = tf.split(x, group, axis=3) if group > 1 else [x]
     filters = tf.split(weights, group, axis=3) if group > 1 else [weights]
     ys = [tf.nn.conv2d_transpose(xg, wg, [n, *full, outputs // group], strides=[1, *stride, 1],

@@ -33,8 +33,11 @@ class Model(base.Model):
         self.feeds = {top: tuple(shape) for layer in graph.layers if layer.type in FED_TYPES
                       for top, shape in zip(layer.tops, layer.top_shapes)}
         self._index = compiler.blob_index(graph)
-        self._variables = [tf.Variable(array, name=f"param{i}")
+        self._orders = compiler.storage_orders(graph)  # conv kernels live as HWIO inside
+        self._inverse = [compiler.inverse(order) for order in self._orders]
+        self._variables = [tf.Variable(self._store(i, array), name=f"param{i}")
                            for i, array in enumerate(fillers.init_params(graph, self.seed))]
+        self._stored_shapes = [tuple(v.shape) for v in self._variables]
         rng_seed = self.seed if self.seed is not None and self.seed >= 0 else \
             np.random.SeedSequence().entropy % 2 ** 63
         self._rng = tf.random.Generator.from_seed(rng_seed)
@@ -62,7 +65,8 @@ class Model(base.Model):
 
     def _pass(self, inputs, differentiate):
         """Forward (and backward): (loss, {blob: Blob}, Caffe's diffs or None, running-stat updates)."""
-        ctx = compiler.Context(self.graph, inputs, self.train, self._rng, self._random_seed, self._index)
+        ctx = compiler.Context(self.graph, inputs, self.train, self._rng, self._random_seed, self._index,
+                               self._orders)
         watched = [self._variables[i] for i in self._trainable]
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(watched)
@@ -70,7 +74,7 @@ class Model(base.Model):
         grads = None
         if differentiate:
             found = tape.gradient(loss, watched) if watched else []
-            grads = [tf.zeros(shape, tf.float32) for shape in self.param_shapes]
+            grads = [tf.zeros(shape, tf.float32) for shape in self._stored_shapes]
             for i, grad in zip(self._trainable, found):
                 if grad is not None:
                     grads[i] = tf.convert_to_tensor(grad)
@@ -114,14 +118,27 @@ class Model(base.Model):
 
     def _gradients(self, inputs):
         loss, _, grads, _ = self._pass(inputs, True)
-        return loss, grads
+        return loss, [compiler.permute(g, order) for g, order in zip(grads, self._inverse)]
 
     def _flat(self):
-        return tf.concat([tf.reshape(v, [-1]) for v in self._variables], axis=0)
+        return tf.concat([tf.reshape(compiler.permute(v, order), [-1])
+                          for v, order in zip(self._variables, self._inverse)], axis=0)
 
     def _assign_flat(self, vector):
-        for variable, part in zip(self._variables, tf.split(vector, self.param_sizes)):
-            variable.assign(tf.reshape(part, variable.shape))
+        parts = tf.split(vector, self.param_sizes)
+        for variable, part, shape, order in zip(self._variables, parts, self.param_shapes, self._orders):
+            variable.assign(compiler.permute(tf.reshape(part, shape), order))
+
+    def _store(self, i, array):
+        """A Caffe-layout array of parameter i (or its history) in its stored layout."""
+        order = self._orders[i % len(self._orders)]
+        return array if order is None else np.ascontiguousarray(np.transpose(array, order))
+
+    def _load(self, i, variable):
+        """A stored variable of parameter i (or its history) as a Caffe-layout float32 array."""
+        array = variable.numpy()
+        order = self._inverse[i % len(self._inverse)]
+        return np.array(array if order is None else np.transpose(array, order), np.float32, order="C")
 
     # -- the contract --------------------------------------------------------------
 
@@ -142,10 +159,10 @@ class Model(base.Model):
     def _ensure_solver(self):
         if self._history is None:
             self._history = [tf.Variable(tf.zeros(shape, tf.float32), name=f"history{i}")
-                             for i, shape in enumerate(self.history_shapes)]
+                             for i, shape in enumerate(self._stored_shapes * self.history_sets)]
         if self.iter_size > 1 and self._accumulated is None:
             self._accumulated = [tf.Variable(tf.zeros(shape, tf.float32), name=f"diff{i}")
-                                 for i, shape in enumerate(self.param_shapes)]
+                                 for i, shape in enumerate(self._stored_shapes)]
 
     def step(self, batch):
         batches = self.batches(batch)
@@ -169,11 +186,11 @@ class Model(base.Model):
         return float(loss), [g.numpy() for g in grads]
 
     def get_params(self):
-        return [np.array(v.numpy(), np.float32) for v in self._variables]
+        return [self._load(i, v) for i, v in enumerate(self._variables)]
 
     def set_params(self, arrays):
-        for variable, array in zip(self._variables, self.check_arrays(arrays)):
-            variable.assign(array)
+        for i, (variable, array) in enumerate(zip(self._variables, self.check_arrays(arrays))):
+            variable.assign(self._store(i, array))
 
     def get_flat(self, out=None):
         flat = self._get_flat_fn().numpy()
@@ -190,9 +207,10 @@ class Model(base.Model):
 
     def get_history(self):
         self._ensure_solver()
-        return [np.array(h.numpy(), np.float32) for h in self._history]
+        return [self._load(i, h) for i, h in enumerate(self._history)]
 
     def set_history(self, arrays):
         self._ensure_solver()
-        for variable, array in zip(self._history, self.check_arrays(arrays, self.history_shapes, "history blob")):
-            variable.assign(array)
+        arrays = self.check_arrays(arrays, self.history_shapes, "history blob")
+        for i, (variable, array) in enumerate(zip(self._history, arrays)):
+            variable.assign(self._store(i, array))
