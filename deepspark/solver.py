@@ -1,4 +1,4 @@
-"""Caffe's Solver::Solve in one process: `deepspark train --algorithm single`, `test` and `plot`."""
+"""Caffe's Solver::Solve in one process (`deepspark train --algorithm single`) and the `test` verb."""
 
 import collections
 import os

@@ -14,9 +14,11 @@ from .transport import PeerClosed, byte_view, recv_exact, recv_header, send_fram
 
 log = logging.getLogger("deepspark.exchange.client")
 
-DEFAULT_CHUNK = 1 << 16
+DEFAULT_CHUNK = 1 << 18
 APPLIED = "applied"  # the elastic difference was applied
 RESET = "reset"      # parameters were replaced by the center (non-finite refusal or rejoin)
+# Refusals that only mean "this connection is over": the worker rejoins.
+_CONNECTION_LOST = (P.E_TIMEOUT, P.E_SHUTDOWN)
 
 
 class NonFiniteError(P.RefusedError):
@@ -120,12 +122,16 @@ class ExchangeClient:
         reply = bytearray(h.length)
         recv_exact(sock, memoryview(reply))
         server_nonce, proof = bytes(reply[:P.NONCE_SIZE]), bytes(reply[P.NONCE_SIZE:])
-        if not P.proofs_match(proof, P.server_proof(self._secret, nonce, server_nonce, wid)):
-            raise P.RefusedError(P.E_AUTH, "the server at %s:%d does not hold this job's secret" % self.address)
+        server_ok = P.proofs_match(proof, P.server_proof(self._secret, nonce, server_nonce, wid))
+        # Our proof goes out even when the server's failed: it is bound to this
+        # server's nonce, so it is useless elsewhere, and it lets a real server
+        # with a different secret say so (and log it) instead of seeing a hang-up.
         mine = P.client_proof(self._secret, nonce, server_nonce, wid, self._fingerprint)
         payload = mine + self._fingerprint
         send_frame(sock, P.encode_header(P.AUTH, wid, length=len(payload)), payload)
         h = self._read_header(None)
+        if not server_ok:
+            raise P.RefusedError(P.E_AUTH, "the server at %s:%d does not hold this job's secret" % self.address)
         if h.type != P.WELCOME:
             raise P.ProtocolError("expected WELCOME, got %s" % P.TYPE_NAMES[h.type])
         self.server_iteration = h.iteration
@@ -173,18 +179,23 @@ class ExchangeClient:
             self._pull_into(self._buf if apply_to is None else apply_to)
             self.resets += 1
             return RESET
-        except P.RefusedError:
-            raise
-        except (OSError, P.ProtocolError) as e:
-            if self._closed:
+        except P.RefusedError as e:
+            if e.code not in _CONNECTION_LOST:
                 raise
-            log.warning("worker %d: exchange connection lost (%s); rejoining", self.worker_id, e)
-            self._drop()
-            self.connect()
-            self.reconnects += 1
-            self._pull_into(self._buf if apply_to is None else apply_to)
-            self.resets += 1
-            return RESET
+            return self._rejoin(apply_to, e)
+        except (OSError, P.ProtocolError) as e:
+            return self._rejoin(apply_to, e)
+
+    def _rejoin(self, apply_to, cause):
+        if self._closed:
+            raise cause
+        log.warning("worker %d: exchange connection lost (%s); rejoining", self.worker_id, cause)
+        self._drop()
+        self.connect()
+        self.reconnects += 1
+        self._pull_into(self._buf if apply_to is None else apply_to)
+        self.resets += 1
+        return RESET
 
     def _exchange_once(self, send_from, apply_to, iteration, loss):
         sock = self._sock
@@ -255,13 +266,15 @@ class ExchangeClient:
         self._ensure(out.size)
         try:
             return self._pull_into(out)
-        except P.RefusedError:
-            raise
+        except P.RefusedError as e:
+            if e.code not in _CONNECTION_LOST:
+                raise
         except (OSError, P.ProtocolError):
-            self._drop()
-            self.connect()
-            self.reconnects += 1
-            return self._pull_into(out)
+            pass
+        self._drop()
+        self.connect()
+        self.reconnects += 1
+        return self._pull_into(out)
 
     def report(self, iteration, loss=math.nan):
         """Tell the server the worker's iteration and loss (for the driver's progress display)."""

@@ -173,7 +173,8 @@ def normalize_shapes(shapes, size=None):
             raise ValueError("need blob shapes or a parameter count")
         return ((int(size),),)
     out = tuple(tuple(int(d) for d in s) for s in shapes)
-    if any(d < 0 for s in out for d in s) or any(len(s) > MAX_DIMS for s in out):
+    if any(d < 0 for s in out for d in s) or any(len(s) > MAX_DIMS for s in out) \
+            or shapes_size(out) >= 2 ** 62:
         raise ValueError("bad blob shapes %r" % (shapes,))
     return out
 

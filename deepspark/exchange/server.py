@@ -16,7 +16,7 @@ log = logging.getLogger("deepspark.exchange.server")
 
 # Floats per slice of the elastic update: small enough to stay in cache between
 # the receive, the difference, the finiteness check and the add (measured).
-DEFAULT_CHUNK = 1 << 16
+DEFAULT_CHUNK = 1 << 18
 
 
 class _Refuse(Exception):
@@ -94,6 +94,12 @@ class ExchangeServer:
     def exchanges(self):
         """Elastic updates applied to the center so far (all workers)."""
         return self._exchanges
+
+    @property
+    def open_connections(self):
+        """Connections being served right now (authenticated or not)."""
+        with self._books:
+            return len(self._conns)
 
     @property
     def moving_rate(self):
@@ -347,6 +353,11 @@ class ExchangeServer:
                 log.warning(reason)
                 sock.sendall(P.encode_error(P.E_NONFINITE, reason, wid))
                 return
+            # Committed: counted before the reply so that a worker never sees its
+            # exchange done before the server's books do.
+            with self._books:
+                self._exchanges += 1
+                self._workers[wid]["exchanges"] += 1
             # x̃ += factor·d and send d, slice by slice so the worker applies while we add.
             P.pack_header_into(out_header, P.DIFF, wid, iteration=count, length=nbytes)
             sock.sendall(out_header)
@@ -357,6 +368,3 @@ class ExchangeServer:
         finally:
             if lock is not None:
                 lock.release()
-        with self._books:
-            self._exchanges += 1
-            self._workers[wid]["exchanges"] += 1
