@@ -114,6 +114,23 @@ def update_value(kind, param, grad, history, local_rate, iteration, ops=NUMPY):
     raise ValueError(f"unknown solver type '{kind}'")
 
 
+def effective_grads(param, weights, grads, decay_mults, ops=NUMPY):
+    """The diffs ComputeUpdateValue sees: clipped, divided by iter_size, regularized (Caffe's order)."""
+    factor = clip_factor(param, grads, ops)
+    result = []
+    for w, g, decay_mult in zip(weights, grads, decay_mults):
+        if factor is not None:
+            g = g * factor
+        if param.iter_size > 1:
+            g = g * (1.0 / param.iter_size)
+        result.append(regularize(param, w, g, decay_mult, ops))
+    return result
+
+
+def local_rate(rate, lr_mult):
+    return rate if lr_mult == 1 else rate * lr_mult
+
+
 def apply_update(param, weights, grads, history, rate, iteration, lr_mults, decay_mults, ops=NUMPY):
     """Caffe's SGDSolver::ApplyUpdate: clip, normalize by iter_size, regularize, update.
 
@@ -123,16 +140,10 @@ def apply_update(param, weights, grads, history, rate, iteration, lr_mults, deca
     kind = solver_type(param)
     n = len(weights)
     sets = HISTORY_SETS[kind]
-    factor = clip_factor(param, grads, ops)
     new_weights, new_history = [], [None] * (n * sets)
-    for i, (w, g) in enumerate(zip(weights, grads)):
-        if factor is not None:
-            g = g * factor
-        if param.iter_size > 1:
-            g = g * (1.0 / param.iter_size)
-        g = regularize(param, w, g, decay_mults[i], ops)
+    for i, (w, g) in enumerate(zip(weights, effective_grads(param, weights, grads, decay_mults, ops))):
         diff, hist = update_value(kind, param, g, [history[s * n + i] for s in range(sets)],
-                                  rate * lr_mults[i], iteration, ops)
+                                  local_rate(rate, lr_mults[i]), iteration, ops)
         new_weights.append(w - diff)
         for s in range(sets):
             new_history[s * n + i] = hist[s]

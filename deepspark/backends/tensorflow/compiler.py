@@ -86,7 +86,7 @@ def run(graph, params, ctx):
     shape permuted by ctx.orders (by default: Caffe's layout).
     """
     blobs = {}
-    loss = tf.constant(0.0)
+    loss = None
     for layer in graph.layers:
         bottoms = [blobs[name] for name in layer.bottoms]
         propagate = list(layer.param.propagate_down)
@@ -97,5 +97,7 @@ def run(graph, params, ctx):
         for name, value, weight in zip(layer.tops, tops, layer.loss_weights):
             blobs[name] = value
             if weight:
-                loss = loss + weight * tf.reduce_sum(value.tensor)
-    return loss, blobs
+                term = value.tensor if value.tensor.shape.rank == 0 else tf.reduce_sum(value.tensor)
+                term = term if weight == 1 else weight * term
+                loss = term if loss is None else loss + term
+    return (tf.constant(0.0) if loss is None else loss), blobs

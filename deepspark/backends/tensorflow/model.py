@@ -85,6 +85,8 @@ class Model(base.Model):
             self._variables[i].assign(value)
 
     def _solve(self, grads, rate, iteration):
+        if self.solver_type in ("SGD", "Nesterov"):
+            return self._solve_momentum(grads, rate)
         weights, history = schedule.apply_update(
             self.solver_param, self._variables, grads, self._history, rate, iteration,
             self._lr_mults, self._decay_mults, ops=TF_OPS)
@@ -92,6 +94,25 @@ class Model(base.Model):
             self._variables[i].assign(weights[i])
         for variable, value in zip(self._history, history):
             variable.assign(value)
+
+    def _solve_momentum(self, grads, rate):
+        """Caffe's SGD and Nesterov through TF's fused momentum kernel, one op per blob.
+
+        With lr = 1 and grad = local_rate * g the kernel's accumulator is Caffe's
+        history v = m v + local_rate g, and it subtracts v (SGD) or
+        local_rate g + m v, which equals Caffe's (1+m) v - m v_prev (Nesterov).
+        """
+        param = self.solver_param
+        grads = schedule.effective_grads(param, self._variables, grads, self._decay_mults, TF_OPS)
+        one = tf.constant(1.0, tf.float32)
+        for i, (weight, grad, history) in enumerate(zip(self._variables, grads, self._history)):
+            step = grad * schedule.local_rate(rate, self._lr_mults[i])
+            if self._lr_mults[i] == 0:  # a zero lr_mult leaves the blob as it is
+                history.assign(param.momentum * history + step)
+                continue
+            tf.raw_ops.ResourceApplyMomentum(var=weight.handle, accum=history.handle, lr=one, grad=step,
+                                             momentum=tf.constant(param.momentum, tf.float32),
+                                             use_nesterov=self.solver_type == "Nesterov")
 
     def _step(self, inputs, rate, iteration):
         loss, _, grads, updates = self._pass(inputs, True)
