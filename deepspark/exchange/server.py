@@ -285,6 +285,11 @@ class ExchangeServer:
             h = recv_header(sock, hview, model_bytes)
             if h.worker_id != wid:
                 raise P.ProtocolError("frame from worker %d on worker %d's connection" % (h.worker_id, wid))
+            me["last_contact"] = time.monotonic()
+            if h.type in (P.EXCHANGE, P.REPORT):
+                me["iteration"] = h.iteration
+                if math.isfinite(h.value):
+                    me["loss"] = h.value
             if h.type == P.EXCHANGE:
                 self._exchange(sock, wid, h, buf, view, chunk, ok, scratch, out_header)
             elif h.type == P.PULL:
@@ -305,11 +310,6 @@ class ExchangeServer:
                 return
             else:
                 raise P.ProtocolError("unexpected %s from worker %d" % (P.TYPE_NAMES[h.type], wid))
-            me["last_contact"] = time.monotonic()
-            if h.type in (P.EXCHANGE, P.REPORT):
-                me["iteration"] = h.iteration
-                if math.isfinite(h.value):
-                    me["loss"] = h.value
 
     def _exchange(self, sock, wid, h, buf, view, chunk, ok, scratch, out_header):
         center = self._center

@@ -1,0 +1,431 @@
+"""ParameterExchanger over real loopback sockets: arithmetic, EASGD convergence, overlap, rejoin, and every bad input."""
+
+import logging
+import math
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from deepspark import rules
+from deepspark.exchange import ExchangeClient, ExchangeServer, NonFiniteError, RefusedError
+from deepspark.exchange import protocol as P
+
+SECRET = b"per-job-secret"
+N = 1000
+SHAPES = ((10, 10), (900,))
+
+
+def make_center(n=N):
+    return np.linspace(-1.0, 1.0, n, dtype=np.float32)
+
+
+@pytest.fixture
+def server():
+    srv = ExchangeServer(make_center(), SECRET, 0.5, shapes=SHAPES, consistent=True,
+                         handshake_timeout=0.3, idle_timeout=10.0, chunk=64).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def good(server):
+    """A well-behaved worker, connected before any misbehaviour starts."""
+    client = ExchangeClient(server.address, SECRET, 1, shapes=SHAPES, timeout=10.0)
+    client.connect()
+    yield client
+    client.close()
+
+
+def bits(a):
+    return a.view(np.uint32).tobytes()
+
+
+def wait_for(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def still_serves(server, good, before):
+    """The center is bit-identical, and a well-behaved worker still exchanges."""
+    wait_for(lambda: server.open_connections <= 1)  # only `good` is left
+    assert bits(server.pull()) == bits(before)
+    x = np.zeros(N, dtype=np.float32)
+    assert good.exchange(x) == "applied"
+    np.testing.assert_array_equal(x, np.float32(0.5) * before)  # x − α(x − x̃) with x = 0
+    assert bits(server.pull()) != bits(before)
+
+
+def raw(server):
+    return socket.create_connection(server.address, timeout=5.0)
+
+
+def read_until_closed(sock):
+    chunks = []
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                break
+            chunks.append(data)
+    except (ConnectionResetError, socket.timeout):
+        pass
+    return b"".join(chunks)
+
+
+def error_of(data):
+    """(code, reason) of the ERROR frame at the start of `data`."""
+    h = P.decode_header(data[:P.HEADER_SIZE])
+    assert h.type == P.ERROR
+    return h.flags, P.decode_error(data[P.HEADER_SIZE:P.HEADER_SIZE + h.length])
+
+
+def handshake(sock, wid=9, secret=SECRET, shapes=SHAPES):
+    """The client side of the handshake by hand; returns the server's final header and payload."""
+    nonce = P.new_nonce()
+    sock.sendall(P.encode_header(P.HELLO, wid, length=len(nonce)) + nonce)
+    h = P.decode_header(_exact(sock, P.HEADER_SIZE))
+    challenge = _exact(sock, h.length)
+    fp = P.fingerprint(P.normalize_shapes(shapes))
+    proof = P.client_proof(P.as_secret(secret), nonce, challenge[:P.NONCE_SIZE], wid, fp)
+    sock.sendall(P.encode_header(P.AUTH, wid, length=len(proof) + len(fp)) + proof + fp)
+    h = P.decode_header(_exact(sock, P.HEADER_SIZE))
+    return h, _exact(sock, h.length)
+
+
+def _exact(sock, n):
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        assert k, "closed early"
+        got += k
+    return bytes(buf)
+
+
+# ---- arithmetic and API ------------------------------------------------------
+
+@pytest.mark.parametrize("consistent", [True, False])
+def test_exchange_arithmetic_is_the_rule(consistent):
+    center = make_center()
+    with ExchangeServer(center, SECRET, 0.25, consistent=consistent, chunk=7) as srv:
+        x = np.random.default_rng(0).standard_normal(N).astype(np.float32)
+        x_rule, c_rule = x.copy(), center.copy()
+        rules.easgd_step(x_rule, c_rule, 0.25)
+        with ExchangeClient(srv.address, SECRET, 0, chunk=5) as client:
+            assert client.exchange(x, iteration=3, loss=0.5) == "applied"
+            assert bits(x) == bits(x_rule)
+            assert bits(srv.pull()) == bits(c_rule)
+            assert bits(client.pull()) == bits(c_rule)
+        assert srv.exchanges == 1
+
+
+def test_server_factor_and_moving_rate_decay():
+    center = np.zeros(4, dtype=np.float32)
+    srv = ExchangeServer(center, SECRET, 0.5, server_factor=0.5, consistent=True,
+                         decay_rate=0.5, decay_step=1, decay_limit=1).start()
+    try:
+        with ExchangeClient(srv.address, SECRET, 0) as client:
+            x = np.full(4, 8.0, dtype=np.float32)
+            client.exchange(x)               # α = 0.5: d = 4
+            np.testing.assert_array_equal(x, np.full(4, 4.0))
+            np.testing.assert_array_equal(srv.pull(), np.full(4, 2.0))  # x̃ += 0.5·d
+            assert srv.moving_rate == 0.25
+            client.exchange(x)               # α = 0.25: d = 0.25·(4 − 2)
+            np.testing.assert_array_equal(x, np.full(4, 3.5))
+            client.exchange(x)               # limit 1: α stays 0.25
+            assert srv.moving_rate == 0.25
+    finally:
+        srv.stop()
+
+
+def test_stats_per_worker(server, good):
+    x = np.zeros(N, dtype=np.float32)
+    good.exchange(x, iteration=40, loss=1.5)
+    good.report(41, 1.25)
+    wait_for(lambda: server.stats()[1]["iteration"] == 41)
+    s = server.stats()[1]
+    assert s["exchanges"] == 1 and s["loss"] == 1.25 and s["connected"]
+    assert 0 <= s["seconds_since_contact"] < 5
+    good.close()
+    wait_for(lambda: not server.stats()[1]["connected"])
+
+
+def test_overlapped_exchange_applies_difference_of_the_snapshot(server):
+    center = server.pull()
+    with ExchangeClient(server.address, SECRET, 2, shapes=SHAPES) as client:
+        params = np.ones(N, dtype=np.float32)
+        snapshot = params.copy()
+        client.exchange_async(params, iteration=1)
+        assert client.pending
+        params += 1.0  # the backend keeps computing t+1, t+2, ...
+        params += 1.0
+        deadline = time.monotonic() + 5
+        while not client.poll(params):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        d = np.float32(0.5) * (snapshot - center)
+        np.testing.assert_array_equal(params, snapshot + 2.0 - d)
+        np.testing.assert_array_equal(server.pull(), center + d)
+        # wait() with nothing in flight is a no-op; a second round uses wait().
+        assert not client.wait(params)
+        client.exchange_async(params)
+        assert client.wait(params)
+        assert client.exchanges == 2
+
+
+def test_params_must_be_flat_float32(server):
+    with ExchangeClient(server.address, SECRET, 3, shapes=SHAPES) as client:
+        with pytest.raises(TypeError):
+            client.exchange(np.zeros(N, dtype=np.float64))
+        with pytest.raises(ValueError):
+            client.exchange(np.zeros(N + 1, dtype=np.float32))
+
+
+# ---- convergence ---------------------------------------------------------------
+
+def least_squares(p, dim=8, rows=100, seed=1):
+    rng = np.random.default_rng(seed)
+    x_star = rng.standard_normal(dim).astype(np.float32)
+    shards = []
+    for _ in range(p):
+        a = rng.standard_normal((rows, dim)).astype(np.float32)
+        shards.append((a, a @ x_star))  # zero residual: every shard's optimum is x*
+    return x_star, shards
+
+
+def run_worker(address, wid, shard, iterations, period, overlapped, errors):
+    try:
+        a, b = shard
+        rng = np.random.default_rng(100 + wid)
+        schedule = rules.ExchangeSchedule(period)
+        with ExchangeClient(address, SECRET, wid) as client:
+            x = np.zeros(a.shape[1], dtype=np.float32)
+            client.pull(x)
+            for it in range(iterations):
+                rows = rng.integers(0, len(a), 10)
+                r = a[rows] @ x - b[rows]
+                x -= np.float32(0.05) * (a[rows].T @ r) / 10
+                if overlapped:
+                    client.poll(x)
+                if schedule.step(float(r @ r)):
+                    if overlapped:
+                        client.exchange_async(x, iteration=it)
+                    else:
+                        client.exchange(x, iteration=it)
+            client.wait(x)
+    except BaseException as e:  # surfaced by the test thread
+        errors.append(e)
+
+
+@pytest.mark.parametrize("workers, overlapped", [(2, False), (4, True)])
+def test_async_easgd_center_converges_to_least_squares_optimum(workers, overlapped):
+    x_star, shards = least_squares(workers)
+    srv = ExchangeServer(np.zeros(x_star.size, dtype=np.float32), SECRET, 0.9 / workers).start()
+    try:
+        errors = []
+        threads = [threading.Thread(target=run_worker,
+                                    args=(srv.address, w, shards[w], 600, 4, overlapped, errors))
+                   for w in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert srv.exchanges == workers * 150
+        center = srv.pull()
+        assert np.linalg.norm(center - x_star) / np.linalg.norm(x_star) < 1e-3
+        assert set(srv.stats()) == set(range(workers))
+    finally:
+        srv.stop()
+
+
+# ---- handshake refusals ----------------------------------------------------------
+
+def test_wrong_secret_is_refused_and_logged(server, good, caplog):
+    before = server.pull()
+    caplog.set_level(logging.WARNING, logger="deepspark.exchange")
+    intruder = ExchangeClient(server.address, b"not-the-secret", 5, shapes=SHAPES, retries=1)
+    with pytest.raises(RefusedError) as err:
+        intruder.exchange(np.zeros(N, dtype=np.float32))
+    assert err.value.code == P.E_AUTH
+    assert "secret" in str(err.value)
+    intruder.close()
+    assert any("authentication" in r.getMessage() for r in caplog.records)
+    still_serves(server, good, before)
+
+
+def test_stranger_with_a_forged_proof_is_refused(server, good):
+    before = server.pull()
+    with raw(server) as s:
+        h, payload = handshake(s, secret=b"guess")
+        assert h.type == P.ERROR and h.flags == P.E_AUTH
+        assert "does not hold this job's secret" in P.decode_error(payload)
+    still_serves(server, good, before)
+
+
+def test_client_refuses_a_server_without_the_secret(good, server):
+    other = ExchangeServer(make_center(), b"another-job", 0.5, shapes=SHAPES).start()
+    try:
+        client = ExchangeClient(other.address, SECRET, 4, shapes=SHAPES, retries=1)
+        with pytest.raises(RefusedError) as err:
+            client.connect()
+        assert err.value.code == P.E_AUTH
+        client.close()
+    finally:
+        other.stop()
+
+
+@pytest.mark.parametrize("shapes", [((10, 10), (899,), (1,)), ((100, 10),), ((N,),)])
+def test_worker_built_from_a_different_net_is_refused(server, good, shapes):
+    before = server.pull()
+    size = P.shapes_size(shapes)
+    client = ExchangeClient(server.address, SECRET, 6, shapes=shapes, retries=1)
+    with pytest.raises(RefusedError) as err:
+        client.exchange(np.zeros(size, dtype=np.float32))
+    assert err.value.code == P.E_FINGERPRINT
+    assert "model mismatch" in err.value.reason and "1000 parameters in 2 blobs" in err.value.reason
+    client.close()
+    still_serves(server, good, before)
+
+
+# ---- bad input before the handshake ------------------------------------------------
+
+@pytest.mark.parametrize("junk, reason", [
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 20, "bad magic"),
+    (P.encode_header(P.EXCHANGE, 1, length=4 * N), "before the handshake"),
+    (P.encode_header(P.HELLO, 1, length=2 ** 62), "HELLO payload"),
+    (P.encode_header(P.AUTH, 1, length=2 ** 40), "AUTH payload"),
+    (P.encode_header(P.PULL, 1), "expected HELLO"),
+    (P.HEADER.pack(P.MAGIC, 99, P.HELLO, 0, 1, 0, 32, 0.0), "protocol version"),
+])
+def test_garbage_before_the_handshake(server, good, junk, reason):
+    before = server.pull()
+    with raw(server) as s:
+        s.sendall(junk)
+        code, why = error_of(read_until_closed(s))
+    assert code == P.E_PROTOCOL and reason in why
+    still_serves(server, good, before)
+
+
+def test_silent_peer_is_dropped_after_the_handshake_timeout(server, good):
+    before = server.pull()
+    with raw(server) as s:
+        code, why = error_of(read_until_closed(s))  # we say nothing at all
+    assert code == P.E_TIMEOUT and "silent" in why
+    still_serves(server, good, before)
+
+
+# ---- bad input after the handshake ----------------------------------------------------
+
+def _exchange_header(length=4 * N, wid=9, type_=P.EXCHANGE):
+    return P.HEADER.pack(P.MAGIC, P.VERSION, type_, 0, wid, 1, length, 0.0)
+
+
+@pytest.mark.parametrize("frame, reason", [
+    (_exchange_header(4 * N - 4) + b"\0" * (4 * N - 4), "needs exactly 4000"),
+    (_exchange_header(2 ** 63), "needs exactly 4000"),
+    (_exchange_header(2 ** 40, type_=P.ERROR), "ERROR payload"),
+    (_exchange_header(0, type_=99), "unknown message type 99"),
+    (_exchange_header(4 * N, type_=P.DIFF) + b"\0" * 4 * N, "unexpected DIFF"),
+    (_exchange_header(4 * N, wid=1) + b"\0" * 4 * N, "on worker 9's connection"),
+    (b"\xde\xad\xbe\xef" * 9, "bad magic"),
+])
+def test_bad_frames_from_an_authenticated_worker(server, good, frame, reason):
+    before = server.pull()
+    with raw(server) as s:
+        h, _ = handshake(s)
+        assert h.type == P.WELCOME
+        s.sendall(frame)
+        code, why = error_of(read_until_closed(s))
+    assert code == P.E_PROTOCOL and reason in why, why
+    still_serves(server, good, before)
+
+
+@pytest.mark.parametrize("cut", ["header", "payload"])
+def test_peer_that_disconnects_mid_frame(server, good, cut):
+    before = server.pull()
+    with raw(server) as s:
+        handshake(s)
+        frame = _exchange_header() + np.ones(N, dtype=np.float32).tobytes()
+        s.sendall(frame[:20] if cut == "header" else frame[:P.HEADER_SIZE + 2001])
+    still_serves(server, good, before)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_payload_is_refused_and_the_worker_told(server, good, bad):
+    before = server.pull()
+    x = np.ones(N, dtype=np.float32)
+    x[N - 1] = bad  # the very last value: refused after the whole frame was read
+    strict = ExchangeClient(server.address, SECRET, 7, shapes=SHAPES, on_nonfinite="raise")
+    with pytest.raises(NonFiniteError):
+        strict.exchange(x.copy())
+    assert bits(server.pull()) == bits(before)
+    # Default: the worker resets from the center, on the same connection.
+    resetting = ExchangeClient(server.address, SECRET, 8, shapes=SHAPES)
+    assert resetting.exchange(x) == "reset"
+    assert bits(x) == bits(before)
+    assert resetting.resets == 1 and resetting.reconnects == 0
+    assert server.stats()[8]["refused_nonfinite"] == 1
+    # Both connections are still usable.
+    y = before.copy()
+    assert strict.exchange(y) == "applied"
+    np.testing.assert_array_equal(y, before)  # x = x̃ gives d = 0
+    strict.close()
+    resetting.close()
+    still_serves(server, good, before)
+
+
+def test_worker_dropped_for_idling_rejoins_and_resumes_from_the_center():
+    srv = ExchangeServer(make_center(), SECRET, 0.5, consistent=True, idle_timeout=0.3).start()
+    try:
+        client = ExchangeClient(srv.address, SECRET, 3, backoff=0.01)
+        x = np.zeros(N, dtype=np.float32)
+        assert client.exchange(x) == "applied"
+        wait_for(lambda: srv.open_connections == 0)  # the server gave up on us
+        x += 5.0
+        assert client.exchange(x) == "reset"
+        assert bits(x) == bits(srv.pull())
+        assert client.reconnects == 1
+        assert client.exchange(x) == "applied"
+        assert srv.stats()[3]["connections"] == 2
+        client.close()
+    finally:
+        srv.stop()
+
+
+def test_client_retries_until_the_server_is_up():
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    client = ExchangeClient(("127.0.0.1", port), SECRET, 0, retries=40, backoff=0.01, max_backoff=0.05)
+    started = []
+
+    def late_start():
+        time.sleep(0.2)
+        started.append(ExchangeServer(make_center(), SECRET, 0.5, port=port).start())
+
+    t = threading.Thread(target=late_start)
+    t.start()
+    try:
+        x = np.zeros(N, dtype=np.float32)
+        assert client.exchange(x) == "applied"
+    finally:
+        t.join()
+        client.close()
+        for s in started:
+            s.stop()
+
+
+def test_unreachable_server_gives_a_clear_error():
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    client = ExchangeClient(("127.0.0.1", port), SECRET, 0, retries=2, backoff=0.01)
+    with pytest.raises(ConnectionError, match="could not reach the exchange server"):
+        client.exchange(np.zeros(3, dtype=np.float32))

@@ -1,0 +1,124 @@
+"""Update rules, checked as plain arithmetic with no sockets."""
+
+import numpy as np
+import pytest
+
+from deepspark import rules
+
+
+def test_elastic_step_matches_the_paper():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(100).astype(np.float32)
+    center = rng.standard_normal(100).astype(np.float32)
+    x0, c0 = x.copy(), center.copy()
+    d = rules.easgd_step(x, center, 0.25)
+    np.testing.assert_array_equal(d, np.float32(0.25) * (x0 - c0))
+    np.testing.assert_array_equal(x, x0 - d)
+    np.testing.assert_array_equal(center, c0 + d)
+    # The elastic force is symmetric: x + x̃ is preserved (up to float32 rounding).
+    np.testing.assert_allclose(x + center, x0 + c0, rtol=1e-6, atol=1e-6)
+
+
+def test_elastic_difference_in_place_and_server_factor():
+    x = np.array([4.0, -2.0, 1.0], dtype=np.float32)
+    center = np.array([2.0, 2.0, 1.0], dtype=np.float32)
+    d = rules.elastic_difference(x, center, 0.5, out=x)
+    assert d is x
+    np.testing.assert_array_equal(d, [1.0, -2.0, 0.0])
+    scratch = np.empty(3, dtype=np.float32)
+    rules.apply_to_center(center, d, server_factor=0.5, scratch=scratch)
+    np.testing.assert_array_equal(center, [2.5, 1.0, 1.0])
+    rules.apply_to_center(center, d)
+    np.testing.assert_array_equal(center, [3.5, -1.0, 1.0])
+
+
+def test_moving_rate_has_full_elastic_pull_at_one():
+    x = np.array([3.0], dtype=np.float32)
+    center = np.array([1.0], dtype=np.float32)
+    rules.easgd_step(x, center, 1.0)
+    # α = 1: worker and center swap.
+    assert x[0] == 1.0 and center[0] == 3.0
+
+
+def test_all_finite():
+    a = np.ones(5, dtype=np.float32)
+    ok = np.empty(5, dtype=bool)
+    assert rules.all_finite(a, ok)
+    for bad in (np.nan, np.inf, -np.inf):
+        a[2] = bad
+        assert not rules.all_finite(a, ok)
+        assert not rules.all_finite(a)
+
+
+@pytest.mark.parametrize("count, expected", [(0, 0.8), (9, 0.8), (10, 0.4), (25, 0.2), (30, 0.2), (1000, 0.2)])
+def test_decay_steps_and_limit(count, expected):
+    assert rules.decayed(0.8, 0.5, 10, 2, count) == pytest.approx(expected)
+
+
+def test_decay_disabled_and_unbounded():
+    assert rules.decayed(0.8, 0.5, 0, 5, 100) == 0.8      # step 0: never
+    assert rules.decayed(0.8, 0.5, 10, 0, 100) == 0.8     # limit 0: never
+    assert rules.decayed(0.8, 0.5, 10, -1, 40) == pytest.approx(0.05)  # no bound
+
+
+def test_fixed_period_schedule():
+    s = rules.ExchangeSchedule(3)
+    assert [s.step(1.0) for _ in range(7)] == [False, False, True, False, False, True, False]
+    assert rules.periodic_due(6, 3) and not rules.periodic_due(7, 3)
+
+
+def test_adaptive_period_exchanges_when_loss_exceeds_first_period():
+    s = rules.ExchangeSchedule(2, adaptive=True)
+    # First period: fixed, its summed loss (3.0 + 3.0) becomes the threshold.
+    assert [s.step(3.0), s.step(3.0)] == [False, True]
+    assert s.first_period_loss == 6.0
+    # Lower losses stretch the period: 2+2+2 = 6 is not above 6, the fourth crosses it.
+    assert [s.step(2.0), s.step(2.0), s.step(2.0), s.step(2.0)] == [False, False, False, True]
+    # Higher losses shorten it.
+    assert [s.step(7.0)] == [True]
+    assert not rules.adaptive_due(5.0, None)
+    assert rules.adaptive_due(6.5, 6.0) and not rules.adaptive_due(6.0, 6.0)
+
+
+def test_schedule_rejects_bad_period():
+    with pytest.raises(ValueError):
+        rules.ExchangeSchedule(0)
+
+
+def test_model_averaging_baselines():
+    workers = [np.full(4, v, dtype=np.float32) for v in (1.0, 2.0, 6.0)]
+    np.testing.assert_array_equal(rules.average_models(workers), np.full(4, 3.0))
+    out = np.empty(4, dtype=np.float32)
+    assert rules.average_models(workers, out=out) is out
+    # Periodic averaging (SparkNet-style): nothing until the period, then everyone holds the mean.
+    assert not rules.averaging_step(workers, period=2, iteration=1)
+    assert workers[0][0] == 1.0
+    assert rules.averaging_step(workers, period=2, iteration=2)
+    for w in workers:
+        np.testing.assert_array_equal(w, np.full(4, 3.0))
+    # Synchronous averaging (CaffeOnSpark-style) is period 1.
+    workers[1][:] = 5.0
+    assert rules.averaging_step(workers, period=1, iteration=7)
+    np.testing.assert_allclose(workers[2], np.full(4, 11.0 / 3), rtol=1e-6)
+    with pytest.raises(ValueError):
+        rules.average_models([])
+
+
+def test_easgd_rules_alone_reach_the_least_squares_optimum():
+    # p workers on shards of a zero-residual least-squares problem, exchanging every τ.
+    rng = np.random.default_rng(1)
+    dim, p, tau, alpha, lr = 8, 4, 4, 0.9 / 4, 0.05
+    x_star = rng.standard_normal(dim).astype(np.float32)
+    shards = []
+    for _ in range(p):
+        a = rng.standard_normal((100, dim)).astype(np.float32)
+        shards.append((a, a @ x_star))
+    center = np.zeros(dim, dtype=np.float32)
+    workers = [center.copy() for _ in range(p)]
+    for it in range(1, 401):
+        for x, (a, b) in zip(workers, shards):
+            rows = rng.integers(0, len(a), 10)
+            x -= lr * a[rows].T @ (a[rows] @ x - b[rows]) / 10
+            if rules.periodic_due(it, tau):
+                rules.easgd_step(x, center, alpha)
+    assert np.linalg.norm(center - x_star) / np.linalg.norm(x_star) < 1e-3
