@@ -1,0 +1,126 @@
+"""A graph.Graph as the messages pycaffe builds from: the phase's layers, fed tops as Input layers.
+
+Caffe aborts the process on a net it rejects, so it only ever sees what our
+Graph has already validated: the layers of one phase (include/exclude rules
+resolved here), with every fed data layer replaced by an Input layer of the
+same name, tops and shapes. Messages cross to pycaffe's own `caffe_pb2` as
+bytes (same field numbers); a field Caffe does not know is an error, never
+dropped silently.
+"""
+
+from google.protobuf import text_format
+
+from deepspark.config import ConfigError, solver_type
+from deepspark.proto import deepspark_pb2 as pb
+
+# Data layers whose tops come from the shared data pipeline (as in the TF backend);
+# DummyData makes its own.
+FED_TYPES = ("Input", "Data", "MemoryData")
+
+# SolverParameter fields this backend runs itself (testing, snapshots, display, the
+# choice of net) or that belong to DeepSpark: cleared before Caffe sees the solver.
+SOLVER_FIELDS_WE_RUN = (
+    "net", "net_param", "train_net", "train_net_param", "test_net", "test_net_param", "train_state",
+    "test_state", "test_iter", "test_interval", "test_compute_loss", "test_initialization", "display",
+    "average_loss", "snapshot", "snapshot_prefix", "snapshot_diff", "snapshot_format", "snapshot_after_train",
+    "solver_mode", "device_id", "debug_info", "solver_type", "deepspark_param", "iter_size", "clip_gradients",
+)
+
+
+def fed_tops(graph, keep_data=False):
+    """{top: shape} of the tops a batch feeds, in net order."""
+    types = ("Input", "MemoryData") if keep_data else FED_TYPES
+    return {top: tuple(shape) for layer in graph.layers if layer.type in types
+            for top, shape in zip(layer.tops, layer.top_shapes)}
+
+
+def input_layer(layer):
+    """An Input layer standing for a fed data layer: same name, tops and shapes."""
+    out = pb.LayerParameter(name=layer.name, type="Input", top=layer.tops)
+    for shape in layer.top_shapes:
+        out.input_param.shape.add().dim.extend(shape)
+    return out
+
+
+def net_param(graph, keep_data=False):
+    """The NetParameter Caffe runs for `graph`: one phase, no rules, fed layers as Input.
+
+    keep_data: leave Data layers in, for Caffe to read their LMDB itself (the
+    batch size is still the graph's).
+    """
+    net = pb.NetParameter(name=graph.name)
+    for field in ("force_backward", "debug_info"):
+        if graph.net_param.HasField(field):
+            setattr(net, field, getattr(graph.net_param, field))
+    net.state.phase = graph.phase
+    for layer in graph.layers:
+        if layer.type in FED_TYPES and not (keep_data and layer.type == "Data"):
+            net.layer.add().CopyFrom(input_layer(layer))
+            continue
+        out = net.layer.add()
+        out.CopyFrom(layer.param)
+        for field in ("include", "exclude", "blobs", "phase"):
+            out.ClearField(field)
+        if layer.type == "Data" and graph.context.batch_size:
+            out.data_param.batch_size = graph.context.batch_size
+    return net
+
+
+def solver_param(param, iter_size=1):
+    """The SolverParameter Caffe's solver runs: the update rule and lr policy only.
+
+    Caffe does one forward/backward per step here; the backend runs the other
+    iter_size - 1 passes on its own batches and scales the summed diff by
+    1/iter_size itself, so the clipping threshold is scaled with it
+    (clip(g/k, c/k) = clip(g, c)/k).
+    """
+    out = pb.SolverParameter()
+    out.CopyFrom(param)
+    for field in SOLVER_FIELDS_WE_RUN:
+        out.ClearField(field)
+    out.type = solver_type(param)
+    out.lr_policy = param.lr_policy or "fixed"
+    out.display = 0
+    out.test_initialization = False
+    out.snapshot_after_train = False
+    out.solver_mode = pb.SolverParameter.CPU
+    if param.clip_gradients >= 0:
+        out.clip_gradients = param.clip_gradients / max(iter_size, 1)
+    return out
+
+
+def unknown_fields(message, path=""):
+    """Dotted paths of fields a parsed message did not know (field numbers), depth first."""
+    from google.protobuf import unknown_fields as unknown
+
+    found = [f"{path or message.DESCRIPTOR.name}: field {field.field_number}"
+             for field in unknown.UnknownFieldSet(message)]
+    for descriptor, value in message.ListFields():
+        if descriptor.message_type is None:
+            continue
+        name = f"{path}.{descriptor.name}" if path else descriptor.name
+        if descriptor.is_repeated:
+            for i, item in enumerate(value):
+                found += unknown_fields(item, f"{name}[{i}]")
+        else:
+            found += unknown_fields(value, name)
+    return found
+
+
+def to_caffe(message, caffe_class):
+    """Our message as pycaffe's `caffe_class`, by bytes; a ConfigError names what Caffe lacks."""
+    out = caffe_class.FromString(message.SerializeToString())
+    missing = unknown_fields(out)
+    if missing:
+        raise ConfigError(f"Caffe does not support {', '.join(missing[:5])} "
+                          f"({len(missing)} unknown field{'s' if len(missing) > 1 else ''})")
+    return out
+
+
+def from_caffe(message, our_class):
+    """pycaffe's message as ours, by bytes."""
+    return our_class.FromString(message.SerializeToString())
+
+
+def to_text(message):
+    return text_format.MessageToString(message)

@@ -1,0 +1,298 @@
+"""The Caffe backend's Model: a real pycaffe Net (and Caffe solver) behind base.Model's contract."""
+
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from deepspark import fillers
+from deepspark.backends import base
+from deepspark.backends.caffe import compiler, runtime
+from deepspark.graph import fmt
+from deepspark.proto import deepspark_pb2 as pb
+
+DATA_LAYERS = ("input", "caffe")
+
+
+class Model(base.Model):
+    """base.Model on pycaffe: Caffe's own layers, and Caffe's own solver for the update.
+
+    A TRAIN model owns a Caffe solver (its net is solver.net); a TEST model a
+    caffe.Net. `step` copies the batch into the Input blobs and calls
+    `solver.step(1)`; with iter_size > 1 the first iter_size - 1 passes run
+    from the solver's on_start callback (each on its own batch), and the summed
+    diff is normalized in on_gradients_ready, before Caffe clips and updates.
+    The history lives in Caffe's solver; get/set_history go through Caffe's
+    own SolverState snapshot and restore.
+
+    data_layers: "input" (default) feeds Data layers from the shared pipeline
+    through Input layers; "caffe" keeps them, and Caffe's Data layer reads the
+    LMDB itself (then `step`/`forward` take a batch only for the other fed tops).
+    """
+
+    def __init__(self, net_param, solver_param=None, phase=pb.TRAIN, source=None, batch_size=None,
+                 seed=None, stages=None, data_shape=None, data_layers="input"):
+        self._iter, self._current_step = 0, 0
+        self._solver = self._net = None
+        self._dir = None
+        super().__init__(net_param, solver_param, phase, source=source, batch_size=batch_size, seed=seed,
+                         stages=stages, data_shape=data_shape)
+        if data_layers not in DATA_LAYERS:
+            raise ValueError(f"data_layers must be one of {', '.join(DATA_LAYERS)}, not {data_layers!r}")
+        caffe = runtime.caffe()
+        self._caffe = caffe
+        self.train = self.phase == pb.TRAIN
+        self.data_layers = data_layers
+        keep_data = data_layers == "caffe"
+        self.feeds = compiler.fed_tops(self.graph, keep_data)
+        self._dir = tempfile.mkdtemp(prefix="deepspark-caffe-")
+        if self.seed is not None and self.seed >= 0:
+            caffe.set_random_seed(int(self.seed))
+        net = compiler.to_caffe(compiler.net_param(self.graph, keep_data), caffe.proto.caffe_pb2.NetParameter)
+        if self.train:
+            solver = compiler.to_caffe(compiler.solver_param(self.solver_param, self.iter_size),
+                                       caffe.proto.caffe_pb2.SolverParameter)
+            solver.net_param.CopyFrom(net)
+            solver.snapshot_prefix = os.path.join(self._dir, "state")
+            path = self._write("solver.prototxt", compiler.to_text(solver))
+            self._solver = caffe.get_solver(path)
+            self._net = self._solver.net
+            self._solver.add_callback(self._on_start, self._on_gradients_ready)
+        else:
+            path = self._write("net.prototxt", compiler.to_text(net))
+            self._net = caffe.Net(path, caffe.TEST)
+        self._blobs = self._param_blobs()
+        self._views = [blob.data for blob in self._blobs]  # parameters never reshape
+        self._loss_tops = [(top, weight) for layer in self.graph.layers
+                           for top, weight in zip(layer.tops, layer.loss_weights) if weight]
+        self._pass_losses = []
+        self._pending = []  # the batches of the passes before Caffe's own, for on_start
+        self._caffe_iter, self._caffe_current_step = 0, 0
+        self.set_params(fillers.init_params(self.graph, self.seed))
+
+    # -- construction --------------------------------------------------------------
+
+    def _write(self, name, content):
+        """A file in this model's scratch folder (text or bytes); its path."""
+        path = os.path.join(self._dir, name)
+        with open(path, "wb") as stream:
+            stream.write(content.encode() if isinstance(content, str) else content)
+        return path
+
+    def _param_blobs(self):
+        """Caffe's blob of each graph.params entry (its owner's: sharers share its memory)."""
+        blobs = []
+        for param in self.graph.params:
+            layer_blobs = self._net.params[param.layer]
+            blob = layer_blobs[param.index]
+            shape = tuple(blob.data.shape)
+            if shape != tuple(param.shape) and blob.count != int(np.prod(param.shape)):
+                raise RuntimeError(f"Caffe's blob {param.index} of layer '{param.layer}' is {fmt(shape)}, "
+                                   f"the graph says {fmt(param.shape)}")
+            blobs.append(blob)
+        return blobs
+
+    def close(self):
+        """Drop the Caffe net and solver and their scratch folder."""
+        self._solver = self._net = None
+        self._blobs, self._views = [], []
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __del__(self):
+        try:
+            if self._dir:
+                shutil.rmtree(self._dir, ignore_errors=True)
+        except Exception:  # interpreter shutdown
+            pass
+
+    # -- iteration counters: Caffe's solver keeps its own, synced before a step ------
+
+    @property
+    def iter(self):
+        return self._iter
+
+    @iter.setter
+    def iter(self, value):
+        self._iter = int(value)
+
+    @property
+    def current_step(self):
+        return self._current_step
+
+    @current_step.setter
+    def current_step(self, value):
+        self._current_step = int(value)
+
+    def _sync_solver(self):
+        """Give Caffe's solver our iter and current_step if someone changed them (a resumed worker)."""
+        if (self._caffe_iter, self._caffe_current_step) != (self._iter, self._current_step):
+            self._restore(self.get_history(), self._iter, self._current_step)
+
+    # -- feeding ------------------------------------------------------------------
+
+    def feed(self, batch):
+        """The batch as float32 arrays for the fed tops, checked against their shapes."""
+        batch = batch or {}
+        result = {}
+        for top, shape in self.feeds.items():
+            if top not in batch:
+                raise KeyError(f"the batch has no '{top}'; this net reads {', '.join(self.feeds)}")
+            array = np.asarray(batch[top], np.float32)
+            if array.shape != shape:
+                if array.size != int(np.prod(shape)):
+                    raise ValueError(f"batch '{top}' has shape {fmt(array.shape)}, the net expects {fmt(shape)}")
+                array = array.reshape(shape)
+            result[top] = array
+        return result
+
+    def _load(self, batch):
+        blobs = self._net.blobs
+        for top, array in self.feed(batch).items():
+            blobs[top].data[...] = array
+
+    def _loss(self):
+        blobs = self._net.blobs
+        return float(sum(weight * float(np.sum(blobs[top].data, dtype=np.float64)) for top, weight in self._loss_tops))
+
+    # -- running ------------------------------------------------------------------
+
+    def _on_start(self):
+        """Caffe's step has cleared the diffs: run the extra iter_size passes, then load the last batch."""
+        if not self._pending:
+            return
+        *earlier, last = self._pending
+        for batch in earlier:
+            self._load(batch)
+            self._net.forward()
+            self._pass_losses.append(self._loss())
+            self._net.backward()
+        self._load(last)
+
+    def _on_gradients_ready(self):
+        if self.iter_size > 1:
+            scale = np.float32(1.0 / self.iter_size)
+            for blob in self._blobs:
+                blob.diff[...] *= scale
+
+    def step(self, batch):
+        if self._solver is None:
+            raise RuntimeError("this model was built for the TEST phase; it has no solver to step")
+        batches = self.batches({} if batch is None and self.data_layers == "caffe" else batch)
+        self._sync_solver()
+        self.next_rate()  # advance our mirror of Caffe's current_step
+        self._pass_losses = []
+        if self.iter_size == 1:
+            self._load(batches[0])
+        else:
+            self._pending = batches
+        try:
+            self._solver.step(1)
+        finally:
+            self._pending = []
+        self._pass_losses.append(self._loss())
+        self._iter = self._caffe_iter = int(self._solver.iter)
+        self._caffe_current_step = self._current_step
+        return float(np.mean(self._pass_losses))
+
+    def forward(self, batch):
+        self._load(batch)
+        self._net.forward()
+        blobs = self._net.blobs
+        return {name: np.array(blobs[name].data, np.float32) for name in self.graph.outputs}
+
+    def gradients(self, batch):
+        """(loss, Caffe's parameter diffs of one forward/backward), without touching the weights."""
+        self._load(batch)
+        self._net.clear_param_diffs()
+        self._net.forward()
+        loss = self._loss()
+        self._net.backward()
+        return loss, [np.array(blob.diff, np.float32).reshape(shape)
+                      for blob, shape in zip(self._blobs, self.param_shapes)]
+
+    # -- parameters ---------------------------------------------------------------
+
+    def get_params(self):
+        return [np.array(view, np.float32).reshape(shape) for view, shape in zip(self._views, self.param_shapes)]
+
+    def set_params(self, arrays):
+        for view, array in zip(self._views, self.check_arrays(arrays)):
+            view[...] = array.reshape(view.shape)
+
+    def get_flat(self, out=None):
+        if out is None:
+            out = np.empty(self.param_count, np.float32)
+        for view, start, end in zip(self._views, self.param_offsets, self.param_offsets[1:]):
+            out[start:end] = view.reshape(-1)
+        return out
+
+    def set_flat(self, vector):
+        vector = np.asarray(vector, np.float32)
+        if vector.shape != (self.param_count,):
+            raise ValueError(f"flat parameter vector has shape {vector.shape}, expected ({self.param_count},)")
+        for view, start, end in zip(self._views, self.param_offsets, self.param_offsets[1:]):
+            view[...] = vector[start:end].reshape(view.shape)
+
+    # -- solver state: Caffe's own SolverState files ------------------------------
+
+    def _state_files(self):
+        return [os.path.join(self._dir, name) for name in os.listdir(self._dir) if name.startswith("state")]
+
+    def _snapshot(self):
+        """Caffe's SolverState of the solver as it is (iter, current_step, history)."""
+        for path in self._state_files():
+            os.unlink(path)
+        self._solver.snapshot()
+        (path,) = [p for p in self._state_files() if p.endswith(".solverstate")]
+        state = pb.SolverState()
+        with open(path, "rb") as stream:
+            state.ParseFromString(stream.read())
+        for path in self._state_files():
+            os.unlink(path)
+        return state
+
+    def _restore(self, history, iteration, current_step):
+        """Load a SolverState (no learned_net: the weights stay) into Caffe's solver."""
+        state = pb.SolverState(iter=iteration, current_step=current_step)
+        for array in history:
+            blob = state.history.add()
+            blob.shape.dim.extend(array.shape)
+            blob.data.extend(np.asarray(array, np.float32).reshape(-1).tolist())
+        path = self._write("restore.solverstate", state.SerializeToString())
+        try:
+            self._solver.restore(path)
+        finally:
+            os.unlink(path)
+        self._iter = self._caffe_iter = int(iteration)
+        self._current_step = self._caffe_current_step = int(current_step)
+
+    def _require_solver(self):
+        if self._solver is None:
+            raise RuntimeError("this model was built for the TEST phase; it has no solver state")
+
+    def get_history(self):
+        self._require_solver()
+        state = self._snapshot()
+        if len(state.history) != len(self.history_shapes):
+            raise RuntimeError(f"Caffe's solver holds {len(state.history)} history blobs, "
+                               f"expected {len(self.history_shapes)}")
+        return [np.asarray(blob.data, np.float32).reshape(shape)
+                for blob, shape in zip(state.history, self.history_shapes)]
+
+    def set_history(self, arrays):
+        self._require_solver()
+        self._restore(self.check_arrays(arrays, self.history_shapes, "history blob"), self._iter,
+                      self._current_step)
+
+    def set_state(self, state):
+        self._require_solver()
+        if len(state.history) != len(self.history_shapes):
+            raise ValueError(f"solver state has {len(state.history)} history blobs; a {self.solver_type} "
+                             f"solver for this net has {len(self.history_shapes)}")
+        arrays = [np.asarray(blob.double_data if len(blob.double_data) else blob.data, np.float32)
+                  for blob in state.history]
+        self._restore(self.check_arrays(arrays, self.history_shapes, "history blob"), state.iter,
+                      state.current_step)
