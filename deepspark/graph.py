@@ -101,7 +101,7 @@ def _broadcast_shape(lp, bottoms, param, what):
         return tuple(operand), False
     if param.num_axes < -1:
         raise ShapeError(f"{what} num_axes must be -1 or non-negative")
-    axis = canonical_axis(param.axis, len(shape) + 1) if len(shape) else 0
+    axis = canonical_axis(param.axis, len(shape)) if len(shape) else 0
     end = len(shape) if param.num_axes == -1 else axis + param.num_axes
     if end > len(shape):
         raise ShapeError(f"{what} axis {param.axis} + num_axes {param.num_axes} exceeds input {fmt(shape)}")

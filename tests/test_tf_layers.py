@@ -570,7 +570,9 @@ def finite_difference_check(layer_text, train=True, points=12, tol=3e-2, labels=
 @pytest.mark.parametrize("layer_text", [
     L("conv", "Convolution", ["x"], "convolution_param { num_output: 4 kernel_size: 3 pad: 1 stride: 2 "
       f"dilation: 1 group: 2 {GAUSS} }}"),
+    L("conv", "Convolution", ["x"], f"convolution_param {{ num_output: 3 kernel_size: 2 pad: 2 dilation: 2 {GAUSS} }}"),
     L("deconv", "Deconvolution", ["x"], f"convolution_param {{ num_output: 2 kernel_size: 3 stride: 2 pad: 1 {GAUSS} }}"),
+    L("deconv", "Deconvolution", ["x"], f"convolution_param {{ num_output: 2 kernel_size: 2 dilation: 2 {GAUSS} }}"),
     L("pool", "Pooling", ["x"], "pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 }"),
     L("lrn", "LRN", ["x"], "lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 k: 1.5 }"),
     L("lrn", "LRN", ["x"], "lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL }"),

@@ -7,6 +7,8 @@ and a batch of 2; labels are 0, valid for every classifier.
 import glob
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from deepspark.backends import create_model  # noqa: E402
-from deepspark.config import load_net, load_solver  # noqa: E402
+from deepspark.config import ConfigError, load_net, load_solver  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,3 +70,19 @@ def test_model_trains_and_tests(name, monkeypatch):
     for top, value in outputs.items():
         if "accuracy" in top:
             assert 0 <= float(value) <= 1
+
+
+def test_data_layers_need_a_data_shape(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    solver = load_solver(os.path.join(ROOT, "models", MODELS[0], "solver.prototxt"))
+    with pytest.raises(ConfigError, match="data shape is unknown"):
+        create_model("tensorflow", solver.train_net, solver.param, source=solver.train_map)
+
+
+def test_backends_are_imported_only_when_asked_for():
+    code = ("import sys, deepspark.backends as b; assert 'tensorflow' not in sys.modules\n"
+            "try:\n    b.create_model('theano', None)\nexcept ValueError as e:\n    print(e)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode == 0, result.stderr
+    assert "unknown backend 'theano'" in result.stdout

@@ -147,19 +147,32 @@ def _check_2d(layer, what):
         raise NotImplementedError(f"layer '{layer.name}': the TensorFlow backend supports 2D {what} only")
 
 
+def dilate_kernel(weights, dilation):
+    """An HWIO kernel with dilation-1 zeros between taps: TF on CPU has no dilated convolution gradients."""
+    for axis, d in enumerate(dilation):
+        if d == 1:
+            continue
+        size = weights.shape[axis]
+        spaced = tf.stack([weights] + [tf.zeros_like(weights)] * (d - 1), axis=axis + 1)
+        shape = weights.shape.as_list()
+        shape[axis] = size * d
+        weights = tf.reshape(spaced, shape)
+        weights = weights[:(size - 1) * d + 1] if axis == 0 else weights[:, :(size - 1) * d + 1]
+    return weights
+
+
 @layer("Convolution")
 def convolution(layer, bottoms, params, ctx):
     _check_2d(layer, "convolution")
     param = layer.param.convolution_param
     kernel, pad, stride, dilation = conv_geometry(param, 2)
-    weights = params[0]  # HWIO (PARAM_ORDER)
+    weights = dilate_kernel(params[0], dilation)  # HWIO (PARAM_ORDER)
     x = bottoms[0].as_nhwc
     # TF has no grouped-convolution gradient on CPU: one convolution per group.
     group = param.group
     inputs = tf.split(x, group, axis=3) if group > 1 else [x]
     filters = tf.split(weights, group, axis=3) if group > 1 else [weights]
-    ys = [tf.nn.conv2d(xg, wg, strides=[1, *stride, 1], padding=_explicit_pad(pad), dilations=[1, *dilation, 1])
-          for xg, wg in zip(inputs, filters)]
+    ys = [tf.nn.conv2d(xg, wg, strides=[1, *stride, 1], padding=_explicit_pad(pad)) for xg, wg in zip(inputs, filters)]
     y = tf.concat(ys, axis=3) if group > 1 else ys[0]
     if param.bias_term:
         y = tf.nn.bias_add(y, params[1])
@@ -176,11 +189,10 @@ def deconvolution(layer, bottoms, params, ctx):
     n, _, h, w = layer.bottom_shapes[0]
     group, outputs = param.group, param.num_output
     full = [s * (size - 1) + d * (k - 1) + 1 for size, k, s, d in zip((h, w), kernel, stride, dilation)]
-    weights = params[0]  # (kh, kw, C_out/group, C_in): Caffe's blob in PARAM_ORDER
+    weights = dilate_kernel(params[0], dilation)  # (kh, kw, C_out/group, C_in): Caffe's blob in PARAM_ORDER
     inputs = tf.split(x, group, axis=3) if group > 1 else [x]
     filters = tf.split(weights, group, axis=3) if group > 1 else [weights]
-    ys = [tf.nn.conv2d_transpose(xg, wg, [n, *full, outputs // group], strides=[1, *stride, 1],
-                                 padding="VALID", dilations=[1, *dilation, 1])
+    ys = [tf.nn.conv2d_transpose(xg, wg, [n, *full, outputs // group], strides=[1, *stride, 1], padding="VALID")
           for xg, wg in zip(inputs, filters)]
     y = tf.concat(ys, axis=3) if group > 1 else ys[0]
     out_h, out_w = layer.top_shapes[0][2:]
