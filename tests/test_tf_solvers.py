@@ -231,3 +231,11 @@ def test_conv_kernels_cross_the_contract_in_caffe_layout():
     other = create_model("tensorflow", net, text_format.Parse('type: "Adam" base_lr: 0.1 momentum: 0.9', pb.SolverParameter()))
     other.set_state(state)
     np.testing.assert_array_equal(other.get_history()[2], history[2])
+
+
+def test_one_trace_for_all_iterations():
+    # The rate and the iteration are tensor arguments: a changing schedule does not retrace the step.
+    model, _ = make(SOLVERS["Adam"])
+    for i in range(4):
+        model.step(batch(i))
+    assert model._step_fn.experimental_get_tracing_count() == 1
