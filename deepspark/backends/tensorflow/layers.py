@@ -521,7 +521,7 @@ def _class_rows(layer, blob, axis):
     shape = layer.bottom_shapes[0]
     outer, classes = math.prod(shape[:axis]), shape[axis]
     x = tf.reshape(blob.caffe, (outer, classes, -1))
-    return tf.reshape(tf.transpose(x, (0, 2, 1)), (-1, classes))
+    return tf.reshape(_permute(x, (0, 2, 1)), (-1, classes))
 
 
 def _labels(blob):
