@@ -232,21 +232,29 @@ def apply_overrides(solver, args):
     return solver
 
 
-def cmd_train(args):
-    solver = apply_overrides(load_solver(args.solver), args)
-    ds = solver.param.deepspark_param
-    if ds.algorithm != pb.DeepSparkParameter.SINGLE:
-        from deepspark.spark.driver import run as run_spark
-
-        return run_spark(solver, args)
+def run_single(solver, args):
+    """One process, no exchange; returns the last test results as {output: value}."""
     output = os.path.dirname(solver.param.snapshot_prefix) or "."
     log = Log(os.path.join(output, "train.log"), append=bool(args.snapshot))
-    trainer = Trainer(solver, ds.backend, log, weights=args.weights, snapshot=args.snapshot)
+    trainer = Trainer(solver, solver.param.deepspark_param.backend, log, weights=args.weights,
+                      snapshot=args.snapshot)
     try:
-        trainer.solve()
+        results = trainer.solve()
     finally:
         trainer.close()
         log.close()
+    return {f"test{i}/{name}": float(np.ravel(value)[0]) for i, means in enumerate(results)
+            for name, value in means.items()}
+
+
+def cmd_train(args):
+    solver = apply_overrides(load_solver(args.solver), args)
+    if solver.param.deepspark_param.algorithm == pb.DeepSparkParameter.SINGLE:
+        run_single(solver, args)
+    else:
+        from deepspark.spark.driver import run as run_spark
+
+        run_spark(solver, args)
     return 0
 
 
