@@ -214,17 +214,12 @@ def throughput(n, workers, seconds):
 
 
 def _numpy_compute(seconds):
-    """A compute step that releases the GIL like a real backend, calibrated to `seconds`."""
-    a = np.random.default_rng(1).standard_normal((192, 192)).astype(np.float32)
-    t0, reps = time.perf_counter(), 0
-    while time.perf_counter() - t0 < 0.2:
-        a @ a
-        reps += 1
-    per = (time.perf_counter() - t0) / reps
-    k = max(1, int(round(seconds / per)))
+    """A compute step that releases the GIL like a real backend: matrix products for `seconds` of wall time."""
+    a = np.random.default_rng(1).standard_normal((128, 128)).astype(np.float32)
 
     def step():
-        for _ in range(k):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
             a @ a
     return step
 

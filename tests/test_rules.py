@@ -44,6 +44,8 @@ def test_all_finite():
     a = np.ones(5, dtype=np.float32)
     ok = np.empty(5, dtype=bool)
     assert rules.all_finite(a, ok)
+    huge = np.full(5, 3e38, dtype=np.float32)  # a·a overflows, yet every value is finite
+    assert rules.all_finite(huge, ok)
     for bad in (np.nan, np.inf, -np.inf):
         a[2] = bad
         assert not rules.all_finite(a, ok)

@@ -10,11 +10,10 @@ import numpy as np
 
 from .. import rules
 from . import protocol as P
-from .transport import PeerClosed, byte_view, recv_exact, recv_header, send_frame, tune
+from .transport import APPLY_SLICE, PeerClosed, byte_view, recv_exact, recv_header, send_frame, tune
 
 log = logging.getLogger("deepspark.exchange.client")
 
-DEFAULT_CHUNK = 1 << 18
 APPLIED = "applied"  # the elastic difference was applied
 RESET = "reset"      # parameters were replaced by the center (non-finite refusal or rejoin)
 # Refusals that only mean "this connection is over": the worker rejoins.
@@ -39,7 +38,7 @@ class ExchangeClient:
 
     def __init__(self, address, secret, worker_id, *, shapes=None, timeout=120.0,
                  connect_timeout=10.0, retries=8, backoff=0.05, max_backoff=2.0,
-                 on_nonfinite="reset", chunk=DEFAULT_CHUNK):
+                 on_nonfinite="reset", chunk=None):
         if on_nonfinite not in ("reset", "raise"):
             raise ValueError("on_nonfinite must be 'reset' or 'raise'")
         self.address = (address[0], int(address[1]))
@@ -54,7 +53,7 @@ class ExchangeClient:
         self.backoff = backoff
         self.max_backoff = max_backoff
         self.on_nonfinite = on_nonfinite
-        self._chunk = int(chunk)
+        self._chunk = chunk
         self._sock = None
         self._buf = None
         self._send_header = bytearray(P.HEADER_SIZE)
@@ -211,7 +210,7 @@ class ExchangeClient:
             recv_exact(sock, view)
         else:
             # x −= d slice by slice while the rest of d is still arriving.
-            got, done, chunk = 0, 0, self._chunk
+            got, done, chunk = 0, 0, max(1, min(int(self._chunk or APPLY_SLICE), n))
             while done < n:
                 k = sock.recv_into(view[got:])
                 if not k:

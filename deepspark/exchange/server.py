@@ -10,14 +10,9 @@ import numpy as np
 
 from .. import rules
 from . import protocol as P
-from .transport import PeerClosed, byte_view, recv_exact, recv_header, send_frame, tune
+from .transport import PeerClosed, byte_view, recv_exact, recv_header, send_frame, slice_floats, tune
 
 log = logging.getLogger("deepspark.exchange.server")
-
-# Floats per slice of the elastic update: small enough to stay in cache between
-# the receive, the difference, the finiteness check and the add (measured).
-DEFAULT_CHUNK = 1 << 18
-
 
 class _Refuse(Exception):
     def __init__(self, code, reason):
@@ -43,7 +38,7 @@ class ExchangeServer:
                  decay_rate=1.0, decay_step=0, decay_limit=-1,
                  factor_decay_rate=1.0, factor_decay_step=0, factor_decay_limit=-1,
                  consistent=False, idle_timeout=600.0, handshake_timeout=10.0,
-                 chunk=DEFAULT_CHUNK):
+                 chunk=None):
         center = np.asarray(center)
         if not np.issubdtype(center.dtype, np.floating) or center.size == 0:
             raise ValueError("center must be a non-empty float array")
@@ -65,7 +60,7 @@ class ExchangeServer:
         self.consistent = consistent
         self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
-        self._chunk = int(chunk)
+        self._chunk = chunk
         self._host, self._port = host, port
         self._lock = threading.Lock() if consistent else None
         self._books = threading.Lock()  # bookkeeping only, never held during the update
@@ -274,7 +269,7 @@ class ExchangeServer:
         model_bytes = 4 * n
         buf = np.empty(n, dtype=np.float32)  # receives x, becomes d in place, is sent back
         view = byte_view(buf)
-        chunk = min(self._chunk, n)
+        chunk = slice_floats(n, self._chunk)
         ok = np.empty(chunk, dtype=bool)
         scratch = np.empty(chunk, dtype=np.float32)
         hview = memoryview(bytearray(P.HEADER_SIZE))
@@ -358,13 +353,21 @@ class ExchangeServer:
             with self._books:
                 self._exchanges += 1
                 self._workers[wid]["exchanges"] += 1
-            # x̃ += factor·d and send d, slice by slice so the worker applies while we add.
             P.pack_header_into(out_header, P.DIFF, wid, iteration=count, length=nbytes)
-            sock.sendall(out_header)
-            for start in range(0, n, chunk):
-                end = min(start + chunk, n)
-                rules.apply_to_center(center[start:end], buf[start:end], factor, scratch[:end - start])
-                sock.sendall(view[4 * start:4 * end])
+            if chunk >= n:
+                # Reply first, then add d to x̃: the add overlaps the worker's own
+                # x −= d. This worker's next frame is read only after the add.
+                send_frame(sock, out_header, view)
+                rules.apply_to_center(center, buf, factor, scratch)
+            else:
+                # Big models: add and send slice by slice so the worker applies while we add.
+                for start in range(0, n, chunk):
+                    end = min(start + chunk, n)
+                    rules.apply_to_center(center[start:end], buf[start:end], factor, scratch[:end - start])
+                    if start == 0:
+                        send_frame(sock, out_header, view[:4 * end])
+                    else:
+                        sock.sendall(view[4 * start:4 * end])
         finally:
             if lock is not None:
                 lock.release()
