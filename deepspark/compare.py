@@ -1,0 +1,360 @@
+"""`deepspark compare`: one net, the same weights and batches, on several backends, side by side.
+
+The forward pass is compared in the TEST phase (dropout off, no random crop
+or mirror); with a solver, each backend trains K iterations from the same
+weights on the same batches and the loss trajectories are compared. A blob's
+relative difference is its largest absolute difference over the larger of
+the two blobs' largest magnitudes, so values near zero do not blow it up.
+"""
+
+import copy
+import os
+import sys
+import time
+
+import numpy as np
+
+from deepspark import checkpoint
+from deepspark.backends import create_model
+from deepspark.config import ConfigError, load_net, load_solver
+from deepspark.data import DataFeeder, source_shape
+from deepspark.proto import deepspark_pb2 as pb
+
+LABELLED_TYPES = ("SoftmaxWithLoss", "Accuracy", "SigmoidCrossEntropyLoss")
+SEED = 1701
+TIMING_REPEATS = 3
+
+
+# -- data ---------------------------------------------------------------------------
+
+
+def deploy_shapes(net_path):
+    """{top: (C, H, W)} of the Input layers of the deploy.prototxt beside `net_path`, if there is one."""
+    deploy = os.path.join(os.path.dirname(os.path.abspath(net_path)), "deploy.prototxt")
+    if not os.path.exists(deploy):
+        return {}
+    net, _ = load_net(deploy)
+    return {top: tuple(shape.dim)[1:] for layer in net.layer if layer.type == "Input"
+            for top, shape in zip(layer.top, layer.input_param.shape)}
+
+
+def shape_finder(net_path):
+    """data_shape for Data layers: their LMDB's, else the prototxt's, else the deploy net's input."""
+    beside = deploy_shapes(net_path)
+
+    def data_shape(layer_param):
+        shape = source_shape(layer_param)
+        if isinstance(shape, str) and layer_param.top and layer_param.top[0] in beside:
+            return beside[layer_param.top[0]]
+        return shape
+    return data_shape
+
+
+def with_batch_size(net, batch_size):
+    """A copy of `net` whose Input layers (and legacy inputs) have batch `batch_size`."""
+    net = copy.deepcopy(net)
+    if batch_size:
+        for layer in net.layer:
+            if layer.type == "Input":
+                for shape in layer.input_param.shape:
+                    if shape.dim:
+                        shape.dim[0] = batch_size
+        for shape in net.input_shape:
+            if shape.dim:
+                shape.dim[0] = batch_size
+        if net.input_dim:
+            for i in range(0, len(net.input_dim), 4):
+                net.input_dim[i] = batch_size
+    return net
+
+
+def label_classes(graph):
+    """{top: number of classes} for the tops a loss or accuracy layer reads as labels."""
+    classes = {}
+    for layer in graph.layers:
+        if layer.type in LABELLED_TYPES and len(layer.bottoms) > 1:
+            shape = layer.bottom_shapes[0]
+            n = shape[1] if len(shape) > 1 else 2
+            label = layer.bottoms[1]
+            classes[label] = min(classes.get(label, n), n)
+    return classes
+
+
+class SyntheticBatches:
+    """Seeded random batches for a model's fed tops: normal images, integer labels."""
+
+    def __init__(self, model, seed=SEED):
+        self.feeds = model.feeds
+        self.classes = label_classes(model.graph)
+        self.rng = np.random.default_rng(seed)
+
+    def next_batch(self):
+        batch = {}
+        for top, shape in self.feeds.items():
+            if top in self.classes:
+                batch[top] = self.rng.integers(0, self.classes[top], shape).astype(np.float32)
+            else:
+                batch[top] = self.rng.standard_normal(shape).astype(np.float32)
+        return batch
+
+    def close(self):
+        pass
+
+
+class PipelineBatches:
+    """Batches from the shared pipeline for the Data layers, synthetic ones for any other fed top."""
+
+    def __init__(self, model, phase, seed=SEED):
+        self.feeders = [DataFeeder(layer.param, phase, seed=seed, batch_size=model.graph.context.batch_size)
+                        for layer in model.graph.layers if layer.type == "Data"]
+        self.synthetic = SyntheticBatches(model, seed)
+
+    def next_batch(self):
+        batch = self.synthetic.next_batch()
+        for feeder in self.feeders:
+            batch.update(feeder.next_batch())
+        return batch
+
+    def close(self):
+        for feeder in self.feeders:
+            feeder.close()
+
+
+def batch_source(model, phase):
+    """Real batches when every Data layer's LMDB exists, else seeded synthetic ones."""
+    data = [layer for layer in model.graph.layers if layer.type == "Data"]
+    if data and all(os.path.exists(layer.param.data_param.source) for layer in data):
+        return PipelineBatches(model, phase), "LMDB"
+    return SyntheticBatches(model), "synthetic"
+
+
+def images(batch, model):
+    """Images in one batch: the first fed top's batch axis."""
+    shapes = list(model.feeds.values())
+    return shapes[0][0] if shapes and shapes[0] else 1
+
+
+# -- differences ----------------------------------------------------------------------
+
+
+def difference(a, b):
+    """(max absolute difference, that over the larger of the two max magnitudes)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return float("inf"), float("inf")
+    if a.size == 0:
+        return 0.0, 0.0
+    absolute = float(np.max(np.abs(a - b)))
+    scale = max(float(np.max(np.abs(a))), float(np.max(np.abs(b))))
+    return absolute, (absolute / scale if scale > 0 else absolute)
+
+
+# -- the runs -----------------------------------------------------------------------------
+
+
+def build(backends, net, solver_param=None, phase=pb.TEST, source=None, batch_size=None, data_shape=None,
+          weights=None, seed=None):
+    """{backend: Model}, all holding the same parameters (the weights file's, else the first's fillers).
+
+    seed: the fillers' (default: the solver's random_seed when set, else SEED).
+    """
+    if seed is None:
+        seed = solver_param.random_seed if solver_param is not None and solver_param.random_seed >= 0 else SEED
+    models = {}
+    for name in backends:
+        models[name] = create_model(name, net, solver_param, phase=phase, source=source, batch_size=batch_size,
+                                    data_shape=data_shape, seed=seed)
+    first = models[backends[0]]
+    params = first.get_params()
+    if weights:
+        params = checkpoint.weights_for(first.graph, checkpoint.read_caffemodel(weights), params, weights)
+    for model in models.values():
+        model.set_params(params)
+    return models
+
+
+def compare_forward(models, batches, repeats=TIMING_REPEATS):
+    """Forward each model on one batch: ({backend: images/s}, [(blob, shape, {backend: (abs, rel)})]).
+
+    Differences are against the first backend.
+    """
+    names = list(models)
+    batch = batches.next_batch()
+    outputs, speed = {}, {}
+    for name, model in models.items():
+        outputs[name] = model.forward(batch)  # also the warm-up (tracing, allocation)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            model.forward(batch)
+        speed[name] = repeats * images(batch, model) / (time.perf_counter() - started)
+    rows = []
+    reference = outputs[names[0]]
+    for blob, value in reference.items():
+        diffs = {name: difference(value, outputs[name].get(blob, np.full(1, np.nan))) for name in names[1:]}
+        rows.append((blob, tuple(np.shape(value)), diffs))
+    return speed, rows
+
+
+def training_plan(model, batches, iterations):
+    """The batches of `iterations` steps (a list of iter_size dicts when iter_size > 1)."""
+    plan = [[batches.next_batch() for _ in range(model.iter_size)] for _ in range(iterations)]
+    return [b[0] if len(b) == 1 else b for b in plan]
+
+
+def compare_training(models, plan):
+    """Train each model through `plan` from its current state: ({backend: images/s}, {backend: [loss]})."""
+    first = next(iter(models.values()))
+    losses, speed = {}, {}
+    per_step = images(None, first) * first.iter_size
+    for name, model in models.items():
+        losses[name], started = [], None
+        for i, batch in enumerate(plan):
+            if i == 1:
+                started = time.perf_counter()  # the first step traces / allocates
+            losses[name].append(float(model.step(batch)))
+        elapsed = time.perf_counter() - started if started else float("nan")
+        speed[name] = (len(plan) - 1) * per_step / elapsed if len(plan) > 1 else float("nan")
+    return speed, losses
+
+
+def compare_steps(models, plan, params, state):
+    """Each iteration from the first backend's exact state: {backend: [(loss rel, params rel)]}.
+
+    Starting every backend's step from the same weights and history separates
+    a difference in one step (a bug) from float32 rounding that free-running
+    training amplifies (a ReLU input or max-pool pair within rounding of a tie
+    goes one way on one backend and the other way on the other).
+    """
+    names = list(models)
+    reference = models[names[0]]
+    reference.set_params(params)
+    reference.set_state(state)
+    steps = {name: [] for name in names[1:]}
+    for batch in plan:
+        params, state = reference.get_params(), reference.get_state()
+        loss = reference.step(batch)
+        after = reference.get_flat()
+        for name in names[1:]:
+            model = models[name]
+            model.set_params(params)
+            model.set_state(state)
+            other = model.step(batch)
+            steps[name].append((abs(other - loss) / max(abs(loss), 1e-12), difference(after, model.get_flat())[1]))
+    return steps
+
+
+def loss_differences(losses):
+    """Per iteration, the relative difference of each later backend's loss to the first's."""
+    names = list(losses)
+    reference = np.asarray(losses[names[0]], np.float64)
+    return {name: np.abs(np.asarray(losses[name], np.float64) - reference) / np.maximum(np.abs(reference), 1e-12)
+            for name in names[1:]}
+
+
+# -- the command ------------------------------------------------------------------------
+
+
+def _table(rows, out):
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        out.write("  ".join(str(cell).rjust(w) if i else str(cell).ljust(w)
+                            for i, (cell, w) in enumerate(zip(row, widths))).rstrip() + "\n")
+
+
+def run(model_path, backends, weights=None, solver_path=None, iterations=10, batch_size=None,
+        forward_tolerance=1e-4, loss_tolerance=1e-3, out=sys.stdout):
+    """The comparison `deepspark compare` prints; returns a dict of results with 'ok'."""
+    from deepspark.cli import net_path
+
+    if len(backends) < 2:
+        raise ConfigError(f"--backends needs at least two backends, got {','.join(backends) or 'none'}")
+    from deepspark.backends import BACKENDS, backend_module
+
+    unknown = [name for name in backends if name not in BACKENDS]
+    if unknown:
+        raise ConfigError(f"unknown backend '{unknown[0]}'; supported: {', '.join(sorted(BACKENDS))}")
+    if "caffe" in backends:
+        backend_module("caffe")  # pycaffe before TensorFlow: its protobuf symbols stay its own
+    result = {"model": model_path, "backends": backends, "ok": True}
+    path = net_path(model_path)
+    net, source = load_net(path)
+    models = build(backends, with_batch_size(net, batch_size), None, pb.TEST, source, batch_size,
+                   shape_finder(path), weights)
+    batches, kind = batch_source(models[backends[0]], pb.TEST)
+    try:
+        speed, rows = compare_forward(models, batches)
+    finally:
+        batches.close()
+    others = backends[1:]
+    out.write(f"forward, TEST phase: {path} ({kind} data, batch {images(None, models[backends[0]])}; "
+              f"differences against {backends[0]}, tolerance {forward_tolerance:g} relative)\n")
+    table = [("blob", "shape") + tuple(h for name in others for h in (f"{name} max abs", f"{name} rel"))]
+    worst = 0.0
+    for blob, shape, diffs in rows:
+        cells = []
+        for name in others:
+            absolute, relative = diffs[name]
+            worst = max(worst, relative) if not np.isnan(relative) else float("inf")
+            cells += [f"{absolute:.3g}", f"{relative:.3g}"]
+        table.append((blob, "x".join(map(str, shape)) or "scalar", *cells))
+    _table(table, out)
+    out.write("images/s: " + ", ".join(f"{name} {speed[name]:.1f}" for name in backends) + "\n")
+    result["forward"] = {"blobs": {blob: {name: diffs[name] for name in others} for blob, _, diffs in rows},
+                         "images_per_second": speed, "worst_relative": worst}
+    if worst > forward_tolerance:
+        result["ok"] = False
+        out.write(f"FORWARD DIFFERS: worst relative difference {worst:.3g} > {forward_tolerance:g}\n")
+    for model in models.values():
+        if hasattr(model, "close"):
+            model.close()
+
+    if solver_path:
+        solver = load_solver(solver_path)
+        models = build(backends, solver.train_net, solver.param, pb.TRAIN, solver.train_map, batch_size,
+                       shape_finder(solver.param.net or solver.param.train_net or path), weights)
+        first = models[backends[0]]
+        batches, kind = batch_source(first, pb.TRAIN)
+        try:
+            plan = training_plan(first, batches, iterations)
+        finally:
+            batches.close()
+        params, state = first.get_params(), first.get_state()
+        speed, losses = compare_training(models, plan)
+        steps = compare_steps(models, plan, params, state)
+        diffs = loss_differences(losses)
+        out.write(f"\ntraining: {solver_path}, {iterations} iterations ({kind} data, batch "
+                  f"{images(None, models[backends[0]])}; loss tolerance {loss_tolerance:g} relative)\n")
+        out.write("(rel: free-running loss difference; step: one step from the same weights and history, "
+                  "loss and weights relative difference)\n")
+        table = [("iter",) + tuple(f"{name} loss" for name in backends)
+                 + tuple(h for name in others for h in (f"{name} rel", "step loss", "step weights"))]
+        for i in range(iterations):
+            table.append((i,) + tuple(f"{losses[name][i]:.6f}" for name in backends)
+                         + tuple(cell for name in others for cell in
+                                 (f"{diffs[name][i]:.3g}", f"{steps[name][i][0]:.3g}", f"{steps[name][i][1]:.3g}")))
+        _table(table, out)
+        out.write("images/s: " + ", ".join(f"{name} {speed[name]:.1f}" for name in backends) + "\n")
+        worst_loss = max((float(np.max(d)) if len(d) else 0.0 for d in diffs.values()), default=0.0)
+        if not np.isfinite(worst_loss):
+            worst_loss = float("inf")
+        worst_step = max((max(loss for loss, _ in rows) for rows in steps.values() if rows), default=0.0)
+        out.write(f"worst loss difference: free-running {worst_loss:.3g}, one step from the same state "
+                  f"{worst_step:.3g}\n")
+        result["training"] = {"losses": losses, "images_per_second": speed, "worst_relative": worst_loss,
+                              "steps": steps, "worst_step_relative": worst_step}
+        if worst_loss > loss_tolerance:
+            result["ok"] = False
+            out.write(f"LOSS DIFFERS: worst relative difference {worst_loss:.3g} > {loss_tolerance:g}\n")
+        for model in models.values():
+            if hasattr(model, "close"):
+                model.close()
+    out.write("OK: within tolerance\n" if result["ok"] else "FAILED: differences exceed tolerance\n")
+    return result
+
+
+def cmd_compare(args):
+    backends = [name.strip() for name in args.backends.split(",") if name.strip()]
+    result = run(args.model, backends, weights=args.weights, solver_path=args.solver, iterations=args.iterations,
+                 batch_size=args.batch_size, forward_tolerance=args.forward_tolerance,
+                 loss_tolerance=args.loss_tolerance)
+    return 0 if result["ok"] else 1
