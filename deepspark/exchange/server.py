@@ -31,6 +31,7 @@ class ExchangeServer:
     shapes        blob shapes for the model fingerprint (default: one flat blob)
     consistent    serialise updates under a lock (deterministic tests); default is lock-free
     idle_timeout  seconds a connected worker may stay silent before it is dropped
+    chunk         floats per slice of the update (default: whole vector up to 16 MB, else 1 MB slices)
     """
 
     def __init__(self, center, secret, moving_rate, host="127.0.0.1", port=0, *,
