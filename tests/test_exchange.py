@@ -114,10 +114,11 @@ def _exact(sock, n):
 def test_exchange_arithmetic_is_the_rule(consistent):
     center = make_center()
     with ExchangeServer(center, SECRET, 0.25, consistent=consistent, chunk=7) as srv:
+        host, port = srv.address
         x = np.random.default_rng(0).standard_normal(N).astype(np.float32)
         x_rule, c_rule = x.copy(), center.copy()
         rules.easgd_step(x_rule, c_rule, 0.25)
-        with ExchangeClient(srv.address, SECRET, 0, chunk=5) as client:
+        with ExchangeClient("%s:%d" % (host, port), SECRET, 0, chunk=5) as client:
             assert client.exchange(x, iteration=3, loss=0.5) == "applied"
             assert bits(x) == bits(x_rule)
             # Lock-free, the server may still be adding d to x̃ after replying.
@@ -152,7 +153,7 @@ def test_stats_per_worker(server, good):
     wait_for(lambda: server.stats()[1]["iteration"] == 41)
     s = server.stats()[1]
     assert s["exchanges"] == 1 and s["loss"] == 1.25 and s["connected"]
-    assert 0 <= s["seconds_since_contact"] < 5
+    assert 0 <= s["seconds_since_contact"] <= s["seconds_since_exchange"]
     good.close()
     wait_for(lambda: not server.stats()[1]["connected"])
 

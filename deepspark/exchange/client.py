@@ -27,7 +27,7 @@ class NonFiniteError(P.RefusedError):
 class ExchangeClient:
     """One worker's side of the exchange.
 
-    address      (host, port) of the ExchangeServer
+    address      (host, port) of the ExchangeServer, or "host:port"
     secret       the per-job secret
     worker_id    this worker's id (uint32)
     shapes       blob shapes for the model fingerprint (default: one flat blob of the params' size)
@@ -41,6 +41,9 @@ class ExchangeClient:
                  on_nonfinite="reset", chunk=None):
         if on_nonfinite not in ("reset", "raise"):
             raise ValueError("on_nonfinite must be 'reset' or 'raise'")
+        if isinstance(address, str):
+            host, _, port = address.rpartition(":")
+            address = (host, port)
         self.address = (address[0], int(address[1]))
         self._secret = P.as_secret(secret)
         self.worker_id = int(worker_id)

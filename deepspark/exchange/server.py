@@ -30,7 +30,9 @@ class ExchangeServer:
     server_factor scales the center's share of d (x̃ += server_factor·d); decays likewise
     shapes        blob shapes for the model fingerprint (default: one flat blob)
     consistent    serialise updates under a lock (deterministic tests); default is lock-free
-    idle_timeout  seconds a connected worker may stay silent before it is dropped
+    idle_timeout  seconds an authenticated worker may stay silent before it is dropped (set it
+                  above the longest expected period; a dropped worker rejoins from x̃)
+    handshake_timeout  seconds a new connection has to complete the handshake
     chunk         floats per slice of the update (default: whole vector up to 16 MB, else 1 MB slices)
     """
 
@@ -38,7 +40,7 @@ class ExchangeServer:
                  shapes=None, server_factor=1.0,
                  decay_rate=1.0, decay_step=0, decay_limit=-1,
                  factor_decay_rate=1.0, factor_decay_step=0, factor_decay_limit=-1,
-                 consistent=False, idle_timeout=600.0, handshake_timeout=10.0,
+                 consistent=False, idle_timeout=3600.0, handshake_timeout=10.0,
                  chunk=None):
         center = np.asarray(center)
         if not np.issubdtype(center.dtype, np.floating) or center.size == 0:
@@ -127,13 +129,16 @@ class ExchangeServer:
         return out
 
     def stats(self):
-        """Per worker_id: exchanges, iteration, loss, seconds since last contact, connected, refusals."""
+        """Per worker_id, a plain dict: exchanges, iteration, loss, seconds_since_exchange,
+        seconds_since_contact, connected, connections, refused_nonfinite, peer."""
         now = time.monotonic()
         with self._books:
             out = {}
             for wid, w in self._workers.items():
                 d = dict(w)
                 d["seconds_since_contact"] = now - d.pop("last_contact")
+                last = d.pop("last_exchange")
+                d["seconds_since_exchange"] = None if last is None else now - last
                 out[wid] = d
             return out
 
@@ -257,6 +262,7 @@ class ExchangeServer:
                 "iteration": prev["iteration"] if prev else 0,
                 "loss": prev["loss"] if prev else math.nan,
                 "last_contact": time.monotonic(),
+                "last_exchange": prev["last_exchange"] if prev else None,
                 "connected": True,
                 "connections": (prev["connections"] if prev else 0) + 1,
                 "refused_nonfinite": prev["refused_nonfinite"] if prev else 0,
@@ -354,6 +360,7 @@ class ExchangeServer:
             with self._books:
                 self._exchanges += 1
                 self._workers[wid]["exchanges"] += 1
+                self._workers[wid]["last_exchange"] = time.monotonic()
             P.pack_header_into(out_header, P.DIFF, wid, iteration=count, length=nbytes)
             if chunk >= n:
                 # Reply first, then add d to x̃: the add overlaps the worker's own
