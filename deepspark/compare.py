@@ -18,6 +18,7 @@ from deepspark import checkpoint
 from deepspark.backends import create_model
 from deepspark.config import ConfigError, load_net, load_solver
 from deepspark.data import DataFeeder, source_shape
+from deepspark.graph import Graph
 from deepspark.proto import deepspark_pb2 as pb
 
 LABELLED_TYPES = ("SoftmaxWithLoss", "Accuracy", "SigmoidCrossEntropyLoss")
@@ -65,6 +66,39 @@ def with_batch_size(net, batch_size):
         if net.input_dim:
             for i in range(0, len(net.input_dim), 4):
                 net.input_dim[i] = batch_size
+    return net
+
+
+TAP = "{top}@{layer}"
+
+
+def with_taps(net, graph):
+    """A copy of `net` with a Split copying each blob out as an output, after its last writer.
+
+    Backends return only a net's outputs; a copy named `top@layer` makes every
+    blob one of them. A blob rewritten in place is tapped after its last
+    in-place layer (Caffe cannot split a blob that an in-place layer also
+    reads). Nothing else in the forward pass changes.
+    """
+    net = copy.deepcopy(net)
+    del net.layer[:]
+    outputs = set(graph.outputs)
+    for i, layer in enumerate(graph.layers):
+        added = net.layer.add()
+        added.CopyFrom(layer.param)
+        for field in ("include", "exclude"):
+            added.ClearField(field)
+        if layer.type in ("Data", "Input", "MemoryData", "DummyData"):
+            continue
+        for top in layer.tops:
+            if top in outputs or any(top in later.tops for later in graph.layers[i + 1:]):
+                continue  # already an output, or rewritten in place later: tapped there
+            tap = net.layer.add(name=TAP.format(top=top, layer=layer.name) + "/tap", type="Split")
+            tap.bottom.append(top)
+            tap.top.append(TAP.format(top=top, layer=layer.name))
+    net.ClearField("input")
+    net.ClearField("input_shape")
+    net.ClearField("input_dim")
     return net
 
 
@@ -142,6 +176,11 @@ def difference(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a.shape != b.shape:
         return float("inf"), float("inf")
+    finite = np.isfinite(a) & np.isfinite(b)
+    if np.any(np.isfinite(a) != np.isfinite(b)) or np.any(a[~finite] != b[~finite]) \
+            and not np.all(np.isnan(a[~finite]) & np.isnan(b[~finite])):
+        return float("inf"), float("inf")  # inf or NaN in one backend and not the other
+    a, b = a[finite], b[finite]
     if a.size == 0:
         return 0.0, 0.0
     absolute = float(np.max(np.abs(a - b)))
@@ -168,9 +207,24 @@ def build(backends, net, solver_param=None, phase=pb.TEST, source=None, batch_si
     params = first.get_params()
     if weights:
         params = checkpoint.weights_for(first.graph, checkpoint.read_caffemodel(weights), params, weights)
+    else:
+        params = unit_batch_norm(first, params)
     for model in models.values():
         model.set_params(params)
     return models
+
+
+def unit_batch_norm(model, params):
+    """Untrained BatchNorm statistics as mean 0, variance 1 (the fillers' zeros make a TEST pass
+    divide by sqrt(eps), which overflows a deep net to inf)."""
+    params = list(params)
+    for layer in model.graph.layers:
+        if layer.type == "BatchNorm":
+            mean, variance, factor = model.layer_blobs(layer.name)
+            params[mean] = np.zeros_like(params[mean])
+            params[variance] = np.ones_like(params[variance])
+            params[factor] = np.ones_like(params[factor])
+    return params
 
 
 def compare_forward(models, batches, repeats=TIMING_REPEATS):
@@ -278,8 +332,9 @@ def run(model_path, backends, weights=None, solver_path=None, iterations=10, bat
     result = {"model": model_path, "backends": backends, "ok": True}
     path = net_path(model_path)
     net, source = load_net(path)
-    models = build(backends, with_batch_size(net, batch_size), None, pb.TEST, source, batch_size,
-                   shape_finder(path), weights)
+    net = with_batch_size(net, batch_size)
+    net = with_taps(net, Graph(net, pb.TEST, source=source, data_shape=shape_finder(path), batch_size=batch_size))
+    models = build(backends, net, None, pb.TEST, None, batch_size, shape_finder(path), weights)
     batches, kind = batch_source(models[backends[0]], pb.TEST)
     try:
         speed, rows = compare_forward(models, batches)

@@ -42,12 +42,37 @@ def input_layer(layer):
     return out
 
 
+def check_in_place(graph):
+    """A ConfigError for a blob that an in-place layer rewrites while another layer also reads it.
+
+    Caffe's split insertion renames the in-place layer's bottom but not its top,
+    then aborts on 'Top blob produced by multiple sources'; the TensorFlow
+    backend runs such nets, Caffe cannot.
+    """
+    readers = {}  # (blob, version) -> layer names
+    version = {}
+    for layer in graph.layers:
+        for bottom in layer.bottoms:
+            readers.setdefault((bottom, version.get(bottom, 0)), []).append(layer)
+        for top in layer.tops:
+            version[top] = version.get(top, 0) + 1
+    for (blob, _), layers in readers.items():
+        in_place = [layer for layer in layers if blob in layer.tops]
+        if in_place and len(layers) > 1:
+            layer = in_place[0]
+            others = ", ".join(f"'{other.name}'" for other in layers if other is not layer)
+            raise ConfigError(f"layer '{layer.name}' ({layer.type}) rewrites '{blob}' in place while {others} "
+                              f"also read it; Caffe cannot run that (give '{layer.name}' its own top)",
+                              *graph.source.where(layer.index))
+
+
 def net_param(graph, keep_data=False):
     """The NetParameter Caffe runs for `graph`: one phase, no rules, fed layers as Input.
 
     keep_data: leave Data layers in, for Caffe to read their LMDB itself (the
     batch size is still the graph's).
     """
+    check_in_place(graph)
     net = pb.NetParameter(name=graph.name)
     for field in ("force_backward", "debug_info"):
         if graph.net_param.HasField(field):

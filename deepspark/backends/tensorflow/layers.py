@@ -43,7 +43,8 @@ def _permute(x, order):
     """tf.transpose, or a free reshape when the moved axes are all of size 1 (e.g. one channel)."""
     shape = x.shape.as_list()
     moved = [shape[i] for i in order]
-    if None not in shape and [d for d in shape if d != 1] == [d for d in moved if d != 1]:
+    kept = [i for i in order if shape[i] != 1]  # a reshape only if the other axes keep their order
+    if None not in shape and kept == sorted(kept):
         return tf.reshape(x, moved)
     return tf.transpose(x, order)
 

@@ -1,0 +1,140 @@
+"""`deepspark compare`: the Caffe and TensorFlow backends agree blob by blob and step by step."""
+
+import io
+import os
+
+import numpy as np
+import pytest
+
+from deepspark import compare
+from deepspark.backends import create_model
+from deepspark.config import ConfigError, parse_net
+from deepspark.proto import deepspark_pb2 as pb
+from tests.conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.caffe
+
+FASHION = os.path.join(ROOT, "data", "fashion_mnist_train_lmdb")
+ENV = {"GLOG_minloglevel": "2", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+# A 1x1 convolution over a 2x2 image of 2 channels: C == H == W, where a
+# transpose between NCHW and NHWC is not a reshape.
+CUBE_NET = """
+name: "cube"
+layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 1 dim: 2 dim: 2 dim: 2 } } }
+layer { name: "conv" type: "Convolution" bottom: "x" top: "y"
+  convolution_param { num_output: 1 kernel_size: 1 bias_term: false weight_filler { type: "constant" value: 1 } } }
+layer { name: "pool" type: "Pooling" bottom: "y" top: "p" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+"""
+
+
+def test_layout_change_of_equal_sized_axes_is_a_transpose():
+    """Pins a TF backend fix: _permute took NCHW->NHWC of a 1x2x2x2 blob for a free reshape."""
+    import tensorflow as tf
+
+    from deepspark.backends.tensorflow.layers import _permute
+
+    x = np.arange(8, dtype=np.float32).reshape(1, 2, 2, 2)
+    np.testing.assert_array_equal(_permute(tf.constant(x), (0, 2, 3, 1)).numpy(), x.transpose(0, 2, 3, 1))
+    one = np.arange(6, dtype=np.float32).reshape(1, 1, 2, 3)  # one channel: a reshape, and still right
+    np.testing.assert_array_equal(_permute(tf.constant(one), (0, 2, 3, 1)).numpy(), one.transpose(0, 2, 3, 1))
+
+    x = np.zeros((1, 2, 2, 2), np.float32)
+    x[0, 0] = [[1, 0], [0.5, 0.25]]
+    x[0, 1] = [[0, 1], [0.5, 0.75]]
+    net = parse_net(CUBE_NET)[0]
+    expected = x.sum(axis=1)[0]  # every position sums to 1
+    for backend in ("caffe", "tensorflow"):
+        out = create_model(backend, net, None, phase=pb.TEST).forward({"x": x})
+        np.testing.assert_allclose(out["p"].ravel(), [1.0], err_msg=backend)
+    model = create_model("tensorflow", parse_net(CUBE_NET.split('layer { name: "pool"')[0])[0], None, phase=pb.TEST)
+    np.testing.assert_allclose(model.forward({"x": x})["y"][0, 0], expected)
+
+
+def test_difference_is_relative_to_the_blob_scale():
+    assert compare.difference([1.0, 0.0], [1.0, 0.0]) == (0.0, 0.0)
+    absolute, relative = compare.difference([100.0, 1e-9], [100.0, 2e-9])
+    assert absolute == pytest.approx(1e-9) and relative == pytest.approx(1e-11)
+    assert compare.difference([1.0], [1.0, 2.0]) == (float("inf"), float("inf"))
+    assert compare.difference([np.nan, 1.0], [np.nan, 1.0]) == (0.0, 0.0)
+    assert compare.difference([np.inf, 1.0], [1.0, 1.0])[1] == float("inf")
+
+
+def test_taps_expose_every_blob_without_changing_the_outputs():
+    from deepspark.graph import Graph
+
+    net = parse_net(CUBE_NET + 'layer { name: "relu" type: "ReLU" bottom: "p" top: "p" }')[0]
+    tapped = compare.with_taps(net, Graph(net, pb.TEST))
+    outputs = Graph(tapped, pb.TEST).outputs
+    assert outputs == ["y@conv", "p"]  # pool's 'p' is rewritten in place: tapped after relu, i.e. the output
+
+
+def run_compare(*args):
+    status, out, err = run_cli("compare", *args, env=ENV)
+    return status, out, err
+
+
+def test_compare_forward_every_blob_on_the_zoo_cifar_net():
+    status, out, err = run_compare("--model", "models/cifar10_quick", "--batch-size", "2")
+    assert status == 0, out + err
+    assert "conv1@conv1" in out and "prob" in out and "images/s: caffe" in out and "OK" in out
+
+
+def test_compare_train_val_with_data_layers_and_no_lmdb_uses_the_deploy_shapes():
+    status, out, err = run_compare("--model", "models/cifar10_full/train_val.prototxt", "--batch-size", "2")
+    assert status == 0, out + err
+    assert "synthetic data, batch 2" in out and "accuracy" in out
+
+
+def test_compare_exit_status_and_errors(tmp_path):
+    # A negative tolerance is exceeded by any difference, even none: the failing path.
+    status, out, _ = run_compare("--model", "models/lenet", "--batch-size", "2", "--forward-tolerance", "-1")
+    assert status == 1 and "FORWARD DIFFERS" in out and "FAILED" in out
+    status, _, err = run_compare("--model", "models/lenet", "--backends", "caffe,theano")
+    assert status == 1 and "unknown backend 'theano'" in err
+    with pytest.raises(ConfigError, match="at least two"):
+        compare.run("models/lenet", ["caffe"], out=io.StringIO())
+
+
+def test_training_loss_curves_track_and_each_step_agrees(tmp_path):
+    """LeNet on Fashion-MNIST (or synthetic digits without the LMDB): 12 iterations on both backends."""
+    solver = os.path.join(ROOT, "models", "lenet", "solver.prototxt")
+    out = io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the solver's LMDB paths are relative to the repository
+    try:
+        result = compare.run(os.path.join(ROOT, "models", "lenet"), ["caffe", "tensorflow"], solver_path=solver,
+                             iterations=12, batch_size=32, out=out)
+    finally:
+        os.chdir(cwd)
+    training = result["training"]
+    caffe_losses, tf_losses = training["losses"]["caffe"], training["losses"]["tensorflow"]
+    assert len(caffe_losses) == 12 and caffe_losses[-1] < caffe_losses[0]
+    np.testing.assert_allclose(tf_losses, caffe_losses, rtol=1e-3)
+    assert training["worst_step_relative"] < 1e-5, out.getvalue()
+    assert result["ok"], out.getvalue()
+    assert "step loss" in out.getvalue()
+
+
+def test_iter_size_steps_agree_across_backends():
+    """Caffe's iter_size > 1 (our passes before Caffe's own) against the TF backend's accumulation."""
+    net = parse_net("""
+name: "acc"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 8 dim: 1 dim: 6 dim: 6 } shape { dim: 8 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+  inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+""")[0]
+    param = pb.SolverParameter(base_lr=0.1, momentum=0.9, weight_decay=1e-3, lr_policy="fixed", iter_size=2,
+                               clip_gradients=0.5, random_seed=2)
+    models = compare.build(["caffe", "tensorflow"], net, param, pb.TRAIN)
+    rng = np.random.default_rng(3)
+    plan = [[{"data": rng.standard_normal((8, 1, 6, 6)).astype(np.float32),
+              "label": rng.integers(0, 3, 8).astype(np.float32)} for _ in range(2)] for _ in range(5)]
+    _, losses = compare.compare_training(models, plan)
+    np.testing.assert_allclose(losses["tensorflow"], losses["caffe"], rtol=1e-5)
+    np.testing.assert_allclose(models["tensorflow"].get_flat(), models["caffe"].get_flat(), rtol=1e-4, atol=1e-6)
