@@ -1,0 +1,154 @@
+"""Training-step throughput: the Caffe backend against pycaffe's own solver.step(1), and both backends.
+
+1. `caffe_vs_pycaffe`: our Caffe backend's `step(batch)` against a plain
+   pycaffe loop (copy the batch into the Input blobs, `solver.step(1)`) on the
+   same compiled net and solver and the same batches, rounds interleaved so
+   machine noise hits both alike; the ratio is ours / pycaffe's images/s.
+2. `backends`: images/s of the Caffe and TensorFlow backends on the same net,
+   batches and weights.
+3. `data_path`: the Caffe backend fed from the shared pipeline (DataFeeder ->
+   Input layers) against Caffe's own Data layer reading the LMDB
+   (data_layers="caffe"); LeNet on Fashion-MNIST, when its LMDB exists.
+
+Prints one JSON line per figure and appends them to bench/results/caffe_backend.jsonl.
+
+    PYTHONPATH=. .venv/bin/python bench/caffe_backend.py [--rounds 5] [--nets lenet,cifar10_quick]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.chdir(ROOT)  # the zoo's LMDB paths are relative to the repository
+
+import numpy as np  # noqa: E402
+
+from deepspark import compare  # noqa: E402
+from deepspark.backends import create_model  # noqa: E402
+from deepspark.backends.caffe import runtime  # noqa: E402
+from deepspark.config import load_solver  # noqa: E402
+from deepspark.data import DataFeeder  # noqa: E402
+from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
+
+STEPS = {"lenet": 100, "cifar10_quick": 15}
+RESULTS = os.path.join(ROOT, "bench", "results", "caffe_backend.jsonl")
+
+
+def emit(record):
+    line = json.dumps(record)
+    print(line, flush=True)
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "a") as stream:
+        stream.write(line + "\n")
+
+
+class PyCaffe:
+    """The baseline: pycaffe's solver on the net and solver the backend compiled, fed by hand."""
+
+    def __init__(self, model):
+        caffe = runtime.caffe()
+        self.solver = caffe.get_solver(os.path.join(model._dir, "solver.prototxt"))
+        self.blobs = self.solver.net.blobs
+        self.tops = list(model.feeds)
+        for name, params in model._net.params.items():  # the same starting weights
+            for mine, theirs in zip(params, self.solver.net.params[name]):
+                theirs.data[...] = mine.data
+
+    def step(self, batch):
+        for top in self.tops:
+            self.blobs[top].data[...] = batch[top]
+        self.solver.step(1)
+
+
+def timed(step, plan):
+    started = time.perf_counter()
+    for batch in plan:
+        step(batch)
+    return time.perf_counter() - started
+
+
+def build(name, backend, data_layers="input"):
+    solver = load_solver(os.path.join(ROOT, "models", name, "solver.prototxt"))
+    kwargs = {"data_layers": data_layers} if backend == "caffe" else {}
+    return create_model(backend, solver.train_net, solver.param, source=solver.train_map,
+                        data_shape=compare.shape_finder(solver.param.net), seed=1, **kwargs)
+
+
+def bench_net(name, rounds):
+    steps = STEPS.get(name, 20)
+    ours = build(name, "caffe")
+    baseline = PyCaffe(ours)
+    tf_model = build(name, "tensorflow")
+    tf_model.set_params(ours.get_params())
+    batch_images = next(iter(ours.feeds.values()))[0]
+    synthetic = compare.SyntheticBatches(ours, seed=7)
+    plan = [synthetic.next_batch() for _ in range(steps)]
+    for batch in plan[:2]:  # warm-up: allocation, tracing
+        ours.step(batch), baseline.step(batch), tf_model.step(batch)
+    times = {"deepspark caffe": [], "pycaffe solver.step(1)": [], "deepspark tensorflow": []}
+    ratios = []
+    for _ in range(rounds):
+        a = timed(ours.step, plan)
+        b = timed(baseline.step, plan)
+        c = timed(tf_model.step, plan)
+        times["deepspark caffe"].append(a)
+        times["pycaffe solver.step(1)"].append(b)
+        times["deepspark tensorflow"].append(c)
+        ratios.append(b / a)
+    per_second = {impl: steps * batch_images / statistics.median(t) for impl, t in times.items()}
+    emit({"bench": "caffe_vs_pycaffe", "net": name, "batch": batch_images, "steps": steps, "rounds": rounds,
+          "ours_images_per_s": round(per_second["deepspark caffe"], 1),
+          "pycaffe_images_per_s": round(per_second["pycaffe solver.step(1)"], 1),
+          "ratio": round(statistics.median(ratios), 3), "ratios": [round(r, 3) for r in ratios]})
+    emit({"bench": "backends", "net": name, "batch": batch_images,
+          "caffe_images_per_s": round(per_second["deepspark caffe"], 1),
+          "tensorflow_images_per_s": round(per_second["deepspark tensorflow"], 1)})
+    ours.close()
+
+
+def bench_data_path(rounds, steps=100):
+    """LeNet fed by our pipeline through Input layers vs Caffe's Data layer reading the LMDB."""
+    solver = load_solver(os.path.join(ROOT, "models", "lenet", "solver.prototxt"))
+    layer = next(l for l in solver.train_net.layer if l.type == "Data" and
+                 any(rule.phase == pb.TRAIN for rule in l.include))
+    if not os.path.exists(layer.data_param.source):
+        emit({"bench": "data_path", "skipped": f"no LMDB at {layer.data_param.source} (make data)"})
+        return
+    fed, own = build("lenet", "caffe"), build("lenet", "caffe", data_layers="caffe")
+    feeder = DataFeeder(layer, pb.TRAIN)
+    fed_step = lambda _: fed.step(feeder.next_batch())  # noqa: E731
+    own_step = lambda _: own.step(None)  # noqa: E731
+    for _ in range(2):
+        fed_step(None), own_step(None)
+    times = {"pipeline": [], "caffe_data_layer": []}
+    for _ in range(rounds):
+        times["pipeline"].append(timed(fed_step, range(steps)))
+        times["caffe_data_layer"].append(timed(own_step, range(steps)))
+    batch = fed.feeds["data"][0]
+    emit({"bench": "data_path", "net": "lenet", "batch": batch, "steps": steps,
+          "pipeline_input_images_per_s": round(steps * batch / statistics.median(times["pipeline"]), 1),
+          "caffe_data_layer_images_per_s": round(steps * batch / statistics.median(times["caffe_data_layer"]), 1),
+          "ratio_pipeline_vs_caffe": round(statistics.median(np.divide(times["caffe_data_layer"],
+                                                                      times["pipeline"])), 3)})
+    feeder.close()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--nets", default="lenet,cifar10_quick")
+    args = parser.parse_args()
+    emit({"bench": "environment", "DEEPSPARK_THREADS": os.environ.get("DEEPSPARK_THREADS"),
+          "cpus": os.cpu_count()})
+    for name in args.nets.split(","):
+        bench_net(name.strip(), args.rounds)
+    bench_data_path(args.rounds)
+
+
+if __name__ == "__main__":
+    main()
