@@ -431,3 +431,35 @@ def test_unreachable_server_gives_a_clear_error():
     client = ExchangeClient(("127.0.0.1", port), SECRET, 0, retries=2, backoff=0.01)
     with pytest.raises(ConnectionError, match="could not reach the exchange server"):
         client.exchange(np.zeros(3, dtype=np.float32))
+
+
+def test_rejoining_worker_is_told_its_last_iteration_and_new_ones_the_resume_point():
+    center = np.zeros(8, np.float32)
+    with ExchangeServer(center, "s3cret", 0.5, resume_iteration=300) as server:
+        first = ExchangeClient(server.address, "s3cret", 0)
+        first.connect(8)
+        assert first.resume_iteration == 300
+        first.exchange(np.ones(8, np.float32), iteration=420)
+        first.close()
+        again = ExchangeClient(server.address, "s3cret", 0)
+        again.connect(8)
+        assert again.resume_iteration == 420
+        other = ExchangeClient(server.address, "s3cret", 1)
+        other.connect(8)
+        assert other.resume_iteration == 300
+        again.close()
+        other.close()
+
+
+def test_ready_says_when_an_overlapped_result_has_arrived():
+    with ExchangeServer(np.zeros(4, np.float32), "k", 0.5) as server:
+        client = ExchangeClient(server.address, "k", 0)
+        params = np.ones(4, np.float32)
+        assert not client.ready
+        client.exchange_async(params, iteration=1)
+        deadline = time.monotonic() + 10
+        while not client.ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.ready and client.poll(params) and not client.ready
+        assert np.allclose(params, 0.5)
+        client.close()

@@ -75,6 +75,7 @@ class ExchangeClient:
         self.reconnects = 0
         self.blocked_seconds = 0.0
         self.server_iteration = 0
+        self.resume_iteration = 0  # the iteration the server last heard from this worker id
 
     # ---- connection -----------------------------------------------------
 
@@ -137,6 +138,7 @@ class ExchangeClient:
         if h.type != P.WELCOME:
             raise P.ProtocolError("expected WELCOME, got %s" % P.TYPE_NAMES[h.type])
         self.server_iteration = h.iteration
+        self.resume_iteration = h.iteration
         sock.settimeout(self.timeout)
 
     def _read_header(self, model_bytes):
@@ -293,6 +295,11 @@ class ExchangeClient:
     @property
     def pending(self):
         return self._pending
+
+    @property
+    def ready(self):
+        """An overlapped exchange's result has arrived: poll() will apply it without waiting."""
+        return self._pending and self._result is not None
 
     def exchange_async(self, params, iteration=0, loss=math.nan):
         """Start exchanging a snapshot of `params` and return at once.

@@ -29,6 +29,8 @@ class ExchangeServer:
     moving_rate   α; decays × decay_rate every decay_step exchanges, at most decay_limit times (<0: no bound)
     server_factor scales the center's share of d (x̃ += server_factor·d); decays likewise
     shapes        blob shapes for the model fingerprint (default: one flat blob)
+    resume_iteration  the iteration a worker id never seen before starts from (a resumed job's);
+                  a rejoining worker is told its own last reported iteration instead
     consistent    serialise updates under a lock (deterministic tests); default is lock-free
     idle_timeout  seconds an authenticated worker may stay silent before it is dropped (set it
                   above the longest expected period; a dropped worker rejoins from x̃)
@@ -40,7 +42,7 @@ class ExchangeServer:
                  shapes=None, server_factor=1.0,
                  decay_rate=1.0, decay_step=0, decay_limit=-1,
                  factor_decay_rate=1.0, factor_decay_step=0, factor_decay_limit=-1,
-                 consistent=False, idle_timeout=3600.0, handshake_timeout=10.0,
+                 resume_iteration=0, consistent=False, idle_timeout=3600.0, handshake_timeout=10.0,
                  chunk=None):
         center = np.asarray(center)
         if not np.issubdtype(center.dtype, np.floating) or center.size == 0:
@@ -61,6 +63,7 @@ class ExchangeServer:
         self.decay = (float(decay_rate), int(decay_step), int(decay_limit))
         self.factor_decay = (float(factor_decay_rate), int(factor_decay_step), int(factor_decay_limit))
         self.consistent = consistent
+        self.resume_iteration = int(resume_iteration)
         self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
         self._chunk = chunk
@@ -254,12 +257,14 @@ class ExchangeServer:
                 theirs = "a malformed fingerprint (%s)" % e
             raise _Refuse(P.E_FINGERPRINT, "model mismatch: the server holds %s, worker %d was built with %s"
                           % (mine, wid, theirs))
-        send_frame(sock, P.encode_header(P.WELCOME, wid, iteration=self._exchanges))
         with self._books:
             prev = self._workers.get(wid)
+            # A rejoining worker continues from its last reported iteration.
+            iteration = prev["iteration"] if prev else self.resume_iteration
+            send_frame(sock, P.encode_header(P.WELCOME, wid, iteration=iteration))
             self._workers[wid] = {
                 "exchanges": prev["exchanges"] if prev else 0,
-                "iteration": prev["iteration"] if prev else 0,
+                "iteration": iteration,
                 "loss": prev["loss"] if prev else math.nan,
                 "last_contact": time.monotonic(),
                 "last_exchange": prev["last_exchange"] if prev else None,
