@@ -1,0 +1,1 @@
+"""Training on Spark: the driver-side job and the executor-side worker loop."""
