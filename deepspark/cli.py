@@ -4,7 +4,7 @@ import argparse
 import os
 import sys
 
-from deepspark.config import ConfigError
+from deepspark.config import DeepSparkError
 
 
 class UsageError(Exception):
@@ -43,6 +43,8 @@ def net_path(path):
 
         param = load_solver(solver).param
         return param.net or param.train_net
+    from deepspark.config import ConfigError
+
     raise ConfigError("no deploy.prototxt, train_val.prototxt or solver.prototxt in this folder", path)
 
 
@@ -186,7 +188,8 @@ def main(argv=None):
     except UsageError as error:
         print(f"deepspark {args.verb}: error: {error}", file=sys.stderr)
         return 2
-    except ConfigError as error:
+    except DeepSparkError as error:
+        sys.stderr.flush()
         print(f"deepspark {args.verb}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

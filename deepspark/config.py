@@ -8,7 +8,11 @@ from google.protobuf import text_format
 from deepspark.proto import deepspark_pb2 as pb
 
 
-class ConfigError(Exception):
+class DeepSparkError(Exception):
+    """An error the `deepspark` command reports as one line (exit status 1)."""
+
+
+class ConfigError(DeepSparkError):
     """A bad input file: one line, `FILE:LINE:COL: what is wrong`."""
 
     def __init__(self, message, filename=None, line=None, col=None):

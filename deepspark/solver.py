@@ -276,3 +276,50 @@ def cmd_test(args):
             feeder.close()
     log_outputs(log, model.graph, means, "")
     return 0
+
+
+def synthetic_batch(graph, seed=0):
+    """Random inputs for the data tops of a graph (labels 0), for timing without data."""
+    rng = np.random.default_rng(seed)
+    batch = {}
+    for layer in graph.layers:
+        if layer.type in ("Data", "Input", "MemoryData"):
+            for i, (top, shape) in enumerate(zip(layer.tops, layer.top_shapes)):
+                labels = layer.type != "Input" and i > 0
+                batch[top] = np.zeros(shape, np.float32) if labels else rng.standard_normal(shape).astype(np.float32)
+    return batch
+
+
+def cmd_time(args):
+    """Per-layer forward/backward milliseconds, printed like `caffe time`."""
+    from deepspark.cli import _phase, net_path
+
+    path = net_path(args.model)
+    net, source = load_net(path)
+    log = Log()
+    model = create_model(args.backend, net, None, phase=_phase(args.phase), source=source, data_shape=data_shape)
+    feeders = []
+    try:
+        feeders = feeders_for(model.graph, model.phase)
+        batch = next_batch(feeders) if feeders else synthetic_batch(model.graph)
+    except ConfigError:
+        batch = synthetic_batch(model.graph)  # Input layers, or no LMDB: timing needs no real data
+    finally:
+        for feeder in feeders:
+            feeder.close()
+    log.info(f"Performing Forward/Backward for {args.iterations} iterations")
+    started = time.perf_counter()
+    rows = model.time_layers(batch, args.iterations)
+    total = (time.perf_counter() - started) * 1000.0
+    log.info("Average time per layer: ")
+    width = max(len(name) for name, _, _ in rows)
+    for name, forward, backward in rows:
+        log.info(f"{name:>{width}}\tforward: {forward:.4g} ms.")
+        log.info(f"{name:>{width}}\tbackward: {backward:.4g} ms.")
+    forward, backward = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    log.info(f"Average Forward pass: {forward:.4g} ms.")
+    log.info(f"Average Backward pass: {backward:.4g} ms.")
+    log.info(f"Average Forward-Backward: {forward + backward:.4g} ms.")
+    log.info(f"Total Time: {total:.4g} ms.")
+    log.info("*** Benchmark ends ***")
+    return 0

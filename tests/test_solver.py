@@ -69,3 +69,20 @@ def test_bad_solver_and_weights_are_one_line_errors(tmp_path, trained):
     bad.write_bytes(b"garbage!")
     status, _, err = run_cli("test", "--model", str(folder / "net.prototxt"), "--weights", str(bad))
     assert status == 1 and "not a .caffemodel" in err.strip().splitlines()[-1]
+
+
+def test_time_prints_caffes_per_layer_report(trained):
+    folder, _ = trained
+    status, _, err = run_cli("time", "--model", str(folder / "net.prototxt"), "--iterations", "3")
+    assert status == 0, err
+    for layer in ("data", "conv", "pool", "relu", "ip", "loss"):
+        assert re.search(rf"\] +{layer}\tforward: [\d.e+-]+ ms\.", err), layer
+        assert re.search(rf"\] +{layer}\tbackward: [\d.e+-]+ ms\.", err), layer
+    for total in ("Average Forward pass", "Average Backward pass", "Average Forward-Backward", "Total Time"):
+        assert re.search(rf"{total}: [\d.e+-]+ ms\.", err), total
+
+
+def test_time_runs_on_a_deploy_net_without_data():
+    status, _, err = run_cli("time", "--model", "models/cifar10_quick", "--iterations", "2")
+    assert status == 0, err
+    assert "conv3\tforward:" in err and "*** Benchmark ends ***" in err

@@ -139,6 +139,10 @@ class Model(abc.ABC):
     def forward(self, batch):
         """{output blob: array} of one forward pass (the phase's semantics), Caffe's layout."""
 
+    def time_layers(self, batch, iterations=10):
+        """[(layer name, forward ms, backward ms)] for `deepspark time`; backends that can, override."""
+        raise NotImplementedError("per-layer timing is not available on this backend")
+
     def batches(self, batch):
         """`batch` as a list of iter_size dicts."""
         batches = [batch] if isinstance(batch, dict) else list(batch)

@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 
 from deepspark import checkpoint
-from deepspark.config import ConfigError
+from deepspark.config import ConfigError, DeepSparkError
 from deepspark.data import lmdb_io
 from deepspark.graph import Graph
 from deepspark.log import Log
@@ -18,12 +18,17 @@ from deepspark.proto import deepspark_pb2 as pb
 from deepspark.solver import Evaluator, data_shape
 
 
-class JobError(RuntimeError):
+class JobError(DeepSparkError):
     """The job cannot go on; the message says what happened and what Spark reports."""
 
 
 def is_local(master):
     return master.startswith("local")
+
+
+def on_loopback(master):
+    """A local master, or one on 127.0.0.1/localhost: the driver binds to 127.0.0.1 too."""
+    return is_local(master) or any(h in master for h in ("//127.0.0.1:", "//localhost:"))
 
 
 def spark_session(ds, workers, master=None):
@@ -38,7 +43,7 @@ def spark_session(ds, workers, master=None):
     builder = SparkSession.builder.appName("deepspark")
     if master:
         builder = builder.master(master)
-    if master and is_local(master):
+    if master and on_loopback(master):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = (builder.config("spark.driver.host", "127.0.0.1")
                    .config("spark.driver.bindAddress", "127.0.0.1")
@@ -221,7 +226,7 @@ class Job:
             how = "read by executors from shared storage" if ds.shared_data else "shipped through Spark"
             log.info(f"Sharded {records} records into {self.workers} shards ({how})")
         local = is_local(self.sc.master)
-        host = "127.0.0.1" if local else self.sc.getConf().get("spark.driver.host")
+        host = "127.0.0.1" if on_loopback(self.sc.master) else self.sc.getConf().get("spark.driver.host")
         self.secret = secrets.token_hex(32)
         flat = np.concatenate([a.reshape(-1) for a in center]).astype(np.float32)
         self.server = ExchangeServer(flat, self.secret, ds.moving_rate, host=host, port=0,
@@ -356,7 +361,7 @@ class Job:
         spill = max(r["spill_seconds"] for r in self.results)
         train = max(r["train_seconds"] for r in self.results)
         for r in sorted(self.results, key=lambda r: r["worker"]):
-            log.info(f"Worker {r['worker']} on {r['host']}: {r['iterations']} iterations, {r['exchanges']} "
+            log.info(f"Worker {r['worker']} on {r['host']} (in {r['cwd']}): {r['iterations']} iterations, {r['exchanges']} "
                      f"exchanges, spilled {r['records']} records in {r['spill_seconds']:.2f}s, trained "
                      f"{r['train_seconds']:.1f}s, blocked on exchange {r['blocked_seconds']:.2f}s")
         log.info(f"Spill took {spill:.2f}s, {100 * spill / max(train, 1e-9):.2f}% of training time")

@@ -8,12 +8,12 @@ import tempfile
 import time
 
 from deepspark import rules
-from deepspark.config import Solver, SourceMap
+from deepspark.config import DeepSparkError, Solver, SourceMap
 from deepspark.data import lmdb_io
 from deepspark.proto import deepspark_pb2 as pb
 
 
-class WorkerError(RuntimeError):
+class WorkerError(DeepSparkError):
     """A worker that cannot go on (lost driver, bad shard): the message says why."""
 
 
@@ -144,7 +144,8 @@ def run(worker, payload, job):
         client.wait(params)
         client.exchange(params, model.iter, loss)  # the center gets the final state
         seconds = time.monotonic() - started
-        summary = {"worker": worker, "host": socket.gethostname(), "pid": os.getpid(), "records": records,
+        summary = {"worker": worker, "host": socket.gethostname(), "pid": os.getpid(), "cwd": os.getcwd(),
+                   "records": records,
                    "spill_seconds": spill_seconds, "train_seconds": seconds, "iterations": model.iter - start_iter,
                    "final_iteration": model.iter, "exchanges": client.exchanges,
                    "blocked_seconds": client.blocked_seconds, "loss": loss}

@@ -1,5 +1,6 @@
 """The TensorFlow backend's Model: variables in Caffe's layout and a compiled solver step."""
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -206,6 +207,31 @@ class Model(base.Model):
         loss, grads = self._gradients_fn(self.feed(batch))
         return float(loss), [g.numpy() for g in grads]
 
+    def time_layers(self, batch, iterations=10):
+        """[(layer, forward ms, backward ms)]: each layer compiled on its own, timed on its real inputs.
+
+        Backward is the layer's forward-and-gradient function less its forward,
+        with an upstream gradient of ones, as `caffe time` reports per layer.
+        """
+        inputs = {top: tf.constant(array) for top, array in self.feed(batch).items()}
+        ctx = compiler.Context(self.graph, inputs, self.train, self._rng, self._random_seed, self._index,
+                               self._orders)
+        blobs, rows = {}, []
+        for layer in self.graph.layers:
+            function = compiler.LAYERS[layer.type]
+            bottoms = [blobs[name] for name in layer.bottoms]
+            params = compiler.layer_params(layer, ctx.index[layer.name], self._variables, ctx.orders)
+
+            forward, backward = _layer_passes(layer, function, ctx)
+            forward_ms = _time(tf.function(forward), bottoms, params, iterations)
+            backward_ms = _time(tf.function(backward), bottoms, params, iterations) if (bottoms or params) else 0.0
+            tops = function(layer, bottoms, params, ctx)
+            for name, top in zip(layer.tops, tops):
+                blobs[name] = top
+            ctx.updates.clear()
+            rows.append((layer.name, forward_ms, max(backward_ms - forward_ms, 0.0)))
+        return rows
+
     def get_params(self):
         return [self._load(i, v) for i, v in enumerate(self._variables)]
 
@@ -235,3 +261,30 @@ class Model(base.Model):
         arrays = self.check_arrays(arrays, self.history_shapes, "history blob")
         for i, (variable, array) in enumerate(zip(self._history, arrays)):
             variable.assign(self._store(i, array))
+
+
+def _layer_passes(layer, function, ctx):
+    """One layer's forward, and its forward-and-gradient with an upstream gradient of ones."""
+    def forward(bottoms, params):
+        return function(layer, bottoms, params, ctx)
+
+    def backward(bottoms, params):
+        sources = [b.tensor for b in bottoms] + list(params)
+        with tf.GradientTape() as tape:
+            tape.watch(sources)
+            tops = function(layer, bottoms, params, ctx)
+            total = [tf.reduce_sum(t.tensor) for t in tops if t.tensor.dtype.is_floating]
+            total = tf.add_n(total) if total else tf.constant(0.0)
+        grads = tape.gradient(total, sources, unconnected_gradients="zero") if sources else []
+        return [g for g in grads if g is not None]
+
+    return forward, backward
+
+
+def _time(function, bottoms, params, iterations):
+    """Milliseconds per call of a compiled function, after one call that traces it."""
+    function(bottoms, params)
+    started = time.perf_counter()
+    for _ in range(iterations):
+        function(bottoms, params)
+    return (time.perf_counter() - started) * 1000.0 / max(iterations, 1)

@@ -1,0 +1,198 @@
+"""The Spark job on real Spark: local[2], a standalone cluster, a DataFrame, killed workers and drivers."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, run_cli
+from synthetic import make_job
+
+pytestmark = pytest.mark.spark
+
+NOISE = re.compile(r"oneDNN|cuda|rebuild TensorFlow|^E0000|^I0000|^W0000|WARNING: All log|absl")
+
+
+def final_accuracy(log):
+    values = re.findall(r"Test net output #0: accuracy = ([\d.]+)", log)
+    assert values, log[-3000:]
+    return float(values[-1])
+
+
+def workers_done(log):
+    return sorted(int(w) for w in re.findall(r"Worker (\d+) on \S+ \(in [^)]*\): \d+ iterations", log))
+
+
+def test_local_two_workers_tensorflow(tmp_path):
+    solver = make_job(tmp_path, max_iter=120, test_interval=60, snapshot=0)
+    status, _, log = run_cli("train", "--solver", solver, "--workers", "2")
+    assert status == 0, log[-3000:]
+    assert "on local[2,4] with 2 workers (tensorflow backend, async EASGD)" in log
+    assert workers_done(log) == [0, 1]
+    assert re.search(r"Worker 0 on \S+ .*: 120 iterations, 3\d exchanges, spilled 100 records", log)
+    assert re.search(r"Spill took [\d.]+s, [\d.]+% of training time", log)
+    assert final_accuracy(log) >= 0.9
+    out = sorted(os.listdir(tmp_path / "out"))
+    assert {"tiny_iter_120.caffemodel", "tiny_iter_120.solverstate", "progress.png", "train.log",
+            "tensorboard"} <= set(out)
+    # the center snapshot is a real .caffemodel that `test` scores like the final test did
+    status, _, err = run_cli("test", "--model", str(tmp_path / "net.prototxt"), "--weights",
+                             str(tmp_path / "out" / "tiny_iter_120.caffemodel"), "--iterations", "10")
+    assert status == 0 and float(re.search(r"accuracy = ([\d.]+)", err).group(1)) == final_accuracy(log)
+
+
+@pytest.mark.caffe
+def test_local_two_workers_caffe(tmp_path):
+    solver = make_job(tmp_path, max_iter=120, test_interval=60)
+    status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--backend", "caffe")
+    assert status == 0, log[-3000:]
+    assert "(caffe backend, async EASGD)" in log and workers_done(log) == [0, 1]
+    assert final_accuracy(log) >= 0.9
+
+
+def test_dataframe_fed_run(tmp_path):
+    solver = make_job(tmp_path, max_iter=100, test_interval=50)
+    script = f"""
+import sys, json, numpy as np
+sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
+from deepspark.spark.driver import spark_session
+from deepspark.proto import deepspark_pb2 as pb
+import deepspark
+rng = np.random.default_rng(0)
+rows = []
+for i in range(160):
+    label = int(rng.integers(2))
+    image = rng.integers(0, 60, size=(8, 8)).astype(np.uint8)
+    image[(slice(0, 4) if label == 0 else slice(4, 8)), :] += 150
+    rows.append((image.tolist(), label))
+spark = spark_session(pb.DeepSparkParameter(), 2)
+df = spark.createDataFrame(rows, ["data", "label"])
+summary = deepspark.train({solver!r}, data=df, workers=2)
+print(json.dumps(summary))
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Training on a DataFrame of ['data', 'label'], repartitioned into 2 shards" in done.stderr
+    assert workers_done(done.stderr) == [0, 1]
+    summary = eval(done.stdout.strip().splitlines()[-1].replace("NaN", "float('nan')"))
+    assert summary["iterations"] == 100 and summary["test0/accuracy"] >= 0.9
+
+
+def test_workers_that_never_connect_fail_with_the_timeout_message(tmp_path):
+    # One second is less than an executor needs to start TensorFlow, so no worker is in time.
+    solver = make_job(tmp_path, max_iter=50, test_interval=0, connect_timeout=1)
+    started = time.monotonic()
+    status, _, log = run_cli("train", "--solver", solver, "--workers", "2")
+    assert status == 1
+    last = log.strip().splitlines()[-1]
+    assert re.search(r"only [01] of 2 workers connected to the exchanger within 1s; Spark reports \d+ executor", last)
+    assert time.monotonic() - started < 120
+
+
+def start_training(solver, *flags):
+    return subprocess.Popen([sys.executable, "-m", "deepspark.cli", "train", "--solver", solver, *flags],
+                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
+
+
+def read_until(process, pattern, timeout=300):
+    """Lines of the process's stderr up to and including the first that matches."""
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if re.search(pattern, line):
+            return lines
+    raise AssertionError(f"never saw {pattern!r}:\n" + "".join(lines[-40:]))
+
+
+def training_workers(driver_pid):
+    """pids of the Python processes running our worker loop under this driver (pyspark.daemon's children)."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    rows = [line.split(None, 2) for line in out]
+    children = {}
+    for pid, ppid, args in rows:
+        children.setdefault(int(ppid), []).append((int(pid), args))
+    tree, frontier = [], [driver_pid]
+    while frontier:
+        pid = frontier.pop()
+        for child, args in children.get(pid, []):
+            tree.append((child, args))
+            frontier.append(child)
+    daemons = {pid for pid, args in tree if "pyspark.daemon" in args}
+    return [pid for pid, args in tree if "pyspark.daemon" in args and
+            any(pid == child for d in daemons for child, _ in children.get(d, []))]
+
+
+def test_killed_worker_is_retried_rejoins_and_the_job_completes(tmp_path):
+    baseline_dir, harmed_dir = tmp_path / "baseline", tmp_path / "harmed"
+    baseline_dir.mkdir()
+    harmed_dir.mkdir()
+    status, _, baseline = run_cli("train", "--solver", make_job(baseline_dir, max_iter=400, test_interval=0),
+                                  "--workers", "2")
+    assert status == 0, baseline[-3000:]
+
+    driver = start_training(make_job(harmed_dir, max_iter=400, test_interval=0), "--workers", "2")
+    try:
+        read_until(driver, r"Iteration [1-9]\d\d, loss")
+        victims = training_workers(driver.pid)
+        assert victims, "no pyspark worker process found"
+        os.kill(victims[0], signal.SIGKILL)
+        rest, _ = driver.communicate(timeout=600)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    log = rest
+    assert driver.returncode == 0, log[-3000:]
+    assert "Optimization Done." in log and workers_done(log) == [0, 1]
+    assert abs(final_accuracy(log) - final_accuracy(baseline)) <= 0.01
+
+
+def test_killed_driver_resumes_from_its_snapshot(tmp_path):
+    solver = make_job(tmp_path, max_iter=600, test_interval=0, snapshot=100)
+    driver = start_training(solver, "--workers", "2")
+    try:
+        lines = read_until(driver, r"Snapshotting solver state to binary proto file \S+tiny_iter_\d+\.solverstate")
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    state = re.search(r"(\S+tiny_iter_(\d+)\.solverstate)", lines[-1])
+    path, snapshot_iter = state.group(1), int(state.group(2))
+    assert 100 <= snapshot_iter < 600
+    status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--snapshot", path)
+    assert status == 0, log[-3000:]
+    assert f"Restoring previous solver status from {path}" in log
+    iterations = [int(n) for n in re.findall(r"Worker \d on \S+ .*?: (\d+) iterations", log)]
+    assert iterations and all(n <= 600 - snapshot_iter for n in iterations)  # no work redone before the snapshot
+    assert os.path.exists(tmp_path / "out" / "tiny_iter_600.caffemodel")
+    assert final_accuracy(log) >= 0.9
+
+
+@pytest.fixture()
+def standalone_cluster(tmp_path):
+    env = {**os.environ, "CLUSTER_DIR": str(tmp_path / "cluster"), "SPARK_MASTER_PORT": "17077",
+           "SPARK_MASTER_WEBUI_PORT": "18080", "VENV": os.path.dirname(os.path.dirname(sys.executable))}
+    script = os.path.join(ROOT, "tools", "spark-cluster.sh")
+    started = subprocess.run(["bash", script, "start"], env=env, capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, started.stdout + started.stderr
+    yield "spark://127.0.0.1:17077", tmp_path / "cluster"
+    subprocess.run(["bash", script, "stop"], env=env, capture_output=True, timeout=120)
+
+
+def test_standalone_cluster_runs_a_task_on_each_worker(tmp_path, standalone_cluster):
+    master, cluster = standalone_cluster
+    solver = make_job(tmp_path, max_iter=100, test_interval=50)
+    status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--master", master)
+    assert status == 0, log[-3000:]
+    assert f"on {master} with 2 workers" in log
+    places = re.findall(r"Worker \d on \S+ \(in ([^)]*)\)", log)
+    assert len(places) == 2
+    assert {os.path.relpath(p, cluster).split(os.sep)[0] for p in places} == {"work-1", "work-2"}
+    assert final_accuracy(log) >= 0.9
