@@ -1,4 +1,4 @@
-"""ExchangeClient: a worker's persistent connection to the exchange server, blocking or overlapped with computation."""
+"""ExchangeClient: a worker's persistent connection to the exchange server, blocking or overlapped with computation, or in synchronous rounds."""
 
 import logging
 import math
@@ -254,6 +254,30 @@ class ExchangeClient:
         self._ensure(params.size)
         try:
             return self._round_trip(params, params, iteration, loss)
+        finally:
+            self.blocked_seconds += time.perf_counter() - t0
+
+    def average(self, params, iteration=0, loss=math.nan):
+        """One synchronous round with a server made with sync_workers=N, in place on `params`:
+        send x for `iteration`, get back the mean of all N workers' x.
+
+        Never rejoins: a round cannot be finished by one worker alone, so a lost
+        connection, a failed round (RefusedError with the server's reason) or a
+        silent server (socket.timeout after `timeout` seconds) ends the worker.
+        """
+        params = _check_params(params)
+        t0 = time.perf_counter()
+        self._ensure(params.size)
+        try:
+            n = params.size
+            P.pack_header_into(self._send_header, P.AVERAGE, self.worker_id, iteration, 4 * n, loss)
+            send_frame(self._sock, self._send_header, byte_view(params))
+            h = self._read_header(4 * n)
+            if h.type != P.CENTER:
+                raise P.ProtocolError("expected CENTER, got %s" % P.TYPE_NAMES[h.type])
+            recv_exact(self._sock, byte_view(params))
+            self.server_iteration = h.iteration
+            self.exchanges += 1
         finally:
             self.blocked_seconds += time.perf_counter() - t0
 

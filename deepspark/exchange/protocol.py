@@ -11,7 +11,7 @@ MAGIC = b"DSPX"
 VERSION = 1
 
 # magic, version, type, flags, worker id, iteration, payload length (bytes), value.
-# `value` carries the loss on EXCHANGE and REPORT so progress needs no extra frame;
+# `value` carries the loss on EXCHANGE, AVERAGE and REPORT so progress needs no extra frame;
 # `flags` carries the error code on ERROR.
 HEADER = struct.Struct("<4sBBHIqQd")
 HEADER_SIZE = HEADER.size
@@ -28,11 +28,12 @@ CENTER = 8       # server -> client: the center x~ (float32)
 REPORT = 9       # client -> server: iteration and loss, no reply
 ERROR = 10       # either way: UTF-8 reason, code in flags
 BYE = 11         # client -> server: closing, no reply
+AVERAGE = 12     # client -> server: parameters x for the synchronous round `iteration`; reply CENTER (the mean)
 
 TYPE_NAMES = {
     HELLO: "HELLO", CHALLENGE: "CHALLENGE", AUTH: "AUTH", WELCOME: "WELCOME",
     EXCHANGE: "EXCHANGE", DIFF: "DIFF", PULL: "PULL", CENTER: "CENTER",
-    REPORT: "REPORT", ERROR: "ERROR", BYE: "BYE",
+    REPORT: "REPORT", ERROR: "ERROR", BYE: "BYE", AVERAGE: "AVERAGE",
 }
 
 # Error codes (ERROR frame flags).
@@ -65,7 +66,7 @@ _SMALL_LIMITS = {
     BYE: (0, 0),
 }
 MAX_SMALL_PAYLOAD = max(hi for _, hi in _SMALL_LIMITS.values())
-_MODEL_TYPES = (EXCHANGE, DIFF, CENTER)
+_MODEL_TYPES = (EXCHANGE, DIFF, CENTER, AVERAGE)
 
 Header = namedtuple("Header", "type flags worker_id iteration length value")
 

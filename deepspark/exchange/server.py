@@ -1,4 +1,4 @@
-"""ExchangeServer: holds the center x̃ and applies asynchronous EASGD for every connected worker."""
+"""ExchangeServer: holds the center x̃ and applies asynchronous EASGD (or synchronous averaging rounds) for every connected worker."""
 
 import logging
 import math
@@ -21,6 +21,16 @@ class _Refuse(Exception):
         self.reason = reason
 
 
+class _Round:
+    """One synchronous averaging round: the workers' parameters received so far (their receive buffers)."""
+
+    def __init__(self):
+        self.iteration = None
+        self.params = {}    # worker id -> its connection's buffer, untouched while it waits
+        self.done = False
+        self.failure = None  # why the round can never complete
+
+
 class ExchangeServer:
     """The parameter exchanger's server side: one thread per worker connection.
 
@@ -36,6 +46,12 @@ class ExchangeServer:
                   above the longest expected period; a dropped worker rejoins from x̃)
     handshake_timeout  seconds a new connection has to complete the handshake
     chunk         floats per slice of the update (default: whole vector up to 16 MB, else 1 MB slices)
+    sync_workers  N > 0 makes it a synchronous server (the CaffeOnSpark-style baseline): AVERAGE
+                  frames of N workers for the same iteration form a round, the center becomes
+                  their mean (rules.average_models, in worker-id order) and each gets it back as
+                  CENTER; EXCHANGE is refused. A round that cannot complete (a worker left, or
+                  round_timeout seconds passed) is failed for every worker in it, with the reason.
+    round_timeout seconds a worker waits for the rest of its round (default: idle_timeout)
     """
 
     def __init__(self, center, secret, moving_rate, host="127.0.0.1", port=0, *,
@@ -43,7 +59,7 @@ class ExchangeServer:
                  decay_rate=1.0, decay_step=0, decay_limit=-1,
                  factor_decay_rate=1.0, factor_decay_step=0, factor_decay_limit=-1,
                  resume_iteration=0, consistent=False, idle_timeout=3600.0, handshake_timeout=10.0,
-                 chunk=None):
+                 chunk=None, sync_workers=0, round_timeout=None):
         center = np.asarray(center)
         if not np.issubdtype(center.dtype, np.floating) or center.size == 0:
             raise ValueError("center must be a non-empty float array")
@@ -78,6 +94,13 @@ class ExchangeServer:
         self._accept_thread = None
         self._stopping = threading.Event()
         self._started = time.monotonic()
+        self.sync_workers = int(sync_workers)
+        self.round_timeout = idle_timeout if round_timeout is None else round_timeout
+        self._round_cond = threading.Condition()
+        self._round = _Round()
+        self._rounds = 0  # completed synchronous rounds
+        self._round_iteration = self.resume_iteration  # the iteration of the last completed round
+        self._gone = set()  # workers that left and have not rejoined: no round can complete without them
 
     # ---- public ---------------------------------------------------------
 
@@ -95,6 +118,11 @@ class ExchangeServer:
     def exchanges(self):
         """Elastic updates applied to the center so far (all workers)."""
         return self._exchanges
+
+    @property
+    def rounds(self):
+        """Synchronous averaging rounds completed so far."""
+        return self._rounds
 
     @property
     def open_connections(self):
@@ -124,7 +152,10 @@ class ExchangeServer:
         """A copy of the center x̃ (for evaluation and snapshots)."""
         if out is None:
             out = np.empty_like(self._center)
-        if self._lock is not None:
+        if self.sync_workers:
+            with self._round_cond:  # never half-way through writing a round's mean
+                np.copyto(out, self._center)
+        elif self._lock is not None:
             with self._lock:
                 np.copyto(out, self._center)
         else:
@@ -209,6 +240,8 @@ class ExchangeServer:
                 log.info("worker %s (%s) disconnected: %s", wid, peer_name, e)
         finally:
             sock.close()
+            if self.sync_workers and wid is not None:
+                self._fail_round(wid)
             with self._books:
                 self._conns.discard(entry)
                 if wid is not None and self._workers.get(wid, {}).get("peer") == peer_name:
@@ -257,10 +290,19 @@ class ExchangeServer:
                 theirs = "a malformed fingerprint (%s)" % e
             raise _Refuse(P.E_FINGERPRINT, "model mismatch: the server holds %s, worker %d was built with %s"
                           % (mine, wid, theirs))
+        if self.sync_workers:
+            # Every worker of a synchronous job restarts from the last completed round, so
+            # that they agree. (Taken before _books: _average holds the two the other way round.)
+            with self._round_cond:
+                self._gone.discard(wid)
+                round_iteration = self._round_iteration
         with self._books:
             prev = self._workers.get(wid)
             # A rejoining worker continues from its last reported iteration.
-            iteration = prev["iteration"] if prev else self.resume_iteration
+            if self.sync_workers:
+                iteration = round_iteration
+            else:
+                iteration = prev["iteration"] if prev else self.resume_iteration
             send_frame(sock, P.encode_header(P.WELCOME, wid, iteration=iteration))
             self._workers[wid] = {
                 "exchanges": prev["exchanges"] if prev else 0,
@@ -293,12 +335,14 @@ class ExchangeServer:
             if h.worker_id != wid:
                 raise P.ProtocolError("frame from worker %d on worker %d's connection" % (h.worker_id, wid))
             me["last_contact"] = time.monotonic()
-            if h.type in (P.EXCHANGE, P.REPORT):
+            if h.type in (P.EXCHANGE, P.AVERAGE, P.REPORT):
                 me["iteration"] = h.iteration
                 if math.isfinite(h.value):
                     me["loss"] = h.value
-            if h.type == P.EXCHANGE:
+            if h.type == P.EXCHANGE and not self.sync_workers:
                 self._exchange(sock, wid, h, buf, view, chunk, ok, scratch, out_header)
+            elif h.type == P.AVERAGE and self.sync_workers:
+                self._average(sock, wid, h, buf, view, out_header)
             elif h.type == P.PULL:
                 P.pack_header_into(out_header, P.CENTER, wid, iteration=self._exchanges, length=model_bytes)
                 if self._lock is not None:
@@ -315,8 +359,71 @@ class ExchangeServer:
                 recv_exact(sock, small[:h.length])
                 log.warning("worker %d sent an error: %s", wid, P.decode_error(small[:h.length]))
                 return
+            elif h.type in (P.EXCHANGE, P.AVERAGE):
+                mode = "a synchronous" if self.sync_workers else "an asynchronous EASGD"
+                raise P.ProtocolError("%s from worker %d, but this is %s server"
+                                      % (P.TYPE_NAMES[h.type], wid, mode))
             else:
                 raise P.ProtocolError("unexpected %s from worker %d" % (P.TYPE_NAMES[h.type], wid))
+
+    # ---- synchronous rounds ------------------------------------------------
+
+    def _average(self, sock, wid, h, buf, view, out_header):
+        """Add x to the round of its iteration; once all N are in, every worker gets their mean."""
+        recv_exact(sock, view)
+        if not rules.all_finite(buf):
+            # A round cannot go on without this worker's parameters: it fails for everyone.
+            raise _Refuse(P.E_NONFINITE, "worker %d sent NaN or Inf parameters at iteration %d; "
+                          "the synchronous round cannot complete" % (wid, h.iteration))
+        with self._round_cond:
+            rnd = self._round
+            if rnd.params and h.iteration != rnd.iteration:
+                raise P.ProtocolError("worker %d sent iteration %d while the round of iteration %d is open"
+                                      % (wid, h.iteration, rnd.iteration))
+            if wid in rnd.params:
+                raise P.ProtocolError("worker %d sent twice in the round of iteration %d" % (wid, h.iteration))
+            rnd.iteration = h.iteration
+            rnd.params[wid] = buf
+            if self._gone:
+                rnd.failure = ("worker %s left after the round of iteration %d"
+                               % (", ".join(map(str, sorted(self._gone))), self._round_iteration))
+                self._round = _Round()
+                self._round_cond.notify_all()
+            elif len(rnd.params) == self.sync_workers:
+                rules.average_models([rnd.params[w] for w in sorted(rnd.params)], out=self._center)
+                rnd.done = True
+                self._round = _Round()
+                self._rounds += 1
+                self._round_iteration = h.iteration
+                with self._books:
+                    self._exchanges += 1
+                    for w in rnd.params:
+                        self._workers[w]["exchanges"] += 1
+                        self._workers[w]["last_exchange"] = time.monotonic()
+                self._round_cond.notify_all()
+            elif not self._round_cond.wait_for(lambda: rnd.done or rnd.failure, self.round_timeout):
+                rnd.failure = ("round of iteration %d: %d of %d workers (%s) arrived within %gs"
+                               % (rnd.iteration, len(rnd.params), self.sync_workers,
+                                  ", ".join(map(str, sorted(rnd.params))), self.round_timeout))
+                self._round = _Round()
+                self._round_cond.notify_all()
+            if rnd.failure:
+                raise _Refuse(P.E_TIMEOUT, rnd.failure)
+            # The center changes again only when a round completes, which needs this
+            # worker's next frame: sending it outside the lock is safe.
+        P.pack_header_into(out_header, P.CENTER, wid, iteration=h.iteration, length=view.nbytes)
+        send_frame(sock, out_header, byte_view(self._center))
+
+    def _fail_round(self, wid):
+        """Worker `wid` left: an open round it is in, or that waits for it, can never complete."""
+        with self._round_cond:
+            self._gone.add(wid)
+            rnd = self._round
+            if rnd.params and not rnd.done and not rnd.failure:
+                rnd.failure = ("worker %d left during the round of iteration %d (%d of %d workers had arrived)"
+                               % (wid, rnd.iteration, len(rnd.params) - (wid in rnd.params), self.sync_workers))
+                self._round = _Round()
+                self._round_cond.notify_all()
 
     def _exchange(self, sock, wid, h, buf, view, chunk, ok, scratch, out_header):
         center = self._center
