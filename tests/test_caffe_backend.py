@@ -267,3 +267,12 @@ def test_threads_variable_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="DEEPSPARK_THREADS"):
         runtime.threads()
     assert os.environ.get("GLOG_minloglevel") is not None
+
+
+def test_time_verb_on_the_caffe_backend():
+    from tests.conftest import run_cli
+
+    status, _, err = run_cli("time", "--model", "models/lenet/train_val.prototxt", "--backend", "caffe",
+                             "--iterations", "2", env={"GLOG_minloglevel": "2"})
+    assert status == 0, err
+    assert "conv1\tforward:" in err and "Average Forward-Backward" in err
