@@ -140,8 +140,8 @@ def parser():
     compare.add_argument("--iterations", type=int, default=10)
     compare.add_argument("--backends", default="caffe,tensorflow")
     compare.add_argument("--batch-size", type=int)
-    compare.add_argument("--forward-tolerance", type=float, default=1e-4)
-    compare.add_argument("--loss-tolerance", type=float, default=1e-3)
+    compare.add_argument("--forward-tolerance", type=float, default=1e-4, help="relative, per blob")
+    compare.add_argument("--loss-tolerance", type=float, default=1e-3, help="absolute, on the loss trajectory")
     compare.set_defaults(run=_run("deepspark.compare", "cmd_compare"))
 
     describe = verbs.add_parser("describe", help="layers, shapes and parameter counts of a net")

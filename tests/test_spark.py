@@ -145,7 +145,7 @@ def test_killed_worker_is_retried_rejoins_and_the_job_completes(tmp_path):
         victims = training_workers(driver.pid)
         assert victims, "no pyspark worker process found"
         os.kill(victims[0], signal.SIGKILL)
-        rest, _ = driver.communicate(timeout=600)
+        _, rest = driver.communicate(timeout=600)
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
@@ -160,11 +160,14 @@ def test_killed_driver_resumes_from_its_snapshot(tmp_path):
     driver = start_training(solver, "--workers", "2")
     try:
         lines = read_until(driver, r"Snapshotting solver state to binary proto file \S+tiny_iter_\d+\.solverstate")
+        state = re.search(r"(\S+tiny_iter_(\d+)\.solverstate)", lines[-1])
+        path, snapshot_iter = state.group(1), int(state.group(2))
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:  # the line comes before the write
+            time.sleep(0.05)
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
-    state = re.search(r"(\S+tiny_iter_(\d+)\.solverstate)", lines[-1])
-    path, snapshot_iter = state.group(1), int(state.group(2))
     assert 100 <= snapshot_iter < 600
     status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--snapshot", path)
     assert status == 0, log[-3000:]

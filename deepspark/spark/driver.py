@@ -33,12 +33,11 @@ def on_loopback(master):
 
 def spark_session(ds, workers, master=None):
     """The job's SparkSession: `local[N,F]` by default, bound to 127.0.0.1; a spark-submit session as is."""
-    from pyspark import SparkConf
     from pyspark.sql import SparkSession
 
-    configured = SparkConf()
-    master = master or ds.master or (None if configured.contains("spark.master") else
-                                     f"local[{workers},{max(ds.max_failures, 1)}]")
+    # Under spark-submit the JVM is already up with its master; use that session as configured.
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ
+    master = master or ds.master or (None if submitted else f"local[{workers},{max(ds.max_failures, 1)}]")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName("deepspark")
     if master:
