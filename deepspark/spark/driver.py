@@ -179,19 +179,23 @@ class Scalars:
 
 
 def run(solver, args, data=None):
-    """`deepspark train` with algorithm easgd: N Spark tasks exchanging with the driver's center.
+    """`deepspark train` on Spark: async EASGD (N tasks exchanging with the driver's center), or a
+    baseline of deepspark.spark.baselines (sync, average).
 
     `data`: a Spark DataFrame to train on instead of the train net's LMDB (see dataframe_records).
     """
+    from deepspark.spark import baselines
+
     ds = solver.param.deepspark_param
     algorithm = pb.DeepSparkParameter.Algorithm.Name(ds.algorithm).lower()
-    if algorithm not in ("easgd",):
-        raise ConfigError(f"algorithm '{algorithm}' is not available in this version; use easgd or single",
+    jobs = {"easgd": Job, "sync": baselines.SyncJob, "average": baselines.AverageJob}
+    if algorithm not in jobs:
+        raise ConfigError(f"algorithm '{algorithm}' does not run on Spark; use {', '.join(jobs)} or single",
                           solver.path)
     output = os.path.dirname(solver.param.snapshot_prefix) or "output"
     log = Log(os.path.join(output, "train.log"), append=bool(getattr(args, "snapshot", None)))
-    job = Job(solver, log, output, getattr(args, "weights", None), getattr(args, "snapshot", None),
-              getattr(args, "master", None), data)
+    job = jobs[algorithm](solver, log, output, getattr(args, "weights", None), getattr(args, "snapshot", None),
+                          getattr(args, "master", None), data)
     try:
         job.run()
     finally:
@@ -201,11 +205,12 @@ def run(solver, args, data=None):
 
 
 class Job:
-    """One asynchronous EASGD training job."""
+    """One asynchronous EASGD training job; the baselines (deepspark.spark.baselines) override
+    start_exchanger, run_tasks, center_flat and run, and share the rest."""
+
+    title = "async EASGD"  # in the log's "Solving" line and the plot
 
     def __init__(self, solver, log, output, weights=None, snapshot=None, master=None, data=None):
-        from deepspark.exchange import ExchangeServer
-
         self.solver, self.param, self.log, self.output = solver, solver.param, log, output
         ds = self.ds = solver.param.deepspark_param
         self.workers = ds.workers
@@ -228,18 +233,12 @@ class Job:
         host = "127.0.0.1" if on_loopback(self.sc.master) else self.sc.getConf().get("spark.driver.host")
         self.secret = secrets.token_hex(32)
         flat = np.concatenate([a.reshape(-1) for a in center]).astype(np.float32)
-        self.server = ExchangeServer(flat, self.secret, ds.moving_rate, host=host, port=0,
-                                     shapes=[tuple(p.shape) for p in self.graph.params],
-                                     server_factor=ds.server_factor, decay_rate=ds.moving_rate_gamma,
-                                     decay_step=ds.moving_rate_step,
-                                     idle_timeout=ds.exchange_timeout,
-                                     resume_iteration=self.start_iter).start()
-        log.info(f"Exchanger listening on {self.server.address[0]}:{self.server.address[1]}; "
-                 f"{self.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}")
+        self.server = self.start_exchanger(flat, host)
         cores = os.cpu_count() or 1
         threads = max(1, cores // self.workers) if local else int(self.sc.getConf().get("spark.executor.cores", "1"))
         self.job = {"id": uuid.uuid4().hex[:12], "solver": self.param.SerializeToString(),
-                    "train_net": solver.train_net.SerializeToString(), "address": list(self.server.address),
+                    "train_net": solver.train_net.SerializeToString(),
+                    "address": list(self.server.address) if self.server else None,
                     "secret": self.secret, "threads": threads, "solver_path": solver.path}
         self.evaluator = Evaluator(solver, ds.backend, log,
                                    self.param.random_seed if self.param.random_seed >= 0 else None)
@@ -249,15 +248,34 @@ class Job:
         self.started = time.monotonic()
         self.results, self.failure = None, None
 
+    def start_exchanger(self, center, host):
+        """The exchanger holding x̃, started; None for a job without one."""
+        from deepspark.exchange import ExchangeServer
+
+        ds = self.ds
+        server = ExchangeServer(center, self.secret, ds.moving_rate, host=host, port=0,
+                                shapes=[tuple(p.shape) for p in self.graph.params],
+                                server_factor=ds.server_factor, decay_rate=ds.moving_rate_gamma,
+                                decay_step=ds.moving_rate_step,
+                                idle_timeout=ds.exchange_timeout,
+                                resume_iteration=self.start_iter).start()
+        self.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; "
+                      f"{self.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}")
+        return server
+
     # -- the Spark part ------------------------------------------------------
 
-    def _spark_job(self):
+    def run_tasks(self):
+        """One long Spark task per worker; their summaries."""
         from deepspark.spark import worker as worker_module
 
         job = self.job
+        return self.shards.mapPartitionsWithIndex(
+            lambda i, items: [worker_module.run(i, worker_module.payload_of(items), job)]).collect()
+
+    def _spark_job(self):
         try:
-            self.results = self.shards.mapPartitionsWithIndex(
-                lambda i, items: [worker_module.run(i, worker_module.payload_of(items), job)]).collect()
+            self.results = self.run_tasks()
         except Exception as error:  # reported by the monitor loop with Spark's view
             self.failure = error
 
@@ -266,7 +284,7 @@ class Job:
     def run(self):
         p, log = self.param, self.log
         log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
-                 f"({self.ds.backend} backend, async EASGD)")
+                 f"({self.ds.backend} backend, {self.title})")
         thread = threading.Thread(target=self._spark_job, name="deepspark-spark-job", daemon=True)
         thread.start()
         progress = Progress(log, self.workers, p.max_iter)
@@ -325,8 +343,12 @@ class Job:
         losses = [x for x in losses if np.isfinite(x)]
         return float(np.mean(losses)) if losses else float("nan")
 
+    def center_flat(self):
+        """A copy of x̃ as one float32 vector."""
+        return self.server.pull()
+
     def center_arrays(self):
-        flat = self.server.pull()
+        flat = self.center_flat()
         sizes = [int(np.prod(p.shape)) for p in self.graph.params]
         offsets = np.cumsum([0] + sizes)
         return [flat[a:b].reshape(p.shape) for p, a, b in zip(self.graph.params, offsets, offsets[1:])]
@@ -375,13 +397,14 @@ class Job:
         from deepspark.plot import plot_history
 
         plot_path = os.path.join(self.output, "progress.png")
-        plot_history(self.history, plot_path, title=f"{self.graph.name}: {self.workers} workers, async EASGD")
+        plot_history(self.history, plot_path, title=f"{self.graph.name}: {self.workers} workers, {self.title}")
         log.info(f"Plot of loss and test outputs against time: {plot_path}")
 
     def close(self):
         self.scalars.close()
         self.evaluator.close()
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
         self.spark.stop()
 
 
