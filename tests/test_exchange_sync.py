@@ -129,18 +129,21 @@ def test_modes_refuse_each_others_frames():
 
 
 def test_rejoining_workers_all_restart_from_the_last_completed_round():
-    with make_server(2, resume_iteration=100) as server:
+    with make_server(2, resume_iteration=100, round_timeout=0.5) as server:
         a, b = client(server, 0), client(server, 1)
         assert a.resume_iteration == b.resume_iteration == 100
         in_threads([lambda: a.average(np.ones(N, np.float32), 101), lambda: b.average(np.ones(N, np.float32), 101)])
-        a._sock.close()  # a dies after a round; b alone starts the next and fails at once
+        a._sock.close()  # a dies after a round; b alone starts the next, which fails at the timeout
         time.sleep(0.2)
-        started = time.monotonic()
-        with pytest.raises(RefusedError, match="worker 0 left after the round of iteration 101"):
+        with pytest.raises(RefusedError, match=r"round of iteration 102: 1 of 2 workers \(1\) arrived within 0.5s; "
+                                               r"worker 0 left after the round of iteration 101 and has not rejoined"):
             b.average(np.ones(N, np.float32), 102)
-        assert time.monotonic() - started < 2
         again = [client(server, 0), client(server, 1)]
         assert [c.resume_iteration for c in again] == [101, 101]
         center = np.empty(N, np.float32)
         again[0].pull(center)
         np.testing.assert_array_equal(center, np.ones(N, np.float32))
+        # a rejoiner that arrives late (still building its backend) does not fail the round
+        results = in_threads([lambda: again[0].average(np.zeros(N, np.float32), 102),
+                              lambda: (time.sleep(0.3), again[1].average(np.full(N, 2, np.float32), 102))])
+        assert not any(isinstance(r, BaseException) for r in results) and server.rounds == 2

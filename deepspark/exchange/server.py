@@ -384,12 +384,7 @@ class ExchangeServer:
                 raise P.ProtocolError("worker %d sent twice in the round of iteration %d" % (wid, h.iteration))
             rnd.iteration = h.iteration
             rnd.params[wid] = buf
-            if self._gone:
-                rnd.failure = ("worker %s left after the round of iteration %d"
-                               % (", ".join(map(str, sorted(self._gone))), self._round_iteration))
-                self._round = _Round()
-                self._round_cond.notify_all()
-            elif len(rnd.params) == self.sync_workers:
+            if len(rnd.params) == self.sync_workers:
                 rules.average_models([rnd.params[w] for w in sorted(rnd.params)], out=self._center)
                 rnd.done = True
                 self._round = _Round()
@@ -402,9 +397,13 @@ class ExchangeServer:
                         self._workers[w]["last_exchange"] = time.monotonic()
                 self._round_cond.notify_all()
             elif not self._round_cond.wait_for(lambda: rnd.done or rnd.failure, self.round_timeout):
-                rnd.failure = ("round of iteration %d: %d of %d workers (%s) arrived within %gs"
+                # A worker that left may be rejoining (Spark retries a barrier stage as a whole),
+                # so its absence only fails the round at the timeout, but the message names it.
+                gone = ("; worker %s left after the round of iteration %d and has not rejoined"
+                        % (", ".join(map(str, sorted(self._gone))), self._round_iteration)) if self._gone else ""
+                rnd.failure = ("round of iteration %d: %d of %d workers (%s) arrived within %gs%s"
                                % (rnd.iteration, len(rnd.params), self.sync_workers,
-                                  ", ".join(map(str, sorted(rnd.params))), self.round_timeout))
+                                  ", ".join(map(str, sorted(rnd.params))), self.round_timeout, gone))
                 self._round = _Round()
                 self._round_cond.notify_all()
             if rnd.failure:
