@@ -18,6 +18,7 @@ setup(
         "pillow>=10",
         "pyspark>=3.5",
         "matplotlib>=3.8",
+        "tensorboard>=2.16",  # the training job's scalars
     ],
     extras_require={
         "tensorflow": ["tensorflow-cpu>=2.16"],
