@@ -5,23 +5,28 @@ import os
 import numpy as np
 
 from deepspark.config import ConfigError
+from deepspark.data.lmdb_io import atomic_write_bytes
 from deepspark.proto import deepspark_pb2 as pb
 
 
 def atomic_write(path, data):
     """Write bytes to a temporary name beside `path`, then rename: never a half-written file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    partial = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write_bytes(path, data)
+
+
+def read_message(path, message, what):
+    """Parse a binary protobuf file into `message`; one-line errors name the file."""
     try:
-        with open(partial, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        with open(path, "rb") as stream:
+            data = stream.read()
+    except OSError as error:
+        raise ConfigError(f"cannot read {what}: {error.strerror}", path) from None
+    try:
+        message.ParseFromString(data)
+    except Exception:
+        raise ConfigError(f"not a {what} ({type(message).__name__}): cannot parse it", path) from None
+    return message
 
 
 def array_to_blob(array, blob=None):
@@ -87,16 +92,7 @@ def save_caffemodel(path, graph, arrays):
 
 def read_caffemodel(path):
     """{layer name: [float32 arrays]} from a .caffemodel written by Caffe or by us."""
-    try:
-        with open(path, "rb") as stream:
-            data = stream.read()
-    except OSError as error:
-        raise ConfigError(f"cannot read weights: {error.strerror}", path) from None
-    net = pb.NetParameter()
-    try:
-        net.ParseFromString(data)
-    except Exception:
-        raise ConfigError("not a .caffemodel (binary NetParameter): cannot parse it", path) from None
+    net = read_message(path, pb.NetParameter(), ".caffemodel")
     if not net.layer:
         raise ConfigError("this .caffemodel has no layers (V1 'layers' models need Caffe's upgrade tool)", path)
     try:
@@ -137,17 +133,7 @@ def save_solverstate(path, state):
 
 
 def read_solverstate(path):
-    try:
-        with open(path, "rb") as stream:
-            data = stream.read()
-    except OSError as error:
-        raise ConfigError(f"cannot read solver state: {error.strerror}", path) from None
-    state = pb.SolverState()
-    try:
-        state.ParseFromString(data)
-    except Exception:
-        raise ConfigError("not a .solverstate (binary SolverState): cannot parse it", path) from None
-    return state
+    return read_message(path, pb.SolverState(), ".solverstate")
 
 
 def learned_net_path(state, solverstate_path):

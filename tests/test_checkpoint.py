@@ -72,7 +72,7 @@ def test_garbage_and_missing_weights_files(tmp_path):
     bad.write_bytes(b"\xff\xff\xff not a protobuf")
     with pytest.raises(ConfigError, match="bad.caffemodel: not a .caffemodel"):
         checkpoint.read_caffemodel(str(bad))
-    with pytest.raises(ConfigError, match="cannot read weights"):
+    with pytest.raises(ConfigError, match="cannot read .caffemodel: No such file"):
         checkpoint.read_caffemodel(str(tmp_path / "absent.caffemodel"))
 
 

@@ -143,6 +143,21 @@ class Model(abc.ABC):
         """[(layer name, forward ms, backward ms)] for `deepspark time`; backends that can, override."""
         raise NotImplementedError("per-layer timing is not available on this backend")
 
+    def feed(self, batch):
+        """The batch as float32 arrays for the data tops (`self.feeds`: {top: shape}), checked against their shapes."""
+        batch = batch or {}
+        result = {}
+        for top, shape in self.feeds.items():
+            if top not in batch:
+                raise KeyError(f"the batch has no '{top}'; this net reads {', '.join(self.feeds)}")
+            array = np.asarray(batch[top], np.float32)
+            if array.shape != shape:
+                if array.size != int(np.prod(shape)):
+                    raise ValueError(f"batch '{top}' has shape {fmt(array.shape)}, the net expects {fmt(shape)}")
+                array = array.reshape(shape)
+            result[top] = array
+        return result
+
     def batches(self, batch):
         """`batch` as a list of iter_size dicts."""
         batches = [batch] if isinstance(batch, dict) else list(batch)

@@ -133,21 +133,6 @@ class Model(base.Model):
 
     # -- feeding ------------------------------------------------------------------
 
-    def feed(self, batch):
-        """The batch as float32 arrays for the fed tops, checked against their shapes."""
-        batch = batch or {}
-        result = {}
-        for top, shape in self.feeds.items():
-            if top not in batch:
-                raise KeyError(f"the batch has no '{top}'; this net reads {', '.join(self.feeds)}")
-            array = np.asarray(batch[top], np.float32)
-            if array.shape != shape:
-                if array.size != int(np.prod(shape)):
-                    raise ValueError(f"batch '{top}' has shape {fmt(array.shape)}, the net expects {fmt(shape)}")
-                array = array.reshape(shape)
-            result[top] = array
-        return result
-
     def _load(self, batch):
         blobs = self._net.blobs
         for top, array in self.feed(batch).items():

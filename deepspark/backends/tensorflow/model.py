@@ -164,20 +164,6 @@ class Model(base.Model):
 
     # -- the contract --------------------------------------------------------------
 
-    def feed(self, batch):
-        """The batch as float32 arrays for the data tops, checked against their shapes."""
-        result = {}
-        for top, shape in self.feeds.items():
-            if top not in batch:
-                raise KeyError(f"the batch has no '{top}'; this net reads {', '.join(self.feeds)}")
-            array = np.asarray(batch[top], np.float32)
-            if array.shape != shape:
-                if array.size != int(np.prod(shape)):
-                    raise ValueError(f"batch '{top}' has shape {fmt(array.shape)}, the net expects {fmt(shape)}")
-                array = array.reshape(shape)
-            result[top] = array
-        return result
-
     def _ensure_solver(self):
         if self._history is None:
             self._history = [tf.Variable(tf.zeros(shape, tf.float32), name=f"history{i}")
