@@ -52,9 +52,10 @@ test: setup
 demo: setup
 	$(BIN)/python tools/demo.py
 
+# One BLAS thread, so that numpy's own threads do not blur the exchanger's figures.
 bench: setup
 	@mkdir -p bench/results
-	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@for b in bench/*.py; do echo "== $$b"; OPENBLAS_NUM_THREADS=1 $(BIN)/python $$b || exit 1; done
 
 proto: $(STAMPS)/system
 	protoc -Iproto --python_out=deepspark/proto proto/deepspark.proto
