@@ -1,4 +1,8 @@
-"""The baselines beside async EASGD: synchronous averaging every iteration (CaffeOnSpark-style) and model averaging every period τ through Spark (SparkNet-style)."""
+"""The baselines beside async EASGD: sync averaging (CaffeOnSpark-style) and periodic model averaging (SparkNet-style).
+
+sync averages every worker's parameters each iteration; average runs
+period τ local iterations per partition, then averages through Spark.
+"""
 
 import math
 import os

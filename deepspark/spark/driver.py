@@ -138,6 +138,13 @@ def initial_center(solver, log, weights=None, snapshot=None, shape=None):
     return graph, arrays, start
 
 
+def rate_at(param, iteration):
+    """The learning rate a worker uses at `iteration` (multistep's counter derived, not carried)."""
+    from deepspark import schedule
+
+    return schedule.learning_rate(param, iteration, sum(iteration >= v for v in param.stepvalue))[0]
+
+
 class Progress:
     """Per-worker rows on a terminal: iteration, loss, exchanges, seconds since the last exchange."""
 
@@ -182,7 +189,7 @@ def run(solver, args, data=None):
     """`deepspark train` on Spark: async EASGD (N tasks exchanging with the driver's center), or a
     baseline of deepspark.spark.baselines (sync, average).
 
-    `data`: a Spark DataFrame to train on instead of the train net's LMDB (see dataframe_records).
+    `data`: a Spark DataFrame to train on instead of the train net's LMDB (see dataframe_shards).
     """
     from deepspark.spark import baselines
 
@@ -244,7 +251,8 @@ class Job:
                                    self.param.random_seed if self.param.random_seed >= 0 else None)
         self.scalars = Scalars(os.path.join(output, "tensorboard"), log)
         self.history = []  # (seconds, iteration, loss, {test output: value})
-        self.tested, self.snapshotted, self.last_test_values = None, None, {}  # iterations of the last test and snapshot
+        # Iterations of the last test and snapshot, and the last test's outputs.
+        self.tested, self.snapshotted, self.last_test_values = None, None, {}
         self.started = time.monotonic()
         self.results, self.failure = None, None
 
@@ -308,8 +316,11 @@ class Job:
             if p.display and iteration >= next_display and np.isfinite(loss):
                 log.info(f"Iteration {iteration}, loss = {loss:.6g}")
                 self.scalars.add("train/loss", loss, iteration)
-                self.scalars.add("exchange/seconds_since_contact",
-                                 max(s.get("seconds_since_contact", 0) for s in stats.values()), iteration)
+                self.scalars.add("train/learning_rate", rate_at(p, iteration), iteration)
+                self.scalars.add("exchange/seconds_since_exchange",
+                                 max(s.get("seconds_since_exchange") or 0 for s in stats.values()), iteration)
+                self.scalars.add("exchange/exchanges", sum(s.get("exchanges", 0) for s in stats.values()),
+                                 iteration)
                 self.history.append((time.monotonic() - self.started, iteration, loss, {}))
                 next_display = self._next_multiple(iteration, p.display, False)
             if p.test_interval and iteration >= next_test:
@@ -382,8 +393,8 @@ class Job:
         spill = max(r["spill_seconds"] for r in self.results)
         train = max(r["train_seconds"] for r in self.results)
         for r in sorted(self.results, key=lambda r: r["worker"]):
-            log.info(f"Worker {r['worker']} on {r['host']} (in {r['cwd']}): {r['iterations']} iterations, {r['exchanges']} "
-                     f"exchanges, spilled {r['records']} records in {r['spill_seconds']:.2f}s, trained "
+            log.info(f"Worker {r['worker']} on {r['host']} (in {r['cwd']}): {r['iterations']} iterations, "
+                     f"{r['exchanges']} exchanges, spilled {r['records']} records in {r['spill_seconds']:.2f}s, trained "
                      f"{r['train_seconds']:.1f}s, blocked on exchange {r['blocked_seconds']:.2f}s")
         log.info(f"Spill took {spill:.2f}s, {100 * spill / max(train, 1e-9):.2f}% of training time")
         if p.snapshot_after_train and self.snapshotted != final:
