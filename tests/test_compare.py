@@ -74,10 +74,16 @@ def run_compare(*args):
     return status, out, err
 
 
-def test_compare_forward_every_blob_on_the_zoo_cifar_net():
-    status, out, err = run_compare("--model", "models/cifar10_quick", "--batch-size", "2")
+ZOO = sorted(name for name in os.listdir(os.path.join(ROOT, "models"))
+             if os.path.exists(os.path.join(ROOT, "models", name, "deploy.prototxt")))
+
+
+@pytest.mark.parametrize("model", ZOO)
+def test_compare_forward_every_blob_on_every_zoo_net(model):
+    batch = "2" if model in ("lenet", "cifar10_quick", "cifar10_full") else "1"
+    status, out, err = run_compare("--model", f"models/{model}", "--batch-size", batch)
     assert status == 0, out + err
-    assert "conv1@conv1" in out and "prob" in out and "images/s: caffe" in out and "OK" in out
+    assert "prob" in out and "images/s: caffe" in out and "OK: within tolerance" in out
 
 
 def test_compare_train_val_with_data_layers_and_no_lmdb_uses_the_deploy_shapes():
