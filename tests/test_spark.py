@@ -46,11 +46,12 @@ def test_local_two_workers_tensorflow(tmp_path):
 
 
 @pytest.mark.caffe
-def test_local_two_workers_caffe(tmp_path):
+def test_local_two_workers_caffe_reading_shared_data(tmp_path):
     solver = make_job(tmp_path, max_iter=120, test_interval=60)
-    status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--backend", "caffe")
+    status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--backend", "caffe", "--shared-data")
     assert status == 0, log[-3000:]
     assert "(caffe backend, async EASGD)" in log and workers_done(log) == [0, 1]
+    assert "Sharded 200 records into 2 shards (read by executors from shared storage)" in log
     assert final_accuracy(log) >= 0.9
 
 
