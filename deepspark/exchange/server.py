@@ -323,8 +323,8 @@ class ExchangeServer:
         model_bytes = 4 * n
         buf = np.empty(n, dtype=np.float32)  # receives x, becomes d in place, is sent back
         view = byte_view(buf)
-        chunk = slice_floats(n, self._chunk)
-        ok = np.empty(chunk, dtype=bool)
+        step, chunk = slice_floats(n, self._chunk)
+        ok = np.empty(step, dtype=bool)
         scratch = np.empty(chunk, dtype=np.float32)
         hview = memoryview(bytearray(P.HEADER_SIZE))
         out_header = bytearray(P.HEADER_SIZE)
@@ -340,7 +340,7 @@ class ExchangeServer:
                 if math.isfinite(h.value):
                     me["loss"] = h.value
             if h.type == P.EXCHANGE and not self.sync_workers:
-                self._exchange(sock, wid, h, buf, view, chunk, ok, scratch, out_header)
+                self._exchange(sock, wid, h, buf, view, step, chunk, ok, scratch, out_header)
             elif h.type == P.AVERAGE and self.sync_workers:
                 self._average(sock, wid, h, buf, view, out_header)
             elif h.type == P.PULL:
@@ -424,7 +424,7 @@ class ExchangeServer:
                 self._round = _Round()
                 self._round_cond.notify_all()
 
-    def _exchange(self, sock, wid, h, buf, view, chunk, ok, scratch, out_header):
+    def _exchange(self, sock, wid, h, buf, view, step, chunk, ok, scratch, out_header):
         center = self._center
         n = center.size
         nbytes = 4 * n
@@ -450,9 +450,9 @@ class ExchangeServer:
                     got += k
                 ready = got >> 2
                 if got < nbytes:
-                    ready -= ready % chunk  # whole slices only, fewer numpy calls
+                    ready -= ready % step  # whole slices only, fewer numpy calls
                 while done < ready:
-                    end = min(done + chunk, ready)
+                    end = min(done + step, ready)
                     seg = buf[done:end]
                     rules.elastic_difference(seg, center[done:end], alpha, out=seg)
                     if finite and not rules.all_finite(seg, ok[:end - done]):
