@@ -40,6 +40,15 @@ class Net:
             self.layer("data", "Data", top=["data", "label"], include=phase, extra=extra,
                        inner=("data_param", [f'source: "{source}"', f"batch_size: {batch}", "backend: LMDB"]))
 
+    def imagenet(self, deploy, crop, train_batch, test_batch):
+        """The ImageNet input: an Input layer for deployment, else Data layers with Caffe's crop and mean."""
+        if deploy:
+            self.input((10, 3, crop, crop))
+            return
+        mean = "mean_value: 104 mean_value: 117 mean_value: 123"
+        self.data("data/ilsvrc12_train_lmdb", "data/ilsvrc12_val_lmdb", train_batch, test_batch,
+                  f"mirror: true crop_size: {crop} {mean}", f"mirror: false crop_size: {crop} {mean}")
+
     def input(self, shape):
         dims = " ".join(f"dim: {d}" for d in shape)
         self.layer("data", "Input", top="data", inner=("input_param", [f"shape: {{ {dims} }}"]))
@@ -162,12 +171,7 @@ def cifar10(deploy, full):
 
 def caffenet(deploy):
     net = Net("CaffeNet", "BVLC reference CaffeNet (models/bvlc_reference_caffenet).")
-    if deploy:
-        net.input((10, 3, 227, 227))
-    else:
-        transform = 'mirror: true crop_size: 227 mean_value: 104 mean_value: 117 mean_value: 123'
-        test_transform = 'mirror: false crop_size: 227 mean_value: 104 mean_value: 117 mean_value: 123'
-        net.data("data/ilsvrc12_train_lmdb", "data/ilsvrc12_val_lmdb", 256, 50, transform, test_transform)
+    net.imagenet(deploy, 227, 256, 50)
     x = net.conv("conv1", "data", 96, 11, stride=4, std=0.01)
     net.relu("relu1", x)
     x = net.pool("pool1", x, "MAX", 3, 2)
@@ -210,12 +214,7 @@ INCEPTION = {  # name: 1x1, 3x3 reduce, 3x3, 5x5 reduce, 5x5, pool proj
 
 def googlenet(deploy):
     net = Net("GoogleNet", "BVLC GoogLeNet (models/bvlc_googlenet), auxiliary classifiers in training.")
-    if deploy:
-        net.input((10, 3, 224, 224))
-    else:
-        transform = 'mirror: true crop_size: 224 mean_value: 104 mean_value: 117 mean_value: 123'
-        test_transform = 'mirror: false crop_size: 224 mean_value: 104 mean_value: 117 mean_value: 123'
-        net.data("data/ilsvrc12_train_lmdb", "data/ilsvrc12_val_lmdb", 32, 50, transform, test_transform)
+    net.imagenet(deploy, 224, 32, 50)
 
     def conv(name, bottom, num, kernel, stride=1, pad=0):
         x = net.conv(name, bottom, num, kernel, stride, pad, weight="xavier", bias=0.2)
@@ -287,12 +286,7 @@ def googlenet(deploy):
 
 def resnet18(deploy):
     net = Net("ResNet-18", "ResNet-18 (He et al. 2015) in Caffe's BatchNorm + Scale + Eltwise form.")
-    if deploy:
-        net.input((10, 3, 224, 224))
-    else:
-        transform = 'mirror: true crop_size: 224 mean_value: 104 mean_value: 117 mean_value: 123'
-        test_transform = 'mirror: false crop_size: 224 mean_value: 104 mean_value: 117 mean_value: 123'
-        net.data("data/ilsvrc12_train_lmdb", "data/ilsvrc12_val_lmdb", 32, 25, transform, test_transform)
+    net.imagenet(deploy, 224, 32, 25)
 
     def conv_bn(name, bottom, num, kernel, stride=1, pad=0, relu=True):
         x = net.conv(name, bottom, num, kernel, stride, pad, weight="msra", params=((1, 1),), bias_term=False)

@@ -158,22 +158,15 @@ class AverageJob(Job):
         shards = self.shards.persist()
         job = self.job
         iteration = self.start_iter
-        next_test = self._next_multiple(iteration, p.test_interval, p.test_initialization)
-        next_snapshot = self._next_multiple(iteration, p.snapshot, False)
-        next_display = self._next_multiple(iteration, p.display, False)
+        self.start_cadence()
         workers = {}  # worker -> running totals for its summary line
         try:
             while True:
-                if p.test_interval and iteration >= next_test:
-                    self.test(iteration)
-                    next_test = self._next_multiple(iteration, p.test_interval, False)
-                if p.snapshot and iteration >= next_snapshot:
-                    self.snapshot(iteration)
-                    next_snapshot = self._next_multiple(iteration, p.snapshot, False)
+                self.test_and_snapshot(iteration)
                 if iteration >= p.max_iter:
                     break
-                steps = int(min(ds.period, p.max_iter - iteration, next_test - iteration,
-                                next_snapshot - iteration))
+                steps = int(min(ds.period, p.max_iter - iteration, self.next_test - iteration,
+                                self.next_snapshot - iteration))
                 started = time.monotonic()
                 center = sc.broadcast(self.center)
                 try:
@@ -204,12 +197,7 @@ class AverageJob(Job):
                     if r["records"] is not None:
                         w["records"], w["builds"] = r["records"], w["builds"] + 1
                         w["spill_seconds"] += r["spill_seconds"]
-                loss = float(np.mean([r["loss"] for r in returned]))
-                if p.display and iteration >= next_display:
-                    log.info(f"Iteration {iteration}, loss = {loss:.6g}")
-                    self.scalars.add("train/loss", loss, iteration)
-                    self.history.append((time.monotonic() - self.started, iteration, loss, {}))
-                    next_display = self._next_multiple(iteration, p.display, False)
+                self.display(iteration, float(np.mean([r["loss"] for r in returned])))
         finally:
             self._release(shards)
         rebuilt = {w: s["builds"] - 1 for w, s in workers.items() if s["builds"] > 1}

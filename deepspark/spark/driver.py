@@ -296,9 +296,7 @@ class Job:
         thread = threading.Thread(target=self._spark_job, name="deepspark-spark-job", daemon=True)
         thread.start()
         progress = Progress(log, self.workers, p.max_iter)
-        next_test = self._next_multiple(self.start_iter, p.test_interval, p.test_initialization)
-        next_snapshot = self._next_multiple(self.start_iter, p.snapshot, False)
-        next_display = self._next_multiple(self.start_iter, p.display, True)
+        self.start_cadence()
         connect_deadline = time.monotonic() + self.ds.connect_timeout
         while thread.is_alive():
             thread.join(0.5)
@@ -312,27 +310,46 @@ class Job:
             iteration = self._iteration(stats)
             if iteration is None:
                 continue
-            loss = self._loss(stats)
-            if p.display and iteration >= next_display and np.isfinite(loss):
-                log.info(f"Iteration {iteration}, loss = {loss:.6g}")
-                self.scalars.add("train/loss", loss, iteration)
-                self.scalars.add("train/learning_rate", rate_at(p, iteration), iteration)
+            if self.display(iteration, self._loss(stats)):
                 self.scalars.add("exchange/seconds_since_exchange",
                                  max(s.get("seconds_since_exchange") or 0 for s in stats.values()), iteration)
                 self.scalars.add("exchange/exchanges", sum(s.get("exchanges", 0) for s in stats.values()),
                                  iteration)
-                self.history.append((time.monotonic() - self.started, iteration, loss, {}))
-                next_display = self._next_multiple(iteration, p.display, False)
-            if p.test_interval and iteration >= next_test:
-                self.test(iteration)
-                next_test = self._next_multiple(iteration, p.test_interval, False)
-            if p.snapshot and iteration >= next_snapshot:
-                self.snapshot(iteration)
-                next_snapshot = self._next_multiple(iteration, p.snapshot, False)
+            self.test_and_snapshot(iteration)
         log.end_progress()
         if self.failure is not None:
             raise JobError(f"the Spark job failed: {_first_line(self.failure)}; {executor_report(self.sc)}")
         self.finish()
+
+    def start_cadence(self):
+        """The next iterations at which to test, snapshot and display, from the job's start."""
+        p = self.param
+        self.next_test = self._next_multiple(self.start_iter, p.test_interval, p.test_initialization)
+        self.next_snapshot = self._next_multiple(self.start_iter, p.snapshot, False)
+        self.next_display = self._next_multiple(self.start_iter, p.display, False)
+
+    def display(self, iteration, loss):
+        """Caffe's `Iteration N, loss = L` line and the train scalars, once `iteration` reaches the next
+        display multiple; True when shown."""
+        p = self.param
+        if not (p.display and iteration >= self.next_display and np.isfinite(loss)):
+            return False
+        self.log.info(f"Iteration {iteration}, loss = {loss:.6g}")
+        self.scalars.add("train/loss", loss, iteration)
+        self.scalars.add("train/learning_rate", rate_at(p, iteration), iteration)
+        self.history.append((time.monotonic() - self.started, iteration, loss, {}))
+        self.next_display = self._next_multiple(iteration, p.display, False)
+        return True
+
+    def test_and_snapshot(self, iteration):
+        """Test and snapshot x̃ once `iteration` reaches the next test_interval / snapshot multiple."""
+        p = self.param
+        if p.test_interval and iteration >= self.next_test:
+            self.test(iteration)
+            self.next_test = self._next_multiple(iteration, p.test_interval, False)
+        if p.snapshot and iteration >= self.next_snapshot:
+            self.snapshot(iteration)
+            self.next_snapshot = self._next_multiple(iteration, p.snapshot, False)
 
     @staticmethod
     def _next_multiple(iteration, interval, include_current):
