@@ -324,7 +324,7 @@ class ExchangeServer:
         buf = np.empty(n, dtype=np.float32)  # receives x, becomes d in place, is sent back
         view = byte_view(buf)
         step, chunk = slice_floats(n, self._chunk)
-        ok = np.empty(step, dtype=bool)
+        ok = np.empty(chunk, dtype=bool)
         scratch = np.empty(chunk, dtype=np.float32)
         hview = memoryview(bytearray(P.HEADER_SIZE))
         out_header = bytearray(P.HEADER_SIZE)
@@ -451,8 +451,11 @@ class ExchangeServer:
                 ready = got >> 2
                 if got < nbytes:
                     ready -= ready % step  # whole slices only, fewer numpy calls
+                    span = step
+                else:
+                    span = chunk  # all of x is in: the rest in as few calls as the scratch allows
                 while done < ready:
-                    end = min(done + step, ready)
+                    end = min(done + span, ready)
                     seg = buf[done:end]
                     rules.elastic_difference(seg, center[done:end], alpha, out=seg)
                     if finite and not rules.all_finite(seg, ok[:end - done]):

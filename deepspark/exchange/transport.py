@@ -5,12 +5,15 @@ import socket
 from . import protocol
 
 
-# Slices of the elastic update. As x arrives, the server computes d = α(x − x̃) and
-# checks it in RECV_SLICE pieces: on loopback the sender's side of TCP is the slower
-# one, so the receiver waits for data anyway and the arithmetic fits in those waits
-# (LeNet size, short turns interleaved with a raw echo in the same run: 64K-float
-# pieces ran 10–20% more round trips than the whole vector; 32K pieces gave part of
-# that back to per-call overhead).
+# Slices of the elastic update. While x is still arriving, the server computes
+# d = α(x − x̃) and checks it in RECV_SLICE pieces, so the arithmetic runs while the
+# worker's core is still sending; once all of x is in, the rest goes in one piece
+# (fewest numpy calls). Two regimes show on this 2-core machine (LeNet size, short
+# turns interleaved with a raw echo in the same run): when the worker and the server
+# run on different cores, 64K-float pieces give 15–20% more round trips than the whole
+# vector (32K pieces lose part of it to per-call overhead); when the scheduler puts
+# them on one core (or `taskset -c 0`) nothing overlaps, x is all in at the first read,
+# and slicing it anyway cost 3–30%, which computing the rest whole avoids.
 # The reply goes back whole below PIPELINE_BYTES, because extra sends cost the worker
 # wake-ups (measured: LeNet-size exchanges ran at 0.6× a raw echo with a sliced reply);
 # above it the server adds d to x̃ and sends it in SLICE_FLOATS pieces, so the worker
