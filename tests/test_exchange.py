@@ -12,6 +12,7 @@ import pytest
 from deepspark import rules
 from deepspark.exchange import ExchangeClient, ExchangeServer, NonFiniteError, RefusedError
 from deepspark.exchange import protocol as P
+from deepspark.exchange.transport import PIPELINE_BYTES, RECV_SLICE, SLICE_FLOATS, slice_floats
 
 SECRET = b"per-job-secret"
 N = 1000
@@ -125,6 +126,40 @@ def test_exchange_arithmetic_is_the_rule(consistent):
             wait_for(lambda: bits(srv.pull()) == bits(c_rule))
             assert bits(client.pull()) == bits(c_rule)
         assert srv.exchanges == 1
+
+
+@pytest.mark.parametrize("consistent", [True, False])
+def test_default_slicing_of_a_model_bigger_than_one_slice(consistent):
+    # Default slices (no chunk=): when x arrives over several reads the server computes
+    # slices while it is still arriving and the rest whole (on loopback either may happen). The result is the rule, bit for
+    # bit, and a NaN or Inf in any slice — the first, or the last one to arrive — still
+    # leaves x̃ bit-identical, though earlier slices of d were already computed.
+    n = 3 * RECV_SLICE + 1234
+    assert slice_floats(n) == (RECV_SLICE, n)
+    center = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    with ExchangeServer(center, SECRET, 0.25, consistent=consistent) as srv:
+        with ExchangeClient(srv.address, SECRET, 0, on_nonfinite="raise") as client:
+            x = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+            x_rule, c_rule = x.copy(), center.copy()
+            rules.easgd_step(x_rule, c_rule, 0.25)
+            assert client.exchange(x) == "applied"
+            assert bits(x) == bits(x_rule)
+            wait_for(lambda: bits(srv.pull()) == bits(c_rule))
+            for where, bad in ((0, np.nan), (n - 1, np.inf), (RECV_SLICE + 5, -np.inf)):
+                y = x.copy()
+                y[where] = bad
+                before = srv.pull()
+                with pytest.raises(NonFiniteError):
+                    client.exchange(y)
+                assert bits(srv.pull()) == bits(before)
+            assert srv.exchanges == 1
+
+
+def test_slices_follow_chunk_and_size():
+    assert slice_floats(10) == (10, 10)
+    assert slice_floats(10 ** 6, chunk=7) == (7, 7)
+    big = PIPELINE_BYTES // 4 + 1
+    assert slice_floats(big) == (min(RECV_SLICE, SLICE_FLOATS), SLICE_FLOATS)
 
 
 def test_server_factor_and_moving_rate_decay():

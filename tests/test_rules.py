@@ -46,6 +46,8 @@ def test_all_finite():
     assert rules.all_finite(a, ok)
     huge = np.full(5, 3e38, dtype=np.float32)  # a·a overflows, yet every value is finite
     assert rules.all_finite(huge, ok)
+    huge[1] = np.nan  # the overflow fallback still finds it
+    assert not rules.all_finite(huge, ok)
     for bad in (np.nan, np.inf, -np.inf):
         a[2] = bad
         assert not rules.all_finite(a, ok)
