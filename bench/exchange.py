@@ -100,9 +100,22 @@ def _easgd_server(n, pipe):
     server.stop()
 
 
+# Where the peers run. On a small machine the scheduler sometimes puts a ping-pong pair
+# on one CPU and sometimes on two, and the figures flip with it (on 2 cores: echo
+# ~2,700 vs ~1,600 LeNet round trips/s). "same" and "apart" pin every peer — echo,
+# pickle and exchange alike — so that each regime can be measured on purpose.
+CPUS = None  # None: the scheduler decides; else (client cpus, server cpus)
+
+
+def _pinned(target, cpus, *args):
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # before the server makes its threads, so they inherit it
+    target(*args)
+
+
 def _spawn(target, n):
     ours, theirs = mp.Pipe()
-    proc = mp.Process(target=target, args=(n, theirs), daemon=True)
+    proc = mp.Process(target=_pinned, args=(target, CPUS and CPUS[1], n, theirs), daemon=True)
     proc.start()
     return proc, ours, ours.recv()
 
@@ -261,6 +274,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=200, help="training steps in the overlap figure")
     ap.add_argument("--only", default="roundtrip,throughput,overlap")
     ap.add_argument("--out", default="runs/bench/exchange.jsonl", help="JSON lines are also appended here")
+    ap.add_argument("--cpus", choices=("free", "same", "apart"), default="free",
+                    help="round trips: let the scheduler place the peers (default), or pin worker and "
+                         "servers to one CPU, or to two different CPUs")
     args = ap.parse_args(argv)
     mp.set_start_method("fork")
     only = set(args.only.split(","))
@@ -276,8 +292,18 @@ def main(argv=None):
                 f.write(line + "\n")
 
     if "roundtrip" in only:
+        global CPUS
+        mine = os.sched_getaffinity(0)
+        if args.cpus != "free":
+            first, *rest = sorted(mine)
+            if args.cpus == "apart" and not rest:
+                ap.error("--cpus apart needs two CPUs")
+            CPUS = ({first}, {first} if args.cpus == "same" else {rest[0]})
+            os.sched_setaffinity(0, CPUS[0])
         for name in args.sizes.split(","):
-            emit(dict(model=name, **roundtrips(SIZES[name], args.seconds, args.reps)))
+            emit(dict(model=name, cpus=args.cpus, **roundtrips(SIZES[name], args.seconds, args.reps)))
+        os.sched_setaffinity(0, mine)
+        CPUS = None
     if "throughput" in only:
         for w in map(int, args.workers.split(",")):
             emit(throughput(SIZES["lenet"], w, 3 * args.seconds))

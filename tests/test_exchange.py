@@ -159,7 +159,7 @@ def test_slices_follow_chunk_and_size():
     assert slice_floats(10) == (10, 10)
     assert slice_floats(10 ** 6, chunk=7) == (7, 7)
     big = PIPELINE_BYTES // 4 + 1
-    assert slice_floats(big) == (min(RECV_SLICE, SLICE_FLOATS), SLICE_FLOATS)
+    assert slice_floats(big) == (SLICE_FLOATS, SLICE_FLOATS)
 
 
 def test_server_factor_and_moving_rate_decay():
