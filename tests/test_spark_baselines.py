@@ -34,6 +34,7 @@ def test_sync_averages_every_iteration_and_every_worker_ends_on_the_center(tmp_p
     assert status == 0, log[-3000:]
     assert "on local[2,4] with 2 workers (tensorflow backend, synchronous averaging every iteration)" in log
     assert "averaged every iteration (synchronous rounds, timeout 60s)" in log
+    assert "sync averages every iteration; period 4 is not used" in log  # the tiny solver sets period 4
     assert worker_lines(log) == [("0", "120", "120"), ("1", "120", "120")]  # one round per iteration
     agree = re.search(r"Workers hold the center after the last round: (\w+) \(crc32 (\w+), (\w+); center (\w+)\)", log)
     assert agree and agree.group(1) == "yes" and len({agree.group(i) for i in (2, 3, 4)}) == 1, log[-3000:]

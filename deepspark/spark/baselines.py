@@ -62,6 +62,8 @@ class SyncJob(Job):
                                 resume_iteration=self.start_iter, sync_workers=self.workers).start()
         self.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; {self.workers} workers "
                       f"averaged every iteration (synchronous rounds, timeout {ds.exchange_timeout:g}s)")
+        if ds.HasField("period") and ds.period != 1:
+            self.log.warning(f"sync averages every iteration; period {ds.period} is not used")
         return server
 
     def run_tasks(self):
