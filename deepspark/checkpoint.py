@@ -52,29 +52,24 @@ def blob_to_array(blob):
     return array.reshape(shape)
 
 
-def _layer_blobs(graph, arrays):
+def layer_blobs(graph, arrays):
     """Per layer name, its parameter arrays in Caffe's order (shared blobs repeated in each sharer)."""
     if len(arrays) != len(graph.params):
         raise ValueError(f"{len(arrays)} arrays for {len(graph.params)} parameters")
-    by_position = {}
+    checked = []
     for param, array in zip(graph.params, arrays):
         array = np.asarray(array, dtype=np.float32)
         if tuple(array.shape) != tuple(param.shape):
             raise ValueError(f"layer '{param.layer}' param {param.index}: shape {array.shape}, "
                              f"expected {param.shape}")
-        by_position[(param.layer, param.index)] = array
-        for sharer in param.sharers:
-            by_position[sharer] = array
-    blobs = {}
-    for layer in graph.layers:
-        blobs[layer.name] = [by_position[(layer.name, i)] for i in range(len(layer.param_shapes))]
-    return blobs
+        checked.append(array)
+    return {name: [checked[i] for i in positions] for name, positions in graph.blob_params.items()}
 
 
 def net_to_proto(graph, arrays):
     """A NetParameter like Caffe's Net::ToProto: every layer's definition, learned blobs attached."""
     net = pb.NetParameter(name=graph.name)
-    blobs = _layer_blobs(graph, arrays)
+    blobs = layer_blobs(graph, arrays)
     for layer in graph.layers:
         out = net.layer.add()
         out.CopyFrom(layer.param)

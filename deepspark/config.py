@@ -194,10 +194,6 @@ class Solver:
         self.train_map = train_map
         self.test_nets = test_nets  # list of (NetParameter, SourceMap, NetState)
 
-    @property
-    def deepspark(self):
-        return self.param.deepspark_param
-
 
 def load_solver(path):
     """Parse a solver prototxt, resolve and load the nets it names, check its arithmetic."""

@@ -3,7 +3,7 @@
 import math
 from dataclasses import dataclass, field
 
-from deepspark.config import ConfigError, SourceMap
+from deepspark.config import SourceMap
 from deepspark.proto import deepspark_pb2 as pb
 
 
@@ -580,6 +580,7 @@ class Graph:
         self.producers = {}  # name -> layer name
         self.consumers = {}  # name -> [layer names]
         self.params = []
+        self.blob_params = {}  # layer name -> [index into params of each of its blobs; shared ones too]
         self._build()
 
     @property
@@ -656,32 +657,29 @@ class Graph:
         self.layers.append(layer)
 
     def _collect_params(self):
-        shared = {}
+        shared = {}  # share name -> index into self.params
         for layer in self.layers:
+            positions = self.blob_params[layer.name] = []
             for i, shape in enumerate(layer.param_shapes):
                 lr, decay, name = layer.param_spec(i)
                 if name and name in shared:
-                    owner = shared[name]
+                    owner = self.params[shared[name]]
                     if owner.shape is not None and shape is not None and count(owner.shape) != count(shape):
                         raise self._error(f"layer '{layer.name}': shared parameter '{name}' has shape "
                                           f"{fmt(shape)}, its owner '{owner.layer}' has {fmt(owner.shape)}",
                                           layer.index, "param")
                     owner.sharers.append((layer.name, i))
+                    positions.append(shared[name])
                     continue
-                param = Param(layer.name, i, shape, lr, decay)
                 if name:
-                    shared[name] = param
-                self.params.append(param)
+                    shared[name] = len(self.params)
+                positions.append(len(self.params))
+                self.params.append(Param(layer.name, i, shape, lr, decay))
 
     # -- questions the backends and the CLI ask -------------------------------
 
     def layer(self, name):
         return next(layer for layer in self.layers if layer.name == name)
-
-    @property
-    def inputs(self):
-        """Tops of data layers, in order."""
-        return [top for layer in self.layers if layer.type in DATA_TYPES for top in layer.tops]
 
     @property
     def outputs(self):
@@ -703,10 +701,6 @@ class Graph:
     @property
     def known_param_count(self):
         return sum(p.size for p in self.params if p.size is not None)
-
-    @property
-    def param_shapes(self):
-        return [p.shape for p in self.params]
 
     def split_blobs(self):
         """Blobs consumed by more than one layer: where Caffe inserts its implicit Split layers."""

@@ -19,7 +19,7 @@ def data_shape(layer_param):
     return source_shape(layer_param)
 
 
-def feeders_for(graph, phase, seed=None, shard=0, num_shards=1, sources=None):
+def feeders_for(graph, phase, seed=None, shard=0, num_shards=1):
     """One DataFeeder per Data layer of the graph; other data layers need no feeding here."""
     feeders = []
     for layer in graph.layers:
@@ -27,8 +27,7 @@ def feeders_for(graph, phase, seed=None, shard=0, num_shards=1, sources=None):
             raise ConfigError(f"layer '{layer.name}' ({layer.type}) has no data to train or test on; "
                               "use a Data layer reading an LMDB", *graph.source.where(layer.index))
         if layer.type == "Data":
-            source = (sources or {}).get(layer.name)
-            feeders.append(DataFeeder(layer.param, phase, source=source, shard=shard, num_shards=num_shards,
+            feeders.append(DataFeeder(layer.param, phase, shard=shard, num_shards=num_shards,
                                       seed=seed, batch_size=graph.context.batch_size))
     return feeders
 
@@ -42,7 +41,7 @@ def next_batch(feeders):
 
 def copy_weights(source_graph, arrays, target_graph, initial):
     """Caffe's ShareTrainedLayersWith: parameters copied by layer name from one net to another."""
-    return checkpoint.weights_for(target_graph, checkpoint._layer_blobs(source_graph, arrays), initial)
+    return checkpoint.weights_for(target_graph, checkpoint.layer_blobs(source_graph, arrays), initial)
 
 
 class Evaluator:
@@ -101,7 +100,7 @@ class Trainer:
     """One training process: model, shard of data, Caffe's display/test/snapshot cadence."""
 
     def __init__(self, solver, backend="tensorflow", log=None, weights=None, snapshot=None, max_iter=None,
-                 shard=0, num_shards=1, evaluate=True, sources=None, seed_offset=None):
+                 shard=0, num_shards=1, evaluate=True, seed_offset=None):
         self.solver, self.param = solver, solver.param
         self.log = log or Log()
         self.max_iter = self.param.max_iter if max_iter is None else max_iter
@@ -110,7 +109,7 @@ class Trainer:
                                   data_shape=data_shape)
         offset = shard if seed_offset is None else seed_offset
         self.feeders = feeders_for(self.model.graph, pb.TRAIN, seed=None if seed is None else seed + offset,
-                                   shard=shard, num_shards=num_shards, sources=sources)
+                                   shard=shard, num_shards=num_shards)
         self.evaluator = Evaluator(solver, backend, self.log, seed) if evaluate and solver.test_nets else None
         if weights:
             self.load_weights(weights)

@@ -64,6 +64,7 @@ def test_average_center_is_the_mean_of_what_the_workers_trained_from_it(tmp_path
     """One round (period = max_iter): each worker ran `period` iterations from the broadcast center on its
     own shard, and the new center is rules.average_models of their parameters."""
     from deepspark.spark import baselines
+    from deepspark.spark import worker as worker_module
     from deepspark.spark.driver import shard_payloads
 
     steps = 12
@@ -89,7 +90,7 @@ def test_average_center_is_the_mean_of_what_the_workers_trained_from_it(tmp_path
     # each worker's parameters are what its Trainer makes of the start center in `steps` iterations
     payloads, _ = shard_payloads(solver, 2, False)
     for worker, payload in enumerate(payloads):
-        trainer, shard, _, _ = baselines._build(worker, payload, job.job)
+        trainer, shard, _, _ = worker_module.build(worker, payload, job.job)
         try:
             trainer.model.set_flat(start)
             for _ in range(steps):

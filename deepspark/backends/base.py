@@ -105,13 +105,7 @@ class Model(abc.ABC):
 
     def layer_blobs(self, layer_name):
         """Indices into the parameter list of a layer's blobs, in the layer's order (shared ones too)."""
-        layer = self.graph.layer(layer_name)
-        index = {}
-        for i, param in enumerate(self.graph.params):
-            index[(param.layer, param.index)] = i
-            for sharer in param.sharers:
-                index[tuple(sharer)] = i
-        return [index[(layer.name, b)] for b in range(len(layer.param_shapes))]
+        return list(self.graph.blob_params[layer_name])
 
     def get_blobs(self, layer_name):
         """A layer's parameter blobs (Caffe's net.params[layer_name]) as float32 arrays."""

@@ -23,27 +23,6 @@ def digest(params):
     return f"{zlib.crc32(np.ascontiguousarray(params).view(np.uint8)):08x}"
 
 
-def _build(worker, payload, job):
-    """Spill the shard and build the worker's Trainer: (trainer, shard path, records, spill seconds)."""
-    from deepspark.log import Log
-    from deepspark.solver import Trainer
-
-    worker_module.set_threads(job["threads"])
-    shard_path, records, spill_seconds = worker_module.spill(payload, job["id"], worker)
-    solver = worker_module._solver_for_worker(job, shard_path)
-    try:
-        trainer = Trainer(solver, solver.param.deepspark_param.backend, Log(stream=open(os.devnull, "w"),
-                          progress=False), evaluate=False, shard=0, num_shards=1, seed_offset=worker)
-    except BaseException:
-        shutil.rmtree(shard_path, ignore_errors=True)
-        raise
-    return trainer, shard_path, records, spill_seconds
-
-
-def _place():
-    return {"host": socket.gethostname(), "pid": os.getpid(), "cwd": os.getcwd()}
-
-
 # ---- sync: every worker's parameters averaged every iteration ----------------
 
 class SyncJob(Job):
@@ -83,25 +62,18 @@ class SyncJob(Job):
 
 def sync_worker(worker, payload, job):
     """One worker of the sync job in a barrier task: a local step, then the round's mean, every iteration."""
-    from deepspark.exchange import ExchangeClient, RefusedError
+    from deepspark.exchange import RefusedError
 
-    trainer, shard_path, records, spill_seconds = _build(worker, payload, job)
+    trainer, shard_path, records, spill_seconds = worker_module.build(worker, payload, job)
     ds = trainer.param.deepspark_param
     where = f"worker {worker} on {socket.gethostname()}"
     try:
         model = trainer.model
         # The server fails a round that cannot complete after exchange_timeout with the reason;
         # the client waits a little longer so that the reason, not a bare timeout, is what it reports.
-        client = ExchangeClient(tuple(job["address"]), job["secret"], worker, shapes=model.param_shapes,
-                                timeout=ds.exchange_timeout + 10, connect_timeout=min(ds.exchange_timeout, 30.0))
-        try:
-            client.connect()
-            params = client.pull(model.get_flat())
-        except OSError as error:
-            raise worker_module.WorkerError(f"{where} cannot reach the driver's exchanger at "
-                                            f"{job['address'][0]}:{job['address'][1]}: {error}") from None
-        model.set_flat(params)
-        start_iter = model.iter = client.resume_iteration  # every worker restarts at the last completed round
+        # Every worker restarts at the last completed round.
+        client, params = worker_module.join_center(worker, job, model, ds.exchange_timeout + 10)
+        start_iter = model.iter
         started, loss = time.monotonic(), math.nan
         while model.iter < trainer.param.max_iter:
             loss = trainer.step()
@@ -115,7 +87,7 @@ def sync_worker(worker, payload, job):
                     f"{where}: no average from the driver's exchanger for iteration {model.iter} within "
                     f"{client.timeout:g}s ({error or type(error).__name__})") from None
             model.set_flat(params)
-        summary = {"worker": worker, **_place(), "records": records, "spill_seconds": spill_seconds,
+        summary = {"worker": worker, **worker_module.place(), "records": records, "spill_seconds": spill_seconds,
                    "train_seconds": time.monotonic() - started, "iterations": model.iter - start_iter,
                    "final_iteration": model.iter, "exchanges": client.exchanges,
                    "blocked_seconds": client.blocked_seconds, "loss": loss, "digest": digest(params)}
@@ -209,7 +181,7 @@ class AverageJob(Job):
         self.results = list(workers.values()) or [{"worker": 0, "final_iteration": iteration, "iterations": 0,
                                                    "exchanges": 0, "records": 0, "spill_seconds": 0.0,
                                                    "train_seconds": 0.0, "blocked_seconds": 0.0,
-                                                   **_place()}]
+                                                   **worker_module.place()}]
         self.finish()
 
     def _release(self, shards):
@@ -239,7 +211,7 @@ def average_round(worker, items, job, center, iteration, steps):
     if key not in _TRAINERS:
         for other in [k for k in _TRAINERS if k[0] != job["id"]]:
             release(other[0])
-        trainer, shard_path, records, spill_seconds = _build(worker, worker_module.payload_of(items), job)
+        trainer, shard_path, records, spill_seconds = worker_module.build(worker, worker_module.payload_of(items), job)
         _TRAINERS[key] = (trainer, shard_path)
     built = time.monotonic() - built
     trainer = _TRAINERS[key][0]
@@ -249,7 +221,7 @@ def average_round(worker, items, job, center, iteration, steps):
     started, loss = time.monotonic(), math.nan
     for _ in range(steps):
         loss = trainer.step()
-    return {"worker": worker, **_place(), "params": model.get_flat(), "iteration": model.iter, "loss": loss,
+    return {"worker": worker, **worker_module.place(), "params": model.get_flat(), "iteration": model.iter, "loss": loss,
             "seconds": time.monotonic() - started, "build_seconds": built, "records": records,
             "spill_seconds": spill_seconds}
 

@@ -12,7 +12,7 @@ import numpy as np
 from deepspark import checkpoint
 from deepspark.config import ConfigError, DeepSparkError
 from deepspark.data import lmdb_io
-from deepspark.graph import Graph
+from deepspark.graph import Graph, layer_included
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.solver import Evaluator, data_shape
@@ -113,10 +113,7 @@ def dataframe_shards(df, workers):
 
 
 def _in_train(layer):
-    state = pb.NetState(phase=pb.TRAIN)
-    from deepspark.graph import layer_included
-
-    return layer_included(layer, state)
+    return layer_included(layer, pb.NetState(phase=pb.TRAIN))
 
 
 def initial_center(solver, log, weights=None, snapshot=None, shape=None):

@@ -93,32 +93,54 @@ def set_threads(threads):
     os.environ["DEEPSPARK_THREADS"] = str(threads)
 
 
-def run(worker, payload, job):
-    """One worker's whole life in a Spark task; returns a summary dict for the driver."""
-    from deepspark.exchange import ExchangeClient
+def place():
+    """Where this worker runs, for the driver's summary lines."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "cwd": os.getcwd()}
+
+
+def build(worker, payload, job):
+    """Spill the shard and build the worker's Trainer: (trainer, shard path, records, spill seconds)."""
     from deepspark.log import Log
     from deepspark.solver import Trainer
 
     set_threads(job["threads"])
     shard_path, records, spill_seconds = spill(payload, job["id"], worker)
-    log = Log(stream=open(os.devnull, "w"), progress=False)
     solver = _solver_for_worker(job, shard_path)
+    try:
+        # The log goes to the executor's stderr, which Spark keeps in the executor's log.
+        trainer = Trainer(solver, solver.param.deepspark_param.backend, Log(progress=False), evaluate=False,
+                          shard=0, num_shards=1, seed_offset=worker)
+    except BaseException:
+        shutil.rmtree(shard_path, ignore_errors=True)
+        raise
+    return trainer, shard_path, records, spill_seconds
+
+
+def join_center(worker, job, model, timeout):
+    """Connect to the driver's exchanger and start (or rejoin) from x̃ at the iteration it reports."""
+    from deepspark.exchange import ExchangeClient
+
+    client = ExchangeClient(tuple(job["address"]), job["secret"], worker, shapes=model.param_shapes,
+                            timeout=timeout, connect_timeout=min(timeout, 30.0))
+    try:
+        client.connect()
+        params = client.pull(model.get_flat())
+    except OSError as error:
+        raise WorkerError(f"worker {worker} on {socket.gethostname()} cannot reach the driver's exchanger at "
+                          f"{job['address'][0]}:{job['address'][1]}: {error}") from None
+    model.set_flat(params)
+    model.iter = client.resume_iteration  # 0, a resumed job's, or this worker's before a retry
+    return client, params
+
+
+def run(worker, payload, job):
+    """One worker's whole life in a Spark task; returns a summary dict for the driver."""
+    trainer, shard_path, records, spill_seconds = build(worker, payload, job)
+    solver, model = trainer.solver, trainer.model
     ds = solver.param.deepspark_param
     try:
-        trainer = Trainer(solver, ds.backend, log, evaluate=False, shard=0, num_shards=1,
-                          seed_offset=worker)
-        model = trainer.model
-        client = ExchangeClient(tuple(job["address"]), job["secret"], worker, shapes=model.param_shapes,
-                                timeout=ds.exchange_timeout, connect_timeout=min(ds.exchange_timeout, 30.0))
-        try:
-            client.connect()
-        except OSError as error:
-            raise WorkerError(f"worker {worker} on {socket.gethostname()} cannot reach the driver's exchanger at "
-                              f"{job['address'][0]}:{job['address'][1]}: {error}") from None
-        params = model.get_flat()
-        client.pull(params)  # start (or rejoin) from the center
-        model.set_flat(params)
-        start_iter = model.iter = client.resume_iteration  # 0, a resumed job's, or this worker's before a retry
+        client, params = join_center(worker, job, model, ds.exchange_timeout)
+        start_iter = model.iter
         schedule = rules.ExchangeSchedule(ds.period, adaptive=ds.adaptive_period)
         started = time.monotonic()
         loss = math.nan
@@ -144,13 +166,11 @@ def run(worker, payload, job):
         client.wait(params)
         client.exchange(params, model.iter, loss)  # the center gets the final state
         seconds = time.monotonic() - started
-        summary = {"worker": worker, "host": socket.gethostname(), "pid": os.getpid(), "cwd": os.getcwd(),
-                   "records": records,
-                   "spill_seconds": spill_seconds, "train_seconds": seconds, "iterations": model.iter - start_iter,
-                   "final_iteration": model.iter, "exchanges": client.exchanges,
-                   "blocked_seconds": client.blocked_seconds, "loss": loss}
+        summary = {"worker": worker, **place(), "records": records, "spill_seconds": spill_seconds,
+                   "train_seconds": seconds, "iterations": model.iter - start_iter, "final_iteration": model.iter,
+                   "exchanges": client.exchanges, "blocked_seconds": client.blocked_seconds, "loss": loss}
         client.close()
-        trainer.close()
         return summary
     finally:
+        trainer.close()
         shutil.rmtree(shard_path, ignore_errors=True)

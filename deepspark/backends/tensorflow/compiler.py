@@ -9,17 +9,6 @@ import tensorflow as tf
 from deepspark.backends.tensorflow.layers import LAYERS, PARAM_ORDER, Blob
 
 
-def blob_index(graph):
-    """{layer name: [index into graph.params of each of its parameter blobs]} (shared blobs resolved)."""
-    owner = {}
-    for i, param in enumerate(graph.params):
-        owner[(param.layer, param.index)] = i
-        for sharer in param.sharers:
-            owner[tuple(sharer)] = i
-    return {layer.name: [owner[(layer.name, b)] for b in range(len(layer.param_shapes))]
-            for layer in graph.layers}
-
-
 def wanted_order(layer_type, blob):
     """The axis order a layer function takes blob `blob` in (None: Caffe's)."""
     return PARAM_ORDER.get(layer_type, {}).get(blob)
@@ -57,7 +46,7 @@ class Context:
         self.train = train
         self.rng = rng
         self.seed = seed
-        self.index = index if index is not None else blob_index(graph)
+        self.index = index if index is not None else graph.blob_params
         self.updates = []  # (parameter index, new value): BatchNorm's running statistics
 
     def update(self, layer, blob, value):

@@ -9,7 +9,6 @@ import tensorflow as tf
 from deepspark import fillers, schedule
 from deepspark.backends import base
 from deepspark.backends.tensorflow import compiler
-from deepspark.graph import fmt
 from deepspark.proto import deepspark_pb2 as pb
 
 TF_OPS = SimpleNamespace(sqrt=tf.sqrt, sign=tf.sign, sum=tf.reduce_sum, where=tf.where)
@@ -33,7 +32,7 @@ class Model(base.Model):
         self.train = self.phase == pb.TRAIN
         self.feeds = {top: tuple(shape) for layer in graph.layers if layer.type in FED_TYPES
                       for top, shape in zip(layer.tops, layer.top_shapes)}
-        self._index = compiler.blob_index(graph)
+        self._index = graph.blob_params
         self._orders = compiler.storage_orders(graph)  # conv kernels live as HWIO inside
         self._inverse = [compiler.inverse(order) for order in self._orders]
         self._variables = [tf.Variable(self._store(i, array), name=f"param{i}")
