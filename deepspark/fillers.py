@@ -32,7 +32,6 @@ def _no_sparse(filler):
 def fill(filler, shape, rng):
     """A float32 array of `shape` filled as Caffe's filler.hpp does."""
     shape = tuple(shape)
-    count = math.prod(shape)
     kind = filler.type or "constant"
     if kind == "constant":
         _no_sparse(filler)

@@ -1,6 +1,5 @@
 """The data pipeline: Datum codecs, LMDB shards, Caffe's transform_param, batches, converters."""
 
-import gzip
 import os
 
 import numpy as np
@@ -9,7 +8,7 @@ from google.protobuf import text_format
 
 from deepspark.config import ConfigError
 from deepspark.data import DataFeeder, source_shape
-from deepspark.data import convert, lmdb_io
+from deepspark.data import lmdb_io
 from deepspark.data.datum import (DataError, array_to_blobproto, blobproto_to_array, decode_datum,
                                   decode_datums, encode_datum, load_mean, save_mean)
 from deepspark.data.transform import Transformer

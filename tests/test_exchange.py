@@ -1,7 +1,6 @@
 """ParameterExchanger over real loopback sockets: arithmetic, EASGD convergence, overlap, rejoin, and every bad input."""
 
 import logging
-import math
 import socket
 import threading
 import time

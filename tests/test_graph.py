@@ -90,8 +90,8 @@ def test_inner_product_axis_and_transpose():
 def test_concat_slice_flatten_reshape():
     text = (input_layer((2, 3, 4, 5), "a") + input_layer((2, 6, 4, 5), "b")
             + layer("cat", "Concat", ["a", "b"])
-            + f'layer {{ name: "sl" type: "Slice" bottom: "cat" top: "s1" top: "s2" top: "s3" '
-              f'slice_param {{ axis: 1 slice_point: 2 slice_point: 7 }} }}\n'
+            + 'layer { name: "sl" type: "Slice" bottom: "cat" top: "s1" top: "s2" top: "s3" '
+              'slice_param { axis: 1 slice_point: 2 slice_point: 7 } }\n'
             + layer("flat", "Flatten", "cat", "flatten_param { axis: 2 }")
             + layer("re", "Reshape", "cat", "reshape_param { shape { dim: 0 dim: -1 dim: 10 } }")
             + layer("re2", "Reshape", "cat", "reshape_param { shape { dim: 3 dim: 3 } axis: 1 num_axes: 1 }"))

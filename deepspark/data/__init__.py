@@ -4,7 +4,7 @@ import os
 
 from deepspark.data.datum import DataError, decode_datum, encode_datum, load_mean
 from deepspark.data.feeder import DataFeeder, feeder_for
-from deepspark.data.lmdb_io import count, is_lmdb, peek_shape, shard_range
+from deepspark.data.lmdb_io import count, peek_shape, shard_range
 from deepspark.data.transform import Transformer
 
 __all__ = ["DataError", "DataFeeder", "Transformer", "count", "decode_datum", "encode_datum",

@@ -1,6 +1,5 @@
 """Batches for a Data layer: one shard of an LMDB, looped like Caffe's Data layer, transformed."""
 
-import itertools
 import logging
 import os
 import queue
