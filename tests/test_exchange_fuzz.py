@@ -40,9 +40,14 @@ def test_well_formed_headers_are_checked_against_the_limits(type_, length, flags
     _assert_length_allowed(h, mb)
 
 
+def test_every_message_type_has_a_length_rule():
+    assert set(P.TYPE_NAMES) == set(P.MODEL_TYPES) | set(P._SMALL_LIMITS)
+    assert not set(P.MODEL_TYPES) & set(P._SMALL_LIMITS)
+
+
 def _assert_length_allowed(h, mb):
     # Nothing the parser accepts may make a reader allocate beyond the model or the small-frame cap.
-    if h.type in (P.EXCHANGE, P.DIFF, P.CENTER):
+    if h.type in P.MODEL_TYPES:
         assert mb is not None and h.length == mb
     else:
         assert h.type in P.TYPE_NAMES and h.length <= P.MAX_SMALL_PAYLOAD

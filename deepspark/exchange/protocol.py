@@ -66,7 +66,7 @@ _SMALL_LIMITS = {
     BYE: (0, 0),
 }
 MAX_SMALL_PAYLOAD = max(hi for _, hi in _SMALL_LIMITS.values())
-_MODEL_TYPES = (EXCHANGE, DIFF, CENTER, AVERAGE)
+MODEL_TYPES = (EXCHANGE, DIFF, CENTER, AVERAGE)
 
 Header = namedtuple("Header", "type flags worker_id iteration length value")
 
@@ -109,7 +109,7 @@ def decode_header(buf, model_bytes=None):
         raise ProtocolError("bad magic %r (not a DeepSpark exchange peer)" % bytes(magic))
     if version != VERSION:
         raise ProtocolError("protocol version %d, expected %d" % (version, VERSION))
-    if type_ in _MODEL_TYPES:
+    if type_ in MODEL_TYPES:
         if model_bytes is None:
             raise ProtocolError("%s before the handshake completed" % TYPE_NAMES[type_])
         if length != model_bytes:
