@@ -339,14 +339,23 @@ class Job:
         return True
 
     def test_and_snapshot(self, iteration):
-        """Test and snapshot x̃ once `iteration` reaches the next test_interval / snapshot multiple."""
+        """Test and snapshot x̃ once `iteration` reaches the next test_interval / snapshot multiple.
+
+        Workers run on while the driver watches, so the slowest may already be past
+        the multiple when it is seen; the test and the snapshot carry the multiple's
+        number, as Caffe's do (lenet_iter_5000), and a line says where the workers were.
+        """
         p = self.param
         if p.test_interval and iteration >= self.next_test:
-            self.test(iteration)
+            self.test(self._reached(iteration, p.test_interval), observed=iteration)
             self.next_test = self._next_multiple(iteration, p.test_interval, False)
         if p.snapshot and iteration >= self.next_snapshot:
-            self.snapshot(iteration)
+            self.snapshot(self._reached(iteration, p.snapshot), observed=iteration)
             self.next_snapshot = self._next_multiple(iteration, p.snapshot, False)
+
+    def _reached(self, iteration, interval):
+        """The last multiple of `interval` at or before `iteration` (never before the job's start)."""
+        return max(iteration - iteration % interval, self.start_iter)
 
     @staticmethod
     def _next_multiple(iteration, interval, include_current):
@@ -378,8 +387,13 @@ class Job:
         offsets = np.cumsum([0] + sizes)
         return [flat[a:b].reshape(p.shape) for p, a, b in zip(self.graph.params, offsets, offsets[1:])]
 
-    def test(self, iteration):
+    def _note_observed(self, what, iteration, observed):
+        if observed is not None and observed != iteration:
+            self.log.info(f"{what} x̃ as iteration {iteration}; the slowest worker is at iteration {observed}")
+
+    def test(self, iteration, observed=None):
         self.tested = iteration
+        self._note_observed("Testing", iteration, observed)
         results = self.evaluator.test(iteration, self.graph, self.center_arrays())
         values = {}
         for i, means in enumerate(results):
@@ -391,8 +405,9 @@ class Job:
         self.last_test_values = values
         return values
 
-    def snapshot(self, iteration):
+    def snapshot(self, iteration, observed=None):
         self.snapshotted = iteration
+        self._note_observed("Snapshotting", iteration, observed)
         model_path, state_path = checkpoint.snapshot_paths(self.param.snapshot_prefix, iteration)
         self.log.info(f"Snapshotting to binary proto file {model_path}")
         checkpoint.save_caffemodel(model_path, self.graph, self.center_arrays())
