@@ -10,17 +10,12 @@ import time
 import pytest
 
 from conftest import ROOT, run_cli
+from sparkjobs import final_accuracy, read_until, start_training, training_workers
 from synthetic import make_job
 
 pytestmark = pytest.mark.spark
 
 NOISE = re.compile(r"oneDNN|cuda|rebuild TensorFlow|^E0000|^I0000|^W0000|WARNING: All log|absl")
-
-
-def final_accuracy(log):
-    values = re.findall(r"Test net output #0: accuracy = ([\d.]+)", log)
-    assert values, log[-3000:]
-    return float(values[-1])
 
 
 def workers_done(log):
@@ -99,43 +94,6 @@ def test_workers_that_never_connect_fail_with_the_timeout_message(tmp_path):
     assert time.monotonic() - started < 120
 
 
-def start_training(solver, *flags):
-    return subprocess.Popen([sys.executable, "-m", "deepspark.cli", "train", "--solver", solver, *flags],
-                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
-
-
-def read_until(process, pattern, timeout=300):
-    """Lines of the process's stderr up to and including the first that matches."""
-    lines, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = process.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        if re.search(pattern, line):
-            return lines
-    raise AssertionError(f"never saw {pattern!r}:\n" + "".join(lines[-40:]))
-
-
-def training_workers(driver_pid):
-    """pids of the Python processes running our worker loop under this driver (pyspark.daemon's children)."""
-    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    rows = [line.split(None, 2) for line in out]
-    children = {}
-    for pid, ppid, args in rows:
-        children.setdefault(int(ppid), []).append((int(pid), args))
-    tree, frontier = [], [driver_pid]
-    while frontier:
-        pid = frontier.pop()
-        for child, args in children.get(pid, []):
-            tree.append((child, args))
-            frontier.append(child)
-    daemons = {pid for pid, args in tree if "pyspark.daemon" in args}
-    return [pid for pid, args in tree if "pyspark.daemon" in args and
-            any(pid == child for d in daemons for child, _ in children.get(d, []))]
-
-
 def test_killed_worker_is_retried_rejoins_and_the_job_completes(tmp_path):
     baseline_dir, harmed_dir = tmp_path / "baseline", tmp_path / "harmed"
     baseline_dir.mkdir()
@@ -204,3 +162,19 @@ def test_standalone_cluster_runs_a_task_on_each_worker(tmp_path, standalone_clus
     assert len(places) == 2
     assert {os.path.relpath(p, cluster).split(os.sep)[0] for p in places} == {"work-1", "work-2"}
     assert final_accuracy(log) >= 0.9
+
+
+def test_a_failed_job_is_reported_by_the_workers_own_error_line():
+    from deepspark.spark.driver import _first_line
+
+    report = """An error occurred while calling z:org.apache.spark.api.python.PythonRDD.collectAndServe.
+org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 0.0 failed 4 times
+  File "/work/main/deepspark/spark/baselines.py", line 84, in sync_worker
+    raise worker_module.WorkerError(f"{where}: {error.reason}") from None
+deepspark.spark.worker.WorkerError: worker 1 on vm: worker 0 left during the round of iteration 175
+ SQLSTATE: 38000
+\tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator.handlePythonException(PythonRunner.scala:1097)"""
+    assert _first_line(report) == "worker 1 on vm: worker 0 left during the round of iteration 175"
+    assert _first_line(report.replace("deepspark.spark.worker.WorkerError", "ValueError")) == \
+        "ValueError: worker 1 on vm: worker 0 left during the round of iteration 175"
+    assert _first_line("org.apache.spark.SparkException: Job aborted\nmore") == "SparkException: Job aborted"

@@ -3,11 +3,13 @@
 import argparse
 import os
 import re
+import signal
 
 import numpy as np
 import pytest
 
 from conftest import run_cli
+from sparkjobs import final_accuracy, read_until, start_training, training_workers
 from synthetic import make_job
 
 from deepspark import checkpoint, rules
@@ -16,12 +18,6 @@ from deepspark.log import Log
 from deepspark.solver import apply_overrides
 
 pytestmark = pytest.mark.spark
-
-
-def final_accuracy(log):
-    values = re.findall(r"Test net output #0: accuracy = ([\d.]+)", log)
-    assert values, log[-3000:]
-    return float(values[-1])
 
 
 def worker_lines(log):
@@ -42,6 +38,25 @@ def test_sync_averages_every_iteration_and_every_worker_ends_on_the_center(tmp_p
     assert final_accuracy(log) >= 0.9
     out = set(os.listdir(tmp_path / "out"))
     assert {"tiny_iter_120.caffemodel", "tiny_iter_120.solverstate", "progress.png", "train.log"} <= out
+
+
+def test_sync_survives_a_killed_worker_and_every_worker_rejoins_at_the_last_round(tmp_path):
+    driver = start_training(make_job(tmp_path, max_iter=400, test_interval=0), "--workers", "2", "--algorithm", "sync")
+    try:
+        read_until(driver, r"Iteration [1-9]\d\d, loss")
+        victims = training_workers(driver.pid)
+        assert victims, "no pyspark worker process found"
+        os.kill(victims[0], signal.SIGKILL)
+        _, log = driver.communicate(timeout=600)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert driver.returncode == 0, log[-3000:]
+    # Spark reran the barrier stage; both workers resumed at the same completed round, not at 0
+    (w0, it0, ex0), (w1, it1, ex1) = worker_lines(log)
+    assert (w0, w1) == ("0", "1") and it0 == it1 == ex0 == ex1 and 0 < int(it0) < 400, log[-3000:]
+    assert "Workers hold the center after the last round: yes" in log
+    assert final_accuracy(log) >= 0.9
 
 
 def test_average_runs_rounds_of_period_iterations(tmp_path):

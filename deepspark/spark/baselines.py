@@ -47,8 +47,11 @@ class SyncJob(Job):
 
     def run_tasks(self):
         job = self.job
+        # The shuffle after the barrier stage makes it a ShuffleMapStage, which Spark reruns
+        # whole when a task fails (a barrier ResultStage fails the job instead): every worker
+        # then rejoins at the last completed round.
         return self.shards.barrier().mapPartitionsWithIndex(
-            lambda i, items: [sync_worker(i, worker_module.payload_of(items), job)]).collect()
+            lambda i, items: [sync_worker(i, worker_module.payload_of(items), job)]).repartition(1).collect()
 
     def finish(self):
         digests = {r["digest"] for r in self.results}

@@ -1,6 +1,7 @@
 """The driver side of a training job: Spark session, exchanger, shards, test, snapshots, progress."""
 
 import os
+import re
 import secrets
 import sys
 import threading
@@ -448,9 +449,18 @@ class Job:
         self.spark.stop()
 
 
+_EXCEPTION_LINE = re.compile(r"^\s*([\w.]+(?:Error|Exception)): (.+)$")
+
+
 def _first_line(error):
+    """The one line that says why a Spark job failed: our own error's message if a worker raised one,
+    else the first Python exception, else the first exception named anywhere in Spark's report."""
     text = str(error).strip()
-    for line in text.splitlines():
-        if "WorkerError" in line or "ConfigError" in line or "Error:" in line:
-            return line.strip()
+    found = [m.groups() for m in map(_EXCEPTION_LINE.match, text.splitlines()) if m]
+    ours = [message for name, message in found if name.startswith("deepspark.")]
+    if ours:
+        return ours[0].strip()
+    python = [(name, message) for name, message in found if not name.startswith(("org.", "java.", "py4j.", "scala."))]
+    for name, message in python or found:
+        return f"{name.rsplit('.', 1)[-1]}: {message.strip()}"
     return text.splitlines()[0] if text else type(error).__name__
