@@ -105,7 +105,7 @@ def _easgd_server(n, pipe):
 
 # Where the peers run. On a small machine the scheduler sometimes puts a ping-pong pair
 # on one CPU and sometimes on two, and the figures flip with it (on 2 cores: echo
-# ~2,700 vs ~1,600 LeNet round trips/s). "same" and "apart" pin every peer — echo,
+# ~2,800 LeNet round trips/s on one CPU, ~1,800 on two). "same" and "apart" pin every peer — echo,
 # pickle and exchange alike — so that each regime can be measured on purpose; "both"
 # (the default) measures "apart" first — worker and server on different CPUs, like a
 # driver and an executor on different machines, the regime the 0.8× echo target means —
