@@ -144,6 +144,25 @@ class Trainer:
         self.losses.append(loss)
         return loss
 
+    def get_state(self):
+        """Everything a fresh Trainer of the same job and shard needs to go on exactly where this one is:
+        {name: array} (the solver's history, each feeder's epoch order) and JSON-able metadata."""
+        arrays = {f"history{i}": h for i, h in enumerate(self.model.get_history())}
+        feeders = []
+        for i, feeder in enumerate(self.feeders):
+            meta, order = feeder.get_state()
+            if order is not None:
+                arrays[f"order{i}"] = order
+            feeders.append(meta)
+        return arrays, {"iter": self.model.iter, "current_step": self.model.current_step, "feeders": feeders}
+
+    def set_state(self, arrays, meta):
+        history = [arrays[f"history{i}"] for i in range(len(self.model.history_shapes))]
+        self.model.set_history(history)
+        self.model.iter, self.model.current_step = int(meta["iter"]), int(meta["current_step"])
+        for i, (feeder, feeder_meta) in enumerate(zip(self.feeders, meta["feeders"], strict=True)):
+            feeder.set_state(feeder_meta, arrays.get(f"order{i}"))
+
     @property
     def smoothed_loss(self):
         return float(np.mean(self.losses)) if self.losses else float("nan")

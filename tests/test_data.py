@@ -1,5 +1,6 @@
 """The data pipeline: Datum codecs, LMDB shards, Caffe's transform_param, batches, converters."""
 
+import json
 import os
 
 import numpy as np
@@ -385,3 +386,25 @@ def test_write_lmdb_is_atomic_and_grows_its_map(tmp_path):
     assert not os.path.exists(tmp_path / "int_lmdb") and leftovers(tmp_path) == []
     assert lmdb_io.write_lmdb(out, big[:2], overwrite=True) == 2
     assert lmdb_io.count(out) == 2 and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("memory_limit", [None, 0])  # in memory, and streamed from the LMDB
+def test_a_feeder_state_lets_another_feeder_go_on_with_the_same_batches(tmp_path, memory_limit):
+    rng = np.random.default_rng(0)
+    source = make_lmdb(tmp_path / "db", rng.integers(0, 255, size=(23, 1, 6, 6), dtype=np.uint8))
+    layer = data_layer(source, batch=5, transform_text="mirror: true crop_size: 4")
+    limits = {} if memory_limit is None else {"memory_limit": memory_limit}
+    first = DataFeeder(layer, "TRAIN", seed=7, shuffle=True, **limits)
+    for _ in range(6):  # into the second epoch: a permutation and both RNGs have moved
+        first.next_batch()
+    meta, order = first.get_state()
+    other = DataFeeder(layer, "TRAIN", seed=99, shuffle=True, **limits)
+    untouched = DataFeeder(layer, "TRAIN", seed=99, shuffle=True, **limits)
+    other.set_state(json.loads(json.dumps(meta)), order)  # the state travels as JSON + arrays
+    for _ in range(8):
+        a, b, c = first.next_batch(), other.next_batch(), untouched.next_batch()
+        np.testing.assert_array_equal(a["data"], b["data"])
+        np.testing.assert_array_equal(a["label"], b["label"])
+    assert not np.array_equal(a["data"], c["data"])  # without the state, other batches
+    with pytest.raises(ValueError, match="shard of 23 records, not 12"):
+        DataFeeder(layer, "TRAIN", shard=1, num_shards=2).set_state(meta, order)

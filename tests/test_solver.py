@@ -86,3 +86,34 @@ def test_time_runs_on_a_deploy_net_without_data():
     status, _, err = run_cli("time", "--model", "models/cifar10_quick", "--iterations", "2")
     assert status == 0, err
     assert "conv3\tforward:" in err and "*** Benchmark ends ***" in err
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
+def test_a_trainer_state_lets_a_fresh_trainer_go_on_exactly(tmp_path, backend):
+    """What the average job hands from one Python worker to another: history, iter, data position."""
+    import numpy as np
+
+    from deepspark.config import load_solver
+    from deepspark.solver import Trainer
+
+    solver = load_solver(make_job(tmp_path, max_iter=40, test_interval=0))
+    trainers = [Trainer(solver, backend, evaluate=False, shard=0, num_shards=2) for _ in range(3)]
+    first, other, untouched = trainers
+    try:
+        for _ in range(13):  # 130 records over a shard of 100: into the second epoch
+            first.step()
+        arrays, meta = first.get_state()
+        assert meta["iter"] == 13 and any(np.any(h) for h in arrays.values())
+        for trainer in (other, untouched):
+            trainer.model.set_flat(first.model.get_flat())
+        other.set_state(arrays, meta)
+        for _ in range(5):
+            assert first.step() == other.step()
+        np.testing.assert_array_equal(first.model.get_flat(), other.model.get_flat())
+        assert other.iter == 18
+        for _ in range(5):
+            untouched.step()
+        assert not np.array_equal(first.model.get_flat(), untouched.model.get_flat())  # the state mattered
+    finally:
+        for trainer in trainers:
+            trainer.close()

@@ -233,6 +233,27 @@ class DataFeeder:
             if isinstance(item, BaseException):
                 return
 
+    def get_state(self):
+        """Where the feeder is: (position, epoch, RNG states) as JSON-able values and this epoch's order.
+
+        With `set_state` another feeder of the same shard goes on with the same batches
+        (no prefetch: a queue of assembled batches would be ahead of the position).
+        """
+        if self._prefetch > 0:
+            raise ValueError(f"{self.name}: a prefetching feeder has no single position")
+        meta = {"position": self._position, "epoch": self.epoch, "size": self.size,
+                "order_rng": self.order_rng.bit_generator.state,
+                "transform_rng": self.transformer.rng.bit_generator.state}
+        return meta, self._order
+
+    def set_state(self, meta, order):
+        if meta["size"] != self.size or (order is not None and len(order) != self.size):
+            raise ValueError(f"{self.name}: the state is of a shard of {meta['size']} records, not {self.size}")
+        self._position, self.epoch = int(meta["position"]), int(meta["epoch"])
+        self.order_rng.bit_generator.state = meta["order_rng"]
+        self.transformer.rng.bit_generator.state = meta["transform_rng"]
+        self._order = None if order is None else np.asarray(order, dtype=np.int64)
+
     def __iter__(self):
         return self
 

@@ -4,6 +4,7 @@ sync averages every worker's parameters each iteration; average runs
 period τ local iterations per partition, then averages through Spark.
 """
 
+import json
 import math
 import os
 import shutil
@@ -164,7 +165,12 @@ class AverageJob(Job):
                 for r in returned:
                     w = workers.setdefault(r["worker"], {"worker": r["worker"], "iterations": 0, "exchanges": 0,
                                                          "train_seconds": 0.0, "blocked_seconds": 0.0,
-                                                         "spill_seconds": 0.0, "builds": 0})
+                                                         "spill_seconds": 0.0, "handovers": 0,
+                                                         "restarts": 0})
+                    if r["handed_over"]:
+                        w["handovers"] += 1
+                    elif r["handed_over"] is not None and w["exchanges"]:
+                        w["restarts"] += 1
                     w.update({k: r[k] for k in ("host", "pid", "cwd", "loss")})
                     w["final_iteration"] = r["iteration"]
                     w["iterations"] += steps
@@ -172,15 +178,19 @@ class AverageJob(Job):
                     w["train_seconds"] += wall
                     w["blocked_seconds"] += max(wall - r["seconds"], 0.0)
                     if r["records"] is not None:
-                        w["records"], w["builds"] = r["records"], w["builds"] + 1
+                        w["records"] = r["records"]
                         w["spill_seconds"] += r["spill_seconds"]
                 self.display(iteration, float(np.mean([r["loss"] for r in returned])))
         finally:
             self._release(shards)
-        rebuilt = {w: s["builds"] - 1 for w, s in workers.items() if s["builds"] > 1}
-        if rebuilt:
-            log.info(f"Trainers rebuilt when Spark moved a partition to another Python worker: {rebuilt} "
-                     "(each rebuild restarts that worker's momentum history and data order)")
+        moved = {w: s["handovers"] for w, s in workers.items() if s["handovers"]}
+        if moved:
+            log.info(f"Rounds that went on from a state another Python worker left (PySpark moved the partition): "
+                     f"{moved}; momentum and data position carried over through the executor's local folder")
+        restarted = {w: s["restarts"] for w, s in workers.items() if s["restarts"]}
+        if restarted:
+            log.warning(f"Rounds that found no state of their worker's last round (moved to another executor): "
+                        f"{restarted}; each restarted that worker's momentum history and data order")
         self.results = list(workers.values()) or [{"worker": 0, "final_iteration": iteration, "iterations": 0,
                                                    "exchanges": 0, "records": 0, "spill_seconds": 0.0,
                                                    "train_seconds": 0.0, "blocked_seconds": 0.0,
@@ -219,14 +229,49 @@ def average_round(worker, items, job, center, iteration, steps):
     built = time.monotonic() - built
     trainer = _TRAINERS[key][0]
     model = trainer.model
+    handed = None
+    if model.iter != iteration:
+        # Another Python worker of this executor ran this worker's last round (PySpark does not
+        # keep a partition on one process): go on from the state it left, not from our stale one.
+        handed = take_over(trainer, job["id"], worker, iteration)
     model.set_flat(np.asarray(center, dtype=np.float32))
     model.iter = iteration
     started, loss = time.monotonic(), math.nan
     for _ in range(steps):
         loss = trainer.step()
+    hand_over(trainer, job["id"], worker)
     return {"worker": worker, **worker_module.place(), "params": model.get_flat(), "iteration": model.iter, "loss": loss,
             "seconds": time.monotonic() - started, "build_seconds": built, "records": records,
-            "spill_seconds": spill_seconds}
+            "spill_seconds": spill_seconds, "handed_over": handed}
+
+
+def _handoff_path(job_id, worker):
+    return os.path.join(worker_module.local_dir(), f"deepspark-{job_id}", f"worker{worker}.state.npz")
+
+
+def hand_over(trainer, job_id, worker):
+    """Leave this worker's solver history and data position in the executor's local folder (no pickle)."""
+    arrays, meta = trainer.get_state()
+    path = _handoff_path(job_id, worker)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as stream:
+        np.savez(stream, meta=np.array(json.dumps(meta)), **arrays)
+    os.replace(tmp, path)
+
+
+def take_over(trainer, job_id, worker, iteration):
+    """Load the state the last round of `worker` left on this executor if it ended at `iteration`:
+    True when taken over, False when there is none (another executor ran it; momentum restarts)."""
+    try:
+        with np.load(_handoff_path(job_id, worker), allow_pickle=False) as saved:
+            meta = json.loads(str(saved["meta"]))
+            if meta["iter"] != iteration:
+                return False
+            trainer.set_state({name: saved[name] for name in saved.files if name != "meta"}, meta)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def release(job_id):
