@@ -481,6 +481,9 @@ def test_rejoining_worker_is_told_its_last_iteration_and_new_ones_the_resume_poi
         other = ExchangeClient(server.address, "s3cret", 1)
         other.connect(8)
         assert other.resume_iteration == 300
+        stats = server.stats()  # what the driver reports a rejoin with
+        assert (stats[0]["connections"], stats[0]["joined_at"]) == (2, 420)
+        assert (stats[1]["connections"], stats[1]["joined_at"]) == (1, 300)
         again.close()
         other.close()
 

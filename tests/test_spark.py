@@ -98,11 +98,12 @@ def test_killed_worker_is_retried_rejoins_and_the_job_completes(tmp_path):
     baseline_dir, harmed_dir = tmp_path / "baseline", tmp_path / "harmed"
     baseline_dir.mkdir()
     harmed_dir.mkdir()
-    status, _, baseline = run_cli("train", "--solver", make_job(baseline_dir, max_iter=400, test_interval=0),
+    status, _, baseline = run_cli("train", "--solver", make_job(baseline_dir, max_iter=1500, test_interval=0),
                                   "--workers", "2")
     assert status == 0, baseline[-3000:]
 
-    driver = start_training(make_job(harmed_dir, max_iter=400, test_interval=0), "--workers", "2")
+    # long enough (~10 s) that the kill lands well before the workers finish
+    driver = start_training(make_job(harmed_dir, max_iter=1500, test_interval=0), "--workers", "2")
     try:
         read_until(driver, r"Iteration [1-9]\d\d, loss")
         victims = training_workers(driver.pid)
@@ -115,6 +116,8 @@ def test_killed_worker_is_retried_rejoins_and_the_job_completes(tmp_path):
     log = rest
     assert driver.returncode == 0, log[-3000:]
     assert "Optimization Done." in log and workers_done(log) == [0, 1]
+    assert re.search(r"Worker [01] rejoined the exchanger \(connection 2\); it goes on from the center at "
+                     r"iteration [1-9]\d*", log), log[-3000:]  # the kill landed and Spark retried the task
     assert abs(final_accuracy(log) - final_accuracy(baseline)) <= 0.01
 
 

@@ -41,7 +41,8 @@ def test_sync_averages_every_iteration_and_every_worker_ends_on_the_center(tmp_p
 
 
 def test_sync_survives_a_killed_worker_and_every_worker_rejoins_at_the_last_round(tmp_path):
-    driver = start_training(make_job(tmp_path, max_iter=400, test_interval=0), "--workers", "2", "--algorithm", "sync")
+    # long enough (~10 s) that the kill lands well before the workers finish
+    driver = start_training(make_job(tmp_path, max_iter=1500, test_interval=0), "--workers", "2", "--algorithm", "sync")
     try:
         read_until(driver, r"Iteration [1-9]\d\d, loss")
         victims = training_workers(driver.pid)
@@ -54,7 +55,10 @@ def test_sync_survives_a_killed_worker_and_every_worker_rejoins_at_the_last_roun
     assert driver.returncode == 0, log[-3000:]
     # Spark reran the barrier stage; both workers resumed at the same completed round, not at 0
     (w0, it0, ex0), (w1, it1, ex1) = worker_lines(log)
-    assert (w0, w1) == ("0", "1") and it0 == it1 == ex0 == ex1 and 0 < int(it0) < 400, log[-3000:]
+    assert (w0, w1) == ("0", "1") and it0 == it1 == ex0 == ex1 and 0 < int(it0) < 1500, log[-3000:]
+    rejoined = re.findall(r"Worker ([01]) rejoined the exchanger \(connection 2\); it goes on from the center at "
+                          r"iteration (\d+)", log)
+    assert sorted(rejoined) == [("0", str(1500 - int(it0))), ("1", str(1500 - int(it0)))], log[-3000:]
     assert "Workers hold the center after the last round: yes" in log
     assert final_accuracy(log) >= 0.9
 

@@ -163,8 +163,9 @@ class ExchangeServer:
         return out
 
     def stats(self):
-        """Per worker_id, a plain dict: exchanges, iteration, loss, seconds_since_exchange,
-        seconds_since_contact, connected, connections, refused_nonfinite, peer."""
+        """Per worker_id, a plain dict: exchanges, iteration, joined_at (the iteration its last
+        connection started at), loss, seconds_since_exchange, seconds_since_contact, connected,
+        connections, refused_nonfinite, peer."""
         now = time.monotonic()
         with self._books:
             out = {}
@@ -307,6 +308,7 @@ class ExchangeServer:
             self._workers[wid] = {
                 "exchanges": prev["exchanges"] if prev else 0,
                 "iteration": iteration,
+                "joined_at": iteration,
                 "loss": prev["loss"] if prev else math.nan,
                 "last_contact": time.monotonic(),
                 "last_exchange": prev["last_exchange"] if prev else None,

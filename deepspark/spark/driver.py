@@ -296,10 +296,12 @@ class Job:
         progress = Progress(log, self.workers, p.max_iter)
         self.start_cadence()
         connect_deadline = time.monotonic() + self.ds.connect_timeout
+        connections = {}
         while thread.is_alive():
             thread.join(0.5)
             stats = self.server.stats()
             progress.draw(stats)
+            self.report_rejoins(stats, connections)
             if len(stats) < self.workers and time.monotonic() > connect_deadline:
                 self.sc.cancelAllJobs()
                 thread.join(30)
@@ -318,6 +320,15 @@ class Job:
         if self.failure is not None:
             raise JobError(f"the Spark job failed: {_first_line(self.failure)}; {executor_report(self.sc)}")
         self.finish()
+
+    def report_rejoins(self, stats, connections):
+        """A line for each worker that connected again (Spark retried its task, or reran the stage)."""
+        for wid, s in sorted(stats.items()):
+            count = s.get("connections", 1)
+            if count > connections.get(wid, 1):
+                self.log.warning(f"Worker {wid} rejoined the exchanger (connection {count}); it goes on from "
+                                 f"the center at iteration {s.get('joined_at', 0)}")
+            connections[wid] = count
 
     def start_cadence(self):
         """The next iterations at which to test, snapshot and display, from the job's start."""
