@@ -55,7 +55,7 @@ def main():
     for record in records:
         record["paper_fraction_below"] = PAPER
         record["ratio_to_paper"] = round(record["fraction"] / PAPER, 3)
-        line = json.dumps(record)
+        line = json.dumps({"bench": "spill", **record})
         print(line, flush=True)
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "a") as f:
