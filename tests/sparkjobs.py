@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -50,3 +51,19 @@ def training_workers(driver_pid):
     daemons = {pid for pid, args in tree if "pyspark.daemon" in args}
     return [pid for pid, args in tree if "pyspark.daemon" in args and
             any(pid == child for d in daemons for child, _ in children.get(d, []))]
+
+
+def train_and_kill_a_worker(solver, *flags):
+    """Train, SIGKILL one worker's Python process once the log passes iteration 100, let the job go on;
+    (exit status, log)."""
+    driver = start_training(solver, *flags)
+    try:
+        read_until(driver, r"Iteration [1-9]\d\d, loss")
+        victims = training_workers(driver.pid)
+        assert victims, "no pyspark worker process found"
+        os.kill(victims[0], signal.SIGKILL)
+        _, log = driver.communicate(timeout=600)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    return driver.returncode, log

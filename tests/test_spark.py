@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import ROOT, run_cli
-from sparkjobs import final_accuracy, read_until, start_training, training_workers
+from sparkjobs import final_accuracy, read_until, start_training, train_and_kill_a_worker
 from synthetic import make_job
 
 pytestmark = pytest.mark.spark
@@ -103,18 +103,8 @@ def test_killed_worker_is_retried_rejoins_and_the_job_completes(tmp_path):
     assert status == 0, baseline[-3000:]
 
     # long enough (~10 s) that the kill lands well before the workers finish
-    driver = start_training(make_job(harmed_dir, max_iter=1500, test_interval=0), "--workers", "2")
-    try:
-        read_until(driver, r"Iteration [1-9]\d\d, loss")
-        victims = training_workers(driver.pid)
-        assert victims, "no pyspark worker process found"
-        os.kill(victims[0], signal.SIGKILL)
-        _, rest = driver.communicate(timeout=600)
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-    log = rest
-    assert driver.returncode == 0, log[-3000:]
+    status, log = train_and_kill_a_worker(make_job(harmed_dir, max_iter=1500, test_interval=0), "--workers", "2")
+    assert status == 0, log[-3000:]
     assert "Optimization Done." in log and workers_done(log) == [0, 1]
     assert re.search(r"Worker [01] rejoined the exchanger \(connection 2\); it goes on from the center at "
                      r"iteration [1-9]\d*", log), log[-3000:]  # the kill landed and Spark retried the task

@@ -3,13 +3,12 @@
 import argparse
 import os
 import re
-import signal
 
 import numpy as np
 import pytest
 
 from conftest import run_cli
-from sparkjobs import final_accuracy, read_until, start_training, training_workers
+from sparkjobs import final_accuracy, train_and_kill_a_worker
 from synthetic import make_job
 
 from deepspark import checkpoint, rules
@@ -42,17 +41,9 @@ def test_sync_averages_every_iteration_and_every_worker_ends_on_the_center(tmp_p
 
 def test_sync_survives_a_killed_worker_and_every_worker_rejoins_at_the_last_round(tmp_path):
     # long enough (~10 s) that the kill lands well before the workers finish
-    driver = start_training(make_job(tmp_path, max_iter=1500, test_interval=0), "--workers", "2", "--algorithm", "sync")
-    try:
-        read_until(driver, r"Iteration [1-9]\d\d, loss")
-        victims = training_workers(driver.pid)
-        assert victims, "no pyspark worker process found"
-        os.kill(victims[0], signal.SIGKILL)
-        _, log = driver.communicate(timeout=600)
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-    assert driver.returncode == 0, log[-3000:]
+    status, log = train_and_kill_a_worker(make_job(tmp_path, max_iter=1500, test_interval=0), "--workers", "2",
+                                          "--algorithm", "sync")
+    assert status == 0, log[-3000:]
     # Spark reran the barrier stage; both workers resumed at the same completed round, not at 0
     (w0, it0, ex0), (w1, it1, ex1) = worker_lines(log)
     assert (w0, w1) == ("0", "1") and it0 == it1 == ex0 == ex1 and 0 < int(it0) < 1500, log[-3000:]

@@ -472,6 +472,7 @@ def _first_line(error):
     if ours:
         return ours[0].strip()
     python = [(name, message) for name, message in found if not name.startswith(("org.", "java.", "py4j.", "scala."))]
-    for name, message in python or found:
+    if python or found:
+        name, message = (python or found)[0]
         return f"{name.rsplit('.', 1)[-1]}: {message.strip()}"
     return text.splitlines()[0] if text else type(error).__name__
