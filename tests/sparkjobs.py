@@ -36,12 +36,14 @@ def read_until(process, pattern, timeout=300):
 
 
 def training_workers(driver_pid):
-    """pids of the Python processes running our worker loop under this driver (pyspark.daemon's children)."""
-    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    rows = [line.split(None, 2) for line in out]
-    children = {}
-    for pid, ppid, args in rows:
+    """pids of the Python worker processes under this driver (pyspark.daemon's children), the largest
+    first: a training worker holds a backend (hundreds of MB), an idle Python worker a few dozen."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,rss,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    rows = [line.split(None, 3) for line in out]
+    children, rss = {}, {}
+    for pid, ppid, size, args in rows:
         children.setdefault(int(ppid), []).append((int(pid), args))
+        rss[int(pid)] = int(size)
     tree, frontier = [], [driver_pid]
     while frontier:
         pid = frontier.pop()
@@ -49,8 +51,9 @@ def training_workers(driver_pid):
             tree.append((child, args))
             frontier.append(child)
     daemons = {pid for pid, args in tree if "pyspark.daemon" in args}
-    return [pid for pid, args in tree if "pyspark.daemon" in args and
-            any(pid == child for d in daemons for child, _ in children.get(d, []))]
+    workers = [pid for pid, args in tree if "pyspark.daemon" in args and
+               any(pid == child for d in daemons for child, _ in children.get(d, []))]
+    return sorted(workers, key=lambda pid: -rss[pid])
 
 
 def train_and_kill_a_worker(solver, *flags):
