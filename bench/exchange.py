@@ -427,7 +427,7 @@ def main(argv=None):
     ap.add_argument("--workers", default="1,2,4,8")
     ap.add_argument("--steps", type=int, default=200, help="training steps in the overlap figure")
     ap.add_argument("--only", default="roundtrip,throughput,overlap")
-    ap.add_argument("--out", default="runs/bench/exchange.jsonl", help="JSON lines are also appended here")
+    ap.add_argument("--out", default="bench/results/exchange.jsonl", help="JSON lines are also appended here")
     ap.add_argument("--cpus", choices=("both", "apart", "same", "free"), default="both",
                     help="round trips: worker and servers pinned to two different CPUs (apart: like "
                          "machines apart, the regime of the 0.8x echo target), or to one shared CPU "

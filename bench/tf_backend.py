@@ -9,6 +9,7 @@ interleaved so machine noise hits both alike. Prints one JSON line per figure.
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import time
@@ -111,7 +112,16 @@ def main():
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--jit", action="store_true", help="compile our step with XLA")
+    parser.add_argument("--out", default="bench/results/tf_backend.jsonl", help="JSON lines are also appended here")
     args = parser.parse_args()
+
+    def emit(record):
+        line = json.dumps(record)
+        print(line, flush=True)
+        if args.out:
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
 
     contenders = {"deepspark_tf": (ours(args.jit), batches(16, "nchw")),
                   "keras": (KerasLeNet().step, batches(16, "nhwc"))}
@@ -124,17 +134,16 @@ def main():
             step, data = contenders[name]
             rates[name].append(timed(step, data, args.steps))
     for name, r in rates.items():
-        print(json.dumps({"bench": "tf_backend_lenet_step", "impl": name, "batch": BATCH,
-                          "images_per_s": round(statistics.median(r), 1), "best": round(max(r), 1),
-                          "jit_compile": args.jit if name == "deepspark_tf" else False}))
+        emit({"bench": "tf_backend_lenet_step", "impl": name, "batch": BATCH,
+              "images_per_s": round(statistics.median(r), 1), "best": round(max(r), 1),
+              "jit_compile": args.jit if name == "deepspark_tf" else False})
     # Rounds alternate, so each pair saw about the same machine load: the median
     # of the per-round ratios is the figure least moved by other processes.
     ratios = [ours / theirs for ours, theirs in zip(rates["deepspark_tf"], rates["keras"])]
-    print(json.dumps({"bench": "tf_backend_lenet_step", "ratio_vs_keras": round(statistics.median(ratios), 3),
-                      "ratio_of_best": round(max(rates["deepspark_tf"]) / max(rates["keras"]), 3),
-                      "target": 0.95}))
+    emit({"bench": "tf_backend_lenet_step", "ratio_vs_keras": round(statistics.median(ratios), 3),
+          "ratio_of_best": round(max(rates["deepspark_tf"]) / max(rates["keras"]), 3), "target": 0.95})
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"bench": "tf_backend_lenet_step", "peak_rss_mb": round(peak_kb / 1024, 1)}))
+    emit({"bench": "tf_backend_lenet_step", "peak_rss_mb": round(peak_kb / 1024, 1)})
 
 
 if __name__ == "__main__":
