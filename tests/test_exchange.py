@@ -187,6 +187,7 @@ def test_stats_per_worker(server, good):
     wait_for(lambda: server.stats()[1]["iteration"] == 41)
     s = server.stats()[1]
     assert s["exchanges"] == 1 and s["loss"] == 1.25 and s["connected"]
+    assert 0 < s["latency"] < 10  # header in to reply out, seconds
     assert 0 <= s["seconds_since_contact"] <= s["seconds_since_exchange"]
     good.close()
     wait_for(lambda: not server.stats()[1]["connected"])

@@ -38,10 +38,21 @@ def test_local_two_workers_tensorflow(tmp_path):
     out = sorted(os.listdir(tmp_path / "out"))
     assert {"tiny_iter_120.caffemodel", "tiny_iter_120.solverstate", "progress.png", "train.log",
             "tensorboard"} <= set(out)
+    tags = tensorboard_tags(tmp_path / "out" / "tensorboard")
+    assert {"train/loss", "train/learning_rate", "test0/accuracy", "exchange/latency_ms"} <= tags, tags
     # the center snapshot is a real .caffemodel that `test` scores like the final test did
     status, _, err = run_cli("test", "--model", str(tmp_path / "net.prototxt"), "--weights",
                              str(tmp_path / "out" / "tiny_iter_120.caffemodel"), "--iterations", "10")
     assert status == 0 and float(re.search(r"accuracy = ([\d.]+)", err).group(1)) == final_accuracy(log)
+
+
+def tensorboard_tags(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    tags = events.Tags()
+    return set(tags.get("scalars", [])) | set(tags.get("tensors", []))
 
 
 @pytest.mark.caffe

@@ -164,8 +164,9 @@ class ExchangeServer:
 
     def stats(self):
         """Per worker_id, a plain dict: exchanges, iteration, joined_at (the iteration its last
-        connection started at), loss, seconds_since_exchange, seconds_since_contact, connected,
-        connections, refused_nonfinite, peer."""
+        connection started at), loss, latency (seconds from its last EXCHANGE header to the last
+        byte of the reply handed to the kernel: receiving x, the rule, sending d), seconds_since_exchange,
+        seconds_since_contact, connected, connections, refused_nonfinite, peer."""
         now = time.monotonic()
         with self._books:
             out = {}
@@ -309,6 +310,7 @@ class ExchangeServer:
                 "exchanges": prev["exchanges"] if prev else 0,
                 "iteration": iteration,
                 "joined_at": iteration,
+                "latency": prev["latency"] if prev else None,
                 "loss": prev["loss"] if prev else math.nan,
                 "last_contact": time.monotonic(),
                 "last_exchange": prev["last_exchange"] if prev else None,
@@ -427,6 +429,7 @@ class ExchangeServer:
                 self._round_cond.notify_all()
 
     def _exchange(self, sock, wid, h, buf, view, step, chunk, ok, scratch, out_header):
+        started = time.monotonic()  # the header has just arrived
         center = self._center
         n = center.size
         nbytes = 4 * n
@@ -492,6 +495,8 @@ class ExchangeServer:
                         send_frame(sock, out_header, view[:4 * end])
                     else:
                         sock.sendall(view[4 * start:4 * end])
+            with self._books:
+                self._workers[wid]["latency"] = time.monotonic() - started
         finally:
             if lock is not None:
                 lock.release()

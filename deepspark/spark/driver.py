@@ -157,8 +157,11 @@ class Progress:
                 rows.append(f"w{worker}: waiting")
                 continue
             loss = s.get("loss", float("nan"))
+            since = s.get("seconds_since_exchange")
+            latency = s.get("latency")
             rows.append(f"w{worker}: it {s.get('iteration', 0)}/{self.max_iter} loss {loss:.4f} "
-                        f"ex {s.get('exchanges', 0)} last {s.get('seconds_since_contact', 0):.1f}s")
+                        f"ex {s.get('exchanges', 0)}"
+                        + (f" ({1e3 * latency:.1f} ms, {since:.1f}s ago)" if since is not None and latency else ""))
         self.log.progress(" | ".join(rows))
 
 
@@ -313,6 +316,9 @@ class Job:
             if self.display(iteration, self._loss(stats)):
                 self.scalars.add("exchange/seconds_since_exchange",
                                  max(s.get("seconds_since_exchange") or 0 for s in stats.values()), iteration)
+                latencies = [s["latency"] for s in stats.values() if s.get("latency") is not None]
+                if latencies:
+                    self.scalars.add("exchange/latency_ms", 1e3 * float(np.mean(latencies)), iteration)
                 self.scalars.add("exchange/exchanges", sum(s.get("exchanges", 0) for s in stats.values()),
                                  iteration)
             self.test_and_snapshot(iteration)
