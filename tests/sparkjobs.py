@@ -35,35 +35,38 @@ def read_until(process, pattern, timeout=300):
     raise AssertionError(f"never saw {pattern!r}:\n" + "".join(lines[-40:]))
 
 
-def training_workers(driver_pid):
-    """pids of the Python worker processes under this driver (pyspark.daemon's children), the largest
-    first: a training worker holds a backend (hundreds of MB), an idle Python worker a few dozen."""
-    out = subprocess.run(["ps", "-eo", "pid,ppid,rss,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    rows = [line.split(None, 3) for line in out]
-    children, rss = {}, {}
-    for pid, ppid, size, args in rows:
-        children.setdefault(int(ppid), []).append((int(pid), args))
-        rss[int(pid)] = int(size)
-    tree, frontier = [], [driver_pid]
-    while frontier:
-        pid = frontier.pop()
-        for child, args in children.get(pid, []):
-            tree.append((child, args))
-            frontier.append(child)
-    daemons = {pid for pid, args in tree if "pyspark.daemon" in args}
-    workers = [pid for pid, args in tree if "pyspark.daemon" in args and
-               any(pid == child for d in daemons for child, _ in children.get(d, []))]
-    return sorted(workers, key=lambda pid: -rss[pid])
+def exchanger_clients(port):
+    """pids of the processes with an established TCP connection to the exchanger on `port`: the training
+    workers, found through /proc (the socket inodes of /proc/net/tcp*, then each process's fds)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:  # gone, or not ours to read
+            continue
+        if links & inodes:
+            pids.append(int(pid))
+    return sorted(pids)
 
 
 def train_and_kill_a_worker(solver, *flags):
-    """Train, SIGKILL one worker's Python process once the log passes iteration 100, let the job go on;
-    (exit status, log)."""
+    """Train, SIGKILL one worker's Python process (one connected to the exchanger) once the log passes
+    iteration 100, let the job go on; (exit status, log)."""
     driver = start_training(solver, *flags)
     try:
-        read_until(driver, r"Iteration [1-9]\d\d, loss")
-        victims = training_workers(driver.pid)
-        assert victims, "no pyspark worker process found"
+        lines = read_until(driver, r"Iteration [1-9]\d\d, loss")
+        port = int(re.search(r"Exchanger listening on [\d.]+:(\d+)", "".join(lines)).group(1))
+        victims = exchanger_clients(port)
+        # A worker that started first may have finished already (it said BYE and its process idles):
+        # only a connected one is still training.
+        assert victims, f"no worker is connected to the exchanger on port {port}"
         os.kill(victims[0], signal.SIGKILL)
         _, log = driver.communicate(timeout=600)
     finally:
