@@ -336,6 +336,16 @@ def run(model_path, backends, weights=None, solver_path=None, iterations=10, bat
     net, source = load_net(path)
     net = with_batch_size(net, batch_size)
     net = with_taps(net, Graph(net, pb.TEST, source=source, data_shape=shape_finder(path), batch_size=batch_size))
+    compare_forward_pass(out, result, backends, net, path, batch_size, weights, forward_tolerance)
+    if solver_path:
+        compare_training_run(out, result, backends, solver_path, path, batch_size, weights, iterations,
+                             loss_tolerance)
+    out.write("OK: within tolerance\n" if result["ok"] else "FAILED: differences exceed tolerance\n")
+    return result
+
+
+def compare_forward_pass(out, result, backends, net, path, batch_size, weights, forward_tolerance):
+    """The forward table: every blob of every other backend against the first; fills result["forward"]."""
     models = build(backends, net, None, pb.TEST, None, batch_size, shape_finder(path), weights)
     try:
         batches, kind = batch_source(models[backends[0]], pb.TEST)
@@ -365,49 +375,50 @@ def run(model_path, backends, weights=None, solver_path=None, iterations=10, bat
     finally:
         close_all(models)
 
-    if solver_path:
-        solver = load_solver(solver_path)
-        models = build(backends, solver.train_net, solver.param, pb.TRAIN, solver.train_map, batch_size,
-                       shape_finder(solver.param.net or solver.param.train_net or path), weights)
-        try:
-            first = models[backends[0]]
-            batches, kind = batch_source(first, pb.TRAIN)
-            try:
-                plan = training_plan(first, batches, iterations)
-            finally:
-                batches.close()
-            params, state = first.get_params(), first.get_state()
-            speed, losses = compare_training(models, plan)
-            steps = compare_steps(models, plan, params, state)
-            diffs = loss_differences(losses)
-            out.write(f"\ntraining: {solver_path}, {iterations} iterations ({kind} data, batch "
-                      f"{images(None, models[backends[0]])}; loss tolerance {loss_tolerance:g} absolute)\n")
-            out.write("(diff: free-running absolute loss difference; step: one step from the same weights and "
-                      "history, loss and weights relative difference)\n")
-            table = [("iter",) + tuple(f"{name} loss" for name in backends)
-                     + tuple(h for name in others for h in (f"{name} diff", "step loss", "step weights"))]
-            for i in range(iterations):
-                table.append((i,) + tuple(f"{losses[name][i]:.6f}" for name in backends)
-                             + tuple(cell for name in others for cell in
-                                     (f"{diffs[name][i]:.3g}", f"{steps[name][i][0]:.3g}", f"{steps[name][i][1]:.3g}")))
-            _table(table, out)
-            out.write("images/s: " + ", ".join(f"{name} {speed[name]:.1f}" for name in backends) + "\n")
-            worst_loss = max((float(np.max(d)) if len(d) else 0.0 for d in diffs.values()), default=0.0)
-            if not np.isfinite(worst_loss):
-                worst_loss = float("inf")
-            worst_step = max((max(loss for loss, _ in rows) for rows in steps.values() if rows), default=0.0)
-            out.write(f"worst loss difference: free-running {worst_loss:.3g}, one step from the same state "
-                      f"{worst_step:.3g}\n")
-            result["training"] = {"losses": losses, "images_per_second": speed, "worst_absolute": worst_loss,
-                                  "steps": steps, "worst_step_relative": worst_step}
-            if worst_loss > loss_tolerance:
-                result["ok"] = False
-                out.write(f"LOSS DIFFERS: worst absolute difference {worst_loss:.3g} > {loss_tolerance:g}\n")
-        finally:
-            close_all(models)
-    out.write("OK: within tolerance\n" if result["ok"] else "FAILED: differences exceed tolerance\n")
-    return result
 
+def compare_training_run(out, result, backends, solver_path, path, batch_size, weights, iterations, loss_tolerance):
+    """The training table: each backend's loss at each iteration from the same weights and batches; fills
+    result["training"]."""
+    others = backends[1:]
+    solver = load_solver(solver_path)
+    models = build(backends, solver.train_net, solver.param, pb.TRAIN, solver.train_map, batch_size,
+                   shape_finder(solver.param.net or solver.param.train_net or path), weights)
+    try:
+        first = models[backends[0]]
+        batches, kind = batch_source(first, pb.TRAIN)
+        try:
+            plan = training_plan(first, batches, iterations)
+        finally:
+            batches.close()
+        params, state = first.get_params(), first.get_state()
+        speed, losses = compare_training(models, plan)
+        steps = compare_steps(models, plan, params, state)
+        diffs = loss_differences(losses)
+        out.write(f"\ntraining: {solver_path}, {iterations} iterations ({kind} data, batch "
+                  f"{images(None, models[backends[0]])}; loss tolerance {loss_tolerance:g} absolute)\n")
+        out.write("(diff: free-running absolute loss difference; step: one step from the same weights and "
+                  "history, loss and weights relative difference)\n")
+        table = [("iter",) + tuple(f"{name} loss" for name in backends)
+                 + tuple(h for name in others for h in (f"{name} diff", "step loss", "step weights"))]
+        for i in range(iterations):
+            table.append((i,) + tuple(f"{losses[name][i]:.6f}" for name in backends)
+                         + tuple(cell for name in others for cell in
+                                 (f"{diffs[name][i]:.3g}", f"{steps[name][i][0]:.3g}", f"{steps[name][i][1]:.3g}")))
+        _table(table, out)
+        out.write("images/s: " + ", ".join(f"{name} {speed[name]:.1f}" for name in backends) + "\n")
+        worst_loss = max((float(np.max(d)) if len(d) else 0.0 for d in diffs.values()), default=0.0)
+        if not np.isfinite(worst_loss):
+            worst_loss = float("inf")
+        worst_step = max((max(loss for loss, _ in rows) for rows in steps.values() if rows), default=0.0)
+        out.write(f"worst loss difference: free-running {worst_loss:.3g}, one step from the same state "
+                  f"{worst_step:.3g}\n")
+        result["training"] = {"losses": losses, "images_per_second": speed, "worst_absolute": worst_loss,
+                              "steps": steps, "worst_step_relative": worst_step}
+        if worst_loss > loss_tolerance:
+            result["ok"] = False
+            out.write(f"LOSS DIFFERS: worst absolute difference {worst_loss:.3g} > {loss_tolerance:g}\n")
+    finally:
+        close_all(models)
 
 
 def close_all(models):
