@@ -117,3 +117,19 @@ def test_a_trainer_state_lets_a_fresh_trainer_go_on_exactly(tmp_path, backend):
     finally:
         for trainer in trainers:
             trainer.close()
+
+
+def test_the_trainer_takes_its_built_backend_out_of_the_cyclic_collector(tmp_path):
+    import gc
+
+    from deepspark.config import load_solver
+    from deepspark.solver import Trainer
+
+    trainer = Trainer(load_solver(make_job(tmp_path, max_iter=5, test_interval=0)), evaluate=False)
+    try:
+        before = gc.get_freeze_count()
+        trainer.step()  # built and traced: TensorFlow's objects are frozen, not walked by each collection
+        assert gc.get_freeze_count() > before + 10_000
+    finally:
+        trainer.close()
+    assert gc.get_freeze_count() == 0  # and given back to the collector with the trainer
