@@ -1,18 +1,27 @@
-"""Caffe's .caffemodel and .solverstate files, in and out, written atomically."""
+"""Caffe's binary proto files (.caffemodel, .solverstate, .binaryproto) in and out, written atomically."""
 
 import os
 
 import numpy as np
 
-from deepspark.config import ConfigError
-from deepspark.data.lmdb_io import atomic_write_bytes
+from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
 
 def atomic_write(path, data):
     """Write bytes to a temporary name beside `path`, then rename: never a half-written file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write_bytes(path, data)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def read_message(path, message, what):
@@ -29,10 +38,14 @@ def read_message(path, message, what):
     return message
 
 
-def array_to_blob(array, blob=None):
+def array_to_blob(array, blob=None, legacy_dims=False):
+    """A float32 BlobProto of `array` with its shape; `legacy_dims` also sets a 4-axis blob's
+    num/channels/height/width, as the mean files of Caffe's compute_image_mean carry them."""
     blob = blob if blob is not None else pb.BlobProto()
     array = np.asarray(array, dtype=np.float32)
-    blob.shape.dim.extend(array.shape)
+    blob.shape.dim.extend(int(d) for d in array.shape)
+    if legacy_dims and array.ndim == 4:
+        blob.num, blob.channels, blob.height, blob.width = (int(d) for d in array.shape)
     blob.data.extend(array.ravel().tolist())
     return blob
 
@@ -48,7 +61,7 @@ def blob_to_array(blob):
     values = blob.data if len(blob.data) else blob.double_data
     array = np.asarray(values, dtype=np.float32)
     if array.size != int(np.prod(shape)):
-        raise ValueError(f"blob holds {array.size} values for shape {shape}")
+        raise ValueError(f"blob holds {array.size} values for shape {'x'.join(map(str, shape))}")
     return array.reshape(shape)
 
 
@@ -121,6 +134,14 @@ def weights_for(graph, layer_blobs, initial, path="<weights>"):
 def snapshot_paths(prefix, iteration):
     base = f"{prefix}_iter_{iteration}"
     return base + ".caffemodel", base + ".solverstate"
+
+
+def solver_state(iteration, current_step=0, history=(), learned_net=""):
+    """Caffe's SolverState: the solver's counters, its history blobs and the snapshot it goes with."""
+    state = pb.SolverState(iter=int(iteration), current_step=int(current_step), learned_net=learned_net)
+    for array in history:
+        array_to_blob(array, state.history.add())
+    return state
 
 
 def save_solverstate(path, state):

@@ -4,7 +4,7 @@ import argparse
 import os
 import sys
 
-from deepspark.config import DeepSparkError
+from deepspark.errors import DeepSparkError
 
 
 class UsageError(Exception):
@@ -43,7 +43,7 @@ def net_path(path):
 
         param = load_solver(solver).param
         return param.net or param.train_net
-    from deepspark.config import ConfigError
+    from deepspark.errors import ConfigError
 
     raise ConfigError("no deploy.prototxt, train_val.prototxt or solver.prototxt in this folder", path)
 

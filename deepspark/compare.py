@@ -16,7 +16,8 @@ import numpy as np
 
 from deepspark import checkpoint
 from deepspark.backends import create_model
-from deepspark.config import ConfigError, load_net, load_solver
+from deepspark.config import load_net, load_solver, random_seed
+from deepspark.errors import ConfigError
 from deepspark.data import DataFeeder, source_shape
 from deepspark.graph import Graph
 from deepspark.proto import deepspark_pb2 as pb
@@ -198,7 +199,8 @@ def build(backends, net, solver_param=None, phase=pb.TEST, source=None, batch_si
     seed: the fillers' (default: the solver's random_seed when set, else SEED).
     """
     if seed is None:
-        seed = solver_param.random_seed if solver_param is not None and solver_param.random_seed >= 0 else SEED
+        seed = (random_seed(solver_param) if solver_param is not None else None)
+        seed = SEED if seed is None else seed
     models = {}
     for name in backends:
         models[name] = create_model(name, net, solver_param, phase=phase, source=source, batch_size=batch_size,

@@ -5,49 +5,9 @@ import re
 
 from google.protobuf import text_format
 
+from deepspark import graph, schedule
+from deepspark.errors import ConfigError, SourceMap
 from deepspark.proto import deepspark_pb2 as pb
-
-
-class DeepSparkError(Exception):
-    """An error the `deepspark` command reports as one line (exit status 1)."""
-
-
-class ConfigError(DeepSparkError):
-    """A bad input file: one line, `FILE:LINE:COL: what is wrong`."""
-
-    def __init__(self, message, filename=None, line=None, col=None):
-        self.message = message
-        self.filename = filename
-        self.line = line
-        self.col = col
-        super().__init__(str(self))
-
-    def __str__(self):
-        where = [str(x) for x in (self.filename, self.line, self.col) if x is not None]
-        return ": ".join([":".join(where), self.message]) if where else self.message
-
-
-class SourceMap:
-    """Where each top-level `layer { }` block of a prototxt starts, and its fields.
-
-    Protobuf's text parser reports positions only for syntax errors; the graph's
-    semantic errors (unknown bottom, bad shape) point at the layer through this map.
-    """
-
-    def __init__(self, filename, layers=None):
-        self.filename = filename
-        self.layers = layers or []  # per layer: {"layer": (line, col), field: (line, col)}
-
-    def where(self, layer_index, field=None):
-        """(filename, line, col) of a layer, or of one of its top-level fields."""
-        if layer_index is None or layer_index >= len(self.layers):
-            return self.filename, None, None
-        fields = self.layers[layer_index]
-        line, col = fields.get(field) or fields["layer"]
-        return self.filename, line, col
-
-    def error(self, message, layer_index=None, field=None):
-        return ConfigError(message, *self.where(layer_index, field))
 
 
 _TOKEN = re.compile(
@@ -112,25 +72,21 @@ def _parse_error(error, text, message, filename):
         if isinstance(message, pb.NetParameter) and owner == "LayerParameter":
             unsupported = _unsupported_type_at(text, line)
             if unsupported:
-                from deepspark.graph import supported_types  # the layer table lives in graph
-
                 detail = (f"layer type '{unsupported}' is not supported (its '{field}' is "
-                          f"unknown); supported types: {', '.join(supported_types())}")
+                          f"unknown); supported types: {', '.join(graph.supported_types())}")
     detail = detail.replace("deepspark.", "")
     return ConfigError(detail, filename, line if line > 0 else None, col if col > 0 else None)
 
 
 def _unsupported_type_at(text, line):
     """The `type:` of the layer block that contains `line`, if it is not one we support."""
-    from deepspark.graph import supported_types
-
     offset = sum(len(l) + 1 for l in text.split("\n")[: line - 1])
     blocks = [m.start() for m in re.finditer(r"^\s*layer\s*[{<]", text, re.M)]
     start = max([b for b in blocks if b <= offset], default=None)
     if start is None:
         return None
     kind = re.search(r'\btype\s*:\s*"([^"]*)"', text[start:])
-    if kind and kind.group(1) not in supported_types():
+    if kind and kind.group(1) not in graph.supported_types():
         return kind.group(1)
     return None
 
@@ -246,27 +202,20 @@ def load_solver(path):
     return Solver(param, path, train, train_map, test_nets)
 
 
-SOLVER_TYPES = ("SGD", "Nesterov", "AdaGrad", "RMSProp", "AdaDelta", "Adam")
-LR_POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid")
-
-
-def solver_type(param):
-    """The solver type, honouring the deprecated solver_type enum as Caffe does."""
-    if param.HasField("type") or not param.HasField("solver_type"):
-        return param.type
-    return SOLVER_TYPES[param.solver_type]
+def random_seed(param):
+    """The solver's random_seed, or None when it is negative (Caffe then seeds from the clock)."""
+    return param.random_seed if param.random_seed >= 0 else None
 
 
 def check_solver(param, path):
-    kind = solver_type(param)
-    if kind not in SOLVER_TYPES:
-        raise ConfigError(f"type: unknown solver type '{kind}'; supported: {', '.join(SOLVER_TYPES)}", path)
+    kind = schedule.solver_type(param)
+    if kind not in schedule.SOLVER_TYPES:
+        raise ConfigError(f"type: unknown solver type '{kind}'; supported: {', '.join(schedule.SOLVER_TYPES)}", path)
     policy = param.lr_policy or "fixed"
-    if policy not in LR_POLICIES:
-        raise ConfigError(f"lr_policy: unknown policy '{policy}'; supported: {', '.join(LR_POLICIES)}", path)
-    needs = {"step": ("gamma", "stepsize"), "exp": ("gamma",), "inv": ("gamma", "power"),
-             "multistep": ("gamma", "stepvalue"), "poly": ("power",), "sigmoid": ("gamma", "stepsize")}
-    for field in needs.get(policy, ()):
+    if policy not in schedule.LR_POLICIES:
+        raise ConfigError(f"lr_policy: unknown policy '{policy}'; supported: {', '.join(schedule.LR_POLICIES)}",
+                          path)
+    for field in schedule.LR_POLICIES[policy]:
         present = len(param.stepvalue) if field == "stepvalue" else param.HasField(field)
         if not present:
             raise ConfigError(f"lr_policy '{policy}' needs {field}", path)

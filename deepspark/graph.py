@@ -3,7 +3,7 @@
 import math
 from dataclasses import dataclass, field
 
-from deepspark.config import SourceMap
+from deepspark.errors import SourceMap
 from deepspark.proto import deepspark_pb2 as pb
 
 

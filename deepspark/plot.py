@@ -64,7 +64,7 @@ def plot_history(history, path, title="training"):
 
 
 def cmd_plot(args):
-    from deepspark.config import ConfigError
+    from deepspark.errors import ConfigError
 
     try:
         with open(args.log, encoding="utf-8") as stream:

@@ -10,13 +10,23 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from deepspark.config import solver_type
-
 NUMPY = SimpleNamespace(sqrt=np.sqrt, sign=np.sign, sum=np.sum, where=np.where)
 
-# History blobs per learnable parameter, as Caffe's SolverState stores them:
-# AdaDelta and Adam keep a second set, appended after the first.
-HISTORY_SETS = {"SGD": 1, "Nesterov": 1, "AdaGrad": 1, "RMSProp": 1, "AdaDelta": 2, "Adam": 2}
+# Caffe's solver types, in the order of the deprecated solver_type enum, each with the
+# history blobs per learnable parameter that its SolverState stores (AdaDelta and Adam
+# keep a second set, appended after the first).
+SOLVER_TYPES = {"SGD": 1, "Nesterov": 1, "AdaGrad": 1, "RMSProp": 1, "AdaDelta": 2, "Adam": 2}
+
+# Caffe's learning-rate policies, each with the SolverParameter fields it needs.
+LR_POLICIES = {"fixed": (), "step": ("gamma", "stepsize"), "exp": ("gamma",), "inv": ("gamma", "power"),
+               "multistep": ("gamma", "stepvalue"), "poly": ("power",), "sigmoid": ("gamma", "stepsize")}
+
+
+def solver_type(param):
+    """The solver type, honouring the deprecated solver_type enum as Caffe does."""
+    if param.HasField("type") or not param.HasField("solver_type"):
+        return param.type
+    return list(SOLVER_TYPES)[param.solver_type]
 
 
 def learning_rate(param, iteration, current_step=0):
@@ -51,7 +61,7 @@ def learning_rate(param, iteration, current_step=0):
 
 
 def history_sets(param):
-    return HISTORY_SETS[solver_type(param)]
+    return SOLVER_TYPES[solver_type(param)]
 
 
 def clip_factor(param, grads, ops=NUMPY):
@@ -139,7 +149,7 @@ def apply_update(param, weights, grads, history, rate, iteration, lr_mults, deca
     """
     kind = solver_type(param)
     n = len(weights)
-    sets = HISTORY_SETS[kind]
+    sets = SOLVER_TYPES[kind]
     new_weights, new_history = [], [None] * (n * sets)
     for i, (w, g) in enumerate(zip(weights, effective_grads(param, weights, grads, decay_mults, ops))):
         diff, hist = update_value(kind, param, g, [history[s * n + i] for s in range(sets)],

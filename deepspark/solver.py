@@ -9,7 +9,8 @@ import numpy as np
 
 from deepspark import checkpoint
 from deepspark.backends import create_model
-from deepspark.config import ConfigError, load_net, load_solver
+from deepspark.config import load_net, load_solver, random_seed
+from deepspark.errors import ConfigError
 from deepspark.data import DataFeeder, source_shape
 from deepspark.log import Log, progress_bar
 from deepspark.proto import deepspark_pb2 as pb
@@ -105,7 +106,7 @@ class Trainer:
         self.solver, self.param = solver, solver.param
         self.log = log or Log()
         self.max_iter = self.param.max_iter if max_iter is None else max_iter
-        seed = self.param.random_seed if self.param.random_seed >= 0 else None
+        seed = random_seed(self.param)
         self.model = create_model(backend, solver.train_net, self.param, source=solver.train_map,
                                   data_shape=data_shape)
         offset = shard if seed_offset is None else seed_offset

@@ -7,7 +7,8 @@ import pytest
 
 from deepspark import fillers, schedule
 from deepspark.backends import create_model
-from deepspark.config import ConfigError, parse_net
+from deepspark.config import parse_net
+from deepspark.errors import ConfigError
 from deepspark.data.convert import convert_mnist
 from deepspark.graph import Graph
 from deepspark.proto import deepspark_pb2 as pb

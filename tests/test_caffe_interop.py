@@ -168,7 +168,7 @@ def test_unknown_field_is_refused_not_dropped():
     assert compiler.to_caffe(net, caffe_pb2.NetParameter).layer[0].pooling_param.ceil_mode is False
     solver = pb.SolverParameter(base_lr=0.1)
     solver.deepspark_param.workers = 2
-    from deepspark.config import ConfigError
+    from deepspark.errors import ConfigError
 
     with pytest.raises(ConfigError, match="field 8000"):
         compiler.to_caffe(solver, caffe_pb2.SolverParameter)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from deepspark import checkpoint
-from deepspark.config import ConfigError, load_net
+from deepspark.config import load_net
+from deepspark.errors import ConfigError
 from deepspark.graph import Graph
 from deepspark.proto import deepspark_pb2 as pb
 

@@ -8,7 +8,8 @@ import pytest
 
 from deepspark import compare
 from deepspark.backends import create_model
-from deepspark.config import ConfigError, parse_net
+from deepspark.config import parse_net
+from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 from tests.conftest import ROOT, run_cli
 

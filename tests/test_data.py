@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from deepspark.config import ConfigError
+from deepspark import checkpoint
 from deepspark.data import DataFeeder, source_shape
 from deepspark.data import lmdb_io
-from deepspark.data.datum import (DataError, array_to_blobproto, blobproto_to_array, decode_datum,
-                                  decode_datums, encode_datum, load_mean, save_mean)
+from deepspark.data.datum import DataError, decode_datum, decode_datums, encode_datum, load_mean, save_mean
 from deepspark.data.transform import Transformer
+from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
 FASHION = "/usr/share/datasets/fashion-mnist"
@@ -121,10 +121,11 @@ def test_bulk_decode_matches_one_by_one():
 
 def test_mean_binaryproto_like_compute_image_mean(tmp_path):
     mean = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4) / 7
-    blob = array_to_blobproto(mean)
+    save_mean(mean, str(tmp_path / "written.binaryproto"))
+    blob = pb.BlobProto.FromString((tmp_path / "written.binaryproto").read_bytes())
     assert list(blob.shape.dim) == [1, 2, 3, 4]
     assert (blob.num, blob.channels, blob.height, blob.width) == (1, 2, 3, 4)
-    np.testing.assert_array_equal(blobproto_to_array(blob)[0], mean)
+    np.testing.assert_array_equal(checkpoint.blob_to_array(blob)[0], mean)
     legacy = pb.BlobProto(num=1, channels=2, height=3, width=4, data=mean.ravel().tolist())
     path = tmp_path / "legacy.binaryproto"
     path.write_bytes(legacy.SerializeToString())

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from deepspark.config import ConfigError
+from deepspark.errors import ConfigError
 from deepspark.data import DataFeeder, convert, lmdb_io
 from deepspark.data.datum import decode_datum, encode_datum, load_mean
 from deepspark.proto import deepspark_pb2 as pb

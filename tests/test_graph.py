@@ -2,7 +2,8 @@
 
 import pytest
 
-from deepspark.config import ConfigError, parse_net
+from deepspark.config import parse_net
+from deepspark.errors import ConfigError
 from deepspark.graph import Graph, pooled_size
 from deepspark.proto import deepspark_pb2 as pb
 

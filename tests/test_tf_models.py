@@ -16,7 +16,8 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from deepspark.backends import create_model  # noqa: E402
-from deepspark.config import ConfigError, load_net, load_solver  # noqa: E402
+from deepspark.config import load_net, load_solver  # noqa: E402
+from deepspark.errors import ConfigError  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,7 +13,8 @@ import abc
 import numpy as np
 
 from deepspark import schedule
-from deepspark.config import ConfigError, solver_type
+from deepspark.config import random_seed
+from deepspark.errors import ConfigError
 from deepspark.graph import DATA_TYPES, Graph, fmt
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -36,11 +37,11 @@ class Model(abc.ABC):
         self.graph = Graph(net_param, phase, stages=stages, source=source, data_shape=data_shape,
                            batch_size=batch_size)
         self._check_shapes()
-        if seed is None and self.solver_param.random_seed >= 0:
-            seed = self.solver_param.random_seed
+        if seed is None:
+            seed = random_seed(self.solver_param)
         self.seed = seed
         self.phase = self.graph.phase
-        self.solver_type = solver_type(self.solver_param)
+        self.solver_type = schedule.solver_type(self.solver_param)
         self.iter = 0
         self.current_step = 0
         self.param_shapes = [tuple(p.shape) for p in self.graph.params]
@@ -48,7 +49,7 @@ class Model(abc.ABC):
         self.param_offsets = np.concatenate([[0], np.cumsum(self.param_sizes, dtype=np.int64)]).tolist()
         self.param_count = self.param_offsets[-1]
         self.iter_size = max(self.solver_param.iter_size, 1)
-        self.history_sets = schedule.HISTORY_SETS[self.solver_type]
+        self.history_sets = schedule.SOLVER_TYPES[self.solver_type]
 
     def _check_shapes(self):
         for layer in self.graph.layers:

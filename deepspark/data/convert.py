@@ -9,9 +9,9 @@ import zlib
 
 import numpy as np
 
-from deepspark.config import ConfigError
+from deepspark.errors import ConfigError
 from deepspark.data import lmdb_io
-from deepspark.data.datum import (DataError, array_to_blobproto, datum_to_array, encode_image,
+from deepspark.data.datum import (DataError, datum_to_array, encode_image, save_mean,
                                   image_to_array, make_datum, parse_datum)
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -201,7 +201,7 @@ def convert_imageset(root, listfile, out, gray=False, shuffle=False, resize_heig
 
 def compute_image_mean(db, out, overwrite=False):
     """The per-pixel mean of an LMDB's images → .binaryproto (1xCxHxW); returns the count."""
-    lmdb_io._refuse_existing(out, overwrite)
+    lmdb_io.refuse_existing(out, overwrite)
     total, shape, first_key = None, None, None
     n = 0
     for key, value in lmdb_io.read_records(db):
@@ -224,8 +224,7 @@ def compute_image_mean(db, out, overwrite=False):
         _say(f"Processed {n} files.")
     mean = (total / n).astype(np.float32)
     _say(f"Write to {out}")
-    lmdb_io.atomic_write_bytes(out, array_to_blobproto(mean).SerializeToString(),
-                               overwrite=overwrite)
+    save_mean(mean, out)
     _say(f"Number of channels: {shape[0]}")
     for c in range(shape[0]):
         _say(f"mean_value channel [{c}]: {float(mean[c].mean())}")

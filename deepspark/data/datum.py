@@ -5,7 +5,8 @@ import io
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from deepspark.config import ConfigError
+from deepspark import checkpoint
+from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
 
@@ -149,37 +150,7 @@ def decode_datum(value, key=None, filename=None, color=None):
 
 
 # ---------------------------------------------------------------------------
-# BlobProto: the .binaryproto mean file of compute_image_mean
-
-def array_to_blobproto(array):
-    """A float array to a BlobProto, with shape and the legacy num/channels/height/width.
-
-    A CHW array is stored as 1xCxHxW, as Caffe's compute_image_mean writes it.
-    """
-    array = np.asarray(array, dtype=np.float32)
-    if array.ndim == 3:
-        array = array[np.newaxis]
-    blob = pb.BlobProto()
-    blob.shape.dim.extend(int(d) for d in array.shape)
-    if array.ndim == 4:
-        blob.num, blob.channels, blob.height, blob.width = (int(d) for d in array.shape)
-    blob.data.extend(array.ravel().tolist())
-    return blob
-
-
-def blobproto_to_array(blob):
-    """A BlobProto to a float32 array in its shape (shape if set, else legacy 4-D)."""
-    if blob.HasField("shape"):
-        shape = tuple(blob.shape.dim)
-    else:
-        shape = (blob.num, blob.channels, blob.height, blob.width)
-    values = blob.data if len(blob.data) else blob.double_data
-    size = int(np.prod(shape)) if shape else 1
-    if len(values) != size:
-        raise ValueError(f"BlobProto holds {len(values)} values but its shape "
-                         f"{'x'.join(map(str, shape))} needs {size}")
-    return np.array(values, dtype=np.float32).reshape(shape)
-
+# The .binaryproto mean file of compute_image_mean
 
 def load_mean(path):
     """A mean .binaryproto to float32 CHW; errors name the file."""
@@ -191,7 +162,7 @@ def load_mean(path):
     blob = pb.BlobProto()
     try:
         blob.ParseFromString(raw)
-        mean = blobproto_to_array(blob)
+        mean = checkpoint.blob_to_array(blob)
     except (DecodeError, RuntimeError, ValueError) as e:
         raise DataError(f"not a BlobProto mean file ({e})", path) from None
     if mean.ndim == 4 and mean.shape[0] == 1:
@@ -203,9 +174,10 @@ def load_mean(path):
 
 
 def save_mean(array, path):
-    """Write a CHW mean as .binaryproto (temp name, then rename)."""
-    from deepspark.data.lmdb_io import atomic_write_bytes
-    atomic_write_bytes(path, array_to_blobproto(array).SerializeToString())
+    """Write a CHW mean as .binaryproto, 1xCxHxW as Caffe's compute_image_mean writes it (temp name, then rename)."""
+    array = np.asarray(array, np.float32)
+    checkpoint.atomic_write(path, checkpoint.array_to_blob(array[np.newaxis] if array.ndim == 3 else array,
+                                                           legacy_dims=True).SerializeToString())
 
 
 # ---------------------------------------------------------------------------

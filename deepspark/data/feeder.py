@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from deepspark.config import ConfigError
+from deepspark.errors import ConfigError
 from deepspark.data import lmdb_io
 from deepspark.data.datum import DataError, decode_datum, decode_datums
 from deepspark.data.transform import Transformer, _phase

@@ -145,7 +145,7 @@ def temp_path(out_path):
     return f"{out_path.rstrip(os.sep)}.tmp-{os.getpid()}"
 
 
-def _refuse_existing(out_path, overwrite):
+def refuse_existing(out_path, overwrite):
     if os.path.lexists(out_path) and not overwrite:
         raise DataError("already exists; remove it or choose another output name", out_path)
     parent = os.path.dirname(os.path.abspath(out_path))
@@ -182,7 +182,7 @@ def write_lmdb(out_path, records, overwrite=False, map_size=INITIAL_MAP_SIZE,
     are committed, so a failed or interrupted run never leaves a half-written
     database at out_path. The map doubles whenever it fills.
     """
-    _refuse_existing(out_path, overwrite)
+    refuse_existing(out_path, overwrite)
     tmp = temp_path(out_path)
     _remove(tmp)
     written = 0
@@ -218,19 +218,3 @@ def _commit(env, pending):
             return
         except lmdb.MapFullError:
             env.set_mapsize(env.info()["map_size"] * 2)
-
-
-def atomic_write_bytes(out_path, data, overwrite=True):
-    """Write a small file under a temp name, then rename it into place."""
-    if not overwrite:
-        _refuse_existing(out_path, overwrite)
-    tmp = temp_path(out_path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    except BaseException:
-        _remove(tmp)
-        raise

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from deepspark.config import ConfigError
+from deepspark.errors import ConfigError
 from deepspark.data.datum import load_mean
 from deepspark.graph import crop_shape
 from deepspark.proto import deepspark_pb2 as pb

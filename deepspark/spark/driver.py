@@ -11,7 +11,8 @@ import uuid
 import numpy as np
 
 from deepspark import checkpoint
-from deepspark.config import ConfigError, DeepSparkError
+from deepspark.config import random_seed
+from deepspark.errors import ConfigError, DeepSparkError
 from deepspark.data import lmdb_io
 from deepspark.graph import Graph, layer_included
 from deepspark.log import Log
@@ -123,7 +124,7 @@ def initial_center(solver, log, weights=None, snapshot=None, shape=None):
 
     graph = Graph(solver.train_net, pb.TRAIN, source=solver.train_map,
                   data_shape=data_shape if shape is None else (lambda layer: shape))
-    seed = solver.param.random_seed if solver.param.random_seed >= 0 else None
+    seed = random_seed(solver.param)
     arrays = init_params(graph, seed)
     start = 0
     if snapshot:
@@ -249,7 +250,7 @@ class Job:
                     "address": list(self.server.address) if self.server else None,
                     "secret": self.secret, "threads": threads, "solver_path": solver.path}
         self.evaluator = Evaluator(solver, ds.backend, log,
-                                   self.param.random_seed if self.param.random_seed >= 0 else None)
+                                   random_seed(self.param))
         self.scalars = Scalars(os.path.join(output, "tensorboard"), log)
         self.history = []  # (seconds, iteration, loss, {test output: value})
         # Iterations of the last test and snapshot, and the last test's outputs.

@@ -8,7 +8,8 @@ import tempfile
 import time
 
 from deepspark import rules
-from deepspark.config import DeepSparkError, Solver, SourceMap
+from deepspark.config import Solver
+from deepspark.errors import DeepSparkError, SourceMap
 from deepspark.data import lmdb_io
 from deepspark.proto import deepspark_pb2 as pb
 

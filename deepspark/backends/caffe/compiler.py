@@ -10,7 +10,8 @@ dropped silently.
 
 from google.protobuf import text_format
 
-from deepspark.config import ConfigError, solver_type
+from deepspark import schedule
+from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
 # Data layers whose tops come from the shared data pipeline (as in the TF backend);
@@ -103,7 +104,7 @@ def solver_param(param, iter_size=1):
     out.CopyFrom(param)
     for field in SOLVER_FIELDS_WE_RUN:
         out.ClearField(field)
-    out.type = solver_type(param)
+    out.type = schedule.solver_type(param)
     out.lr_policy = param.lr_policy or "fixed"
     out.display = 0
     out.test_initialization = False
