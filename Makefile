@@ -57,8 +57,10 @@ bench: setup
 	@mkdir -p bench/results
 	@for b in bench/*.py; do echo "== $$b"; OPENBLAS_NUM_THREADS=1 $(BIN)/python $$b || exit 1; done
 
+# The descriptor set keeps the .proto's comments: the generated flags take their help from them.
 proto: $(STAMPS)/system
-	protoc -Iproto --python_out=deepspark/proto proto/deepspark.proto
+	protoc -Iproto --python_out=deepspark/proto --include_source_info \
+	    --descriptor_set_out=deepspark/proto/deepspark.desc proto/deepspark.proto
 
 clean:
 	rm -rf $(STAMPS) output

@@ -11,6 +11,8 @@ setup(
     license="BSD-2-Clause",
     python_requires=">=3.11",
     packages=find_packages(include=["deepspark", "deepspark.*"]),
+    # The schema's descriptor set with its comments: the help of the generated flags.
+    package_data={"deepspark.proto": ["deepspark.desc"]},
     install_requires=[
         "numpy>=1.26",
         "protobuf>=6.31.1,<8",
@@ -22,7 +24,7 @@ setup(
     ],
     extras_require={
         "tensorflow": ["tensorflow-cpu>=2.16"],
-        "test": ["pytest>=8", "hypothesis>=6"],
+        "test": ["pytest>=8", "hypothesis>=6", "import-linter>=2.1"],
         "caffe": ["six"],
         "bench": ["matplotlib>=3.8"],
     },

@@ -28,7 +28,7 @@ os.chdir(ROOT)  # the zoo's LMDB paths are relative to the repository
 
 import numpy as np  # noqa: E402
 
-from deepspark import compare  # noqa: E402
+from deepspark import compare, engine  # noqa: E402
 from deepspark.backends import create_model  # noqa: E402
 from deepspark.backends.caffe import runtime  # noqa: E402
 from deepspark.config import load_solver  # noqa: E402
@@ -87,7 +87,7 @@ def bench_net(name, rounds):
     tf_model = build(name, "tensorflow")
     tf_model.set_params(ours.get_params())
     batch_images = next(iter(ours.feeds.values()))[0]
-    synthetic = compare.SyntheticBatches(ours, seed=7)
+    synthetic = engine.SyntheticBatches(ours, seed=7)
     plan = [synthetic.next_batch() for _ in range(steps)]
     for batch in plan[:2]:  # warm-up: allocation, tracing
         ours.step(batch), baseline.step(batch), tf_model.step(batch)
@@ -161,8 +161,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--nets", default="lenet,cifar10_quick")
     args = parser.parse_args()
-    emit({"bench": "environment", "DEEPSPARK_THREADS": os.environ.get("DEEPSPARK_THREADS"),
-          "cpus": os.cpu_count()})
+    emit({"bench": "environment", "cpus": os.cpu_count()})
     for name in args.nets.split(","):
         bench_net(name.strip(), args.rounds)
     bench_data_path(args.rounds)

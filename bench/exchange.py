@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from deepspark import rules  # noqa: E402
-from deepspark.exchange import ExchangeClient, ExchangeServer  # noqa: E402
+from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer  # noqa: E402
 from deepspark.exchange import protocol as P  # noqa: E402
-from deepspark.exchange.transport import byte_view, tune  # noqa: E402
+from deepspark.exchange.transport import Connection, tune  # noqa: E402
 
 HOST = "127.0.0.1"
 SECRET = b"bench-secret"
@@ -96,7 +96,7 @@ def _pickle_server(n, pipe):
 
 
 def _easgd_server(n, pipe):
-    server = ExchangeServer(np.zeros(n, dtype=np.float32), SECRET, ALPHA).start()
+    server = ExchangeServer(np.zeros(n, dtype=np.float32), SECRET, EasgdHandler(ALPHA)).start()
     pipe.send(server.address[1])
     pipe.recv()  # until told to stop
     pipe.send(server.exchanges)
@@ -225,15 +225,12 @@ def _throughput_client(port, wid, n, seconds, barrier, queue):
 # numpy and socket calls release the GIL, so one thread's arithmetic overlaps another's
 # I/O on the second core; a single selectors thread does one thing at a time. (With one
 # worker the gap is ExchangeServer computing d while x still arrives: without that the two match.)
-class _Conn:
-    """One worker's connection to the selectors server: its buffers (allocated once) and where it is in a frame."""
+class _Conn(Connection):
+    """One worker's connection to the selectors server: ExchangeServer's buffers, and where it is in a frame."""
 
-    def __init__(self, sock, wid, n):
-        self.sock, self.wid = sock, wid
-        self.buf = np.empty(n, dtype=np.float32)  # receives x, becomes d in place, is sent back
-        self.view = byte_view(self.buf)
-        self.header = memoryview(bytearray(P.HEADER_SIZE))
-        self.reply = memoryview(bytearray(P.HEADER_SIZE))
+    def __init__(self, sock, peer):
+        super().__init__(sock, peer)
+        self.reply = memoryview(self.out_header)
         self.into, self.got = self.header, 0  # the buffer being filled, and how far
         self.out, self.sent = (), 0           # (header, payload) going out, and how far
 
@@ -245,7 +242,7 @@ class SelectorsServer:
         self.listener, self.port = _listen()
         self.center = np.zeros(n, dtype=np.float32)
         self.exchanges = 0
-        self._handshaker = ExchangeServer(self.center, SECRET, ALPHA)  # never started: its handshake only
+        self._handshaker = ExchangeServer(self.center, SECRET, EasgdHandler(ALPHA))  # never started: its handshake only
 
     def stop(self):
         self.listener.close()
@@ -273,16 +270,17 @@ class SelectorsServer:
 
     def _accept(self):
         sock, peer = self.listener.accept()
+        conn = _Conn(sock, "%s:%d" % peer[:2])
         try:
             tune(sock)
             # The handshake blocks (bounded): it is short, and the bench's workers join before they time.
             sock.settimeout(self._handshaker.handshake_timeout)
-            wid = self._handshaker._handshake(sock, "%s:%d" % peer[:2])
+            self._handshaker._handshake(conn)
             sock.setblocking(False)
         except BaseException:
             sock.close()
             raise
-        return sock, selectors.EVENT_READ, _Conn(sock, wid, self.center.size)
+        return sock, selectors.EVENT_READ, conn.allocate(self.center.size)
 
     def _step(self, sel, key):
         """Take the connection as far as its socket allows: finish a reply, read frames, answer them."""
@@ -303,7 +301,7 @@ class SelectorsServer:
                     h = P.decode_header(conn.header, conn.view.nbytes)
                     if h.type == P.BYE:
                         return self._close(sel, conn)
-                    if h.type != P.EXCHANGE or h.worker_id != conn.wid:
+                    if h.type != P.EXCHANGE or h.worker_id != conn.worker_id:
                         raise P.ProtocolError("the selectors bench server takes EXCHANGE and BYE only, got %s "
                                               "from worker %d" % (P.TYPE_NAMES[h.type], h.worker_id))
                     conn.into = conn.view
@@ -320,9 +318,9 @@ class SelectorsServer:
         d = conn.buf
         rules.elastic_difference(d, self.center, ALPHA, out=d)
         if not rules.all_finite(d):
-            conn.out = (memoryview(P.encode_error(P.E_NONFINITE, "non-finite parameters", conn.wid)), conn.view[:0])
+            conn.out = (memoryview(P.encode_error(P.E_NONFINITE, "non-finite parameters", conn.worker_id)), conn.view[:0])
             return self._send(conn)
-        P.pack_header_into(conn.reply, P.DIFF, conn.wid, iteration=self.exchanges, length=conn.view.nbytes)
+        P.pack_header_into(conn.reply, P.DIFF, conn.worker_id, iteration=self.exchanges, length=conn.view.nbytes)
         self.exchanges += 1
         conn.out = (conn.reply, conn.view)
         done = self._send(conn)
@@ -351,7 +349,7 @@ class SelectorsServer:
 def throughput(n, workers, seconds, server="threads"):
     """Exchanges/s of `workers` client processes against a thread-per-connection or a selectors server."""
     if server == "threads":
-        srv = ExchangeServer(np.zeros(n, dtype=np.float32), SECRET, ALPHA).start()
+        srv = ExchangeServer(np.zeros(n, dtype=np.float32), SECRET, EasgdHandler(ALPHA)).start()
         port = srv.address[1]
     else:
         srv = SelectorsServer(n)

@@ -136,9 +136,14 @@ def snapshot_paths(prefix, iteration):
     return base + ".caffemodel", base + ".solverstate"
 
 
-def solver_state(iteration, current_step=0, history=(), learned_net=""):
-    """Caffe's SolverState: the solver's counters, its history blobs and the snapshot it goes with."""
-    state = pb.SolverState(iter=int(iteration), current_step=int(current_step), learned_net=learned_net)
+def solver_state(iteration, current_step=0, history=(), learned_net=None):
+    """Caffe's SolverState: the solver's counters, its history blobs and the snapshot it goes with.
+
+    learned_net is left unset without a snapshot: Caffe's restore loads any learned_net that is set.
+    """
+    state = pb.SolverState(iter=int(iteration), current_step=int(current_step))
+    if learned_net:
+        state.learned_net = learned_net
     for array in history:
         array_to_blob(array, state.history.add())
     return state

@@ -1,154 +1,196 @@
-"""The `deepspark` command: Caffe's verbs (train, test, time) and DeepSpark's tools."""
+"""The `deepspark` command: Caffe's verbs (train, test, time) and DeepSpark's tools — argument handling only.
+
+The flags that set a schema message (train's DeepSparkParameter, compare's
+CompareParameter) are generated from the message's descriptor: name, type,
+enum values, and the .proto comment as the help; their defaults live in the
+proto alone.
+"""
 
 import argparse
-import os
 import sys
 
+from google.protobuf.descriptor import FieldDescriptor
+
+from deepspark import compare, config, local
+from deepspark.backends import BACKENDS
+from deepspark.data import convert
 from deepspark.errors import DeepSparkError
+from deepspark.plot import plot_log
+from deepspark.proto import deepspark_pb2 as pb
+
+# String fields whose values come from a registry, not the schema.
+CHOICES = {"backend": sorted(BACKENDS)}
+DEFAULT_BACKEND = pb.DeepSparkParameter().backend
 
 
-class UsageError(Exception):
-    """A bad command line: printed as one line, exit status 2."""
+class Parser(argparse.ArgumentParser):
+    """argparse with a bad command line as one line, `deepspark VERB: error: ...`, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _phase(name):
-    from deepspark.proto import deepspark_pb2 as pb
-
-    try:
-        return pb.Phase.Value(name.upper())
-    except ValueError:
-        raise UsageError(f"--phase must be TRAIN or TEST, not '{name}'") from None
+def non_negative(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, not {text}")
+    return value
 
 
-def _shape(text):
+def positive(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return value
+
+
+def data_shape(text):
     try:
         dims = tuple(int(d) for d in text.split(","))
     except ValueError:
         dims = ()
     if len(dims) != 3 or min(dims) <= 0:
-        raise UsageError(f"--data-shape must be C,H,W with positive integers, not '{text}'")
+        raise argparse.ArgumentTypeError(f"must be C,H,W with positive integers, not '{text}'")
     return dims
 
 
-def net_path(path):
-    """A net file, or a model folder: its deploy.prototxt, else the net its solver names."""
-    if not os.path.isdir(path):
-        return path
-    for name in ("deploy.prototxt", "train_val.prototxt"):
-        if os.path.exists(os.path.join(path, name)):
-            return os.path.join(path, name)
-    solver = os.path.join(path, "solver.prototxt")
-    if os.path.exists(solver):
-        from deepspark.config import load_solver
+def phase(text):
+    if text.upper() not in pb.Phase.keys():
+        raise argparse.ArgumentTypeError(f"must be TRAIN or TEST, not '{text}'")
+    return pb.Phase.Value(text.upper())
 
-        param = load_solver(solver).param
-        return param.net or param.train_net
-    from deepspark.errors import ConfigError
 
-    raise ConfigError("no deploy.prototxt, train_val.prototxt or solver.prototxt in this folder", path)
+_TYPES = {FieldDescriptor.TYPE_UINT32: non_negative, FieldDescriptor.TYPE_UINT64: non_negative,
+          FieldDescriptor.TYPE_INT32: int, FieldDescriptor.TYPE_INT64: int,
+          FieldDescriptor.TYPE_FLOAT: float, FieldDescriptor.TYPE_DOUBLE: float, FieldDescriptor.TYPE_STRING: str}
+
+
+def add_fields(parser, message):
+    """One flag per field of a schema message (`--moving-rate` for moving_rate), default None: a flag
+    not given leaves the prototxt's value (or the proto's default) as it is."""
+    comments = config.field_comments(message.DESCRIPTOR.name)
+    group = parser.add_argument_group(f"{message.DESCRIPTOR.name} (over the prototxt's)")
+    for field in message.DESCRIPTOR.fields:
+        flag = "--" + field.name.replace("_", "-")
+        default = field.default_value
+        if field.enum_type is not None:
+            default = field.enum_type.values_by_number[default].name.lower()
+        if isinstance(default, float):
+            default = f"{default:g}"
+        help_text = comments.get(field.name, "") + (f" (default {default})" if default not in ("", None) else "")
+        help_text = help_text.replace("%", "%%")
+        if field.type == FieldDescriptor.TYPE_BOOL:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif field.enum_type is not None:
+            group.add_argument(flag, choices=[v.name.lower() for v in field.enum_type.values], type=str.lower,
+                               help=help_text)
+        else:
+            group.add_argument(flag, type=_TYPES[field.type], choices=CHOICES.get(field.name), help=help_text)
+
+
+def fields_of(args, message):
+    """{field: value} of the flags add_fields made for `message`."""
+    return {field.name: getattr(args, field.name) for field in message.DESCRIPTOR.fields}
+
+
+# -- the verbs ----------------------------------------------------------------------------
+
+
+def cmd_train(args):
+    from deepspark import spark  # deferred: deepspark.spark imports pyspark, which the other verbs need not
+
+    spark.train(args.solver, weights=args.weights, snapshot=args.snapshot, iterations=args.iterations,
+                output=args.output, **fields_of(args, pb.DeepSparkParameter))
+    return 0
+
+
+def cmd_test(args):
+    local.test(args.model, args.weights, args.iterations, args.backend)
+    return 0
+
+
+def cmd_time(args):
+    local.timing(args.model, args.iterations, args.backend, args.phase)
+    return 0
+
+
+def cmd_compare(args):
+    result = compare.run(args.model, weights=args.weights, solver_path=args.solver,
+                         **fields_of(args, pb.CompareParameter))
+    return 0 if result["ok"] else 1
 
 
 def cmd_describe(args):
-    from deepspark.config import load_net
-    from deepspark.data import source_shape
-    from deepspark.graph import Graph
-
-    path = net_path(args.net)
-    net, source = load_net(path)
-    override = _shape(args.data_shape) if args.data_shape else None
-    graph = Graph(net, _phase(args.phase), source=source, batch_size=args.batch_size,
-                  data_shape=lambda layer: source_shape(layer, override))
-    for warning in dict.fromkeys(graph.warnings):
+    table, warnings = local.describe(args.net, args.phase, args.data_shape, args.batch_size)
+    for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    print(graph.describe())
+    print(table)
     return 0
 
 
 def cmd_convert_mnist(args):
-    from deepspark.data.convert import convert_mnist
-
-    convert_mnist(args.images, args.labels, args.out)
+    convert.convert_mnist(args.images, args.labels, args.out)
     return 0
 
 
 def cmd_convert_imageset(args):
-    from deepspark.data.convert import convert_imageset
-
-    if args.encode_type and args.encode_type not in ("png", "jpg"):
-        raise UsageError(f"--encode-type must be png or jpg, not '{args.encode_type}'")
-    convert_imageset(args.root, args.listfile, args.out, gray=args.gray, shuffle=args.shuffle,
-                     resize_height=args.resize_height, resize_width=args.resize_width,
-                     encoded=args.encoded, encode_type=args.encode_type)
+    convert.convert_imageset(args.root, args.listfile, args.out, gray=args.gray, shuffle=args.shuffle,
+                             resize_height=args.resize_height, resize_width=args.resize_width,
+                             encoded=args.encoded, encode_type=args.encode_type)
     return 0
 
 
 def cmd_compute_image_mean(args):
-    from deepspark.data.convert import compute_image_mean
-
-    compute_image_mean(args.lmdb, args.out)
+    convert.compute_image_mean(args.lmdb, args.out)
     return 0
 
 
-def _run(module, function):
-    """A verb implemented elsewhere in the library, imported only when used."""
-    def run(args):
-        import importlib
-
-        return getattr(importlib.import_module(module), function)(args)
-    return run
+def cmd_plot(args):
+    print(f"wrote {plot_log(args.log, args.output)}")
+    return 0
 
 
 def parser():
-    top = argparse.ArgumentParser(
+    top = Parser(
         prog="deepspark", description="Train Caffe-defined networks on Spark with asynchronous EASGD.")
     verbs = top.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
 
     train = verbs.add_parser("train", help="train a net from a solver prototxt")
     train.add_argument("--solver", required=True, help="solver .prototxt")
-    train.add_argument("--backend", choices=("tensorflow", "caffe"), help="default: the solver's, else tensorflow")
-    train.add_argument("--workers", type=int, help="Spark workers (one per executor task)")
-    train.add_argument("--master", help="Spark master URL (default: embedded local[N])")
-    train.add_argument("--algorithm", choices=("easgd", "sync", "average", "single"))
-    train.add_argument("--period", type=int, help="communication period tau")
-    train.add_argument("--moving-rate", type=float, help="EASGD moving rate alpha")
     train.add_argument("--weights", help="initial weights .caffemodel (fine-tuning)")
     train.add_argument("--snapshot", help="resume from this .solverstate")
     train.add_argument("--output", help="folder for snapshots, logs and plots (default: the snapshot_prefix's)")
-    train.add_argument("--shared-data", action="store_true", help="executors read the LMDB path directly")
-    train.add_argument("--iterations", type=int, help="override max_iter")
-    train.set_defaults(run=_run("deepspark.solver", "cmd_train"))
+    train.add_argument("--iterations", type=positive, help="override the solver's max_iter")
+    add_fields(train, pb.DeepSparkParameter)
+    train.set_defaults(run=cmd_train)
 
     test = verbs.add_parser("test", help="score a trained net on its TEST phase")
     test.add_argument("--model", required=True, help="net .prototxt (or model folder)")
     test.add_argument("--weights", required=True, help="trained .caffemodel")
-    test.add_argument("--iterations", type=int, default=50, help="test batches (default 50)")
-    test.add_argument("--backend", choices=("tensorflow", "caffe"), default="tensorflow")
-    test.set_defaults(run=_run("deepspark.solver", "cmd_test"))
+    test.add_argument("--iterations", type=positive, default=50, help="test batches (default 50)")
+    test.add_argument("--backend", choices=CHOICES["backend"], default=DEFAULT_BACKEND)
+    test.set_defaults(run=cmd_test)
 
     time = verbs.add_parser("time", help="per-layer forward/backward milliseconds, like `caffe time`")
     time.add_argument("--model", required=True, help="net .prototxt (or model folder)")
-    time.add_argument("--iterations", type=int, default=50)
-    time.add_argument("--backend", choices=("tensorflow", "caffe"), default="tensorflow")
-    time.add_argument("--phase", default="TRAIN")
-    time.set_defaults(run=_run("deepspark.solver", "cmd_time"))
+    time.add_argument("--iterations", type=positive, default=50)
+    time.add_argument("--backend", choices=CHOICES["backend"], default=DEFAULT_BACKEND)
+    time.add_argument("--phase", type=phase, default=pb.TRAIN, help="TRAIN or TEST (default TRAIN)")
+    time.set_defaults(run=cmd_time)
 
-    compare = verbs.add_parser("compare", help="run one net on several backends and compare")
-    compare.add_argument("--model", required=True)
-    compare.add_argument("--weights")
-    compare.add_argument("--solver")
-    compare.add_argument("--iterations", type=int, default=10)
-    compare.add_argument("--backends", default="caffe,tensorflow")
-    compare.add_argument("--batch-size", type=int)
-    compare.add_argument("--forward-tolerance", type=float, default=1e-4, help="relative, per blob")
-    compare.add_argument("--loss-tolerance", type=float, default=1e-3, help="absolute, on the loss trajectory")
-    compare.set_defaults(run=_run("deepspark.compare", "cmd_compare"))
+    comparison = verbs.add_parser("compare", help="run one net on several backends and compare")
+    comparison.add_argument("--model", required=True, help="net .prototxt (or model folder)")
+    comparison.add_argument("--weights", help="weights .caffemodel (default: the first backend's fillers)")
+    comparison.add_argument("--solver", help="also train --iterations from the same weights and batches")
+    add_fields(comparison, pb.CompareParameter)
+    comparison.set_defaults(run=cmd_compare)
 
     describe = verbs.add_parser("describe", help="layers, shapes and parameter counts of a net")
     describe.add_argument("net", help="net .prototxt or model folder")
-    describe.add_argument("--phase", default="TRAIN", help="TRAIN or TEST (default TRAIN)")
-    describe.add_argument("--data-shape", help="C,H,W of the Data layers when their LMDB is absent")
-    describe.add_argument("--batch-size", type=int, help="override the batch size")
+    describe.add_argument("--phase", type=phase, default=pb.TRAIN, help="TRAIN or TEST (default TRAIN)")
+    describe.add_argument("--data-shape", type=data_shape, help="C,H,W of the Data layers when their LMDB is absent")
+    describe.add_argument("--batch-size", type=positive, help="override the batch size")
     describe.set_defaults(run=cmd_describe)
 
     mnist = verbs.add_parser("convert-mnist", help="MNIST-format IDX files (gzipped or not) to an LMDB")
@@ -163,10 +205,10 @@ def parser():
     imageset.add_argument("out")
     imageset.add_argument("--gray", action="store_true", help="load images in grayscale")
     imageset.add_argument("--shuffle", action="store_true", help="shuffle the order of images")
-    imageset.add_argument("--resize-height", type=int, default=0)
-    imageset.add_argument("--resize-width", type=int, default=0)
+    imageset.add_argument("--resize-height", type=non_negative, default=0)
+    imageset.add_argument("--resize-width", type=non_negative, default=0)
     imageset.add_argument("--encoded", action="store_true", help="store encoded images")
-    imageset.add_argument("--encode-type", default="", help="png or jpg (with --encoded)")
+    imageset.add_argument("--encode-type", default="", choices=("", "png", "jpg"), help="png or jpg (with --encoded)")
     imageset.set_defaults(run=cmd_convert_imageset)
 
     mean = verbs.add_parser("compute-image-mean", help="the mean image of an LMDB as a .binaryproto")
@@ -177,7 +219,7 @@ def parser():
     plot = verbs.add_parser("plot", help="loss and accuracy against time from a training log")
     plot.add_argument("log")
     plot.add_argument("-o", "--output", required=True, help="PNG to write")
-    plot.set_defaults(run=_run("deepspark.plot", "cmd_plot"))
+    plot.set_defaults(run=cmd_plot)
     return top
 
 
@@ -185,9 +227,6 @@ def main(argv=None):
     args = parser().parse_args(argv)
     try:
         return args.run(args) or 0
-    except UsageError as error:
-        print(f"deepspark {args.verb}: error: {error}", file=sys.stderr)
-        return 2
     except DeepSparkError as error:
         sys.stderr.flush()
         print(f"deepspark {args.verb}: error: {error}", file=sys.stderr)

@@ -14,15 +14,14 @@ import time
 
 import numpy as np
 
-from deepspark import checkpoint
-from deepspark.backends import create_model
-from deepspark.config import load_net, load_solver, random_seed
-from deepspark.errors import ConfigError
+from deepspark import checkpoint, engine
+from deepspark.backends import BACKENDS, backend_module, create_model
+from deepspark.config import load_net, load_solver, net_path, random_seed, set_fields
 from deepspark.data import DataFeeder, source_shape
-from deepspark.graph import Graph
+from deepspark.errors import ConfigError
+from deepspark.graph import DATA_TYPES, Graph
 from deepspark.proto import deepspark_pb2 as pb
 
-LABELLED_TYPES = ("SoftmaxWithLoss", "Accuracy", "SigmoidCrossEntropyLoss")
 SEED = 1701
 TIMING_REPEATS = 3
 
@@ -89,7 +88,7 @@ def with_taps(net, graph):
         added.CopyFrom(layer.param)
         for field in ("include", "exclude"):
             added.ClearField(field)
-        if layer.type in ("Data", "Input", "MemoryData", "DummyData"):
+        if layer.type in DATA_TYPES:
             continue
         for top in layer.tops:
             if top in outputs or any(top in later.tops for later in graph.layers[i + 1:]):
@@ -103,46 +102,13 @@ def with_taps(net, graph):
     return net
 
 
-def label_classes(graph):
-    """{top: number of classes} for the tops a loss or accuracy layer reads as labels."""
-    classes = {}
-    for layer in graph.layers:
-        if layer.type in LABELLED_TYPES and len(layer.bottoms) > 1:
-            shape = layer.bottom_shapes[0]
-            n = shape[1] if len(shape) > 1 else 2
-            label = layer.bottoms[1]
-            classes[label] = min(classes.get(label, n), n)
-    return classes
-
-
-class SyntheticBatches:
-    """Seeded random batches for a model's fed tops: normal images, integer labels."""
-
-    def __init__(self, model, seed=SEED):
-        self.feeds = model.feeds
-        self.classes = label_classes(model.graph)
-        self.rng = np.random.default_rng(seed)
-
-    def next_batch(self):
-        batch = {}
-        for top, shape in self.feeds.items():
-            if top in self.classes:
-                batch[top] = self.rng.integers(0, self.classes[top], shape).astype(np.float32)
-            else:
-                batch[top] = self.rng.standard_normal(shape).astype(np.float32)
-        return batch
-
-    def close(self):
-        pass
-
-
 class PipelineBatches:
     """Batches from the shared pipeline for the Data layers, synthetic ones for any other fed top."""
 
     def __init__(self, model, phase, seed=SEED):
         self.feeders = [DataFeeder(layer.param, phase, seed=seed, batch_size=model.graph.context.batch_size)
                         for layer in model.graph.layers if layer.type == "Data"]
-        self.synthetic = SyntheticBatches(model, seed)
+        self.synthetic = engine.SyntheticBatches(model, seed)
 
     def next_batch(self):
         batch = self.synthetic.next_batch()
@@ -151,8 +117,7 @@ class PipelineBatches:
         return batch
 
     def close(self):
-        for feeder in self.feeders:
-            feeder.close()
+        engine.close_all(self.feeders)
 
 
 def batch_source(model, phase):
@@ -160,7 +125,7 @@ def batch_source(model, phase):
     data = [layer for layer in model.graph.layers if layer.type == "Data"]
     if data and all(os.path.exists(layer.param.data_param.source) for layer in data):
         return PipelineBatches(model, phase), "LMDB"
-    return SyntheticBatches(model), "synthetic"
+    return engine.SyntheticBatches(model, SEED), "synthetic"
 
 
 def images(batch, model):
@@ -319,29 +284,33 @@ def _table(rows, out):
                             for i, (cell, w) in enumerate(zip(row, widths))).rstrip() + "\n")
 
 
-def run(model_path, backends, weights=None, solver_path=None, iterations=10, batch_size=None,
-        forward_tolerance=1e-4, loss_tolerance=1e-3, out=sys.stdout):
-    """The comparison `deepspark compare` prints; returns a dict of results with 'ok'."""
-    from deepspark.cli import net_path
+def run(model_path, weights=None, solver_path=None, out=sys.stdout, **options):
+    """The comparison `deepspark compare` prints; returns a dict of results with 'ok'.
 
+    options: CompareParameter fields by name (backends as a comma-separated string or a
+    list, iterations, batch_size, forward_tolerance, loss_tolerance).
+    """
+    if isinstance(options.get("backends"), (list, tuple)):
+        options["backends"] = ",".join(options["backends"])
+    param = set_fields(pb.CompareParameter(), options)
+    backends = [name.strip() for name in param.backends.split(",") if name.strip()]
     if len(backends) < 2:
         raise ConfigError(f"--backends needs at least two backends, got {','.join(backends) or 'none'}")
-    from deepspark.backends import BACKENDS, backend_module
-
     unknown = [name for name in backends if name not in BACKENDS]
     if unknown:
         raise ConfigError(f"unknown backend '{unknown[0]}'; supported: {', '.join(sorted(BACKENDS))}")
     if "caffe" in backends:
         backend_module("caffe")  # pycaffe before TensorFlow: its protobuf symbols stay its own
+    batch_size = param.batch_size or None
     result = {"model": model_path, "backends": backends, "ok": True}
     path = net_path(model_path)
     net, source = load_net(path)
     net = with_batch_size(net, batch_size)
     net = with_taps(net, Graph(net, pb.TEST, source=source, data_shape=shape_finder(path), batch_size=batch_size))
-    compare_forward_pass(out, result, backends, net, path, batch_size, weights, forward_tolerance)
+    compare_forward_pass(out, result, backends, net, path, batch_size, weights, param.forward_tolerance)
     if solver_path:
-        compare_training_run(out, result, backends, solver_path, path, batch_size, weights, iterations,
-                             loss_tolerance)
+        compare_training_run(out, result, backends, solver_path, path, batch_size, weights, param.iterations,
+                             param.loss_tolerance)
     out.write("OK: within tolerance\n" if result["ok"] else "FAILED: differences exceed tolerance\n")
     return result
 
@@ -368,12 +337,9 @@ def compare_forward_pass(out, result, backends, net, path, batch_size, weights, 
                 cells += [f"{absolute:.3g}", f"{relative:.3g}"]
             table.append((blob, "x".join(map(str, shape)) or "scalar", *cells))
         _table(table, out)
-        out.write("images/s: " + ", ".join(f"{name} {speed[name]:.1f}" for name in backends) + "\n")
-        result["forward"] = {"blobs": {blob: {name: diffs[name] for name in others} for blob, _, diffs in rows},
-                             "images_per_second": speed, "worst_relative": worst}
-        if worst > forward_tolerance:
-            result["ok"] = False
-            out.write(f"FORWARD DIFFERS: worst relative difference {worst:.3g} > {forward_tolerance:g}\n")
+        blobs = {blob: {name: diffs[name] for name in others} for blob, _, diffs in rows}
+        _verdict(out, result, "forward", {"blobs": blobs, "worst_relative": worst}, speed, worst, forward_tolerance,
+                 "FORWARD DIFFERS: worst relative difference")
     finally:
         close_all(models)
 
@@ -407,30 +373,28 @@ def compare_training_run(out, result, backends, solver_path, path, batch_size, w
                          + tuple(cell for name in others for cell in
                                  (f"{diffs[name][i]:.3g}", f"{steps[name][i][0]:.3g}", f"{steps[name][i][1]:.3g}")))
         _table(table, out)
-        out.write("images/s: " + ", ".join(f"{name} {speed[name]:.1f}" for name in backends) + "\n")
         worst_loss = max((float(np.max(d)) if len(d) else 0.0 for d in diffs.values()), default=0.0)
         if not np.isfinite(worst_loss):
             worst_loss = float("inf")
         worst_step = max((max(loss for loss, _ in rows) for rows in steps.values() if rows), default=0.0)
-        out.write(f"worst loss difference: free-running {worst_loss:.3g}, one step from the same state "
-                  f"{worst_step:.3g}\n")
-        result["training"] = {"losses": losses, "images_per_second": speed, "worst_absolute": worst_loss,
-                              "steps": steps, "worst_step_relative": worst_step}
-        if worst_loss > loss_tolerance:
-            result["ok"] = False
-            out.write(f"LOSS DIFFERS: worst absolute difference {worst_loss:.3g} > {loss_tolerance:g}\n")
+        _verdict(out, result, "training", {"losses": losses, "worst_absolute": worst_loss, "steps": steps,
+                                           "worst_step_relative": worst_step}, speed, worst_loss, loss_tolerance,
+                 "LOSS DIFFERS: worst absolute difference",
+                 f"worst loss difference: free-running {worst_loss:.3g}, one step from the same state {worst_step:.3g}")
     finally:
         close_all(models)
 
 
-def close_all(models):
-    for model in models.values():
-        if hasattr(model, "close"):
-            model.close()
+def _verdict(out, result, part, record, speed, worst, tolerance, failure, *lines):
+    """The images/s line and `lines`; result[part] = record with the speeds; the failure line when `worst`
+    exceeds `tolerance`."""
+    for line in ("images/s: " + ", ".join(f"{name} {value:.1f}" for name, value in speed.items()), *lines):
+        out.write(line + "\n")
+    result[part] = {**record, "images_per_second": speed}
+    if worst > tolerance:
+        result["ok"] = False
+        out.write(f"{failure} {worst:.3g} > {tolerance:g}\n")
 
-def cmd_compare(args):
-    backends = [name.strip() for name in args.backends.split(",") if name.strip()]
-    result = run(args.model, backends, weights=args.weights, solver_path=args.solver, iterations=args.iterations,
-                 batch_size=args.batch_size, forward_tolerance=args.forward_tolerance,
-                 loss_tolerance=args.loss_tolerance)
-    return 0 if result["ok"] else 1
+
+def close_all(models):
+    engine.close_all(models.values())

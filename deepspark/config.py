@@ -1,9 +1,10 @@
 """Prototxt files into schema messages, with errors that point at FILE:LINE:COL."""
 
+import functools
 import os
 import re
 
-from google.protobuf import text_format
+from google.protobuf import descriptor_pb2, text_format
 
 from deepspark import graph, schedule
 from deepspark.errors import ConfigError, SourceMap
@@ -110,6 +111,20 @@ def parse_net(text, filename="<string>"):
 def load_net(path):
     """A NetParameter and its SourceMap from a net .prototxt file."""
     return parse_net(_read(path, "net"), path)
+
+
+def net_path(path):
+    """A net file, or a model folder: its deploy.prototxt, else train_val.prototxt, else the net its solver names."""
+    if not os.path.isdir(path):
+        return path
+    for name in ("deploy.prototxt", "train_val.prototxt"):
+        if os.path.exists(os.path.join(path, name)):
+            return os.path.join(path, name)
+    solver = os.path.join(path, "solver.prototxt")
+    if os.path.exists(solver):
+        param = load_solver(solver).param
+        return param.net or param.train_net
+    raise ConfigError("no deploy.prototxt, train_val.prototxt or solver.prototxt in this folder", path)
 
 
 def parse_deepspark(text, filename="<string>"):
@@ -233,3 +248,80 @@ def check_solver(param, path):
         raise ConfigError("max_iter must not be negative", path)
     if param.test_interval < 0 or any(t < 0 for t in param.test_iter):
         raise ConfigError("test_interval and test_iter must not be negative", path)
+
+
+def check_deepspark(ds, path):
+    """DeepSparkParameter values that cannot run: one line naming the field."""
+    if ds.workers < 1:
+        raise ConfigError(f"workers must be at least 1, not {ds.workers}", path)
+    if ds.period < 1:
+        raise ConfigError(f"period must be at least 1, not {ds.period}", path)
+    if not 0.0 < ds.moving_rate <= 1.0:
+        raise ConfigError(f"moving_rate must be in (0, 1], not {ds.moving_rate:g}", path)
+    if ds.moving_rate_limit < 0:
+        raise ConfigError(f"moving_rate_limit must not be negative, not {ds.moving_rate_limit:g}", path)
+    for field in ("exchange_timeout", "connect_timeout"):
+        if getattr(ds, field) <= 0:
+            raise ConfigError(f"{field} must be positive, not {getattr(ds, field):g}", path)
+
+
+def set_fields(message, values, path="<options>"):
+    """Set fields of a schema message from {field name: value}; None leaves a field as it is.
+
+    Enum fields take their value's name in any case ("easgd") or number. An
+    unknown name is a TypeError, as for any unknown keyword argument.
+    """
+    fields = message.DESCRIPTOR.fields_by_name
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; {message.DESCRIPTOR.name} has "
+                        f"{', '.join(fields)}")
+    for name, value in values.items():
+        if value is None:
+            continue
+        enum = fields[name].enum_type
+        if enum is not None and isinstance(value, str):
+            if value.upper() not in enum.values_by_name:
+                raise ConfigError(f"{name} must be one of {', '.join(v.name.lower() for v in enum.values)}, "
+                                  f"not '{value}'", path)
+            value = enum.values_by_name[value.upper()].number
+        try:
+            setattr(message, name, value)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"{name}: {error}", path) from None
+    return message
+
+
+def override(solver, iterations=None, output=None, **knobs):
+    """Options over a loaded solver, as `deepspark train`'s flags give them: DeepSparkParameter fields by
+    name (knobs), max_iter (iterations) and the folder snapshots and logs go to (output)."""
+    set_fields(solver.param.deepspark_param, knobs, solver.path)
+    if iterations is not None:
+        if iterations < 1:
+            raise ConfigError(f"iterations must be at least 1, not {iterations}", solver.path)
+        solver.param.max_iter = iterations
+    if output:
+        prefix = os.path.basename(solver.param.snapshot_prefix or solver.train_net.name or "snapshot")
+        solver.param.snapshot_prefix = os.path.join(output, prefix)
+    check_deepspark(solver.param.deepspark_param, solver.path)
+    return solver
+
+
+# The schema's descriptor set, with the comments of proto/deepspark.proto (`make proto` writes it).
+DESCRIPTOR_SET = os.path.join(os.path.dirname(pb.__file__), "deepspark.desc")
+
+
+@functools.cache
+def field_comments(message_name):
+    """{field name: its comment in proto/deepspark.proto, on one line} of a top-level message."""
+    with open(DESCRIPTOR_SET, "rb") as stream:
+        (schema,) = descriptor_pb2.FileDescriptorSet.FromString(stream.read()).file
+    names = [message.name for message in schema.message_type]
+    index = names.index(message_name)
+    fields = schema.message_type[index].field
+    comments = {}
+    # A field's location path is (message_type = 4, message index, field = 2, field index).
+    for location in schema.source_code_info.location:
+        if list(location.path[:3]) == [4, index, 2] and len(location.path) == 4:
+            comments[fields[location.path[3]].name] = " ".join(location.leading_comments.split())
+    return comments

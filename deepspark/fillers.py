@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 
+from deepspark.graph import spec
 from deepspark.proto import deepspark_pb2 as pb
 
 
@@ -77,33 +78,12 @@ def fill(filler, shape, rng):
                      "positive_unitball, xavier, msra, bilinear")
 
 
-def _constant(value):
-    return pb.FillerParameter(type="constant", value=value)
-
-
 def layer_filler(layer, index):
-    """The FillerParameter of a layer's parameter blob `index`, with Caffe's defaults when unset."""
-    lp, kind = layer.param, layer.type
-    if kind in ("Convolution", "Deconvolution"):
-        p = lp.convolution_param
-        return p.weight_filler if index == 0 else p.bias_filler
-    if kind == "InnerProduct":
-        p = lp.inner_product_param
-        return p.weight_filler if index == 0 else p.bias_filler
-    if kind == "PReLU":
-        p = lp.prelu_param
-        return p.filler if p.HasField("filler") else _constant(0.25)
-    if kind == "Scale":
-        p = lp.scale_param
-        learned_scale = len(layer.bottoms) == 1
-        if learned_scale and index == 0:
-            return p.filler if p.HasField("filler") else _constant(1.0)
-        return p.bias_filler
-    if kind == "Bias":
-        return lp.bias_param.filler
-    if kind == "BatchNorm":
-        return _constant(0.0)
-    raise ValueError(f"layer '{layer.name}' ({kind}) has no parameter blobs to fill")
+    """The FillerParameter of a graph.Layer's parameter blob `index`, from its type's registry row."""
+    given = spec(layer.type).fillers(layer.param)
+    if index >= len(given):
+        raise ValueError(f"layer '{layer.name}' ({layer.type}) has no parameter blob {index} to fill")
+    return given[index]
 
 
 def init_params(graph, seed=None):

@@ -1,4 +1,4 @@
-"""The net as a DAG for one phase: layer filtering, blobs, Caffe's shape inference."""
+"""The layer registry (one row per type: shapes, blobs, fillers, flags) and the net as a DAG for one phase."""
 
 import math
 from dataclasses import dataclass, field
@@ -12,25 +12,75 @@ class ShapeError(ValueError):
 
 
 # ---------------------------------------------------------------------------
-# The layer table: type -> shape function. A shape function takes the layer's
-# LayerParameter, its bottom shapes (tuples) and the build context, and returns
-# (top shapes, parameter blob shapes in Caffe's order).
-
-SHAPES = {}
-LOSS_TYPES = {"SoftmaxWithLoss", "SigmoidCrossEntropyLoss", "EuclideanLoss"}
-DATA_TYPES = {"Data", "Input", "DummyData", "MemoryData"}
+# The layer registry: one row per layer type, as Caffe keeps one class per type.
+# Backends keep their own table of what each type computes (backends/*/layers.py);
+# tests/test_layer_registry.py keeps those tables and this one to the same types.
 
 
-def shape_function(*types):
+def _no_blobs(lp):
+    return []
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer type: its shapes, its parameter blobs and their fillers, and what kind of layer it is.
+
+    shapes(lp, bottom shapes, BuildContext) -> (top shapes, parameter blob shapes
+    in Caffe's order). fillers(lp) -> the FillerParameter of each parameter blob
+    the layer has, with Caffe's default where the prototxt gives none; how many
+    there are is the blob count when the input shape is unknown.
+    loss: its first top is a loss (default loss_weight 1); data: a data layer,
+    with no bottoms; fed: its tops come from a batch (DummyData makes its own);
+    labelled: its second bottom is a label; learned: False where the blobs are
+    statistics that Caffe keeps out of the solver (BatchNorm).
+    """
+
+    type: str
+    shapes: object
+    fillers: object = _no_blobs
+    loss: bool = False
+    data: bool = False
+    fed: bool = False
+    labelled: bool = False
+    learned: bool = True
+
+    def blob_count(self, lp):
+        """How many parameter blobs a layer of this type has, known before its shapes are."""
+        return len(self.fillers(lp))
+
+
+REGISTRY = {}  # layer type -> LayerSpec
+
+
+def layer_type(*types, **row):
+    """Register a shape function as the row of each of `types`, with the rest of the row in `row`."""
     def register(function):
         for kind in types:
-            SHAPES[kind] = function
+            REGISTRY[kind] = LayerSpec(kind, function, **row)
         return function
     return register
 
 
+def spec(kind):
+    """The registry row of layer type `kind`."""
+    return REGISTRY[kind]
+
+
 def supported_types():
-    return sorted(SHAPES)
+    return sorted(REGISTRY)
+
+
+def _constant_filler(value):
+    return pb.FillerParameter(type="constant", value=value)
+
+
+def _given_filler(param, name, default):
+    """param's filler `name`, or Caffe's default for it when the prototxt gives none."""
+    return getattr(param, name) if param.HasField(name) else default
+
+
+def _weight_and_bias(param):
+    return [param.weight_filler] + [param.bias_filler] * param.bias_term
 
 
 def canonical_axis(axis, num_axes, what="axis"):
@@ -53,21 +103,21 @@ def _same(lp, bottoms, ctx):
     return [bottoms[0]] * max(len(lp.top), 1), []
 
 
-shape_function("ReLU", "ELU", "Sigmoid", "TanH", "AbsVal", "Power", "Exp", "Log", "BNLL",
-               "Dropout", "Softmax")(_same)
+layer_type("ReLU", "ELU", "Sigmoid", "TanH", "AbsVal", "Power", "Exp", "Log", "BNLL", "Dropout",
+           "Softmax")(_same)
 
 
-@shape_function("Split")
+@layer_type("Split")
 def _split(lp, bottoms, ctx):
     return [bottoms[0]] * len(lp.top), []
 
 
-@shape_function("Silence")
+@layer_type("Silence")
 def _silence(lp, bottoms, ctx):
     return [], []
 
 
-@shape_function("LRN")
+@layer_type("LRN")
 def _lrn(lp, bottoms, ctx):
     if len(bottoms[0]) != 4:
         raise ShapeError(f"LRN needs a 4-axis input, got {fmt(bottoms[0])}")
@@ -76,7 +126,7 @@ def _lrn(lp, bottoms, ctx):
     return [bottoms[0]], []
 
 
-@shape_function("PReLU")
+@layer_type("PReLU", fillers=lambda lp: [_given_filler(lp.prelu_param, "filler", _constant_filler(0.25))])
 def _prelu(lp, bottoms, ctx):
     if len(bottoms[0]) < 2:
         raise ShapeError("PReLU needs an input with a channel axis")
@@ -84,7 +134,7 @@ def _prelu(lp, bottoms, ctx):
     return [bottoms[0]], [slopes]
 
 
-@shape_function("BatchNorm")
+@layer_type("BatchNorm", fillers=lambda lp: [_constant_filler(0.0)] * 3, learned=False)
 def _batch_norm(lp, bottoms, ctx):
     channels = bottoms[0][1] if len(bottoms[0]) > 1 else 1
     return [bottoms[0]], [(channels,), (channels,), (1,)]
@@ -108,7 +158,14 @@ def _broadcast_shape(lp, bottoms, param, what):
     return tuple(shape[axis:end]), True
 
 
-@shape_function("Scale")
+def _scale_fillers(lp):
+    """The learned scale (when bottom[1] does not give it), then the bias (with bias_term)."""
+    param = lp.scale_param
+    learned = [_given_filler(param, "filler", _constant_filler(1.0))] if len(lp.bottom) == 1 else []
+    return learned + [param.bias_filler] * param.bias_term
+
+
+@layer_type("Scale", fillers=_scale_fillers)
 def _scale(lp, bottoms, ctx):
     operand, learned = _broadcast_shape(lp, bottoms, lp.scale_param, "Scale")
     params = [operand] if learned else []
@@ -117,13 +174,13 @@ def _scale(lp, bottoms, ctx):
     return [bottoms[0]], params
 
 
-@shape_function("Bias")
+@layer_type("Bias", fillers=lambda lp: [lp.bias_param.filler] if len(lp.bottom) == 1 else [])
 def _bias(lp, bottoms, ctx):
     operand, learned = _broadcast_shape(lp, bottoms, lp.bias_param, "Bias")
     return [bottoms[0]], [operand] if learned else []
 
 
-@shape_function("Eltwise")
+@layer_type("Eltwise")
 def _eltwise(lp, bottoms, ctx):
     for shape in bottoms[1:]:
         if shape != bottoms[0]:
@@ -134,7 +191,7 @@ def _eltwise(lp, bottoms, ctx):
     return [bottoms[0]], []
 
 
-@shape_function("Concat")
+@layer_type("Concat")
 def _concat(lp, bottoms, ctx):
     param = lp.concat_param
     axis = param.concat_dim if param.HasField("concat_dim") else param.axis
@@ -151,7 +208,7 @@ def _concat(lp, bottoms, ctx):
     return [tuple(top)], []
 
 
-@shape_function("Slice")
+@layer_type("Slice")
 def _slice(lp, bottoms, ctx):
     param = lp.slice_param
     axis = param.slice_dim if param.HasField("slice_dim") else param.axis
@@ -173,7 +230,7 @@ def _slice(lp, bottoms, ctx):
     return [shape[:axis] + (size,) + shape[axis + 1:] for size in sizes], []
 
 
-@shape_function("Flatten")
+@layer_type("Flatten")
 def _flatten(lp, bottoms, ctx):
     shape = bottoms[0]
     start = canonical_axis(lp.flatten_param.axis, len(shape))
@@ -181,7 +238,7 @@ def _flatten(lp, bottoms, ctx):
     return [shape[:start] + (count(shape, start, end + 1),) + shape[end + 1:]], []
 
 
-@shape_function("Reshape")
+@layer_type("Reshape")
 def _reshape(lp, bottoms, ctx):
     shape, param = bottoms[0], lp.reshape_param
     start = param.axis if param.axis >= 0 else len(shape) + param.axis + 1
@@ -213,7 +270,7 @@ def _reshape(lp, bottoms, ctx):
     return [tuple(top)], []
 
 
-@shape_function("InnerProduct")
+@layer_type("InnerProduct", fillers=lambda lp: _weight_and_bias(lp.inner_product_param))
 def _inner_product(lp, bottoms, ctx):
     param, shape = lp.inner_product_param, bottoms[0]
     if not param.num_output:
@@ -258,7 +315,7 @@ def conv_geometry(param, spatial):
     return kernel, pad, stride, dilation
 
 
-@shape_function("Convolution", "Deconvolution")
+@layer_type("Convolution", "Deconvolution", fillers=lambda lp: _weight_and_bias(lp.convolution_param))
 def _convolution(lp, bottoms, ctx):
     param, shape = lp.convolution_param, bottoms[0]
     axis = canonical_axis(param.axis, len(shape))
@@ -331,7 +388,7 @@ def pooled_size(size, kernel, pad, stride, ceil_mode=True):
     return out
 
 
-@shape_function("Pooling")
+@layer_type("Pooling")
 def _pooling(lp, bottoms, ctx):
     shape, param = bottoms[0], lp.pooling_param
     if len(shape) != 4:
@@ -346,7 +403,7 @@ def _loss(lp, bottoms, ctx):
     return [()] + [bottoms[0]] * (len(lp.top) - 1), []
 
 
-@shape_function("SoftmaxWithLoss")
+@layer_type("SoftmaxWithLoss", loss=True, labelled=True)
 def _softmax_loss(lp, bottoms, ctx):
     shape = bottoms[0]
     axis = canonical_axis(lp.softmax_param.axis, len(shape))
@@ -356,7 +413,8 @@ def _softmax_loss(lp, bottoms, ctx):
     return _loss(lp, bottoms, ctx)
 
 
-@shape_function("SigmoidCrossEntropyLoss", "EuclideanLoss")
+@layer_type("SigmoidCrossEntropyLoss", loss=True, labelled=True)
+@layer_type("EuclideanLoss", loss=True)
 def _pairwise_loss(lp, bottoms, ctx):
     if len(bottoms) != 2 or count(bottoms[0]) != count(bottoms[1]):
         raise ShapeError(f"{lp.type} needs two inputs of the same size, got "
@@ -364,7 +422,7 @@ def _pairwise_loss(lp, bottoms, ctx):
     return _loss(lp, bottoms, ctx)
 
 
-@shape_function("Accuracy")
+@layer_type("Accuracy", labelled=True)
 def _accuracy(lp, bottoms, ctx):
     shape = bottoms[0]
     axis = canonical_axis(lp.accuracy_param.axis, len(shape))
@@ -375,7 +433,7 @@ def _accuracy(lp, bottoms, ctx):
     return [()] + [(shape[axis],)] * (len(lp.top) - 1), []
 
 
-@shape_function("ArgMax")
+@layer_type("ArgMax")
 def _argmax(lp, bottoms, ctx):
     shape, param = bottoms[0], lp.argmax_param
     if param.HasField("axis"):
@@ -395,7 +453,7 @@ def _argmax(lp, bottoms, ctx):
 
 # Data layers: their shapes come from the prototxt or from the data itself.
 
-@shape_function("Input")
+@layer_type("Input", data=True, fed=True)
 def _input(lp, bottoms, ctx):
     shapes = [tuple(s.dim) for s in lp.input_param.shape]
     if len(shapes) not in (1, len(lp.top)):
@@ -403,7 +461,7 @@ def _input(lp, bottoms, ctx):
     return (shapes * len(lp.top) if len(shapes) == 1 else shapes), []
 
 
-@shape_function("DummyData")
+@layer_type("DummyData", data=True)
 def _dummy(lp, bottoms, ctx):
     param = lp.dummy_data_param
     if param.shape:
@@ -419,7 +477,7 @@ def _dummy(lp, bottoms, ctx):
     return (shapes * len(lp.top) if len(shapes) == 1 else shapes), []
 
 
-@shape_function("MemoryData")
+@layer_type("MemoryData", data=True, fed=True)
 def _memory(lp, bottoms, ctx):
     p = lp.memory_data_param
     return [(p.batch_size, p.channels, p.height, p.width), (p.batch_size,)][:len(lp.top)], []
@@ -437,7 +495,7 @@ def crop_shape(transform, shape):
     return c, h, w
 
 
-@shape_function("Data")
+@layer_type("Data", data=True, fed=True)
 def _data(lp, bottoms, ctx):
     if not lp.data_param.batch_size:
         raise ShapeError("Data needs data_param.batch_size")
@@ -448,6 +506,17 @@ def _data(lp, bottoms, ctx):
     if source_shape is None:
         return [None, (batch,)][:len(lp.top)], []
     return [(batch,) + crop_shape(lp.transform_param, source_shape), (batch,)][:len(lp.top)], []
+
+
+def _types(flag):
+    return frozenset(kind for kind, row in REGISTRY.items() if getattr(row, flag))
+
+
+# The kinds of layer other modules ask about, from the rows above.
+LOSS_TYPES = _types("loss")
+DATA_TYPES = _types("data")
+FED_TYPES = _types("fed")
+LABELLED_TYPES = _types("labelled")
 
 
 # ---------------------------------------------------------------------------
@@ -520,11 +589,10 @@ class Layer:
 
     def param_spec(self, i):
         """lr_mult, decay_mult and share name of parameter blob i (Caffe's defaults when unset)."""
-        spec = self.param.param[i] if i < len(self.param.param) else pb.ParamSpec()
-        lr, decay = spec.lr_mult, spec.decay_mult
-        if self.type == "BatchNorm":
-            lr, decay = 0.0, 0.0  # Caffe keeps BatchNorm's statistics out of the solver.
-        return lr, decay, spec.name
+        given = self.param.param[i] if i < len(self.param.param) else pb.ParamSpec()
+        if not REGISTRY[self.type].learned:
+            return 0.0, 0.0, given.name
+        return given.lr_mult, given.decay_mult, given.name
 
     @property
     def in_place(self):
@@ -596,7 +664,7 @@ class Graph:
 
     def _build(self):
         for i, lp in enumerate(self.net_param.layer):
-            if lp.type not in SHAPES:
+            if lp.type not in REGISTRY:
                 raise self._error(f"layer '{lp.name}': unknown layer type '{lp.type}'; supported types: "
                                   f"{', '.join(supported_types())}", i, "type")
             if lp.include and lp.exclude:
@@ -629,13 +697,14 @@ class Graph:
                 raise self._error(f"layer '{lp.name}': top '{top}' is already produced by layer "
                                   f"'{self.producers[top]}' (only in-place use may reuse a blob name)",
                                   index, "top")
-        if lp.type not in DATA_TYPES and not layer.bottoms:
+        row = REGISTRY[lp.type]
+        if not row.data and not layer.bottoms:
             raise self._error(f"layer '{lp.name}' ({lp.type}) needs a bottom", index)
         if any(shape is None for shape in layer.bottom_shapes):
-            tops, params = [None] * len(layer.tops), [None] * _param_count_unknown(lp)
+            tops, params = [None] * len(layer.tops), [None] * row.blob_count(lp)
         else:
             try:
-                tops, params = SHAPES[lp.type](lp, [tuple(s) for s in layer.bottom_shapes], self.context)
+                tops, params = row.shapes(lp, [tuple(s) for s in layer.bottom_shapes], self.context)
             except ShapeError as error:
                 raise self._error(f"layer '{lp.name}' ({lp.type}): {error}", index) from None
         if len(tops) < len(layer.tops):
@@ -649,7 +718,7 @@ class Graph:
                                   index, "loss_weight")
             layer.loss_weights = list(lp.loss_weight)
         else:
-            default = 1.0 if lp.type in LOSS_TYPES else 0.0
+            default = 1.0 if row.loss else 0.0
             layer.loss_weights = [default] + [0.0] * (len(layer.tops) - 1) if layer.tops else []
         for top, shape in zip(layer.tops, layer.top_shapes):
             self.blobs[top] = shape
@@ -702,6 +771,11 @@ class Graph:
     def known_param_count(self):
         return sum(p.size for p in self.params if p.size is not None)
 
+    def fed_tops(self, layers=None):
+        """{top: shape} a batch must hold: the tops of the fed layers (or of `layers`), in net order."""
+        layers = [layer for layer in self.layers if layer.type in FED_TYPES] if layers is None else layers
+        return {top: tuple(shape) for layer in layers for top, shape in zip(layer.tops, layer.top_shapes)}
+
     def split_blobs(self):
         """Blobs consumed by more than one layer: where Caffe inserts its implicit Split layers."""
         return {blob: layers for blob, layers in self.consumers.items() if len(layers) > 1}
@@ -723,20 +797,3 @@ class Graph:
             lines.append(f"total parameters: {total}")
         return "\n".join(line.rstrip() for line in lines)
 
-
-def _param_count_unknown(lp):
-    """How many parameter blobs a layer has when its input shape is unknown."""
-    kind = lp.type
-    if kind in ("Convolution", "Deconvolution"):
-        return 1 + lp.convolution_param.bias_term
-    if kind == "InnerProduct":
-        return 1 + lp.inner_product_param.bias_term
-    if kind == "BatchNorm":
-        return 3
-    if kind == "PReLU":
-        return 1
-    if kind == "Scale":
-        return (len(lp.bottom) == 1) + lp.scale_param.bias_term
-    if kind == "Bias":
-        return int(len(lp.bottom) == 1)
-    return 0

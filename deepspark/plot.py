@@ -5,6 +5,8 @@ import re
 
 import numpy as np
 
+from deepspark.errors import ConfigError
+
 LINE = re.compile(r"^[IWEF](\d{4} \d\d:\d\d:\d\d\.\d+) \S+ \S+\] (.*)$")
 TRAIN = re.compile(r"Iteration (\d+)(?: \([^)]*\))?, loss = ([-+\w.]+)")
 TESTING = re.compile(r"Iteration (\d+), Testing net \(#(\d+)\)")
@@ -63,16 +65,13 @@ def plot_history(history, path, title="training"):
     return path
 
 
-def cmd_plot(args):
-    from deepspark.errors import ConfigError
-
+def plot_log(log, output):
+    """`deepspark plot`: loss and test outputs against time from a Caffe-style training log, as a PNG."""
     try:
-        with open(args.log, encoding="utf-8") as stream:
+        with open(log, encoding="utf-8") as stream:
             history = parse_log(stream)
     except OSError as error:
-        raise ConfigError(f"cannot read the log: {error.strerror}", args.log) from None
+        raise ConfigError(f"cannot read the log: {error.strerror}", log) from None
     if not history:
-        raise ConfigError("no 'Iteration N, loss = L' or test output lines in this log", args.log)
-    plot_history(history, args.output, title=args.log)
-    print(f"wrote {args.output}")
-    return 0
+        raise ConfigError("no 'Iteration N, loss = L' or test output lines in this log", log)
+    return plot_history(history, output, title=log)

@@ -47,18 +47,14 @@ def all_finite(a, scratch=None):
     return bool(np.isfinite(a, out=scratch).all())
 
 
-def decayed(value, rate, step, limit, count):
-    """`value` after `count` exchanges: × rate every `step` exchanges, at most `limit` times.
+def decayed(value, rate, step, floor, count):
+    """value · rate^⌊count / step⌋, never below `floor`: DeepSpark's moving-rate schedule after `count` exchanges.
 
-    DeepSpark's moving-rate and server-factor schedules; step ≤ 0 means never,
-    limit < 0 means without bound.
+    step ≤ 0 or rate == 1 leaves `value` unchanged.
     """
-    if step <= 0 or limit == 0 or rate == 1.0:
+    if step <= 0 or rate == 1.0:
         return value
-    times = count // step
-    if limit > 0:
-        times = min(times, limit)
-    return value * rate ** times
+    return max(value * rate ** (count // step), floor)
 
 
 # ---- when to exchange --------------------------------------------------------

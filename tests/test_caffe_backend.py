@@ -1,5 +1,6 @@
 """The Caffe backend against the contract: layout, flat vector, Caffe's solver arithmetic, state, data feeding."""
 
+import ctypes
 import os
 
 import numpy as np
@@ -7,8 +8,10 @@ import pytest
 
 from deepspark import fillers, schedule
 from deepspark.backends import create_model
+from deepspark.backends.caffe import runtime
 from deepspark.config import parse_net
 from deepspark.errors import ConfigError
+from deepspark.data import DataFeeder, source_shape
 from deepspark.data.convert import convert_mnist
 from deepspark.graph import Graph
 from deepspark.proto import deepspark_pb2 as pb
@@ -244,8 +247,6 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 
 def test_caffe_data_layer_option_reads_the_same_batches(mnist_lmdb):
     """data_layers='caffe' keeps Caffe's Data layer; it trains exactly as fed from our pipeline."""
-    from deepspark.data import DataFeeder, source_shape
-
     net_param = parse_net(LMDB_NET % mnist_lmdb)[0]
     param = pb.SolverParameter(base_lr=0.1, momentum=0.9, lr_policy="fixed", random_seed=1)
     fed = create_model("caffe", net_param, param, data_shape=source_shape, seed=1)
@@ -258,15 +259,24 @@ def test_caffe_data_layer_option_reads_the_same_batches(mnist_lmdb):
     np.testing.assert_allclose(fed.get_flat(), own.get_flat(), rtol=1e-6, atol=1e-8)
 
 
-def test_threads_variable_is_checked(monkeypatch):
-    from deepspark.backends.caffe import runtime
+def test_threads_parameter_sets_caffes_openblas():
+    def caffes_openblas_threads():
+        libraries = [ctypes.CDLL(path) for path in runtime._loaded_openblas()]
+        return [lib.openblas_get_num_threads() for lib in libraries if hasattr(lib, "openblas_get_num_threads")]
 
-    monkeypatch.setenv("DEEPSPARK_THREADS", "1")
-    assert runtime.threads() == 1
-    create_model("caffe", net(), solver())  # sets OpenBLAS's threads on the way
-    monkeypatch.setenv("DEEPSPARK_THREADS", "zero")
-    with pytest.raises(ValueError, match="DEEPSPARK_THREADS"):
-        runtime.threads()
+    runtime.caffe()
+    (before,) = set(caffes_openblas_threads())
+    try:
+        for count in (1, 2):
+            assert create_model("caffe", net(), solver(), threads=count).threads == count
+            assert set(caffes_openblas_threads()) == {count}
+        create_model("caffe", net(), solver())  # None: the count stays as it is
+        assert set(caffes_openblas_threads()) == {2}
+    finally:
+        runtime.set_threads(before)  # the other tests in this process run as they did
+    for bad in (0, -1, "2", 1.5, True):
+        with pytest.raises(ValueError, match="threads"):
+            create_model("caffe", net(), solver(), threads=bad)
     assert os.environ.get("GLOG_minloglevel") is not None
 
 

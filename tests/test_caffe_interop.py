@@ -7,9 +7,12 @@ import numpy as np
 import pytest
 
 from deepspark import checkpoint, fillers
+from deepspark.backends import create_model
 from deepspark.backends.caffe import compiler, runtime
+from deepspark.compare import shape_finder
 from deepspark.config import load_net, load_solver, parse_net
 from deepspark.data import DataFeeder
+from deepspark.errors import ConfigError
 from deepspark.graph import Graph
 from deepspark.proto import deepspark_pb2 as pb
 from tests.conftest import ROOT, run_cli
@@ -62,8 +65,6 @@ def test_caffes_caffemodel_loads_in_ours(tmp_path, name):
 
 def test_caffe_backend_weights_through_a_caffemodel_written_by_caffe(tmp_path):
     """Our Caffe backend's parameters, saved by pycaffe's own Net.save, read back by checkpoint."""
-    from deepspark.backends import create_model
-
     net, source = load_net(deploy("lenet"))
     model = create_model("caffe", net, None, phase=pb.TEST, source=source, seed=3)
     path = str(tmp_path / "backend.caffemodel")
@@ -168,8 +169,6 @@ def test_unknown_field_is_refused_not_dropped():
     assert compiler.to_caffe(net, caffe_pb2.NetParameter).layer[0].pooling_param.ceil_mode is False
     solver = pb.SolverParameter(base_lr=0.1)
     solver.deepspark_param.workers = 2
-    from deepspark.errors import ConfigError
-
     with pytest.raises(ConfigError, match="field 8000"):
         compiler.to_caffe(solver, caffe_pb2.SolverParameter)
 
@@ -177,8 +176,6 @@ def test_unknown_field_is_refused_not_dropped():
 @pytest.mark.parametrize("name", ["lenet", "cifar10_quick", "cifar10_full"])
 def test_our_compiled_net_builds_in_caffe(name):
     """What the backend hands pycaffe (phase resolved, Data as Input) builds with the graph's shapes."""
-    from deepspark.compare import shape_finder
-
     path = os.path.join(ROOT, "models", name, "train_val.prototxt")
     net, source = load_net(path)
     for phase, caffe_phase in ((pb.TRAIN, caffe.TRAIN), (pb.TEST, caffe.TEST)):

@@ -100,7 +100,7 @@ def test_compare_exit_status_and_errors(tmp_path):
     status, _, err = run_compare("--model", "models/lenet", "--backends", "caffe,theano")
     assert status == 1 and "unknown backend 'theano'" in err
     with pytest.raises(ConfigError, match="at least two"):
-        compare.run("models/lenet", ["caffe"], out=io.StringIO())
+        compare.run("models/lenet", backends=["caffe"], out=io.StringIO())
 
 
 def test_training_loss_curves_track_and_each_step_agrees(tmp_path):
@@ -110,7 +110,7 @@ def test_training_loss_curves_track_and_each_step_agrees(tmp_path):
     cwd = os.getcwd()
     os.chdir(ROOT)  # the solver's LMDB paths are relative to the repository
     try:
-        result = compare.run(os.path.join(ROOT, "models", "lenet"), ["caffe", "tensorflow"], solver_path=solver,
+        result = compare.run(os.path.join(ROOT, "models", "lenet"), backends=["caffe", "tensorflow"], solver_path=solver,
                              iterations=12, batch_size=32, out=out)
     finally:
         os.chdir(cwd)

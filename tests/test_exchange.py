@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from deepspark import rules
-from deepspark.exchange import ExchangeClient, ExchangeServer, NonFiniteError, RefusedError
+from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer, NonFiniteError, RefusedError
 from deepspark.exchange import protocol as P
 from deepspark.exchange.transport import PIPELINE_BYTES, RECV_SLICE, SLICE_FLOATS, slice_floats
 
@@ -24,8 +24,8 @@ def make_center(n=N):
 
 @pytest.fixture
 def server():
-    srv = ExchangeServer(make_center(), SECRET, 0.5, shapes=SHAPES, consistent=True,
-                         handshake_timeout=0.3, idle_timeout=10.0, chunk=64).start()
+    srv = ExchangeServer(make_center(), SECRET, EasgdHandler(0.5, consistent=True, chunk=64), shapes=SHAPES,
+                         handshake_timeout=0.3, idle_timeout=10.0).start()
     yield srv
     srv.stop()
 
@@ -113,7 +113,7 @@ def _exact(sock, n):
 @pytest.mark.parametrize("consistent", [True, False])
 def test_exchange_arithmetic_is_the_rule(consistent):
     center = make_center()
-    with ExchangeServer(center, SECRET, 0.25, consistent=consistent, chunk=7) as srv:
+    with ExchangeServer(center, SECRET, EasgdHandler(0.25, consistent=consistent, chunk=7)) as srv:
         host, port = srv.address
         x = np.random.default_rng(0).standard_normal(N).astype(np.float32)
         x_rule, c_rule = x.copy(), center.copy()
@@ -136,7 +136,7 @@ def test_default_slicing_of_a_model_bigger_than_one_slice(consistent):
     n = 3 * RECV_SLICE + 1234
     assert slice_floats(n) == (RECV_SLICE, n)
     center = np.random.default_rng(1).standard_normal(n).astype(np.float32)
-    with ExchangeServer(center, SECRET, 0.25, consistent=consistent) as srv:
+    with ExchangeServer(center, SECRET, EasgdHandler(0.25, consistent=consistent)) as srv:
         with ExchangeClient(srv.address, SECRET, 0, on_nonfinite="raise") as client:
             x = np.random.default_rng(2).standard_normal(n).astype(np.float32)
             x_rule, c_rule = x.copy(), center.copy()
@@ -163,21 +163,43 @@ def test_slices_follow_chunk_and_size():
 
 def test_server_factor_and_moving_rate_decay():
     center = np.zeros(4, dtype=np.float32)
-    srv = ExchangeServer(center, SECRET, 0.5, server_factor=0.5, consistent=True,
-                         decay_rate=0.5, decay_step=1, decay_limit=1).start()
+    srv = ExchangeServer(center, SECRET, EasgdHandler(0.5, server_factor=0.5, consistent=True,
+                                                      decay_rate=0.5, decay_step=1, rate_floor=0.25)).start()
     try:
         with ExchangeClient(srv.address, SECRET, 0) as client:
             x = np.full(4, 8.0, dtype=np.float32)
             client.exchange(x)               # α = 0.5: d = 4
             np.testing.assert_array_equal(x, np.full(4, 4.0))
             np.testing.assert_array_equal(srv.pull(), np.full(4, 2.0))  # x̃ += 0.5·d
-            assert srv.moving_rate == 0.25
+            assert srv.handler.moving_rate == 0.25
             client.exchange(x)               # α = 0.25: d = 0.25·(4 − 2)
             np.testing.assert_array_equal(x, np.full(4, 3.5))
-            client.exchange(x)               # limit 1: α stays 0.25
-            assert srv.moving_rate == 0.25
+            client.exchange(x)               # floor 0.25: α stays 0.25
+            assert srv.handler.moving_rate == 0.25
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("consistent", [True, False])
+def test_moving_rate_decays_to_its_floor_and_the_center_moves_by_it(consistent):
+    # α·γ^⌊k/step⌋ never below the floor (the proto's moving_rate_gamma / _step / _limit):
+    # 0.8, 0.8, 0.4, 0.4, 0.2, 0.2, then the floor 0.15 where 0.1 would come.
+    alpha, gamma, step, floor = 0.8, 0.5, 2, 0.15
+    rng = np.random.default_rng(3)
+    center = rng.standard_normal(N).astype(np.float32)
+    handler = EasgdHandler(alpha, decay_rate=gamma, decay_step=step, rate_floor=floor, consistent=consistent)
+    with ExchangeServer(center, SECRET, handler) as srv, ExchangeClient(srv.address, SECRET, 0) as client:
+        c_rule = center.copy()
+        for k in range(9):
+            rate = max(alpha * gamma ** (k // step), floor)
+            assert srv.handler.moving_rate == rate
+            x = rng.standard_normal(N).astype(np.float32)
+            x_rule = x.copy()
+            rules.easgd_step(x_rule, c_rule, rate)
+            assert client.exchange(x) == "applied"
+            assert bits(x) == bits(x_rule)
+            wait_for(lambda: bits(srv.pull()) == bits(c_rule))  # lock-free: the add may follow the reply
+        assert srv.exchanges == 9 and srv.handler.moving_rate == floor
 
 
 def test_stats_per_worker(server, good):
@@ -263,7 +285,7 @@ def run_worker(address, wid, shard, iterations, period, overlapped, errors):
 @pytest.mark.parametrize("workers, overlapped", [(2, False), (4, True)])
 def test_async_easgd_center_converges_to_least_squares_optimum(workers, overlapped):
     x_star, shards = least_squares(workers)
-    srv = ExchangeServer(np.zeros(x_star.size, dtype=np.float32), SECRET, 0.9 / workers).start()
+    srv = ExchangeServer(np.zeros(x_star.size, dtype=np.float32), SECRET, EasgdHandler(0.9 / workers)).start()
     try:
         errors = []
         threads = [threading.Thread(target=run_worker,
@@ -307,7 +329,7 @@ def test_stranger_with_a_forged_proof_is_refused(server, good):
 
 
 def test_client_refuses_a_server_without_the_secret(good, server):
-    other = ExchangeServer(make_center(), b"another-job", 0.5, shapes=SHAPES).start()
+    other = ExchangeServer(make_center(), b"another-job", EasgdHandler(0.5), shapes=SHAPES).start()
     try:
         client = ExchangeClient(other.address, SECRET, 4, shapes=SHAPES, retries=1)
         with pytest.raises(RefusedError) as err:
@@ -419,7 +441,7 @@ def test_non_finite_payload_is_refused_and_the_worker_told(server, good, bad):
 
 
 def test_worker_dropped_for_idling_rejoins_and_resumes_from_the_center():
-    srv = ExchangeServer(make_center(), SECRET, 0.5, consistent=True, idle_timeout=0.3).start()
+    srv = ExchangeServer(make_center(), SECRET, EasgdHandler(0.5, consistent=True), idle_timeout=0.3).start()
     try:
         client = ExchangeClient(srv.address, SECRET, 3, backoff=0.01)
         x = np.zeros(N, dtype=np.float32)
@@ -445,7 +467,7 @@ def test_client_retries_until_the_server_is_up():
 
     def late_start():
         time.sleep(0.2)
-        started.append(ExchangeServer(make_center(), SECRET, 0.5, port=port).start())
+        started.append(ExchangeServer(make_center(), SECRET, EasgdHandler(0.5), port=port).start())
 
     t = threading.Thread(target=late_start)
     t.start()
@@ -470,7 +492,7 @@ def test_unreachable_server_gives_a_clear_error():
 
 def test_rejoining_worker_is_told_its_last_iteration_and_new_ones_the_resume_point():
     center = np.zeros(8, np.float32)
-    with ExchangeServer(center, "s3cret", 0.5, resume_iteration=300) as server:
+    with ExchangeServer(center, "s3cret", EasgdHandler(0.5), resume_iteration=300) as server:
         first = ExchangeClient(server.address, "s3cret", 0)
         first.connect(8)
         assert first.resume_iteration == 300
@@ -490,7 +512,7 @@ def test_rejoining_worker_is_told_its_last_iteration_and_new_ones_the_resume_poi
 
 
 def test_ready_says_when_an_overlapped_result_has_arrived():
-    with ExchangeServer(np.zeros(4, np.float32), "k", 0.5) as server:
+    with ExchangeServer(np.zeros(4, np.float32), "k", EasgdHandler(0.5)) as server:
         client = ExchangeClient(server.address, "k", 0)
         params = np.ones(4, np.float32)
         assert not client.ready

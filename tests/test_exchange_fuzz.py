@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepspark.exchange import ExchangeClient, ExchangeServer
+from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer
 from deepspark.exchange import protocol as P
 
 SECRET = b"fuzz-secret"
@@ -107,7 +107,7 @@ def _drain(sock):
 
 def test_live_server_survives_fuzzed_frames():
     center = np.linspace(-1, 1, N, dtype=np.float32)
-    srv = ExchangeServer(center, SECRET, 0.5, handshake_timeout=0.5, idle_timeout=0.5).start()
+    srv = ExchangeServer(center, SECRET, EasgdHandler(0.5), handshake_timeout=0.5, idle_timeout=0.5).start()
     good = ExchangeClient(srv.address, SECRET, 1)
     before = srv.pull()
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from deepspark import rules
-from deepspark.exchange import ExchangeClient, ExchangeServer, RefusedError
+from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer, RefusedError, RoundsHandler
 from deepspark.exchange import protocol as P
 
 SECRET = b"per-job-secret"
@@ -18,8 +18,8 @@ SHAPES = ((10, 10), (900,))
 
 def make_server(workers, round_timeout=10.0, **options):
     center = np.linspace(-1.0, 1.0, N, dtype=np.float32)
-    return ExchangeServer(center, SECRET, 0.5, shapes=SHAPES, idle_timeout=10.0, sync_workers=workers,
-                          round_timeout=round_timeout, **options).start()
+    return ExchangeServer(center, SECRET, RoundsHandler(workers, round_timeout=round_timeout), shapes=SHAPES,
+                          idle_timeout=10.0, **options).start()
 
 
 def client(server, wid, timeout=10.0):
@@ -57,7 +57,7 @@ def test_every_worker_gets_the_exact_mean_of_the_round(workers):
             for p in params:
                 assert p.tobytes() == mean.tobytes()  # identical on every worker, bit for bit
             assert server.pull().tobytes() == mean.tobytes()
-            assert server.rounds == iteration
+            assert server.handler.rounds == iteration
         stats = server.stats()
         assert all(stats[w]["exchanges"] == 5 and stats[w]["iteration"] == 5 for w in range(workers))
         for c in clients:
@@ -98,10 +98,12 @@ def test_non_finite_parameters_fail_the_round_for_everyone():
         a, b = client(server, 0), client(server, 1)
         bad = np.ones(N, np.float32)
         bad[5] = np.nan
-        results = in_threads([lambda: a.average(np.ones(N, np.float32), 1), lambda: b.average(bad, 1)])
+        # b's frame comes second, so that its refusal finds a already waiting in the round.
+        results = in_threads([lambda: a.average(np.ones(N, np.float32), 1),
+                              lambda: (time.sleep(0.2), b.average(bad, 1))])
         assert isinstance(results[1], RefusedError) and results[1].code == P.E_NONFINITE
         assert isinstance(results[0], RefusedError) and "worker 1 left during the round of iteration 1" in str(results[0])
-        assert np.isfinite(server.pull()).all() and server.rounds == 0
+        assert np.isfinite(server.pull()).all() and server.handler.rounds == 0
 
 
 def test_workers_in_different_rounds_are_refused():
@@ -119,7 +121,7 @@ def test_modes_refuse_each_others_frames():
         c = client(server, 0)
         with pytest.raises(RefusedError, match="EXCHANGE from worker 0, but this is a synchronous server"):
             c._exchange_once(np.zeros(N, np.float32), np.zeros(N, np.float32), 1, 0.0)
-    async_server = ExchangeServer(np.zeros(N, np.float32), SECRET, 0.5, shapes=SHAPES).start()
+    async_server = ExchangeServer(np.zeros(N, np.float32), SECRET, EasgdHandler(0.5), shapes=SHAPES).start()
     try:
         c = client(async_server, 0)
         with pytest.raises(RefusedError, match="AVERAGE from worker 0, but this is an asynchronous EASGD server"):
@@ -146,4 +148,4 @@ def test_rejoining_workers_all_restart_from_the_last_completed_round():
         # a rejoiner that arrives late (still building its backend) does not fail the round
         results = in_threads([lambda: again[0].average(np.zeros(N, np.float32), 102),
                               lambda: (time.sleep(0.3), again[1].average(np.full(N, 2, np.float32), 102))])
-        assert not any(isinstance(r, BaseException) for r in results) and server.rounds == 2
+        assert not any(isinstance(r, BaseException) for r in results) and server.handler.rounds == 2

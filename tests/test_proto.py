@@ -14,11 +14,12 @@ from deepspark.proto import deepspark_pb2 as pb
 def test_generated_code_is_fresh(tmp_path):
     protoc = shutil.which("protoc")
     assert protoc, "protoc is missing: `make test` installs protobuf-compiler"
-    subprocess.run([protoc, f"-I{ROOT}/proto", f"--python_out={tmp_path}", f"{ROOT}/proto/deepspark.proto"],
-                   check=True)
-    fresh = (tmp_path / "deepspark_pb2.py").read_text()
-    committed = open(os.path.join(ROOT, "deepspark/proto/deepspark_pb2.py")).read()
-    assert fresh == committed, "deepspark/proto is stale: run `make proto` and commit the result"
+    subprocess.run([protoc, f"-I{ROOT}/proto", f"--python_out={tmp_path}", "--include_source_info",
+                    f"--descriptor_set_out={tmp_path}/deepspark.desc", f"{ROOT}/proto/deepspark.proto"], check=True)
+    for name in ("deepspark_pb2.py", "deepspark.desc"):
+        fresh = (tmp_path / name).read_bytes()
+        committed = open(os.path.join(ROOT, "deepspark/proto", name), "rb").read()
+        assert fresh == committed, f"deepspark/proto/{name} is stale: run `make proto` and commit the result"
 
 
 def caffe_fields(text, message):

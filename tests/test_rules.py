@@ -54,15 +54,17 @@ def test_all_finite():
         assert not rules.all_finite(a)
 
 
-@pytest.mark.parametrize("count, expected", [(0, 0.8), (9, 0.8), (10, 0.4), (25, 0.2), (30, 0.2), (1000, 0.2)])
-def test_decay_steps_and_limit(count, expected):
-    assert rules.decayed(0.8, 0.5, 10, 2, count) == pytest.approx(expected)
+@pytest.mark.parametrize("count, expected", [(0, 0.8), (9, 0.8), (10, 0.4), (25, 0.2), (30, 0.1), (39, 0.1),
+                                             (40, 0.07), (1000, 0.07)])
+def test_decay_steps_and_floor(count, expected):
+    # rate · gamma^⌊count / step⌋, never below the floor (the proto's moving_rate_limit).
+    assert rules.decayed(0.8, 0.5, 10, 0.07, count) == pytest.approx(expected)
 
 
 def test_decay_disabled_and_unbounded():
-    assert rules.decayed(0.8, 0.5, 0, 5, 100) == 0.8      # step 0: never
-    assert rules.decayed(0.8, 0.5, 10, 0, 100) == 0.8     # limit 0: never
-    assert rules.decayed(0.8, 0.5, 10, -1, 40) == pytest.approx(0.05)  # no bound
+    assert rules.decayed(0.8, 0.5, 0, 0.1, 100) == 0.8     # step 0: never
+    assert rules.decayed(0.8, 1.0, 10, 0.1, 100) == 0.8    # gamma 1: never
+    assert rules.decayed(0.8, 0.5, 10, 0.0, 40) == pytest.approx(0.05)  # floor 0: no bound
 
 
 def test_fixed_period_schedule():

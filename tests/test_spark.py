@@ -70,7 +70,7 @@ def test_dataframe_fed_run(tmp_path):
     script = f"""
 import sys, json, numpy as np
 sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
-from deepspark.spark.driver import spark_session
+from deepspark.spark.job import spark_session
 from deepspark.proto import deepspark_pb2 as pb
 import deepspark
 rng = np.random.default_rng(0)
@@ -169,16 +169,16 @@ def test_standalone_cluster_runs_a_task_on_each_worker(tmp_path, standalone_clus
 
 
 def test_a_failed_job_is_reported_by_the_workers_own_error_line():
-    from deepspark.spark.driver import _first_line
+    from deepspark.spark.job import first_line
 
     report = """An error occurred while calling z:org.apache.spark.api.python.PythonRDD.collectAndServe.
 org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 0.0 failed 4 times
-  File "/work/main/deepspark/spark/baselines.py", line 84, in sync_worker
-    raise worker_module.WorkerError(f"{where}: {error.reason}") from None
+  File "/work/main/deepspark/spark/sync.py", line 84, in train_worker
+    raise executor.WorkerError(f"{where}: {error.reason}") from None
 deepspark.spark.worker.WorkerError: worker 1 on vm: worker 0 left during the round of iteration 175
  SQLSTATE: 38000
 \tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator.handlePythonException(PythonRunner.scala:1097)"""
-    assert _first_line(report) == "worker 1 on vm: worker 0 left during the round of iteration 175"
-    assert _first_line(report.replace("deepspark.spark.worker.WorkerError", "ValueError")) == \
+    assert first_line(report) == "worker 1 on vm: worker 0 left during the round of iteration 175"
+    assert first_line(report.replace("deepspark.spark.worker.WorkerError", "ValueError")) == \
         "ValueError: worker 1 on vm: worker 0 left during the round of iteration 175"
-    assert _first_line("org.apache.spark.SparkException: Job aborted\nmore") == "SparkException: Job aborted"
+    assert first_line("org.apache.spark.SparkException: Job aborted\nmore") == "SparkException: Job aborted"

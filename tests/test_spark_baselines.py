@@ -1,6 +1,5 @@
 """The sync and average baselines on real Spark (local[2]) and the tiny synthetic job: accuracy, logs, snapshots, arithmetic."""
 
-import argparse
 import os
 import re
 
@@ -12,9 +11,7 @@ from sparkjobs import final_accuracy, train_and_kill_a_worker
 from synthetic import make_job
 
 from deepspark import checkpoint, rules
-from deepspark.config import load_solver
-from deepspark.log import Log
-from deepspark.solver import apply_overrides
+from deepspark.config import load_solver, override
 
 pytestmark = pytest.mark.spark
 
@@ -73,22 +70,16 @@ def test_average_runs_rounds_of_period_iterations(tmp_path):
 def test_average_center_is_the_mean_of_what_the_workers_trained_from_it(tmp_path):
     """One round (period = max_iter): each worker ran `period` iterations from the broadcast center on its
     own shard, and the new center is rules.average_models of their parameters."""
-    from deepspark.spark import baselines
-    from deepspark.spark import worker as worker_module
-    from deepspark.spark.driver import shard_payloads
+    from deepspark.spark import average
+    from deepspark.spark import worker as executor
+    from deepspark.spark.job import shard_payloads
 
     steps = 12
     path = make_job(tmp_path, max_iter=steps, test_interval=0, snapshot=0)
-    args = argparse.Namespace(algorithm="average", period=steps, workers=2, iterations=steps)
-    solver = apply_overrides(load_solver(path), args)
-    log = Log(str(tmp_path / "train.log"))
-    job = baselines.AverageJob(solver, log, str(tmp_path / "out"))
-    try:
-        start = job.center_flat()
-        job.run()
-    finally:
-        job.close()
-        log.close()
+    solver = override(load_solver(path), algorithm="average", period=steps, workers=2, iterations=steps)
+    job = average.AverageJob(solver)
+    job.run()
+    start = np.concatenate([a.reshape(-1) for a in job.center0]).astype(np.float32)
     assert [w for w, _ in job.last_round] == [0, 1]
     returned = [params for _, params in job.last_round]
     assert not np.array_equal(returned[0], returned[1])
@@ -100,7 +91,7 @@ def test_average_center_is_the_mean_of_what_the_workers_trained_from_it(tmp_path
     # each worker's parameters are what its Trainer makes of the start center in `steps` iterations
     payloads, _ = shard_payloads(solver, 2, False)
     for worker, payload in enumerate(payloads):
-        trainer, shard, _, _ = worker_module.build(worker, payload, job.job)
+        trainer, shard, _, _ = executor.build(worker, payload, job.task)
         try:
             trainer.model.set_flat(start)
             for _ in range(steps):
@@ -108,4 +99,4 @@ def test_average_center_is_the_mean_of_what_the_workers_trained_from_it(tmp_path
             np.testing.assert_allclose(trainer.model.get_flat(), returned[worker], rtol=1e-4, atol=1e-5)
         finally:
             trainer.close()
-            baselines.release(job.job["id"])
+            average.release(job.task.job_id)

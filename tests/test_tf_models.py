@@ -87,3 +87,55 @@ def test_backends_are_imported_only_when_asked_for():
                             env={**os.environ, "PYTHONPATH": ROOT})
     assert result.returncode == 0, result.stderr
     assert "unknown backend 'theano'" in result.stdout
+
+
+
+THREADS_SCRIPT = """
+import sys, warnings
+import tensorflow as tf
+from deepspark.backends import create_model
+from deepspark.config import parse_net
+
+NET = parse_net('layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } } '
+                'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "ip" inner_product_param { num_output: 2 } }')[0]
+if sys.argv[1] == "started":
+    tf.constant(1.0) + 1  # TensorFlow's runtime starts before any model asks for a count
+
+for threads in map(eval, sys.argv[2:]):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        create_model("tensorflow", NET, threads=threads).forward({"x": [[1, 2, 3], [4, 5, 6]]})
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    threading = tf.config.threading
+    print(threading.get_intra_op_parallelism_threads(), threading.get_inter_op_parallelism_threads(),
+          "|".join(said) or "-", sep="\t")
+"""
+
+
+def thread_rows(when, *counts):
+    """(intra, inter, warnings) after each model of a fresh process builds and runs with threads=count."""
+    result = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, when, *map(str, counts)], cwd=ROOT,
+                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return [tuple(line.split("\t")) for line in result.stdout.splitlines()]
+
+
+def test_threads_are_set_on_first_use_and_a_later_count_warns():
+    rows = thread_rows("fresh", 2, 2, 3, None)
+    assert [row[:2] for row in rows] == [("2", "2")] * 4  # the first count stays
+    assert [row[2] == "-" for row in rows] == [True, True, False, True]
+    assert "runs with 2 threads" in rows[2][2] and "threads=3 is not applied" in rows[2][2]
+
+
+def test_threads_after_tensorflow_started_warn_and_run():
+    rows = thread_rows("started", None, 2)
+    assert [row[:2] for row in rows] == [("0", "0")] * 2  # 0: TensorFlow's default
+    assert rows[0][2] == "-"
+    assert "its default thread counts" in rows[1][2] and "threads=2 is not applied" in rows[1][2]
+
+
+def test_threads_must_be_a_positive_count():
+    net = load_net(os.path.join(ROOT, "models", "lenet", "deploy.prototxt"))[0]
+    for bad in (0, -2, "4", 2.0, True):
+        with pytest.raises(ValueError, match="threads must be a positive integer"):
+            create_model("tensorflow", net, phase=pb.TEST, threads=bad)

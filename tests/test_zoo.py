@@ -55,7 +55,7 @@ def test_describe_without_data_warns_and_exits_zero(tmp_path):
 
 def test_describe_bad_data_shape_is_a_usage_error():
     status, _, err = run_cli("describe", "models/lenet/train_val.prototxt", "--data-shape", "1,x,28")
-    assert status == 2 and err.count("\n") == 1 and "--data-shape must be C,H,W" in err
+    assert status == 2 and err.count("\n") == 1 and "--data-shape: must be C,H,W" in err
 
 
 def test_describe_missing_file():

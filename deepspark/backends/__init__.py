@@ -16,5 +16,9 @@ def backend_module(name):
 
 
 def create_model(backend_name, net_param, solver_param=None, **kw):
-    """A base.Model of backend `backend_name` for this net (and solver, to train it)."""
+    """A base.Model of backend `backend_name` for this net (and solver, to train it).
+
+    kw: base.Model's arguments (phase, source, batch_size, seed, stages,
+    data_shape, threads), then the backend's own (jit_compile, data_layers).
+    """
     return backend_module(backend_name).Model(net_param, solver_param, **kw)

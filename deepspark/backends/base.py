@@ -6,13 +6,20 @@ layout: parameters are float32 arrays in Caffe's blob order and shapes
 and the flat vector the exchanger moves is their concatenation in that
 order. `step` is one Caffe solver iteration, `forward` one Caffe forward
 pass, and the solver state is Caffe's SolverState.
+
+The contract, each part declared here: `feeds` (the {top: shape} a batch
+holds), step, forward, gradients, time_layers, get/set_params,
+get/set_flat, get/set_history, get/set_state and close; a backend
+implements the abstract ones and may override the others where it has a
+faster way.
 """
 
 import abc
+import numbers
 
 import numpy as np
 
-from deepspark import schedule
+from deepspark import checkpoint, schedule
 from deepspark.config import random_seed
 from deepspark.errors import ConfigError
 from deepspark.graph import DATA_TYPES, Graph, fmt
@@ -26,21 +33,26 @@ class Model(abc.ABC):
     net that is only run forward); phase: pb.TRAIN or pb.TEST; source: the
     net's config.SourceMap, for errors; batch_size: overrides the data layers'
     batch size; seed: fillers and random layers (default: the solver's
-    random_seed when set); stages: NetState stages; data_shape: callable
-    (LayerParameter -> (C, H, W)) giving Data layers their image shape.
+    random_seed when set; a negative one, as in Caffe, leaves it unseeded);
+    stages: NetState stages; data_shape: callable (LayerParameter -> (C, H, W))
+    giving Data layers their image shape; threads: the framework's thread
+    count in this process (None: its default).
     """
 
     def __init__(self, net_param, solver_param=None, phase=pb.TRAIN, source=None, batch_size=None,
-                 seed=None, stages=None, data_shape=None):
+                 seed=None, stages=None, data_shape=None, threads=None):
         self.net_param = net_param
         self.solver_param = pb.SolverParameter() if solver_param is None else solver_param
+        self.threads = thread_count(threads)
         self.graph = Graph(net_param, phase, stages=stages, source=source, data_shape=data_shape,
                            batch_size=batch_size)
         self._check_shapes()
         if seed is None:
             seed = random_seed(self.solver_param)
-        self.seed = seed
+        self.seed = None if seed is None or seed < 0 else int(seed)  # None: unseeded
         self.phase = self.graph.phase
+        self.train = self.phase == pb.TRAIN
+        self.feeds = self.graph.fed_tops()  # {top: shape} a batch holds; a backend may narrow it
         self.solver_type = schedule.solver_type(self.solver_param)
         self.iter = 0
         self.current_step = 0
@@ -70,21 +82,31 @@ class Model(abc.ABC):
         """Load parameters given in Caffe's order and shapes."""
 
     def get_flat(self, out=None):
-        """All parameters as one C-contiguous float32 vector, Caffe's order."""
+        """All parameters as one C-contiguous float32 vector, Caffe's order (into `out` when given)."""
+        return self.join_flat(self.get_params(), out)
+
+    def set_flat(self, vector):
+        """Load parameters from one flat float32 vector, Caffe's order."""
+        self.set_params(self.split_flat(vector))
+
+    def join_flat(self, arrays, out=None):
+        """Arrays in Caffe's order (each of its parameter's size) as one flat float32 vector."""
         if out is None:
             out = np.empty(self.param_count, np.float32)
-        for array, start, end in zip(self.get_params(), self.param_offsets, self.param_offsets[1:]):
+        for array, start, end in zip(arrays, self.param_offsets, self.param_offsets[1:]):
             out[start:end] = array.reshape(-1)
         return out
 
-    def set_flat(self, vector):
-        self.set_params(self.split_flat(vector))
-
-    def split_flat(self, vector):
-        """Views of a flat vector as the parameter arrays."""
+    def check_flat(self, vector):
+        """`vector` as a float32 array of param_count values, or a ValueError."""
         vector = np.asarray(vector, np.float32)
         if vector.shape != (self.param_count,):
             raise ValueError(f"flat parameter vector has shape {vector.shape}, expected ({self.param_count},)")
+        return vector
+
+    def split_flat(self, vector):
+        """Views of a flat vector as the parameter arrays."""
+        vector = self.check_flat(vector)
         return [vector[start:end].reshape(shape) for shape, start, end
                 in zip(self.param_shapes, self.param_offsets, self.param_offsets[1:])]
 
@@ -134,9 +156,16 @@ class Model(abc.ABC):
     def forward(self, batch):
         """{output blob: array} of one forward pass (the phase's semantics), Caffe's layout."""
 
+    @abc.abstractmethod
+    def gradients(self, batch):
+        """(loss, Caffe's parameter diffs of one forward/backward), without touching the weights."""
+
+    @abc.abstractmethod
     def time_layers(self, batch, iterations=10):
-        """[(layer name, forward ms, backward ms)] for `deepspark time`; backends that can, override."""
-        raise NotImplementedError("per-layer timing is not available on this backend")
+        """[(layer name, forward ms, backward ms)] for `deepspark time`, as `caffe time` reports them."""
+
+    def close(self):
+        """Release what the model holds beyond Python objects (scratch files, a framework's net)."""
 
     def feed(self, batch):
         """The batch as float32 arrays for the data tops (`self.feeds`: {top: shape}), checked against their shapes."""
@@ -184,22 +213,31 @@ class Model(abc.ABC):
         """Load history blobs given in Caffe's SolverState order."""
 
     def get_state(self):
-        """Caffe's SolverState: iter, current_step and one history blob per history array."""
-        state = pb.SolverState(iter=self.iter, current_step=self.current_step)
-        for array in self.get_history():
-            blob = state.history.add()
-            blob.shape.dim.extend(array.shape)
-            blob.data.extend(array.reshape(-1).tolist())
-        return state
+        """Caffe's SolverState: iter, current_step and one history blob per history array.
+
+        No learned_net: the weights are the caller's to save (Caffe's restore
+        reads whatever file learned_net names, even an empty name).
+        """
+        return checkpoint.solver_state(self.iter, self.current_step, self.get_history())
 
     def set_state(self, state):
+        """Resume from Caffe's SolverState: its counters, then its history (the weights are not in it)."""
         if len(state.history) != len(self.history_shapes):
             raise ValueError(f"solver state has {len(state.history)} history blobs; a {self.solver_type} "
                              f"solver for this net has {len(self.history_shapes)}")
-        arrays = []
-        for blob, shape in zip(state.history, self.history_shapes):
-            data = blob.double_data if len(blob.double_data) else blob.data
-            arrays.append(np.asarray(data, np.float32))
-        self.set_history(self.check_arrays(arrays, self.history_shapes, "history blob"))
-        self.iter = state.iter
-        self.current_step = state.current_step
+        arrays = [np.asarray(blob.double_data if len(blob.double_data) else blob.data, np.float32)
+                  for blob in state.history]
+        arrays = self.check_arrays(arrays, self.history_shapes, "history blob")
+        # The counters first, so that a backend whose solver keeps its own takes both in one restore.
+        self.iter = int(state.iter)
+        self.current_step = int(state.current_step)
+        self.set_history(arrays)
+
+
+def thread_count(threads):
+    """`threads` as a positive int, or None (the framework's default); a ValueError otherwise."""
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads <= 0:
+        raise ValueError(f"threads must be a positive integer or None, not {threads!r}")
+    return int(threads)

@@ -1,7 +1,9 @@
-"""The ParameterExchanger: authenticated TCP exchange of flat float32 parameters for asynchronous EASGD."""
+"""The ParameterExchanger: authenticated TCP exchange of flat float32 parameters for asynchronous EASGD (and synchronous rounds)."""
 
 from .client import ExchangeClient, NonFiniteError
+from .handlers import EasgdHandler, RoundsHandler
 from .protocol import ProtocolError, RefusedError
 from .server import ExchangeServer
 
-__all__ = ["ExchangeServer", "ExchangeClient", "ProtocolError", "RefusedError", "NonFiniteError"]
+__all__ = ["ExchangeServer", "ExchangeClient", "EasgdHandler", "RoundsHandler",
+           "ProtocolError", "RefusedError", "NonFiniteError"]

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import rules
 from . import protocol as P
-from .transport import APPLY_SLICE, PeerClosed, byte_view, recv_exact, recv_header, send_frame, tune
+from .transport import Connection, apply_floats, byte_view, recv_applying, recv_exact, tune
 
 log = logging.getLogger("deepspark.exchange.client")
 
@@ -57,11 +57,7 @@ class ExchangeClient:
         self.max_backoff = max_backoff
         self.on_nonfinite = on_nonfinite
         self._chunk = chunk
-        self._sock = None
-        self._buf = None
-        self._send_header = bytearray(P.HEADER_SIZE)
-        self._recv_header = memoryview(bytearray(P.HEADER_SIZE))
-        self._error_buf = memoryview(bytearray(P.MAX_ERROR_BYTES))
+        self._conn = None  # made at the first connect; its buffer is also the overlapped snapshot
         self._closed = False
         # overlapped mode
         self._cond = threading.Condition()
@@ -81,11 +77,15 @@ class ExchangeClient:
 
     @property
     def size(self):
-        return None if self._buf is None else self._buf.size
+        return None if self._conn is None else self._conn.buf.size
+
+    @property
+    def _sock(self):
+        return None if self._conn is None else self._conn.sock
 
     def connect(self, size=None):
         """Connect and authenticate (with retries); `size` or shapes fix the parameter count."""
-        if self._buf is None:
+        if self._conn is None:
             if self._shapes is None:
                 if size is None:
                     raise ValueError("the first connect needs the parameter count (or pass shapes=)")
@@ -93,8 +93,9 @@ class ExchangeClient:
             n = P.shapes_size(self._shapes)
             if size is not None and size != n:
                 raise ValueError("params hold %d values, shapes %d" % (size, n))
-            self._buf = np.empty(n, dtype=np.float32)
             self._fingerprint = P.fingerprint(self._shapes)
+            self._apply_step = apply_floats(n, self._chunk)
+            self._conn = Connection(None, "%s:%d" % self.address, self.worker_id).allocate(n)
         delay = self.backoff
         for attempt in range(1, self.retries + 1):
             try:
@@ -113,17 +114,16 @@ class ExchangeClient:
                 delay = min(delay * 2, self.max_backoff)
 
     def _open(self):
-        sock = socket.create_connection(self.address, timeout=self.connect_timeout)
-        self._sock = sock
+        conn = self._conn
+        sock = conn.sock = socket.create_connection(self.address, timeout=self.connect_timeout)
         tune(sock)
         wid = self.worker_id
         nonce = P.new_nonce()
-        send_frame(sock, P.encode_header(P.HELLO, wid, length=len(nonce)), nonce)
+        conn.send(P.HELLO, nonce)
         h = self._read_header(None)
         if h.type != P.CHALLENGE:
             raise P.ProtocolError("expected CHALLENGE, got %s" % P.TYPE_NAMES[h.type])
-        reply = bytearray(h.length)
-        recv_exact(sock, memoryview(reply))
+        reply = conn.read_small(h.length)
         server_nonce, proof = bytes(reply[:P.NONCE_SIZE]), bytes(reply[P.NONCE_SIZE:])
         server_ok = P.proofs_match(proof, P.server_proof(self._secret, nonce, server_nonce, wid))
         # Our proof goes out even when the server's failed: it is bound to this
@@ -131,7 +131,7 @@ class ExchangeClient:
         # with a different secret say so (and log it) instead of seeing a hang-up.
         mine = P.client_proof(self._secret, nonce, server_nonce, wid, self._fingerprint)
         payload = mine + self._fingerprint
-        send_frame(sock, P.encode_header(P.AUTH, wid, length=len(payload)), payload)
+        conn.send(P.AUTH, payload)
         h = self._read_header(None)
         if not server_ok:
             raise P.RefusedError(P.E_AUTH, "the server at %s:%d does not hold this job's secret" % self.address)
@@ -143,24 +143,24 @@ class ExchangeClient:
 
     def _read_header(self, model_bytes):
         """Next header; an ERROR frame becomes RefusedError (NonFiniteError for non-finite)."""
-        h = recv_header(self._sock, self._recv_header, model_bytes)
+        h = self._conn.read_header(model_bytes)
         if h.type == P.ERROR:
-            view = self._error_buf[:h.length]
-            recv_exact(self._sock, view)
+            view = self._conn.read_small(h.length)
             cls = NonFiniteError if h.flags == P.E_NONFINITE else P.RefusedError
             raise cls(h.flags, P.decode_error(view))
         return h
 
     def _drop(self):
-        if self._sock is not None:
+        conn = self._conn
+        if conn is not None and conn.sock is not None:
             try:
-                self._sock.close()
+                conn.sock.close()
             finally:
-                self._sock = None
+                conn.sock = None
 
     def _ensure(self, size):
-        if self._buf is not None and size != self._buf.size:
-            raise ValueError("params hold %d values, this client exchanges %d" % (size, self._buf.size))
+        if self._conn is not None and size != self._conn.buf.size:
+            raise ValueError("params hold %d values, this client exchanges %d" % (size, self._conn.buf.size))
         if self._sock is None:
             self.connect(size)
 
@@ -180,7 +180,7 @@ class ExchangeClient:
                 raise
             log.warning("worker %d: server refused non-finite parameters; resetting from the center",
                         self.worker_id)
-            self._pull_into(self._buf if apply_to is None else apply_to)
+            self._pull_into(self._conn.buf if apply_to is None else apply_to)
             self.resets += 1
             return RESET
         except P.RefusedError as e:
@@ -197,42 +197,30 @@ class ExchangeClient:
         self._drop()
         self.connect()
         self.reconnects += 1
-        self._pull_into(self._buf if apply_to is None else apply_to)
+        self._pull_into(self._conn.buf if apply_to is None else apply_to)
         self.resets += 1
         return RESET
 
     def _exchange_once(self, send_from, apply_to, iteration, loss):
-        sock = self._sock
-        buf, view = self._buf, byte_view(self._buf)
-        n = buf.size
-        P.pack_header_into(self._send_header, P.EXCHANGE, self.worker_id, iteration, 4 * n, loss)
-        send_frame(sock, self._send_header, byte_view(send_from))
-        h = self._read_header(4 * n)
+        conn = self._conn
+        buf = conn.buf
+        conn.send(P.EXCHANGE, byte_view(send_from), iteration, loss)
+        h = self._read_header(len(conn.view))
         if h.type != P.DIFF:
             raise P.ProtocolError("expected DIFF, got %s" % P.TYPE_NAMES[h.type])
         self.server_iteration = h.iteration
         if apply_to is None:
-            recv_exact(sock, view)
+            recv_exact(conn.sock, conn.view)
         else:
+            def apply(start, end):
+                rules.apply_to_worker(apply_to[start:end], buf[start:end])
             # x −= d slice by slice while the rest of d is still arriving.
-            got, done, chunk = 0, 0, max(1, min(int(self._chunk or APPLY_SLICE), n))
-            while done < n:
-                k = sock.recv_into(view[got:])
-                if not k:
-                    raise PeerClosed("server closed the connection after %d of %d bytes" % (got, 4 * n))
-                got += k
-                ready = got >> 2
-                if got < 4 * n:
-                    ready -= ready % chunk
-                if ready > done:
-                    rules.apply_to_worker(apply_to[done:ready], buf[done:ready])
-                    done = ready
+            recv_applying(conn.sock, conn.view, apply, self._apply_step)
         self.exchanges += 1
         return APPLIED
 
     def _pull_into(self, out):
-        P.pack_header_into(self._send_header, P.PULL, self.worker_id)
-        send_frame(self._sock, self._send_header)
+        self._conn.send(P.PULL)
         h = self._read_header(4 * out.size)
         if h.type != P.CENTER:
             raise P.ProtocolError("expected CENTER, got %s" % P.TYPE_NAMES[h.type])
@@ -258,7 +246,7 @@ class ExchangeClient:
             self.blocked_seconds += time.perf_counter() - t0
 
     def average(self, params, iteration=0, loss=math.nan):
-        """One synchronous round with a server made with sync_workers=N, in place on `params`:
+        """One synchronous round with a server whose handler is RoundsHandler(N), in place on `params`:
         send x for `iteration`, get back the mean of all N workers' x.
 
         Never rejoins: a round cannot be finished by one worker alone, so a lost
@@ -269,10 +257,8 @@ class ExchangeClient:
         t0 = time.perf_counter()
         self._ensure(params.size)
         try:
-            n = params.size
-            P.pack_header_into(self._send_header, P.AVERAGE, self.worker_id, iteration, 4 * n, loss)
-            send_frame(self._sock, self._send_header, byte_view(params))
-            h = self._read_header(4 * n)
+            self._conn.send(P.AVERAGE, byte_view(params), iteration, loss)
+            h = self._read_header(4 * params.size)
             if h.type != P.CENTER:
                 raise P.ProtocolError("expected CENTER, got %s" % P.TYPE_NAMES[h.type])
             recv_exact(self._sock, byte_view(params))
@@ -286,9 +272,9 @@ class ExchangeClient:
         if self._pending:
             raise RuntimeError("an overlapped exchange is in flight; call wait(params) first")
         if out is None:
-            if self._buf is None and self._shapes is None:
+            if self._conn is None and self._shapes is None:
                 raise ValueError("pull before the first exchange needs out= or shapes=")
-            out = np.empty(self._buf.size if self._buf is not None else P.shapes_size(self._shapes),
+            out = np.empty(self.size if self._conn is not None else P.shapes_size(self._shapes),
                            dtype=np.float32)
         out = _check_params(out)
         self._ensure(out.size)
@@ -308,9 +294,8 @@ class ExchangeClient:
         """Tell the server the worker's iteration and loss (for the driver's progress display)."""
         if self._pending or self._sock is None:
             return  # progress is best-effort; never block training for it
-        P.pack_header_into(self._send_header, P.REPORT, self.worker_id, iteration, 0, loss)
         try:
-            send_frame(self._sock, self._send_header)
+            self._conn.send(P.REPORT, iteration=iteration, value=loss)
         except OSError:
             self._drop()
 
@@ -337,7 +322,7 @@ class ExchangeClient:
         if self._pending:
             self._wait_apply(params)
         self._ensure(params.size)
-        np.copyto(self._buf, params)  # the snapshot; d later arrives in the same buffer
+        np.copyto(self._conn.buf, params)  # the snapshot; d later arrives in the same buffer
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._background, daemon=True,
@@ -380,9 +365,9 @@ class ExchangeClient:
         if isinstance(result, BaseException):
             raise result
         if result == APPLIED:
-            rules.apply_to_worker(params, self._buf)
+            rules.apply_to_worker(params, self._conn.buf)
         else:
-            np.copyto(params, self._buf)
+            np.copyto(params, self._conn.buf)
 
     def _background(self):
         while True:
@@ -394,7 +379,7 @@ class ExchangeClient:
                 iteration, loss = self._job
                 self._job = None
             try:
-                result = self._round_trip(self._buf, None, iteration, loss)
+                result = self._round_trip(self._conn.buf, None, iteration, loss)
             except BaseException as e:  # handed to the training thread
                 result = e
             with self._cond:
@@ -416,8 +401,7 @@ class ExchangeClient:
             self._cond.notify_all()
         if self._sock is not None:
             try:
-                P.pack_header_into(self._send_header, P.BYE, self.worker_id)
-                send_frame(self._sock, self._send_header)
+                self._conn.send(P.BYE)
             except OSError:
                 pass
             self._drop()

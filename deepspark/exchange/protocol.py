@@ -77,6 +77,14 @@ class ProtocolError(Exception):
     code = E_PROTOCOL
 
 
+class Refusal(Exception):
+    """This side refuses the peer: an ERROR frame with `code` goes back, then the connection closes."""
+
+    def __init__(self, code, reason):
+        super().__init__(reason)
+        self.code = code
+
+
 class RefusedError(Exception):
     """The peer sent an ERROR frame; `code` says why (see ERROR_NAMES)."""
 

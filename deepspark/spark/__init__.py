@@ -1,1 +1,37 @@
-"""Training on Spark: the driver-side job and the executor-side worker loop."""
+"""Training jobs: the algorithm registry, and `train` — what `deepspark train` and `deepspark.train` run."""
+
+from deepspark import local
+from deepspark.config import load_solver, override
+from deepspark.errors import ConfigError
+from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark.average import AverageJob
+from deepspark.spark.easgd import EasgdJob
+from deepspark.spark.job import Options
+from deepspark.spark.sync import SyncJob
+
+# The algorithms that run on Spark, by DeepSparkParameter.Algorithm; SINGLE runs in this process (deepspark.local).
+JOBS = {pb.DeepSparkParameter.EASGD: EasgdJob, pb.DeepSparkParameter.SYNC: SyncJob,
+        pb.DeepSparkParameter.AVERAGE: AverageJob}
+
+
+def train(solver, data=None, *, weights=None, snapshot=None, iterations=None, output=None, **knobs):
+    """Train from a solver .prototxt (a path, or a loaded config.Solver); returns the job's summary dict.
+
+    data: a Spark DataFrame to train on instead of the train net's LMDB, with a
+    `datum` column (Caffe Datum bytes) or `data` (an image array) and `label`
+    columns; its SparkSession runs the job and stays the caller's. weights: a
+    .caffemodel to start from; snapshot: a .solverstate to resume; iterations:
+    overrides max_iter; output: the folder for snapshots and logs; knobs: any
+    DeepSparkParameter field by name (workers=4, algorithm="sync", period=10,
+    moving_rate=0.45, ...), over the solver's deepspark_param.
+    """
+    solver = load_solver(solver) if isinstance(solver, str) else solver
+    override(solver, iterations=iterations, output=output, **knobs)
+    algorithm = solver.param.deepspark_param.algorithm
+    if algorithm == pb.DeepSparkParameter.SINGLE:
+        if data is not None:
+            raise ConfigError("a DataFrame is trained on by the Spark algorithms, not 'single'", solver.path)
+        return local.train(solver, weights=weights, snapshot=snapshot)
+    options = Options(weights=weights, snapshot=snapshot, master=solver.param.deepspark_param.master or None,
+                      data=data)
+    return JOBS[algorithm](solver, options).run()

@@ -1,21 +1,84 @@
-"""The executor side: spill the shard to a local LMDB, build the backend, train, exchange every period."""
+"""The executor side every job shares: what a task receives, the spill of its shard to a local LMDB, its Trainer, its way to the center, its summary."""
 
-import math
+import dataclasses
 import os
 import shutil
 import socket
 import tempfile
 import time
 
-from deepspark import rules
+import numpy as np
+
+from deepspark import local
 from deepspark.config import Solver
+from deepspark.data import encode_datum, lmdb_io
 from deepspark.errors import DeepSparkError, SourceMap
-from deepspark.data import lmdb_io
+from deepspark.exchange import ExchangeClient
+from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
+
+# Seconds a worker tries to reach the driver's exchanger before it gives up (capped by exchange_timeout):
+# long enough for a driver busy starting its other workers' tasks.
+CONNECT_SECONDS = 30.0
 
 
 class WorkerError(DeepSparkError):
     """A worker that cannot go on (lost driver, bad shard): the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What every Spark task of a job receives from the driver (pickled into the task's closure).
+
+    job_id: names the job's local folders; solver, train_net: the serialized
+    SolverParameter and train NetParameter; solver_path: for error messages;
+    address: (host, port) of the driver's exchanger, None for a job without
+    one; secret: the job's exchange secret; threads: compute threads per worker.
+    """
+
+    job_id: str
+    solver: bytes
+    train_net: bytes
+    solver_path: str
+    address: tuple = None
+    secret: str = ""
+    threads: int = 1
+
+    @property
+    def param(self):
+        return pb.SolverParameter.FromString(self.solver)
+
+    def solver_for(self, shard_path):
+        """The job's solver with the train net's Data layers reading the local shard."""
+        net = pb.NetParameter.FromString(self.train_net)
+        for layer in net.layer:
+            if layer.type == "Data":
+                layer.data_param.source = shard_path
+        return Solver(self.param, self.solver_path, net, SourceMap(self.solver_path), [])
+
+
+@dataclasses.dataclass
+class Summary:
+    """One worker's account of its run, for the driver's summary lines."""
+
+    worker: int
+    host: str = ""
+    pid: int = 0
+    cwd: str = ""
+    records: int = 0
+    spill_seconds: float = 0.0
+    train_seconds: float = 0.0
+    iterations: int = 0
+    final_iteration: int = 0
+    exchanges: int = 0
+    blocked_seconds: float = 0.0
+    loss: float = float("nan")
+    digest: str = ""  # sync: a fingerprint of the parameters after the last round
+
+    @classmethod
+    def here(cls, worker, **fields):
+        """A summary of worker `worker` running in this process."""
+        return cls(worker, host=socket.gethostname(), pid=os.getpid(), cwd=os.getcwd(), **fields)
 
 
 def local_dir():
@@ -27,10 +90,15 @@ def local_dir():
     return tempfile.gettempdir()
 
 
+def job_dir(job_id):
+    """This executor's folder of one job: its shards and hand-over states."""
+    return os.path.join(local_dir(), f"deepspark-{job_id}")
+
+
 def spill(payload, job_id, worker):
     """Write this worker's shard to a local LMDB (DeepSpark's spill step); (path, records, seconds)."""
     started = time.monotonic()
-    folder = os.path.join(local_dir(), f"deepspark-{job_id}")
+    folder = job_dir(job_id)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"shard-{worker}-{os.getpid()}_lmdb")
     if os.path.exists(path):
@@ -60,10 +128,6 @@ def payload_of(items):
 
 def row_to_record(index, row):
     """(key, Datum bytes) of a DataFrame row: its `datum` bytes, or its `data` array and `label`."""
-    import numpy as np
-
-    from deepspark.data import encode_datum
-
     fields = row.asDict() if hasattr(row, "asDict") else dict(row)
     if "datum" in fields:
         value = bytes(fields["datum"])
@@ -77,99 +141,55 @@ def row_to_record(index, row):
     return b"%08d" % index, value
 
 
-def _solver_for_worker(job, shard_path):
-    """The job's solver with the train net's Data layers reading the local shard."""
-    param = pb.SolverParameter.FromString(job["solver"])
-    net = pb.NetParameter.FromString(job["train_net"])
-    for layer in net.layer:
-        if layer.type == "Data":
-            layer.data_param.source = shard_path
-    return Solver(param, "<job solver>", net, SourceMap(job.get("solver_path", "<job solver>")), [])
-
-
 def set_threads(threads):
-    """Keep N workers on one machine from oversubscribing its cores (before the backend starts)."""
+    """Keep N workers on one machine from oversubscribing its cores: the native libraries loaded from
+    here on (OpenMP, OpenBLAS, MKL) read these; the backend gets the count as its parameter."""
     for variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[variable] = str(threads)
-    os.environ["DEEPSPARK_THREADS"] = str(threads)
 
 
-def place():
-    """Where this worker runs, for the driver's summary lines."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "cwd": os.getcwd()}
-
-
-def build(worker, payload, job):
+def build(worker, payload, task):
     """Spill the shard and build the worker's Trainer: (trainer, shard path, records, spill seconds)."""
-    from deepspark.log import Log
-    from deepspark.solver import Trainer
-
-    set_threads(job["threads"])
-    shard_path, records, spill_seconds = spill(payload, job["id"], worker)
-    solver = _solver_for_worker(job, shard_path)
+    set_threads(task.threads)
+    shard_path, records, spill_seconds = spill(payload, task.job_id, worker)
     try:
         # The log goes to the executor's stderr, which Spark keeps in the executor's log.
-        trainer = Trainer(solver, solver.param.deepspark_param.backend, Log(progress=False), evaluate=False,
-                          shard=0, num_shards=1, seed_offset=worker)
+        trainer = local.trainer(task.solver_for(shard_path), Log(progress=False), seed_offset=worker,
+                                threads=task.threads, evaluate=False)
     except BaseException:
         shutil.rmtree(shard_path, ignore_errors=True)
         raise
     return trainer, shard_path, records, spill_seconds
 
 
-def join_center(worker, job, model, timeout):
+def join_center(worker, task, model, timeout):
     """Connect to the driver's exchanger and start (or rejoin) from x̃ at the iteration it reports."""
-    from deepspark.exchange import ExchangeClient
-
-    client = ExchangeClient(tuple(job["address"]), job["secret"], worker, shapes=model.param_shapes,
-                            timeout=timeout, connect_timeout=min(timeout, 30.0))
+    client = ExchangeClient(tuple(task.address), task.secret, worker, shapes=model.param_shapes,
+                            timeout=timeout, connect_timeout=min(timeout, CONNECT_SECONDS))
     try:
         client.connect()
         params = client.pull(model.get_flat())
     except OSError as error:
         raise WorkerError(f"worker {worker} on {socket.gethostname()} cannot reach the driver's exchanger at "
-                          f"{job['address'][0]}:{job['address'][1]}: {error}") from None
+                          f"{task.address[0]}:{task.address[1]}: {error}") from None
     model.set_flat(params)
     model.iter = client.resume_iteration  # 0, a resumed job's, or this worker's before a retry
     return client, params
 
 
-def run(worker, payload, job):
-    """One worker's whole life in a Spark task; returns a summary dict for the driver."""
-    trainer, shard_path, records, spill_seconds = build(worker, payload, job)
-    solver, model = trainer.solver, trainer.model
-    ds = solver.param.deepspark_param
+def run(worker, items, task, train, timeout):
+    """One worker's whole life in a Spark task: spill, build, join the center (waiting at most `timeout`
+    seconds on it), `train(trainer, client, params)` -> (loss, extra Summary fields), leave; its Summary."""
+    trainer, shard_path, records, spill_seconds = build(worker, payload_of(items), task)
+    model = trainer.model
     try:
-        client, params = join_center(worker, job, model, ds.exchange_timeout)
-        start_iter = model.iter
-        schedule = rules.ExchangeSchedule(ds.period, adaptive=ds.adaptive_period)
-        started = time.monotonic()
-        loss = math.nan
-        while model.iter < solver.param.max_iter:
-            loss = trainer.step()
-            if client.pending and client.ready:
-                params = model.get_flat(params)
-                client.poll(params)
-                model.set_flat(params)
-            if schedule.step(loss):
-                params = model.get_flat(params)
-                if client.pending:  # the previous difference first, so the snapshot includes it
-                    client.wait(params)
-                    model.set_flat(params)
-                if ds.overlap:
-                    client.exchange_async(params, model.iter, loss)
-                else:
-                    client.exchange(params, model.iter, loss)
-                    model.set_flat(params)
-            elif not client.pending:
-                client.report(model.iter, loss)
-        params = model.get_flat(params)
-        client.wait(params)
-        client.exchange(params, model.iter, loss)  # the center gets the final state
-        seconds = time.monotonic() - started
-        summary = {"worker": worker, **place(), "records": records, "spill_seconds": spill_seconds,
-                   "train_seconds": seconds, "iterations": model.iter - start_iter, "final_iteration": model.iter,
-                   "exchanges": client.exchanges, "blocked_seconds": client.blocked_seconds, "loss": loss}
+        client, params = join_center(worker, task, model, timeout)
+        start_iter, started = model.iter, time.monotonic()
+        loss, extra = train(trainer, client, params)
+        summary = Summary.here(worker, records=records, spill_seconds=spill_seconds,
+                               train_seconds=time.monotonic() - started, iterations=model.iter - start_iter,
+                               final_iteration=model.iter, exchanges=client.exchanges,
+                               blocked_seconds=client.blocked_seconds, loss=loss, **extra)
         client.close()
         return summary
     finally:

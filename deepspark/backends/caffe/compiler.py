@@ -1,22 +1,19 @@
-"""A graph.Graph as the messages pycaffe builds from: the phase's layers, fed tops as Input layers.
+"""A graph.Graph and its solver as the messages pycaffe builds from, each layer through the layer table.
 
 Caffe aborts the process on a net it rejects, so it only ever sees what our
 Graph has already validated: the layers of one phase (include/exclude rules
-resolved here), with every fed data layer replaced by an Input layer of the
-same name, tops and shapes. Messages cross to pycaffe's own `caffe_pb2` as
-bytes (same field numbers); a field Caffe does not know is an error, never
-dropped silently.
+resolved here), each as the layer table gives it to Caffe (fed data layers
+as Input layers). Messages cross to pycaffe's own `caffe_pb2` as bytes (same
+field numbers); a field Caffe does not know is an error, never dropped
+silently.
 """
 
 from google.protobuf import text_format
 
 from deepspark import schedule
+from deepspark.backends.caffe.layers import LAYERS
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
-
-# Data layers whose tops come from the shared data pipeline (as in the TF backend);
-# DummyData makes its own.
-FED_TYPES = ("Input", "Data", "MemoryData")
 
 # SolverParameter fields this backend runs itself (testing, snapshots, display, the
 # choice of net) or that belong to DeepSpark: cleared before Caffe sees the solver.
@@ -28,19 +25,9 @@ SOLVER_FIELDS_WE_RUN = (
 )
 
 
-def fed_tops(graph, keep_data=False):
-    """{top: shape} of the tops a batch feeds, in net order."""
-    types = ("Input", "MemoryData") if keep_data else FED_TYPES
-    return {top: tuple(shape) for layer in graph.layers if layer.type in types
-            for top, shape in zip(layer.tops, layer.top_shapes)}
-
-
-def input_layer(layer):
-    """An Input layer standing for a fed data layer: same name, tops and shapes."""
-    out = pb.LayerParameter(name=layer.name, type="Input", top=layer.tops)
-    for shape in layer.top_shapes:
-        out.input_param.shape.add().dim.extend(shape)
-    return out
+def fed_tops(graph, net):
+    """{top: shape} a batch feeds into `net` (net_param's of `graph`): the tops of its Input layers."""
+    return graph.fed_tops([layer for layer, out in zip(graph.layers, net.layer) if out.type == "Input"])
 
 
 def check_in_place(graph):
@@ -80,15 +67,7 @@ def net_param(graph, keep_data=False):
             setattr(net, field, getattr(graph.net_param, field))
     net.state.phase = graph.phase
     for layer in graph.layers:
-        if layer.type in FED_TYPES and not (keep_data and layer.type == "Data"):
-            net.layer.add().CopyFrom(input_layer(layer))
-            continue
-        out = net.layer.add()
-        out.CopyFrom(layer.param)
-        for field in ("include", "exclude", "blobs", "phase"):
-            out.ClearField(field)
-        if layer.type == "Data" and graph.context.batch_size:
-            out.data_param.batch_size = graph.context.batch_size
+        net.layer.add().CopyFrom(LAYERS[layer.type](layer, graph, keep_data))
     return net
 
 

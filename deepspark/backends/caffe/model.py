@@ -3,10 +3,11 @@
 import os
 import shutil
 import tempfile
+import time
 
 import numpy as np
 
-from deepspark import fillers
+from deepspark import checkpoint, fillers
 from deepspark.backends import base
 from deepspark.backends.caffe import compiler, runtime
 from deepspark.graph import fmt
@@ -32,24 +33,22 @@ class Model(base.Model):
     """
 
     def __init__(self, net_param, solver_param=None, phase=pb.TRAIN, source=None, batch_size=None,
-                 seed=None, stages=None, data_shape=None, data_layers="input"):
-        self._iter, self._current_step = 0, 0
+                 seed=None, stages=None, data_shape=None, threads=None, data_layers="input"):
         self._solver = self._net = None
-        self._dir = None
+        self._dir = None  # before base's checks can raise: close and __del__ read it
         super().__init__(net_param, solver_param, phase, source=source, batch_size=batch_size, seed=seed,
-                         stages=stages, data_shape=data_shape)
+                         stages=stages, data_shape=data_shape, threads=threads)
         if data_layers not in DATA_LAYERS:
             raise ValueError(f"data_layers must be one of {', '.join(DATA_LAYERS)}, not {data_layers!r}")
-        caffe = runtime.caffe()
+        caffe = runtime.caffe(self.threads)
         self._caffe = caffe
-        self.train = self.phase == pb.TRAIN
         self.data_layers = data_layers
-        keep_data = data_layers == "caffe"
-        self.feeds = compiler.fed_tops(self.graph, keep_data)
+        ours = compiler.net_param(self.graph, keep_data=data_layers == "caffe")
+        self.feeds = compiler.fed_tops(self.graph, ours)  # a Data layer Caffe reads itself is not fed
         self._dir = tempfile.mkdtemp(prefix="deepspark-caffe-")
-        if self.seed is not None and self.seed >= 0:
-            caffe.set_random_seed(int(self.seed))
-        net = compiler.to_caffe(compiler.net_param(self.graph, keep_data), caffe.proto.caffe_pb2.NetParameter)
+        if self.seed is not None:
+            caffe.set_random_seed(self.seed)
+        net = compiler.to_caffe(ours, caffe.proto.caffe_pb2.NetParameter)
         if self.train:
             solver = compiler.to_caffe(compiler.solver_param(self.solver_param, self.iter_size),
                                        caffe.proto.caffe_pb2.SolverParameter)
@@ -110,26 +109,10 @@ class Model(base.Model):
 
     # -- iteration counters: Caffe's solver keeps its own, synced before a step ------
 
-    @property
-    def iter(self):
-        return self._iter
-
-    @iter.setter
-    def iter(self, value):
-        self._iter = int(value)
-
-    @property
-    def current_step(self):
-        return self._current_step
-
-    @current_step.setter
-    def current_step(self, value):
-        self._current_step = int(value)
-
     def _sync_solver(self):
         """Give Caffe's solver our iter and current_step if someone changed them (a resumed worker)."""
-        if (self._caffe_iter, self._caffe_current_step) != (self._iter, self._current_step):
-            self._restore(self.get_history(), self._iter, self._current_step)
+        if (self._caffe_iter, self._caffe_current_step) != (self.iter, self.current_step):
+            self._restore(self.get_state())
 
     # -- feeding ------------------------------------------------------------------
 
@@ -178,8 +161,8 @@ class Model(base.Model):
         finally:
             self._pending = []
         self._pass_losses.append(self._loss())
-        self._iter = self._caffe_iter = int(self._solver.iter)
-        self._caffe_current_step = self._current_step
+        self.iter = self._caffe_iter = int(self._solver.iter)
+        self._caffe_current_step = self.current_step
         return float(np.mean(self._pass_losses))
 
     def forward(self, batch):
@@ -189,7 +172,6 @@ class Model(base.Model):
         return {name: np.array(blobs[name].data, np.float32) for name in self.graph.outputs}
 
     def gradients(self, batch):
-        """(loss, Caffe's parameter diffs of one forward/backward), without touching the weights."""
         self._load(batch)
         self._net.clear_param_diffs()
         self._net.forward()
@@ -204,8 +186,6 @@ class Model(base.Model):
         Caffe's inserted Split layers are listed too; a layer Caffe needs no
         backward for (a TEST net without force_backward) reports its near-zero skip.
         """
-        import time
-
         self._load(batch)
         net = self._net
         names = list(net._layer_names)
@@ -232,18 +212,7 @@ class Model(base.Model):
             view[...] = array.reshape(view.shape)
 
     def get_flat(self, out=None):
-        if out is None:
-            out = np.empty(self.param_count, np.float32)
-        for view, start, end in zip(self._views, self.param_offsets, self.param_offsets[1:]):
-            out[start:end] = view.reshape(-1)
-        return out
-
-    def set_flat(self, vector):
-        vector = np.asarray(vector, np.float32)
-        if vector.shape != (self.param_count,):
-            raise ValueError(f"flat parameter vector has shape {vector.shape}, expected ({self.param_count},)")
-        for view, start, end in zip(self._views, self.param_offsets, self.param_offsets[1:]):
-            view[...] = vector[start:end].reshape(view.shape)
+        return self.join_flat(self._views, out)  # straight from Caffe's blobs, without get_params' copies
 
     # -- solver state: Caffe's own SolverState files ------------------------------
 
@@ -256,27 +225,20 @@ class Model(base.Model):
             os.unlink(path)
         self._solver.snapshot()
         (path,) = [p for p in self._state_files() if p.endswith(".solverstate")]
-        state = pb.SolverState()
-        with open(path, "rb") as stream:
-            state.ParseFromString(stream.read())
+        state = checkpoint.read_solverstate(path)
         for path in self._state_files():
             os.unlink(path)
         return state
 
-    def _restore(self, history, iteration, current_step):
-        """Load a SolverState (no learned_net: the weights stay) into Caffe's solver."""
-        state = pb.SolverState(iter=iteration, current_step=current_step)
-        for array in history:
-            blob = state.history.add()
-            blob.shape.dim.extend(array.shape)
-            blob.data.extend(np.asarray(array, np.float32).reshape(-1).tolist())
+    def _restore(self, state):
+        """Load a SolverState without learned_net (the weights stay) into Caffe's solver."""
         path = self._write("restore.solverstate", state.SerializeToString())
         try:
             self._solver.restore(path)
         finally:
             os.unlink(path)
-        self._iter = self._caffe_iter = int(iteration)
-        self._current_step = self._caffe_current_step = int(current_step)
+        self.iter = self._caffe_iter = int(state.iter)
+        self.current_step = self._caffe_current_step = int(state.current_step)
 
     def _require_solver(self):
         if self._solver is None:
@@ -293,15 +255,5 @@ class Model(base.Model):
 
     def set_history(self, arrays):
         self._require_solver()
-        self._restore(self.check_arrays(arrays, self.history_shapes, "history blob"), self._iter,
-                      self._current_step)
-
-    def set_state(self, state):
-        self._require_solver()
-        if len(state.history) != len(self.history_shapes):
-            raise ValueError(f"solver state has {len(state.history)} history blobs; a {self.solver_type} "
-                             f"solver for this net has {len(self.history_shapes)}")
-        arrays = [np.asarray(blob.double_data if len(blob.double_data) else blob.data, np.float32)
-                  for blob in state.history]
-        self._restore(self.check_arrays(arrays, self.history_shapes, "history blob"), state.iter,
-                      state.current_step)
+        arrays = self.check_arrays(arrays, self.history_shapes, "history blob")
+        self._restore(checkpoint.solver_state(self.iter, self.current_step, arrays))

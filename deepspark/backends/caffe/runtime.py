@@ -1,25 +1,9 @@
-"""pycaffe, imported quietly once, with OpenBLAS's thread count taken from DEEPSPARK_THREADS."""
+"""pycaffe, imported quietly once in CPU mode, and the thread count of the OpenBLAS behind Caffe's GEMMs."""
 
 import ctypes
 import os
 
-THREADS_VARIABLE = "DEEPSPARK_THREADS"
-
 _caffe = None
-
-
-def threads():
-    """DEEPSPARK_THREADS as a positive int, or None when unset (OpenBLAS's own default)."""
-    value = os.environ.get(THREADS_VARIABLE, "").strip()
-    if not value:
-        return None
-    try:
-        count = int(value)
-    except ValueError:
-        raise ValueError(f"{THREADS_VARIABLE} must be a positive integer, not {value!r}") from None
-    if count <= 0:
-        raise ValueError(f"{THREADS_VARIABLE} must be a positive integer, not {value!r}")
-    return count
 
 
 def _loaded_openblas():
@@ -44,15 +28,17 @@ def set_threads(count):
     return done
 
 
-def caffe():
-    """The pycaffe module in CPU mode; glog quiet unless GLOG_minloglevel says otherwise."""
+def caffe(threads=None):
+    """The pycaffe module in CPU mode, glog quiet unless GLOG_minloglevel says otherwise.
+
+    threads: OpenBLAS's thread count from now on (None: leave it as it is).
+    """
     global _caffe
     if _caffe is None:
         os.environ.setdefault("GLOG_minloglevel", "2")
-        count = threads()
-        if count is not None:
+        if threads is not None:
             # Read by OpenBLAS when it loads; set_threads covers an OpenBLAS loaded earlier (numpy's).
-            os.environ["OPENBLAS_NUM_THREADS"] = str(count)
+            os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
         try:
             import caffe as module
         except ImportError as error:
@@ -60,7 +46,6 @@ def caffe():
                               "build it with `make caffe`") from None
         module.set_mode_cpu()
         _caffe = module
-    count = threads()
-    if count is not None:
-        set_threads(count)
+    if threads is not None:
+        set_threads(threads)
     return _caffe

@@ -4,14 +4,13 @@
 at trace time only.
 """
 
-import tensorflow as tf
-
-from deepspark.backends.tensorflow.layers import LAYERS, PARAM_ORDER, Blob
+from deepspark.backends.tensorflow.layers import LAYERS, Blob
+from deepspark.backends.tensorflow.runtime import tf
 
 
 def wanted_order(layer_type, blob):
     """The axis order a layer function takes blob `blob` in (None: Caffe's)."""
-    return PARAM_ORDER.get(layer_type, {}).get(blob)
+    return LAYERS[layer_type].param_order.get(blob)
 
 
 def storage_orders(graph):
@@ -82,7 +81,8 @@ def run(graph, params, ctx):
         if propagate:
             bottoms = [b if down else Blob(tf.stop_gradient(b.tensor), b.nhwc)
                        for b, down in zip(bottoms, propagate)]
-        tops = LAYERS[layer.type](layer, bottoms, layer_params(layer, ctx.index[layer.name], params, ctx.orders), ctx)
+        values = layer_params(layer, ctx.index[layer.name], params, ctx.orders)
+        tops = LAYERS[layer.type].function(layer, bottoms, values, ctx)
         for name, value, weight in zip(layer.tops, tops, layer.loss_weights):
             blobs[name] = value
             if weight:

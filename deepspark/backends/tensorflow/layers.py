@@ -2,8 +2,9 @@
 
 A layer function takes (layer, bottoms, params, ctx): the graph.Layer (its
 LayerParameter and shapes), its bottom Blobs, its parameter blobs as tensors
-in Caffe's shapes, and the compiler's Context; it returns its top Blobs.
-Adding a layer means one function and its @layer registration here.
+in Caffe's shapes (or in the axis order its registration asks for), and the
+compiler's Context; it returns its top Blobs. Adding a layer means one
+function and its @layer registration here.
 
 Convolutions, pooling and LRN compute in NHWC (TensorFlow's fast layout on
 CPU) and hand NHWC blobs on; layers that only care about the channel axis keep
@@ -14,27 +15,38 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-import tensorflow as tf
 
 from deepspark import fillers
-from deepspark.graph import canonical_axis, conv_geometry, pool_geometry
+from deepspark.backends.tensorflow.runtime import tf
+from deepspark.graph import FED_TYPES, canonical_axis, conv_geometry, pool_geometry
 from deepspark.proto import deepspark_pb2 as pb
 
 TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
 
-LAYERS = {}
-
-# Parameter blobs a layer function takes in another layout than Caffe's, as the
-# permutation from Caffe's axes: convolution kernels as HWIO, TensorFlow's own.
-# The model stores them so, and converts only at the contract's boundary.
-PARAM_ORDER = {"Convolution": {0: (2, 3, 1, 0)}, "Deconvolution": {0: (2, 3, 1, 0)}}
+# Convolution kernels as HWIO, TensorFlow's own layout: the permutation from Caffe's OIHW.
+HWIO = (2, 3, 1, 0)
 
 
-def layer(*types):
+class Entry(NamedTuple):
+    """One layer type's row: its function, and the axis order it takes each parameter blob in.
+
+    param_order: {blob index: permutation of Caffe's axes} for the blobs it
+    wants in another layout than Caffe's; the model stores them so, and
+    converts only at the contract's boundary.
+    """
+
+    function: object
+    param_order: dict
+
+
+LAYERS = {}  # layer type -> Entry
+
+
+def layer(*types, param_order=None):
     def register(function):
         for kind in types:
-            LAYERS[kind] = function
+            LAYERS[kind] = Entry(function, dict(param_order or {}))
         return function
     return register
 
@@ -111,7 +123,7 @@ def one_top(function):
 
 # -- data -----------------------------------------------------------------------
 
-@layer("Input", "Data", "MemoryData")
+@layer(*sorted(FED_TYPES))
 def data(layer, bottoms, params, ctx):
     return [Blob(ctx.inputs[top]) for top in layer.tops]
 
@@ -162,12 +174,12 @@ def dilate_kernel(weights, dilation):
     return weights
 
 
-@layer("Convolution")
+@layer("Convolution", param_order={0: HWIO})
 def convolution(layer, bottoms, params, ctx):
     _check_2d(layer, "convolution")
     param = layer.param.convolution_param
     kernel, pad, stride, dilation = conv_geometry(param, 2)
-    weights = dilate_kernel(params[0], dilation)  # HWIO (PARAM_ORDER)
+    weights = dilate_kernel(params[0], dilation)  # HWIO (its param_order)
     x = bottoms[0].as_nhwc
     # TF has no grouped-convolution gradient on CPU: one convolution per group.
     group = param.group
@@ -180,7 +192,7 @@ def convolution(layer, bottoms, params, ctx):
     return [Blob(y, True)]
 
 
-@layer("Deconvolution")
+@layer("Deconvolution", param_order={0: HWIO})
 def deconvolution(layer, bottoms, params, ctx):
     """The adjoint of Caffe's convolution with the same (C_in, C_out/group, kh, kw) blob."""
     _check_2d(layer, "deconvolution")
@@ -190,7 +202,7 @@ def deconvolution(layer, bottoms, params, ctx):
     n, _, h, w = layer.bottom_shapes[0]
     group, outputs = param.group, param.num_output
     full = [s * (size - 1) + d * (k - 1) + 1 for size, k, s, d in zip((h, w), kernel, stride, dilation)]
-    weights = dilate_kernel(params[0], dilation)  # (kh, kw, C_out/group, C_in): Caffe's blob in PARAM_ORDER
+    weights = dilate_kernel(params[0], dilation)  # (kh, kw, C_out/group, C_in): Caffe's blob in HWIO order
     inputs = tf.split(x, group, axis=3) if group > 1 else [x]
     filters = tf.split(weights, group, axis=3) if group > 1 else [weights]
     ys = [tf.nn.conv2d_transpose(xg, wg, [n, *full, outputs // group], strides=[1, *stride, 1], padding="VALID")
@@ -439,28 +451,9 @@ def relu(x, lp):
     return tf.nn.relu(x) if slope == 0 else tf.maximum(x, 0.0) + slope * tf.minimum(x, 0.0)
 
 
-@layer("Sigmoid")
-@one_top
-def sigmoid(x, lp):
-    return tf.sigmoid(x)
-
-
-@layer("TanH")
-@one_top
-def tanh(x, lp):
-    return tf.tanh(x)
-
-
-@layer("AbsVal")
-@one_top
-def absval(x, lp):
-    return tf.abs(x)
-
-
-@layer("BNLL")
-@one_top
-def bnll(x, lp):
-    return tf.nn.softplus(x)
+# Neurons without parameters of their own: Caffe's function is TensorFlow's op.
+for _kind, _op in {"Sigmoid": tf.sigmoid, "TanH": tf.tanh, "AbsVal": tf.abs, "BNLL": tf.nn.softplus}.items():
+    layer(_kind)(one_top(lambda x, lp, op=_op: op(x)))
 
 
 @layer("ELU")

@@ -4,17 +4,14 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
-import tensorflow as tf
 
 from deepspark import fillers, schedule
 from deepspark.backends import base
-from deepspark.backends.tensorflow import compiler
+from deepspark.backends.tensorflow import compiler, runtime
+from deepspark.backends.tensorflow.runtime import tf
 from deepspark.proto import deepspark_pb2 as pb
 
 TF_OPS = SimpleNamespace(sqrt=tf.sqrt, sign=tf.sign, sum=tf.reduce_sum, where=tf.where)
-
-# Data layers whose tops come from the batch; DummyData makes its own.
-FED_TYPES = ("Input", "Data", "MemoryData")
 
 
 class Model(base.Model):
@@ -25,21 +22,18 @@ class Model(base.Model):
     """
 
     def __init__(self, net_param, solver_param=None, phase=pb.TRAIN, source=None, batch_size=None,
-                 seed=None, stages=None, data_shape=None, jit_compile=False):
+                 seed=None, stages=None, data_shape=None, threads=None, jit_compile=False):
         super().__init__(net_param, solver_param, phase, source=source, batch_size=batch_size, seed=seed,
-                         stages=stages, data_shape=data_shape)
+                         stages=stages, data_shape=data_shape, threads=threads)
+        runtime.set_threads(self.threads)  # before the first variable starts TensorFlow's runtime
         graph = self.graph
-        self.train = self.phase == pb.TRAIN
-        self.feeds = {top: tuple(shape) for layer in graph.layers if layer.type in FED_TYPES
-                      for top, shape in zip(layer.tops, layer.top_shapes)}
         self._index = graph.blob_params
         self._orders = compiler.storage_orders(graph)  # conv kernels live as HWIO inside
         self._inverse = [compiler.inverse(order) for order in self._orders]
         self._variables = [tf.Variable(self._store(i, array), name=f"param{i}")
                            for i, array in enumerate(fillers.init_params(graph, self.seed))]
         self._stored_shapes = [tuple(v.shape) for v in self._variables]
-        rng_seed = self.seed if self.seed is not None and self.seed >= 0 else \
-            np.random.SeedSequence().entropy % 2 ** 63
+        rng_seed = self.seed if self.seed is not None else np.random.SeedSequence().entropy % 2 ** 63
         self._rng = tf.random.Generator.from_seed(rng_seed)
         self._random_seed = int(rng_seed)
         self._lr_mults = [p.lr_mult for p in graph.params]
@@ -188,7 +182,6 @@ class Model(base.Model):
         return {name: value.numpy() for name, value in self._forward_fn(self.feed(batch)).items()}
 
     def gradients(self, batch):
-        """(loss, Caffe's parameter diffs of one forward/backward), without touching the weights."""
         loss, grads = self._gradients_fn(self.feed(batch))
         return float(loss), [g.numpy() for g in grads]
 
@@ -203,7 +196,7 @@ class Model(base.Model):
                                self._orders)
         blobs, rows = {}, []
         for layer in self.graph.layers:
-            function = compiler.LAYERS[layer.type]
+            function = compiler.LAYERS[layer.type].function
             bottoms = [blobs[name] for name in layer.bottoms]
             params = compiler.layer_params(layer, ctx.index[layer.name], self._variables, ctx.orders)
 
@@ -232,10 +225,7 @@ class Model(base.Model):
         return out
 
     def set_flat(self, vector):
-        vector = np.ascontiguousarray(vector, np.float32)
-        if vector.shape != (self.param_count,):
-            raise ValueError(f"flat parameter vector has shape {vector.shape}, expected ({self.param_count},)")
-        self._set_flat_fn(vector)
+        self._set_flat_fn(self.check_flat(vector))
 
     def get_history(self):
         self._ensure_solver()

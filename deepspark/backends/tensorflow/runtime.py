@@ -1,0 +1,36 @@
+"""TensorFlow, imported quietly once, and its intra- and inter-op thread counts, set on first use."""
+
+import os
+import warnings
+
+# Before TensorFlow loads, or its C++ start-up notices reach stderr; a user's own setting wins.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+_threads = None  # the count TensorFlow took in this process, once a model asked for one
+
+
+def set_threads(count):
+    """Intra- and inter-op threads for TensorFlow in this process (None: leave them as they are).
+
+    TensorFlow takes them only before its runtime starts (at the first op or
+    variable), so the first count asked for stays; a model that asks for
+    another later is told so with a RuntimeWarning, and runs.
+    """
+    global _threads
+    if count is None or count == _threads:
+        return
+    if _threads is None:
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(count)
+            tf.config.threading.set_inter_op_parallelism_threads(count)
+        except RuntimeError:
+            running = "its default thread counts (it started before any model asked for a count)"
+        else:
+            _threads = count
+            return
+    else:
+        running = f"{_threads} threads (the first count asked for)"
+    warnings.warn(f"TensorFlow already runs with {running} in this process; threads={count} is not applied: "
+                  "TensorFlow takes a thread count only before it starts", RuntimeWarning, stacklevel=3)

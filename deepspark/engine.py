@@ -1,0 +1,252 @@
+"""The engine every run shares: a Trainer (Caffe's Solver::Solve) and an Evaluator (Caffe's Test) over a built model and its batches.
+
+The engine knows the backend contract (deepspark.backends.base.Model) and
+anything with `next_batch()` and `close()` as a batch source, but builds
+neither: the one-process verbs (deepspark.local) and the Spark workers build
+the model and its feeders, and hand them in.
+"""
+
+import collections
+import gc
+import time
+
+import numpy as np
+
+from deepspark import checkpoint, graph
+from deepspark.errors import ConfigError
+from deepspark.log import Log, progress_bar
+
+
+def next_batch(feeders):
+    """One batch {top: array} from every feeder of a net."""
+    batch = {}
+    for feeder in feeders:
+        batch.update(feeder.next_batch())
+    return batch
+
+
+def close_all(closables):
+    for item in closables:
+        item.close()
+
+
+def copy_weights(source_graph, arrays, target_graph, initial):
+    """Caffe's ShareTrainedLayersWith: parameters copied by layer name from one net to another."""
+    return checkpoint.weights_for(target_graph, checkpoint.layer_blobs(source_graph, arrays), initial)
+
+
+class SyntheticBatches:
+    """Seeded random batches for a model's fed tops: normal images, and integer labels below each
+    labelled layer's class count (for timing and comparing without data)."""
+
+    def __init__(self, model, seed=0):
+        self.feeds = model.feeds
+        self.classes = label_classes(model.graph)
+        self.rng = np.random.default_rng(seed)
+
+    def next_batch(self):
+        batch = {}
+        for top, shape in self.feeds.items():
+            if top in self.classes:
+                batch[top] = self.rng.integers(0, self.classes[top], shape).astype(np.float32)
+            else:
+                batch[top] = self.rng.standard_normal(shape).astype(np.float32)
+        return batch
+
+    def close(self):
+        pass
+
+
+def label_classes(net):
+    """{top: number of classes} for the tops a loss or accuracy layer of `net` (a graph.Graph) reads as labels."""
+    classes = {}
+    for layer in net.layers:
+        if layer.type in graph.LABELLED_TYPES and len(layer.bottoms) > 1:
+            shape = layer.bottom_shapes[0]
+            n = shape[1] if len(shape) > 1 else 2
+            label = layer.bottoms[1]
+            classes[label] = min(classes.get(label, n), n)
+    return classes
+
+
+def score(model, feeders, iterations, log=None):
+    """Mean of every output over `iterations` batches; logged as Caffe's `Test net output #j`."""
+    sums = collections.OrderedDict()
+    for _ in range(iterations):
+        for name, value in model.forward(next_batch(feeders)).items():
+            value = np.asarray(value, np.float64)
+            sums[name] = sums[name] + value if name in sums else value
+    means = collections.OrderedDict((name, total / max(iterations, 1)) for name, total in sums.items())
+    if log:
+        log_outputs(log, model.graph, means, "    Test net output #{index}: ")
+    return means
+
+
+def log_outputs(log, net, means, prefix):
+    """One line per output value, with Caffe's `(* weight = weighted loss)` for loss outputs."""
+    weights = {top: w for layer in net.layers for top, w in zip(layer.tops, layer.loss_weights)}
+    index = 0
+    for name, mean in means.items():
+        for value in np.ravel(mean):
+            suffix = f" (* {weights[name]:g} = {weights[name] * value:g} loss)" if weights.get(name) else ""
+            log.info(prefix.format(index=index) + f"{name} = {value:g}{suffix}")
+            index += 1
+
+
+def first_values(results):
+    """{"test<i>/<output>": first value} of Evaluator.test's results: the run's summary and scalars."""
+    return {f"test{i}/{name}": float(np.ravel(mean)[0]) for i, means in enumerate(results)
+            for name, mean in means.items()}
+
+
+class Evaluator:
+    """The solver's test nets, Caffe's Test(): each scores parameters over its test_iter batches.
+
+    nets: [(model, feeders, iterations)], one per test net, built by the caller.
+    """
+
+    def __init__(self, nets, log):
+        self.nets, self.log = list(nets), log
+
+    def test(self, iteration, source_graph, arrays):
+        """Score `arrays` (in `source_graph`'s parameter order); log and return [{output: mean value}] per net."""
+        results = []
+        for i, (model, feeders, iterations) in enumerate(self.nets):
+            self.log.info(f"Iteration {iteration}, Testing net (#{i})")
+            model.set_params(copy_weights(source_graph, arrays, model.graph, model.get_params()))
+            results.append(score(model, feeders, iterations, self.log))
+        return results
+
+    def close(self):
+        for model, feeders, _ in self.nets:
+            close_all(feeders)
+            model.close()
+
+
+class Trainer:
+    """One training process: a model, the batches of its shard, Caffe's display/test/snapshot cadence.
+
+    solver: the config.Solver; model: a backend model of its train net; feeders:
+    the train net's batch sources; evaluator: the test nets, or None.
+    """
+
+    def __init__(self, solver, model, feeders, log=None, evaluator=None):
+        self.solver, self.param = solver, solver.param
+        self.model, self.feeders, self.evaluator = model, list(feeders), evaluator
+        self.log = log or Log()
+        self.losses = collections.deque(maxlen=max(self.param.average_loss, 1))
+        self._heap_frozen = False
+
+    def load_weights(self, path):
+        self.log.info(f"Finetuning from {path}")
+        blobs = checkpoint.read_caffemodel(path)
+        self.model.set_params(checkpoint.weights_for(self.model.graph, blobs, self.model.get_params(), path))
+
+    def restore(self, path):
+        self.log.info(f"Restoring previous solver status from {path}")
+        state = checkpoint.read_solverstate(path)
+        learned = checkpoint.learned_net_path(state, path)
+        if learned:
+            self.load_weights(learned)
+        try:
+            self.model.set_state(state)
+        except ValueError as error:
+            raise ConfigError(f"solver state does not fit this net and solver: {error}", path) from None
+
+    @property
+    def iter(self):
+        return self.model.iter
+
+    def step(self):
+        """One solver iteration on the next iter_size batches; returns the loss."""
+        batches = [next_batch(self.feeders) for _ in range(self.model.iter_size)]
+        loss = float(self.model.step(batches[0] if len(batches) == 1 else batches))
+        self.losses.append(loss)
+        if not self._heap_frozen:
+            # After the first step the backend is built and traced, and its hundreds of thousands of
+            # objects live as long as the trainer: taken out of the cyclic collector's generations,
+            # they are no longer walked by every full collection (with TensorFlow loaded one took
+            # ~0.15 s, and PySpark's task launch in such a worker 0.2 s instead of 0.06 s).
+            gc.freeze()
+            self._heap_frozen = True
+        return loss
+
+    def get_state(self):
+        """Everything a fresh Trainer of the same job and shard needs to go on exactly where this one is:
+        {name: array} (the solver's history, each feeder's epoch order) and JSON-able metadata."""
+        arrays = {f"history{i}": h for i, h in enumerate(self.model.get_history())}
+        feeders = []
+        for i, feeder in enumerate(self.feeders):
+            meta, order = feeder.get_state()
+            if order is not None:
+                arrays[f"order{i}"] = order
+            feeders.append(meta)
+        return arrays, {"iter": self.model.iter, "current_step": self.model.current_step, "feeders": feeders}
+
+    def set_state(self, arrays, meta):
+        history = [arrays[f"history{i}"] for i in range(len(self.model.history_shapes))]
+        self.model.set_history(history)
+        self.model.iter, self.model.current_step = int(meta["iter"]), int(meta["current_step"])
+        for i, (feeder, feeder_meta) in enumerate(zip(self.feeders, meta["feeders"], strict=True)):
+            feeder.set_state(feeder_meta, arrays.get(f"order{i}"))
+
+    @property
+    def smoothed_loss(self):
+        return float(np.mean(self.losses)) if self.losses else float("nan")
+
+    def test_all(self):
+        if self.evaluator:
+            return self.evaluator.test(self.iter, self.model.graph, self.model.get_params())
+        return []
+
+    def snapshot(self):
+        prefix = self.param.snapshot_prefix or "snapshot"
+        model_path, state_path = checkpoint.snapshot_paths(prefix, self.iter)
+        self.log.info(f"Snapshotting to binary proto file {model_path}")
+        checkpoint.save_caffemodel(model_path, self.model.graph, self.model.get_params())
+        state = self.model.get_state()
+        state.learned_net = model_path
+        self.log.info(f"Snapshotting solver state to binary proto file {state_path}")
+        checkpoint.save_solverstate(state_path, state)
+        return model_path, state_path
+
+    def solve(self):
+        """Caffe's Solver::Solve: test every test_interval, display, snapshot; returns the last test results."""
+        p, log = self.param, self.log
+        log.info(f"Solving {self.model.graph.name}")
+        log.info(f"Learning Rate Policy: {p.lr_policy or 'fixed'}")
+        started, last_time, last_iter, results = time.monotonic(), time.monotonic(), self.iter, []
+        while self.iter < p.max_iter:
+            if p.test_interval and self.iter % p.test_interval == 0 and (self.iter > 0 or p.test_initialization):
+                results = self.test_all()
+            rate = self.model.learning_rate()
+            iteration = self.iter
+            loss = self.step()
+            if p.display and iteration % p.display == 0:
+                now = time.monotonic()
+                speed = (iteration - last_iter) / (now - last_time) if now > last_time and iteration > last_iter else 0
+                log.info(f"Iteration {iteration} ({speed:.4g} iter/s), loss = {self.smoothed_loss:.6g}")
+                log.info(f"    Train net output #0: loss = {loss:.6g}")
+                log.info(f"Iteration {iteration}, lr = {rate:.6g}")
+                last_time, last_iter = now, iteration
+            log.progress(progress_bar(self.iter, p.max_iter, started=started,
+                                      extra=f"loss {self.smoothed_loss:.4f}"))
+            if p.snapshot and self.iter % p.snapshot == 0:
+                self.snapshot()
+        log.end_progress()
+        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+            self.snapshot()
+        if p.display and self.iter % p.display == 0:
+            log.info(f"Iteration {self.iter}, loss = {self.smoothed_loss:.6g}")
+        if p.test_interval and self.iter % p.test_interval == 0:
+            results = self.test_all()
+        log.info("Optimization Done.")
+        return results
+
+    def close(self):
+        close_all(self.feeders)
+        if self.evaluator:
+            self.evaluator.close()
+        self.model.close()
+        if self._heap_frozen:
+            gc.unfreeze()  # what was frozen may be collected again once this trainer is gone

@@ -1,0 +1,153 @@
+"""One process, no Spark: a solver's nets built on a backend and fed by the data pipeline, and Caffe's verbs on them (train --algorithm single, test, time, describe)."""
+
+import os
+import time
+
+from deepspark import checkpoint, engine
+from deepspark.backends import create_model
+from deepspark.config import load_net, net_path, random_seed
+from deepspark.data import DataFeeder, source_shape
+from deepspark.errors import ConfigError
+from deepspark.graph import FED_TYPES, Graph
+from deepspark.log import Log
+from deepspark.proto import deepspark_pb2 as pb
+
+
+def feeders_for(model, phase, seed=None, shard=0, num_shards=1):
+    """One DataFeeder per Data layer of a model's net; a fed layer with no data source is an error."""
+    feeders = []
+    for layer in model.graph.layers:
+        if layer.type in FED_TYPES and layer.type != "Data":
+            raise ConfigError(f"layer '{layer.name}' ({layer.type}) has no data to train or test on; "
+                              "use a Data layer reading an LMDB", *model.graph.source.where(layer.index))
+        if layer.type == "Data":
+            feeders.append(DataFeeder(layer.param, phase, shard=shard, num_shards=num_shards,
+                                      seed=seed, batch_size=model.graph.context.batch_size))
+    return feeders
+
+
+def evaluator(solver, log, threads=None):
+    """The solver's test nets on its backend, each with its test_iter and its feeders."""
+    backend, seed = solver.param.deepspark_param.backend, random_seed(solver.param)
+    nets = []
+    for (net, source, state), iterations in zip(solver.test_nets, solver.param.test_iter):
+        model = create_model(backend, net, None, phase=pb.TEST, source=source, stages=list(state.stage),
+                             data_shape=source_shape, seed=seed, threads=threads)
+        nets.append((model, feeders_for(model, pb.TEST, seed=seed), iterations))
+    return engine.Evaluator(nets, log)
+
+
+def trainer(solver, log=None, *, shard=0, num_shards=1, seed_offset=None, threads=None, evaluate=True):
+    """A Trainer of the solver's train net on the solver's backend, reading shard `shard` of `num_shards`.
+
+    The feeders are seeded with random_seed + seed_offset (default: + shard), so that
+    every worker of a job sees its own order; evaluate: build the test nets too.
+    """
+    log = log or Log()
+    backend, seed = solver.param.deepspark_param.backend, random_seed(solver.param)
+    model = create_model(backend, solver.train_net, solver.param, source=solver.train_map, data_shape=source_shape,
+                         threads=threads)
+    offset = shard if seed_offset is None else seed_offset
+    try:
+        feeders = feeders_for(model, pb.TRAIN, seed=None if seed is None else seed + offset, shard=shard,
+                              num_shards=num_shards)
+        tests = evaluator(solver, log, threads) if evaluate and solver.test_nets else None
+    except BaseException:
+        model.close()
+        raise
+    return engine.Trainer(solver, model, feeders, log, tests)
+
+
+def train(solver, weights=None, snapshot=None):
+    """`deepspark train --algorithm single`: Caffe's Solver::Solve in this process, no exchange.
+
+    Returns the summary: {"iterations", "wall_seconds", "test<i>/<output>": value}.
+    """
+    started = time.monotonic()
+    output = os.path.dirname(solver.param.snapshot_prefix) or "."
+    log = Log(os.path.join(output, "train.log"), append=bool(snapshot))
+    try:
+        run = trainer(solver, log)
+        try:
+            if weights:
+                run.load_weights(weights)
+            if snapshot:
+                run.restore(snapshot)
+            results = run.solve()
+            iterations = run.iter
+        finally:
+            run.close()
+    finally:
+        log.close()
+    return {"iterations": iterations, "wall_seconds": time.monotonic() - started, **engine.first_values(results)}
+
+
+def test_model(path, backend, phase=pb.TEST, batch_size=None, threads=None):
+    """A backend model of the net at `path` (a .prototxt or a model folder) for a forward pass."""
+    net, source = load_net(net_path(path))
+    return create_model(backend, net, None, phase=phase, source=source, batch_size=batch_size,
+                        data_shape=source_shape, threads=threads)
+
+
+def test(path, weights, iterations, backend, log=None):
+    """Caffe's `test`: the mean of every output of the net's TEST phase over `iterations` batches, logged."""
+    log = log or Log()
+    model = test_model(path, backend)
+    try:
+        blobs = checkpoint.read_caffemodel(weights)
+        model.set_params(checkpoint.weights_for(model.graph, blobs, model.get_params(), weights))
+        feeders = feeders_for(model, pb.TEST)
+        try:
+            log.info(f"Running for {iterations} iterations.")
+            means = engine.score(model, feeders, iterations)
+        finally:
+            engine.close_all(feeders)
+        engine.log_outputs(log, model.graph, means, "")
+    finally:
+        model.close()
+    return means
+
+
+def timing(path, iterations, backend, phase=pb.TRAIN, log=None):
+    """Caffe's `time`: per-layer forward/backward milliseconds, logged as `caffe time` prints them.
+
+    Real batches when the net's LMDBs exist, else seeded synthetic ones (timing needs no real data).
+    """
+    log = log or Log()
+    model = test_model(path, backend, phase)
+    try:
+        try:
+            feeders = feeders_for(model, model.phase)
+        except ConfigError:  # Input layers, or no LMDB
+            feeders = []
+        source = engine.SyntheticBatches(model) if not feeders else None
+        try:
+            batch = engine.next_batch(feeders) if feeders else source.next_batch()
+        finally:
+            engine.close_all(feeders)
+        log.info(f"Performing Forward/Backward for {iterations} iterations")
+        started = time.perf_counter()
+        rows = model.time_layers(batch, iterations)
+        total = (time.perf_counter() - started) * 1000.0
+    finally:
+        model.close()
+    log.info("Average time per layer: ")
+    width = max(len(name) for name, _, _ in rows)
+    for name, forward, backward in rows:
+        log.info(f"{name:>{width}}\tforward: {forward:.4g} ms.")
+        log.info(f"{name:>{width}}\tbackward: {backward:.4g} ms.")
+    forward, backward = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    log.info(f"Average Forward pass: {forward:.4g} ms.")
+    log.info(f"Average Backward pass: {backward:.4g} ms.")
+    log.info(f"Average Forward-Backward: {forward + backward:.4g} ms.")
+    log.info(f"Total Time: {total:.4g} ms.")
+    log.info("*** Benchmark ends ***")
+    return rows
+
+
+def describe(path, phase=pb.TRAIN, data_shape=None, batch_size=None):
+    """(the `describe` table of a net, its warnings): layers, top shapes, parameter shapes, total."""
+    net, source = load_net(net_path(path))
+    net_graph = Graph(net, phase, source=source, batch_size=batch_size,
+                      data_shape=lambda layer: source_shape(layer, data_shape))
+    return net_graph.describe(), list(dict.fromkeys(net_graph.warnings))

@@ -1,0 +1,179 @@
+"""Periodic model averaging in pure Spark, the SparkNet-style baseline: broadcast the center, period local iterations per partition, average on the driver, repeat."""
+
+import json
+import math
+import os
+import shutil
+import time
+
+import numpy as np
+
+from deepspark import rules
+from deepspark.spark import worker as executor
+from deepspark.spark.job import Job, failed, first_line
+
+
+class AverageJob(Job):
+    """Each round broadcasts the center; every partition runs `period` local iterations from it on a
+    Trainer cached in its Python worker, and the driver averages what they return (rules.average_models)
+    into the next center. No exchanger: the driver holds the center between rounds."""
+
+    @property
+    def title(self):
+        return f"model averaging every {self.ds.period} iterations"
+
+    def start_exchanger(self, center, host, secret):
+        self.center = center
+        self.log.info(f"No exchanger: the center is broadcast every {self.ds.period} iterations and "
+                      f"the {self.workers} workers' parameters averaged on the driver")
+        return None
+
+    def center_flat(self):
+        return self.center.copy()
+
+    def train(self, task):
+        p, ds, log, sc = self.param, self.ds, self.log, self.sc
+        boundaries = [x for x in (p.test_interval, p.snapshot) if x and x % ds.period]
+        if boundaries:
+            log.info(f"Rounds also end at multiples of {' and '.join(map(str, boundaries))} (test_interval/snapshot "
+                     f"not multiples of period {ds.period}), so that tests and snapshots fall on their iterations")
+        shards = self.shards.persist()
+        iteration = self.start_iter
+        workers = {}  # worker -> its running Summary, and counts of hand-overs and restarts
+        handovers, restarts = {}, {}
+        try:
+            while True:
+                self.test_and_snapshot(iteration)
+                if iteration >= p.max_iter:
+                    break
+                steps = int(min(ds.period, p.max_iter - iteration, self.next_test - iteration,
+                                self.next_snapshot - iteration))
+                started = time.monotonic()
+                center = sc.broadcast(self.center)
+                try:
+                    returned = shards.mapPartitionsWithIndex(
+                        lambda i, items: [average_round(i, items, task, center.value, iteration, steps)]).collect()
+                except Exception as error:
+                    raise failed(error, sc) from None
+                finally:
+                    center.destroy()
+                # collect + average_models rather than treeAggregate: the exact rule in worker order, and
+                # per-worker stats; measured here with 2 LeNet workers the round cost the same (0.17 vs 0.15 s).
+                returned.sort(key=lambda r: r["worker"])
+                self.last_round = [(r["worker"], r["params"]) for r in returned]
+                self.center = rules.average_models([r["params"] for r in returned])
+                iteration += steps
+                # The round's wall time less the slowest build (spill + backend) of this round.
+                wall = time.monotonic() - started - max(r["build_seconds"] for r in returned)
+                for r in returned:
+                    w = r["worker"]
+                    summary = workers.setdefault(w, executor.Summary(w))
+                    if r["handed_over"]:
+                        handovers[w] = handovers.get(w, 0) + 1
+                    elif r["handed_over"] is not None and summary.exchanges:
+                        restarts[w] = restarts.get(w, 0) + 1
+                    summary.host, summary.pid, summary.cwd, summary.loss = r["host"], r["pid"], r["cwd"], r["loss"]
+                    summary.final_iteration = r["iteration"]
+                    summary.iterations += steps
+                    summary.exchanges += 1
+                    summary.train_seconds += wall
+                    summary.blocked_seconds += max(wall - r["seconds"], 0.0)
+                    if r["records"] is not None:
+                        summary.records = r["records"]
+                        summary.spill_seconds += r["spill_seconds"]
+                self.display(iteration, float(np.mean([r["loss"] for r in returned])))
+        finally:
+            self._release(shards, task.job_id)
+        if handovers:
+            log.info(f"Rounds that went on from a state another Python worker left (PySpark moved the partition): "
+                     f"{handovers}; momentum and data position carried over through the executor's local folder")
+        if restarts:
+            log.warning(f"Rounds that found no state of their worker's last round (moved to another executor): "
+                        f"{restarts}; each restarted that worker's momentum history and data order")
+        return list(workers.values()) or [executor.Summary.here(0, final_iteration=iteration)]
+
+    def _release(self, shards, job_id):
+        """Close the cached Trainers and local shards of this job wherever the tasks land (best effort)."""
+        try:
+            self.sc.parallelize(range(self.workers), self.workers).foreach(lambda _: release(job_id))
+        except Exception as error:  # cleanup only; the executors' temp folders go with them anyway
+            self.log.warning(f"could not release the workers' cached trainers: {first_line(error)}")
+        shards.unpersist()
+
+
+# Per Python worker process: the Trainer of each (job id, worker) it has run a round for, so that
+# rounds reuse the backend (Spark reuses Python workers, spark.python.worker.reuse). A partition that
+# lands on another process builds there (a cache miss), from the partition's own shard.
+_TRAINERS = {}
+
+
+def average_round(worker, items, task, center, iteration, steps):
+    """One worker's round: from the broadcast center at `iteration`, `steps` local iterations; returns its parameters."""
+    # Read the partition even when it is not needed: PySpark reuses a Python worker only after
+    # a task has consumed all of its input, and the cache lives in that worker.
+    items = list(items)
+    key = (task.job_id, worker)
+    built = time.monotonic()
+    records = spill_seconds = None
+    if key not in _TRAINERS:
+        for other in [k for k in _TRAINERS if k[0] != task.job_id]:
+            release(other[0])
+        trainer, shard_path, records, spill_seconds = executor.build(worker, executor.payload_of(items), task)
+        _TRAINERS[key] = (trainer, shard_path)
+    built = time.monotonic() - built
+    trainer = _TRAINERS[key][0]
+    model = trainer.model
+    handed = None
+    if model.iter != iteration:
+        # Another Python worker of this executor ran this worker's last round (PySpark does not
+        # keep a partition on one process): go on from the state it left, not from our stale one.
+        handed = take_over(trainer, task.job_id, worker, iteration)
+    model.set_flat(np.asarray(center, dtype=np.float32))
+    model.iter = iteration
+    started, loss = time.monotonic(), math.nan
+    for _ in range(steps):
+        loss = trainer.step()
+    hand_over(trainer, task.job_id, worker)
+    here = executor.Summary.here(worker)
+    return {"worker": worker, "host": here.host, "pid": here.pid, "cwd": here.cwd, "params": model.get_flat(),
+            "iteration": model.iter, "loss": loss, "seconds": time.monotonic() - started, "build_seconds": built,
+            "records": records, "spill_seconds": spill_seconds, "handed_over": handed}
+
+
+def _handoff_path(job_id, worker):
+    return os.path.join(executor.job_dir(job_id), f"worker{worker}.state.npz")
+
+
+def hand_over(trainer, job_id, worker):
+    """Leave this worker's solver history and data position in the executor's local folder (no pickle)."""
+    arrays, meta = trainer.get_state()
+    path = _handoff_path(job_id, worker)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as stream:
+        np.savez(stream, meta=np.array(json.dumps(meta)), **arrays)
+    os.replace(tmp, path)
+
+
+def take_over(trainer, job_id, worker, iteration):
+    """Load the state the last round of `worker` left on this executor if it ended at `iteration`:
+    True when taken over, False when there is none (another executor ran it; momentum restarts)."""
+    try:
+        with np.load(_handoff_path(job_id, worker), allow_pickle=False) as saved:
+            meta = json.loads(str(saved["meta"]))
+            if meta["iter"] != iteration:
+                return False
+            trainer.set_state({name: saved[name] for name in saved.files if name != "meta"}, meta)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def release(job_id):
+    """Close this process's cached Trainers of a job and remove the job's local shards."""
+    for key in [k for k in _TRAINERS if k[0] == job_id]:
+        trainer, shard_path = _TRAINERS.pop(key)
+        trainer.close()
+        shutil.rmtree(shard_path, ignore_errors=True)
+    shutil.rmtree(executor.job_dir(job_id), ignore_errors=True)
+    return []

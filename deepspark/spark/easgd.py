@@ -1,0 +1,65 @@
+"""Asynchronous EASGD on Spark (the default): N long tasks, each exchanging with the driver's center every period, overlapped with its next iterations."""
+
+import math
+
+from deepspark import rules
+from deepspark.exchange import EasgdHandler, ExchangeServer
+from deepspark.spark import worker as executor
+from deepspark.spark.job import Job
+
+
+def handler(ds):
+    """The exchanger's EASGD rule with the job's moving rate, its decay and floor, and the server factor."""
+    return EasgdHandler(ds.moving_rate, server_factor=ds.server_factor, decay_rate=ds.moving_rate_gamma,
+                        decay_step=ds.moving_rate_step, rate_floor=ds.moving_rate_limit)
+
+
+class EasgdJob(Job):
+    """N Spark tasks, one per worker, each training its shard and exchanging with x̃ on the driver."""
+
+    title = "async EASGD"
+
+    def start_exchanger(self, center, host, secret):
+        ds = self.ds
+        server = ExchangeServer(center, secret, handler(ds), host=host, port=0,
+                                shapes=[tuple(p.shape) for p in self.graph.params],
+                                idle_timeout=ds.exchange_timeout, resume_iteration=self.start_iter).start()
+        self.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; "
+                      f"{self.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}")
+        return server
+
+    def train(self, task):
+        timeout = self.ds.exchange_timeout
+        return self.watch(lambda: self.shards.mapPartitionsWithIndex(
+            lambda i, items: [executor.run(i, items, task, train_worker, timeout)]).collect())
+
+
+def train_worker(trainer, client, params):
+    """A worker's loop: local steps, and every period an elastic exchange (overlapped by default) with
+    the center; the center gets the worker's final state. (last loss, no extra summary fields)."""
+    model, param = trainer.model, trainer.param
+    ds = param.deepspark_param
+    schedule = rules.ExchangeSchedule(ds.period, adaptive=ds.adaptive_period)
+    loss = math.nan
+    while model.iter < param.max_iter:
+        loss = trainer.step()
+        if client.pending and client.ready:
+            params = model.get_flat(params)
+            client.poll(params)
+            model.set_flat(params)
+        if schedule.step(loss):
+            params = model.get_flat(params)
+            if client.pending:  # the previous difference first, so the snapshot includes it
+                client.wait(params)
+                model.set_flat(params)
+            if ds.overlap:
+                client.exchange_async(params, model.iter, loss)
+            else:
+                client.exchange(params, model.iter, loss)
+                model.set_flat(params)
+        elif not client.pending:
+            client.report(model.iter, loss)
+    params = model.get_flat(params)
+    client.wait(params)
+    client.exchange(params, model.iter, loss)  # the center gets the final state
+    return loss, {}

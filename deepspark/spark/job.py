@@ -1,0 +1,467 @@
+"""The driver side every training job on Spark shares: the session, the shards, the center's start, Caffe's test/snapshot/display cadence, progress, TensorBoard scalars and the summary."""
+
+import contextlib
+import dataclasses
+import os
+import re
+import secrets
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+from pyspark.sql import SparkSession
+
+from deepspark import checkpoint, engine, fillers, local, schedule
+from deepspark.config import random_seed
+from deepspark.data import decode_datum, lmdb_io, source_shape
+from deepspark.errors import ConfigError, DeepSparkError
+from deepspark.graph import Graph, layer_included
+from deepspark.log import Log
+from deepspark.plot import plot_history
+from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark.worker import Task, row_to_record
+
+# Seconds the driver waits for the Spark job's thread once it has cancelled the job.
+CANCEL_SECONDS = 30
+# Seconds between two looks at the workers' progress.
+WATCH_SECONDS = 0.5
+
+
+class JobError(DeepSparkError):
+    """The job cannot go on; the message says what happened and what Spark reports."""
+
+
+def is_local(master):
+    return master.startswith("local")
+
+
+def on_loopback(master):
+    """A local master, or one on 127.0.0.1/localhost: the driver binds to 127.0.0.1 too."""
+    return is_local(master) or any(h in master for h in ("//127.0.0.1:", "//localhost:"))
+
+
+def spark_session(ds, workers, master=None):
+    """The job's SparkSession: `local[N,F]` by default, bound to 127.0.0.1; a spark-submit session as is."""
+    # Under spark-submit the JVM is already up with its master; use that session as configured.
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ
+    master = master or ds.master or (None if submitted else f"local[{workers},{max(ds.max_failures, 1)}]")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName("deepspark")
+    if master:
+        builder = builder.master(master)
+    if master and on_loopback(master):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        builder = (builder.config("spark.driver.host", "127.0.0.1")
+                   .config("spark.driver.bindAddress", "127.0.0.1")
+                   .config("spark.ui.enabled", "false"))
+    builder = (builder.config("spark.task.maxFailures", str(max(ds.max_failures, 1)))
+               .config("spark.python.worker.reuse", "true")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(p for p in sys.path if p)))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def executor_report(sc):
+    """What Spark says about its executors, for error messages."""
+    try:
+        infos = sc._jsc.sc().statusTracker().getExecutorInfos()
+        hosts = [f"{info.host()}:{info.port()} ({info.numRunningTasks()} running)" for info in infos]
+        return f"Spark reports {len(hosts)} executor(s): {', '.join(hosts) or 'none'}"
+    except Exception as error:  # only used to enrich a message
+        return f"Spark's executor list is unavailable ({error})"
+
+
+_EXCEPTION_LINE = re.compile(r"^\s*([\w.]+(?:Error|Exception)): (.+)$")
+
+
+def first_line(error):
+    """The one line that says why a Spark job failed: our own error's message if a worker raised one,
+    else the first Python exception, else the first exception named anywhere in Spark's report."""
+    text = str(error).strip()
+    found = [m.groups() for m in map(_EXCEPTION_LINE.match, text.splitlines()) if m]
+    ours = [message for name, message in found if name.startswith("deepspark.")]
+    if ours:
+        return ours[0].strip()
+    python = [(name, message) for name, message in found if not name.startswith(("org.", "java.", "py4j.", "scala."))]
+    if python or found:
+        name, message = (python or found)[0]
+        return f"{name.rsplit('.', 1)[-1]}: {message.strip()}"
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def failed(error, sc):
+    """The JobError for a Spark job that raised `error`."""
+    return JobError(f"the Spark job failed: {first_line(error)}; {executor_report(sc)}")
+
+
+def shard_payloads(solver, workers, shared_data):
+    """Per worker: its record range of the train net's LMDB, as records shipped through Spark
+    or (shared storage) as a path and range to read directly."""
+    train = pb.NetState(phase=pb.TRAIN)
+    sources = [layer.data_param.source for layer in solver.train_net.layer
+               if layer.type == "Data" and layer_included(layer, train)]
+    if len(set(sources)) != 1:
+        raise ConfigError("the Spark job needs exactly one Data layer (LMDB) in the TRAIN phase of the train net",
+                          solver.path)
+    source = sources[0]
+    if not os.path.exists(source):
+        raise ConfigError(f"training LMDB '{source}' not found", solver.path)
+    total = lmdb_io.count(source)
+    payloads = []
+    for worker in range(workers):
+        start, stop = lmdb_io.shard_range(total, worker, workers)
+        if stop <= start:
+            raise ConfigError(f"{workers} workers but the LMDB holds only {total} records", source)
+        if shared_data:
+            payloads.append(("range", os.path.abspath(source), start, stop))
+        else:
+            payloads.append(("records", list(lmdb_io.read_records(source, start, stop))))
+    return payloads, total
+
+
+def dataframe_shards(df, workers):
+    """An RDD of N partitions of (key, Datum bytes) from a DataFrame, and the (C, H, W) of its images.
+
+    Rows hold either `datum` (serialized Caffe Datum bytes) or `data` (an image
+    array: C x H x W, or H x W for one channel; uint8 or float) and `label`.
+    """
+    columns = set(df.columns)
+    if "datum" not in columns and not {"data", "label"} <= columns:
+        raise ConfigError(f"the DataFrame needs a 'datum' column (Datum bytes) or 'data' and 'label' columns; "
+                          f"it has {sorted(columns)}")
+    first = df.first()
+    if first is None:
+        raise ConfigError("the DataFrame is empty")
+    shape = decode_datum(row_to_record(0, first)[1])[0].shape
+    use = ["datum"] if "datum" in columns else ["data", "label"]
+    records = df.select(*use).rdd.zipWithIndex().map(lambda pair: row_to_record(pair[1], pair[0]))
+    return records.repartition(workers), tuple(int(d) for d in shape)
+
+
+def initial_center(solver, log, weights=None, snapshot=None, shape=None):
+    """x̃ at the start: the fillers, a --weights file, or a --snapshot's learned net; and the start iteration."""
+    graph = Graph(solver.train_net, pb.TRAIN, source=solver.train_map,
+                  data_shape=source_shape if shape is None else (lambda layer: shape))
+    arrays = fillers.init_params(graph, random_seed(solver.param))
+    start = 0
+    if snapshot:
+        log.info(f"Restoring previous solver status from {snapshot}")
+        state = checkpoint.read_solverstate(snapshot)
+        weights, start = checkpoint.learned_net_path(state, snapshot), state.iter
+    if weights:
+        log.info(f"Initialising the center from {weights}")
+        arrays = checkpoint.weights_for(graph, checkpoint.read_caffemodel(weights), arrays, weights)
+    return graph, arrays, start
+
+
+def rate_at(param, iteration):
+    """The learning rate a worker uses at `iteration` (multistep's counter derived, not carried)."""
+    return schedule.learning_rate(param, iteration, sum(iteration >= v for v in param.stepvalue))[0]
+
+
+def next_multiple(iteration, interval, include_current=False):
+    """The first multiple of `interval` after `iteration` (or at it, with include_current); inf for 0."""
+    if not interval:
+        return float("inf")
+    if include_current and iteration % interval == 0:
+        return iteration
+    return (iteration // interval + 1) * interval
+
+
+def last_multiple(iteration, interval, start):
+    """The last multiple of `interval` at or before `iteration`, never before the job's start."""
+    return max(iteration - iteration % interval, start)
+
+
+class Progress:
+    """Per-worker rows on a terminal: iteration, loss, exchanges, seconds since the last exchange."""
+
+    def __init__(self, log, workers, max_iter):
+        self.log, self.workers, self.max_iter = log, workers, max_iter
+
+    def draw(self, stats):
+        rows = []
+        for worker in range(self.workers):
+            s = stats.get(worker)
+            if not s:
+                rows.append(f"w{worker}: waiting")
+                continue
+            loss = s.get("loss", float("nan"))
+            since = s.get("seconds_since_exchange")
+            latency = s.get("latency")
+            rows.append(f"w{worker}: it {s.get('iteration', 0)}/{self.max_iter} loss {loss:.4f} "
+                        f"ex {s.get('exchanges', 0)}"
+                        + (f" ({1e3 * latency:.1f} ms, {since:.1f}s ago)" if since is not None and latency else ""))
+        self.log.progress(" | ".join(rows))
+
+
+class Scalars:
+    """TensorBoard scalars (loss, test outputs, learning rate, exchange latency), when tensorboard is installed."""
+
+    def __init__(self, folder, log):
+        try:
+            from tensorboard.summary import Writer
+        except ImportError:
+            log.warning("tensorboard is not installed; no TensorBoard scalars")
+            self.writer = None
+            return
+        self.writer = Writer(folder)
+
+    def add(self, tag, value, step):
+        if self.writer is not None and np.isfinite(value):
+            self.writer.add_scalar(tag, float(value), int(step))
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+@dataclasses.dataclass
+class Options:
+    """How a job starts, beside its solver: --weights, --snapshot, the Spark master, a DataFrame."""
+
+    weights: str = None
+    snapshot: str = None
+    master: str = None
+    data: object = None  # a pyspark DataFrame to train on instead of the train net's LMDB
+
+
+class Job:
+    """One training job on Spark. An algorithm's job says how the center is held (start_exchanger,
+    center_flat) and how the workers train (train); the rest is here.
+
+    Nothing starts in the constructor: run() starts Spark, the exchanger, the test nets
+    and the scalars, and stops whatever it started, whatever raises.
+    """
+
+    title = "training"  # in the log's "Solving" line and the plot
+
+    def __init__(self, solver, options=None):
+        self.solver, self.param = solver, solver.param
+        self.ds = solver.param.deepspark_param
+        self.options = options or Options()
+        self.workers = self.ds.workers
+        self.output = os.path.dirname(self.param.snapshot_prefix) or "output"
+        self.history = []  # (seconds, iteration, loss, {test output: value})
+        # Iterations of the last test and snapshot, and the last test's outputs.
+        self.tested, self.snapshotted, self.last_test_values = None, None, {}
+
+    # -- what an algorithm says ------------------------------------------------
+
+    def start_exchanger(self, center, host, secret):
+        """The exchanger holding x̃ (a started ExchangeServer), or None for a job without one."""
+        raise NotImplementedError
+
+    def train(self, task):
+        """Train the workers to max_iter (driving test, snapshot and display); their Summaries."""
+        raise NotImplementedError
+
+    def center_flat(self):
+        """A copy of x̃ as one float32 vector."""
+        return self.server.pull()
+
+    # -- the run ----------------------------------------------------------------
+
+    def run(self):
+        """The whole job; returns its summary: {"iterations", "spill_seconds", "train_seconds",
+        "wall_seconds", "test<i>/<output>": value}."""
+        data = self.options.data
+        with contextlib.ExitStack() as stack:
+            self.log = Log(os.path.join(self.output, "train.log"), append=bool(self.options.snapshot))
+            stack.callback(self.log.close)
+            self.started = time.monotonic()
+            if data is not None:
+                self.spark = data.sparkSession  # the caller's session: theirs to stop
+            else:
+                self.spark = spark_session(self.ds, self.workers, self.options.master)
+                stack.callback(self.spark.stop)
+            self.sc = self.spark.sparkContext
+            self.shards = self.load_shards()
+            host = "127.0.0.1" if on_loopback(self.sc.master) else self.sc.getConf().get("spark.driver.host")
+            secret = secrets.token_hex(32)
+            flat = np.concatenate([a.reshape(-1) for a in self.center0]).astype(np.float32)
+            self.server = self.start_exchanger(flat, host, secret)
+            if self.server is not None:
+                stack.callback(self.server.stop)
+            self.evaluator = local.evaluator(self.solver, self.log)
+            stack.callback(self.evaluator.close)
+            self.scalars = Scalars(os.path.join(self.output, "tensorboard"), self.log)
+            stack.callback(self.scalars.close)
+            self.task = task = Task(job_id=uuid.uuid4().hex[:12], solver=self.param.SerializeToString(),
+                        train_net=self.solver.train_net.SerializeToString(), solver_path=self.solver.path,
+                        address=tuple(self.server.address) if self.server else None, secret=secret,
+                        threads=self.threads())
+            self.log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
+                          f"({self.ds.backend} backend, {self.title})")
+            return self.finish(self.train(task))
+
+    def load_shards(self):
+        """The RDD of the workers' shards, one partition each; sets the graph, x̃'s start and the start iteration."""
+        data, options, log = self.options.data, self.options, self.log
+        if data is not None:
+            shards, shape = dataframe_shards(data, self.workers)
+            log.info(f"Training on a DataFrame of {data.columns}, repartitioned into {self.workers} shards")
+        else:
+            shape = None
+        self.graph, self.center0, self.start_iter = initial_center(self.solver, log, options.weights,
+                                                                   options.snapshot, shape)
+        if data is None:
+            payloads, records = shard_payloads(self.solver, self.workers, self.ds.shared_data)
+            shards = self.sc.parallelize(payloads, self.workers)
+            how = "read by executors from shared storage" if self.ds.shared_data else "shipped through Spark"
+            log.info(f"Sharded {records} records into {self.workers} shards ({how})")
+        self.next_test = next_multiple(self.start_iter, self.param.test_interval, self.param.test_initialization)
+        self.next_snapshot = next_multiple(self.start_iter, self.param.snapshot)
+        self.next_display = next_multiple(self.start_iter, self.param.display)
+        return shards
+
+    def threads(self):
+        """Compute threads per worker: the cores shared out in local mode, an executor's cores on a cluster."""
+        if is_local(self.sc.master):
+            return max(1, (os.cpu_count() or 1) // self.workers)
+        return int(self.sc.getConf().get("spark.executor.cores", "1"))
+
+    # -- watching workers that exchange with the driver's server ----------------
+
+    def watch(self, run_tasks):
+        """Run `run_tasks()` (the Spark job) in a thread and follow the workers through the exchanger's
+        stats until it ends: progress, rejoins, display, test and snapshot; its result."""
+        outcome = {}
+
+        def spark_job():
+            try:
+                outcome["results"] = run_tasks()
+            except Exception as error:  # reported below with Spark's view
+                outcome["failure"] = error
+
+        thread = threading.Thread(target=spark_job, name="deepspark-spark-job", daemon=True)
+        thread.start()
+        progress = Progress(self.log, self.workers, self.param.max_iter)
+        connect_deadline = time.monotonic() + self.ds.connect_timeout
+        connections = {}
+        while thread.is_alive():
+            thread.join(WATCH_SECONDS)
+            stats = self.server.stats()
+            progress.draw(stats)
+            self.report_rejoins(stats, connections)
+            if len(stats) < self.workers and time.monotonic() > connect_deadline:
+                self.sc.cancelAllJobs()
+                thread.join(CANCEL_SECONDS)
+                raise JobError(f"only {len(stats)} of {self.workers} workers connected to the exchanger within "
+                               f"{self.ds.connect_timeout:g}s; {executor_report(self.sc)}")
+            if len(stats) < self.workers:
+                continue
+            # The job's iteration is the slowest worker's (Caffe counts max_iter on each node).
+            iteration = min(s.get("iteration", 0) for s in stats.values())
+            losses = [x for x in (s.get("loss", float("nan")) for s in stats.values()) if np.isfinite(x)]
+            if self.display(iteration, float(np.mean(losses)) if losses else float("nan")):
+                self.exchange_scalars(stats, iteration)
+            self.test_and_snapshot(iteration)
+        self.log.end_progress()
+        if "failure" in outcome:
+            raise failed(outcome["failure"], self.sc)
+        return outcome["results"]
+
+    def report_rejoins(self, stats, connections):
+        """A line for each worker that connected again (Spark retried its task, or reran the stage)."""
+        for wid, s in sorted(stats.items()):
+            count = s.get("connections", 1)
+            if count > connections.get(wid, 1):
+                self.log.warning(f"Worker {wid} rejoined the exchanger (connection {count}); it goes on from "
+                                 f"the center at iteration {s.get('joined_at', 0)}")
+            connections[wid] = count
+
+    def exchange_scalars(self, stats, iteration):
+        self.scalars.add("exchange/seconds_since_exchange",
+                         max(s.get("seconds_since_exchange") or 0 for s in stats.values()), iteration)
+        latencies = [s["latency"] for s in stats.values() if s.get("latency") is not None]
+        if latencies:
+            self.scalars.add("exchange/latency_ms", 1e3 * float(np.mean(latencies)), iteration)
+        self.scalars.add("exchange/exchanges", sum(s.get("exchanges", 0) for s in stats.values()), iteration)
+
+    # -- Caffe's cadence on the center -----------------------------------------------
+
+    def display(self, iteration, loss):
+        """Caffe's `Iteration N, loss = L` line and the train scalars, once `iteration` reaches the next
+        display multiple; True when shown."""
+        p = self.param
+        if not (p.display and iteration >= self.next_display and np.isfinite(loss)):
+            return False
+        self.log.info(f"Iteration {iteration}, loss = {loss:.6g}")
+        self.scalars.add("train/loss", loss, iteration)
+        self.scalars.add("train/learning_rate", rate_at(p, iteration), iteration)
+        self.history.append((time.monotonic() - self.started, iteration, loss, {}))
+        self.next_display = next_multiple(iteration, p.display)
+        return True
+
+    def test_and_snapshot(self, iteration):
+        """Test and snapshot x̃ once `iteration` reaches the next test_interval / snapshot multiple.
+
+        Workers run on while the driver watches, so the slowest may already be past
+        the multiple when it is seen; the test and the snapshot carry the multiple's
+        number, as Caffe's do (lenet_iter_5000), and a line says where the workers were.
+        """
+        p = self.param
+        if p.test_interval and iteration >= self.next_test:
+            self.test(last_multiple(iteration, p.test_interval, self.start_iter), observed=iteration)
+            self.next_test = next_multiple(iteration, p.test_interval)
+        if p.snapshot and iteration >= self.next_snapshot:
+            self.snapshot(last_multiple(iteration, p.snapshot, self.start_iter), observed=iteration)
+            self.next_snapshot = next_multiple(iteration, p.snapshot)
+
+    def center_arrays(self):
+        flat = self.center_flat()
+        sizes = [int(np.prod(p.shape)) for p in self.graph.params]
+        offsets = np.cumsum([0] + sizes)
+        return [flat[a:b].reshape(p.shape) for p, a, b in zip(self.graph.params, offsets, offsets[1:])]
+
+    def _note_observed(self, what, iteration, observed):
+        if observed is not None and observed != iteration:
+            self.log.info(f"{what} x̃ as iteration {iteration}; the slowest worker is at iteration {observed}")
+
+    def test(self, iteration, observed=None):
+        self.tested = iteration
+        self._note_observed("Testing", iteration, observed)
+        values = engine.first_values(self.evaluator.test(iteration, self.graph, self.center_arrays()))
+        for tag, value in values.items():
+            self.scalars.add(tag, value, iteration)
+        self.history.append((time.monotonic() - self.started, iteration, float("nan"), values))
+        self.last_test_values = values
+        return values
+
+    def snapshot(self, iteration, observed=None):
+        self.snapshotted = iteration
+        self._note_observed("Snapshotting", iteration, observed)
+        model_path, state_path = checkpoint.snapshot_paths(self.param.snapshot_prefix, iteration)
+        self.log.info(f"Snapshotting to binary proto file {model_path}")
+        checkpoint.save_caffemodel(model_path, self.graph, self.center_arrays())
+        self.log.info(f"Snapshotting solver state to binary proto file {state_path}")
+        checkpoint.save_solverstate(state_path, checkpoint.solver_state(iteration, learned_net=model_path))
+        return model_path
+
+    def finish(self, results):
+        """The workers' summary lines, the last snapshot and test, the plot; the job's summary."""
+        p, log = self.param, self.log
+        final = max(r.final_iteration for r in results)
+        spill = max(r.spill_seconds for r in results)
+        train = max(r.train_seconds for r in results)
+        for r in sorted(results, key=lambda r: r.worker):
+            log.info(f"Worker {r.worker} on {r.host} (in {r.cwd}): {r.iterations} iterations, "
+                     f"{r.exchanges} exchanges, spilled {r.records} records in {r.spill_seconds:.2f}s, trained "
+                     f"{r.train_seconds:.1f}s, blocked on exchange {r.blocked_seconds:.2f}s")
+        log.info(f"Spill took {spill:.2f}s, {100 * spill / max(train, 1e-9):.2f}% of training time")
+        if p.snapshot_after_train and self.snapshotted != final:
+            self.snapshot(final)
+        values = self.last_test_values
+        if self.evaluator.nets and self.tested != final:
+            values = self.test(final)
+        log.info("Optimization Done.")
+        plot_path = os.path.join(self.output, "progress.png")
+        plot_history(self.history, plot_path, title=f"{self.graph.name}: {self.workers} workers, {self.title}")
+        log.info(f"Plot of loss and test outputs against time: {plot_path}")
+        return {"iterations": final, "spill_seconds": spill, "train_seconds": train,
+                "wall_seconds": time.monotonic() - self.started, **values}
