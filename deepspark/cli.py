@@ -7,6 +7,7 @@ proto alone.
 """
 
 import argparse
+import os
 import sys
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -99,7 +100,7 @@ def fields_of(args, message):
 def cmd_train(args):
     from deepspark import spark  # deferred: deepspark.spark imports pyspark, which the other verbs need not
 
-    spark.train(args.solver, weights=args.weights, snapshot=args.snapshot, iterations=args.iterations,
+    spark.train(args.solver, deepspark=args.deepspark, weights=args.weights, snapshot=args.snapshot, iterations=args.iterations,
                 output=args.output, **fields_of(args, pb.DeepSparkParameter))
     return 0
 
@@ -158,6 +159,8 @@ def parser():
 
     train = verbs.add_parser("train", help="train a net from a solver prototxt")
     train.add_argument("--solver", required=True, help="solver .prototxt")
+    train.add_argument("--deepspark", help=f"DeepSparkParameter .prototxt over the solver's deepspark_param block "
+                                           f"(default: {config.DEEPSPARK_FILE} beside the solver, if there is one)")
     train.add_argument("--weights", help="initial weights .caffemodel (fine-tuning)")
     train.add_argument("--snapshot", help="resume from this .solverstate")
     train.add_argument("--output", help="folder for snapshots, logs and plots (default: the snapshot_prefix's)")
@@ -234,6 +237,11 @@ def main(argv=None):
     except KeyboardInterrupt:
         print(f"deepspark {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`deepspark describe X | head -3`): end quietly, as Unix tools do;
+        # stdout goes to /dev/null so that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

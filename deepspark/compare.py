@@ -19,7 +19,8 @@ from deepspark.backends import BACKENDS, backend_module, create_model
 from deepspark.config import load_net, load_solver, net_path, random_seed, set_fields
 from deepspark.data import DataFeeder, source_shape
 from deepspark.errors import ConfigError
-from deepspark.graph import DATA_TYPES, Graph
+from deepspark.fillers import fill
+from deepspark.graph import DATA_TYPES, Graph, spec
 from deepspark.proto import deepspark_pb2 as pb
 
 SEED = 1701
@@ -158,8 +159,10 @@ def difference(a, b):
 
 
 def build(backends, net, solver_param=None, phase=pb.TEST, source=None, batch_size=None, data_shape=None,
-          weights=None, seed=None):
-    """{backend: Model}, all holding the same parameters (the weights file's, else the first's fillers).
+          weights=None, seed=None, out=None):
+    """{backend: Model}, all holding the same parameters: the weights file's, else the first's fillers,
+    with Caffe's xavier filler for any weight blob the prototxt leaves constant (a deploy net without
+    fillers is all zeros, and every difference then says 0); `out` is told which.
 
     seed: the fillers' (default: the solver's random_seed when set, else SEED).
     """
@@ -175,10 +178,31 @@ def build(backends, net, solver_param=None, phase=pb.TEST, source=None, batch_si
     if weights:
         params = checkpoint.weights_for(first.graph, checkpoint.read_caffemodel(weights), params, weights)
     else:
-        params = unit_batch_norm(first, params)
+        params = unit_batch_norm(first, xavier_where_constant(first, params, seed, out))
     for model in models.values():
         model.set_params(params)
     return models
+
+
+def xavier_where_constant(model, params, seed, out=None):
+    """The parameters with each learned weight blob (a layer's first) that its fillers left constant
+    filled instead by Caffe's xavier filler, seeded; `out` gets a line naming those layers."""
+    params, filled = list(params), []
+    xavier = pb.FillerParameter(type="xavier")
+    for layer in model.graph.layers:
+        indices = model.layer_blobs(layer.name)
+        if not indices or not spec(layer.type).learned:
+            continue
+        first = indices[0]
+        weights = params[first]
+        if weights.ndim >= 2 and weights.size > 1 and np.ptp(weights) == 0:
+            params[first] = fill(xavier, weights.shape, np.random.default_rng([seed, first]))
+            filled.append(layer.name)
+    if filled and out is not None:
+        out.write(f"no weight filler in the prototxt for {', '.join(filled)}: Caffe's default would leave them "
+                  f"constant, so they are filled with Caffe's xavier filler (seed {seed}); give --weights to "
+                  "compare trained weights\n")
+    return params
 
 
 def unit_batch_norm(model, params):
@@ -195,9 +219,9 @@ def unit_batch_norm(model, params):
 
 
 def compare_forward(models, batches, repeats=TIMING_REPEATS):
-    """Forward each model on one batch: ({backend: images/s}, [(blob, shape, {backend: (abs, rel)})]).
+    """Forward each model on one batch: ({backend: images/s}, [(blob, shape, {backend: (abs, rel)}, constant)]).
 
-    Differences are against the first backend.
+    Differences are against the first backend; constant: the first backend's blob holds one value only.
     """
     names = list(models)
     batch = batches.next_batch()
@@ -212,7 +236,8 @@ def compare_forward(models, batches, repeats=TIMING_REPEATS):
     reference = outputs[names[0]]
     for blob, value in reference.items():
         diffs = {name: difference(value, outputs[name].get(blob, np.full(1, np.nan))) for name in names[1:]}
-        rows.append((blob, tuple(np.shape(value)), diffs))
+        constant = np.size(value) > 1 and bool(np.all(np.asarray(value) == np.ravel(value)[0]))
+        rows.append((blob, tuple(np.shape(value)), diffs, constant))
     return speed, rows
 
 
@@ -317,7 +342,7 @@ def run(model_path, weights=None, solver_path=None, out=sys.stdout, **options):
 
 def compare_forward_pass(out, result, backends, net, path, batch_size, weights, forward_tolerance):
     """The forward table: every blob of every other backend against the first; fills result["forward"]."""
-    models = build(backends, net, None, pb.TEST, None, batch_size, shape_finder(path), weights)
+    models = build(backends, net, None, pb.TEST, None, batch_size, shape_finder(path), weights, out=out)
     try:
         batches, kind = batch_source(models[backends[0]], pb.TEST)
         try:
@@ -329,7 +354,7 @@ def compare_forward_pass(out, result, backends, net, path, batch_size, weights, 
                   f"differences against {backends[0]}, tolerance {forward_tolerance:g} relative)\n")
         table = [("blob", "shape") + tuple(h for name in others for h in (f"{name} max abs", f"{name} rel"))]
         worst = 0.0
-        for blob, shape, diffs in rows:
+        for blob, shape, diffs, _ in rows:
             cells = []
             for name in others:
                 absolute, relative = diffs[name]
@@ -337,7 +362,11 @@ def compare_forward_pass(out, result, backends, net, path, batch_size, weights, 
                 cells += [f"{absolute:.3g}", f"{relative:.3g}"]
             table.append((blob, "x".join(map(str, shape)) or "scalar", *cells))
         _table(table, out)
-        blobs = {blob: {name: diffs[name] for name in others} for blob, _, diffs in rows}
+        constant = [blob for blob, _, _, same in rows if same]
+        if constant:
+            out.write(f"warning: {', '.join(constant)} hold one value on {backends[0]} (a constant output): "
+                      "their differences say little\n")
+        blobs = {blob: {name: diffs[name] for name in others} for blob, _, diffs, _ in rows}
         _verdict(out, result, "forward", {"blobs": blobs, "worst_relative": worst}, speed, worst, forward_tolerance,
                  "FORWARD DIFFERS: worst relative difference")
     finally:

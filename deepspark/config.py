@@ -70,6 +70,9 @@ def _parse_error(error, text, message, filename):
     if known:
         owner, field = known.groups()
         detail = f"unknown field '{field}' in {owner}"
+        if owner == "NetParameter" and field in pb.SolverParameter.DESCRIPTOR.fields_by_name:
+            detail = (f"this is a solver prototxt ('{field}' is a solver field), where a net is expected; "
+                      "give the net it names, or the model folder")
         if isinstance(message, pb.NetParameter) and owner == "LayerParameter":
             unsupported = _unsupported_type_at(text, line)
             if unsupported:
@@ -86,7 +89,10 @@ def _unsupported_type_at(text, line):
     start = max([b for b in blocks if b <= offset], default=None)
     if start is None:
         return None
-    kind = re.search(r'\btype\s*:\s*"([^"]*)"', text[start:])
+    end = min([b for b in blocks if b > start], default=len(text))
+    # The layer's own type: the first `type:` at the block's top level, in either quote style.
+    kind = re.search(r"""^\s{0,8}type\s*:\s*["']([^"']*)["']""", text[start:end], re.M) or \
+        re.search(r"""\btype\s*:\s*["']([^"']*)["']""", text[start:end])
     if kind and kind.group(1) not in graph.supported_types():
         return kind.group(1)
     return None
@@ -131,6 +137,19 @@ def parse_deepspark(text, filename="<string>"):
     return _parse(text, pb.DeepSparkParameter(), filename)
 
 
+# DeepSpark's knobs in a file of their own beside a solver, so that the solver stays one Caffe parses.
+DEEPSPARK_FILE = "deepspark.prototxt"
+
+
+def deepspark_file(solver_path, given=None):
+    """The DeepSparkParameter prototxt that goes with a solver: `given`, else deepspark.prototxt beside
+    the solver if there is one, else None."""
+    if given:
+        return given
+    beside = os.path.join(os.path.dirname(os.path.abspath(solver_path)), DEEPSPARK_FILE)
+    return beside if os.path.exists(beside) else None
+
+
 def resolve(path, base_dir):
     """Caffe resolves paths against the working directory; we also try the referring file's folder."""
     if not path or os.path.isabs(path) or os.path.exists(path):
@@ -166,9 +185,17 @@ class Solver:
         self.test_nets = test_nets  # list of (NetParameter, SourceMap, NetState)
 
 
-def load_solver(path):
-    """Parse a solver prototxt, resolve and load the nets it names, check its arithmetic."""
-    param = _parse(_read(path, "solver"), pb.SolverParameter(), path)
+def load_solver(path, deepspark=None):
+    """Parse a solver prototxt, resolve and load the nets it names, check its arithmetic.
+
+    DeepSpark's knobs: the solver's own deepspark_param block if it has one, then, field by field over
+    it, the `deepspark` prototxt (default: deepspark.prototxt beside the solver, when there is one).
+    """
+    text = _read(path, "solver")
+    param = _parse(text, pb.SolverParameter(), path)
+    knobs = deepspark_file(path, deepspark)
+    if knobs:
+        param.deepspark_param.MergeFrom(parse_deepspark(_read(knobs, "DeepSpark parameter"), knobs))
     base = os.path.dirname(os.path.abspath(path))
 
     def net_from_file(field):
@@ -212,7 +239,7 @@ def load_solver(path):
         state.phase = pb.TEST
         test_nets.append((net, source, state))
 
-    check_solver(param, path)
+    check_solver(param, path, text)
     param.snapshot_prefix = resolve_output_prefix(param.snapshot_prefix, base)
     return Solver(param, path, train, train_map, test_nets)
 
@@ -222,32 +249,41 @@ def random_seed(param):
     return param.random_seed if param.random_seed >= 0 else None
 
 
-def check_solver(param, path):
+def field_position(text, field):
+    """(line, col) of the first `field:` in a prototxt's text, or (None, None)."""
+    match = re.search(rf"^[ \t]*({field})\s*[:{{<]", text, re.M)
+    if not match:
+        return None, None
+    return text.count("\n", 0, match.start()) + 1, match.start(1) - text.rfind("\n", 0, match.start(1))
+
+
+def check_solver(param, path, text=""):
+    """Solver values Caffe would refuse or run wrongly: one line pointing at the field in `text`."""
+    def error(message, field):
+        return ConfigError(message, path, *field_position(text, field))
+
     kind = schedule.solver_type(param)
     if kind not in schedule.SOLVER_TYPES:
-        raise ConfigError(f"type: unknown solver type '{kind}'; supported: {', '.join(schedule.SOLVER_TYPES)}", path)
+        raise error(f"type: unknown solver type '{kind}'; supported: {', '.join(schedule.SOLVER_TYPES)}", "type")
     policy = param.lr_policy or "fixed"
     if policy not in schedule.LR_POLICIES:
-        raise ConfigError(f"lr_policy: unknown policy '{policy}'; supported: {', '.join(schedule.LR_POLICIES)}",
-                          path)
+        raise error(f"lr_policy: unknown policy '{policy}'; supported: {', '.join(schedule.LR_POLICIES)}",
+                    "lr_policy")
     for field in schedule.LR_POLICIES[policy]:
         present = len(param.stepvalue) if field == "stepvalue" else param.HasField(field)
         if not present:
-            raise ConfigError(f"lr_policy '{policy}' needs {field}", path)
+            raise error(f"lr_policy '{policy}' needs {field}", "lr_policy")
     if policy == "step" and param.stepsize <= 0:
-        raise ConfigError("stepsize must be positive for lr_policy 'step'", path)
+        raise error("stepsize must be positive for lr_policy 'step'", "stepsize")
     if list(param.stepvalue) != sorted(param.stepvalue):
-        raise ConfigError("stepvalue must be increasing", path)
+        raise error("stepvalue must be increasing", "stepvalue")
     if param.regularization_type not in ("L1", "L2"):
-        raise ConfigError(f"regularization_type: '{param.regularization_type}' is not L1 or L2", path)
-    if param.iter_size < 1:
-        raise ConfigError("iter_size must be at least 1", path)
-    if param.average_loss < 1:
-        raise ConfigError("average_loss must be at least 1", path)
-    if param.max_iter < 0:
-        raise ConfigError("max_iter must not be negative", path)
-    if param.test_interval < 0 or any(t < 0 for t in param.test_iter):
-        raise ConfigError("test_interval and test_iter must not be negative", path)
+        raise error(f"regularization_type: '{param.regularization_type}' is not L1 or L2", "regularization_type")
+    for field, least in (("iter_size", 1), ("average_loss", 1), ("max_iter", 0), ("test_interval", 0)):
+        if getattr(param, field) < least:
+            raise error(f"{field} must be at least {least}, not {getattr(param, field)}", field)
+    if any(t < 0 for t in param.test_iter):
+        raise error("test_iter must not be negative", "test_iter")
 
 
 def check_deepspark(ds, path):

@@ -622,6 +622,7 @@ class BuildContext:
         self._data_shape = data_shape
         self.batch_size = batch_size
         self.warnings = []
+        self.unknown = {}  # layer name -> why its data shape is unknown
 
     def data_shape(self, layer_param):
         if self._data_shape is None:
@@ -629,6 +630,7 @@ class BuildContext:
         shape = self._data_shape(layer_param)
         if isinstance(shape, str):
             self.warnings.append(shape)
+            self.unknown[layer_param.name] = shape
             return None
         return tuple(shape) if shape is not None else None
 

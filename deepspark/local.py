@@ -4,13 +4,23 @@ import os
 import time
 
 from deepspark import checkpoint, engine
-from deepspark.backends import create_model
+from deepspark.backends import create_model, device
 from deepspark.config import load_net, net_path, random_seed
-from deepspark.data import DataFeeder, source_shape
+from deepspark.data import DataFeeder, missing_source, source_shape
 from deepspark.errors import ConfigError
-from deepspark.graph import FED_TYPES, Graph
+from deepspark.graph import FED_TYPES, Graph, layer_included
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
+
+
+def check_sources(net, source_map, phase):
+    """A one-line error naming the first Data layer of `net` in `phase` whose source is not there."""
+    state = pb.NetState(phase=phase)
+    for index, layer in enumerate(net.layer):
+        if layer.type == "Data" and layer_included(layer, state):
+            missing = missing_source(layer)
+            if missing:
+                raise ConfigError(missing, *source_map.where(index))
 
 
 def feeders_for(model, phase, seed=None, shard=0, num_shards=1):
@@ -21,6 +31,9 @@ def feeders_for(model, phase, seed=None, shard=0, num_shards=1):
             raise ConfigError(f"layer '{layer.name}' ({layer.type}) has no data to train or test on; "
                               "use a Data layer reading an LMDB", *model.graph.source.where(layer.index))
         if layer.type == "Data":
+            missing = missing_source(layer.param)
+            if missing:
+                raise ConfigError(missing, *model.graph.source.where(layer.index))
             feeders.append(DataFeeder(layer.param, phase, shard=shard, num_shards=num_shards,
                                       seed=seed, batch_size=model.graph.context.batch_size))
     return feeders
@@ -58,16 +71,30 @@ def trainer(solver, log=None, *, shard=0, num_shards=1, seed_offset=None, thread
     return engine.Trainer(solver, model, feeders, log, tests)
 
 
+def note_device(solver, log):
+    """Caffe's `solver_mode: GPU` (every BVLC solver says it), answered once: where the backend runs here."""
+    if solver.param.solver_mode != pb.SolverParameter.GPU:
+        return
+    backend = solver.param.deepspark_param.backend
+    where = device(backend)
+    if where == "CPU":
+        log.warning(f"solver_mode: GPU, but the {backend} backend has no GPU here: it runs on the CPU")
+    else:
+        log.info(f"solver_mode: GPU: the {backend} backend runs on {where}")
+
+
 def train(solver, weights=None, snapshot=None):
     """`deepspark train --algorithm single`: Caffe's Solver::Solve in this process, no exchange.
 
     Returns the summary: {"iterations", "wall_seconds", "test<i>/<output>": value}.
     """
     started = time.monotonic()
+    check_sources(solver.train_net, solver.train_map, pb.TRAIN)  # before the backend starts
     output = os.path.dirname(solver.param.snapshot_prefix) or "."
     log = Log(os.path.join(output, "train.log"), append=bool(snapshot))
     try:
         run = trainer(solver, log)
+        note_device(solver, log)
         try:
             if weights:
                 run.load_weights(weights)
@@ -150,4 +177,5 @@ def describe(path, phase=pb.TRAIN, data_shape=None, batch_size=None):
     net, source = load_net(net_path(path))
     net_graph = Graph(net, phase, source=source, batch_size=batch_size,
                       data_shape=lambda layer: source_shape(layer, data_shape))
-    return net_graph.describe(), list(dict.fromkeys(net_graph.warnings))
+    warnings = [f"{warning}, or give --data-shape C,H,W" for warning in dict.fromkeys(net_graph.warnings)]
+    return net_graph.describe(), warnings

@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 
 import numpy as np
 import pytest
@@ -85,6 +86,21 @@ def test_compare_forward_every_blob_on_every_zoo_net(model):
     status, out, err = run_compare("--model", f"models/{model}", "--batch-size", batch)
     assert status == 0, out + err
     assert "prob" in out and "images/s: caffe" in out and "OK: within tolerance" in out
+
+
+@pytest.mark.caffe
+def test_a_deploy_net_without_fillers_is_compared_on_weights_that_mean_something(tmp_path):
+    """BVLC's deploy nets carry no fillers: Caffe's default leaves every weight 0, and every difference 0."""
+    text = open(os.path.join(ROOT, "models", "lenet", "deploy.prototxt")).read()
+    bare = re.sub(r"weight_filler \{[^}]*\}", "", text)
+    assert "weight_filler" not in bare
+    (tmp_path / "deploy.prototxt").write_text(bare)
+    status, out, err = run_compare("--model", str(tmp_path / "deploy.prototxt"), "--batch-size", "2")
+    assert status == 0, out + err
+    assert "no weight filler in the prototxt for conv1, conv2, ip1, ip2: " in out
+    assert "Caffe's xavier filler (seed 1701)" in out and "warning:" not in out
+    ip2 = re.search(r"^ip2@ip2 +2x10 +(\S+) +(\S+)$", out, re.M)
+    assert ip2 and 0 < float(ip2.group(2)) < 1e-4, out  # a real, small difference, not a vacuous 0
 
 
 def test_compare_train_val_with_data_layers_and_no_lmdb_uses_the_deploy_shapes():

@@ -83,6 +83,7 @@ for i in range(160):
 spark = spark_session(pb.DeepSparkParameter(), 2)
 df = spark.createDataFrame(rows, ["data", "label"])
 summary = deepspark.train({solver!r}, data=df, workers=2)
+assert spark.range(5).count() == 5  # the caller's session is still theirs, and running
 print(json.dumps(summary))
 """
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -92,6 +93,34 @@ print(json.dumps(summary))
     assert workers_done(done.stderr) == [0, 1]
     summary = eval(done.stdout.strip().splitlines()[-1].replace("NaN", "float('nan')"))
     assert summary["iterations"] == 100 and summary["test0/accuracy"] >= 0.9
+
+
+def test_a_dataframe_that_cannot_train_says_which_column_or_row(tmp_path):
+    solver = make_job(tmp_path, max_iter=20, test_interval=0)
+    script = f"""
+import numpy as np
+from deepspark.spark.job import spark_session
+from deepspark.errors import DeepSparkError
+from deepspark.proto import deepspark_pb2 as pb
+import deepspark
+spark = spark_session(pb.DeepSparkParameter(max_failures=1), 2)
+image = np.zeros((8, 8), np.uint8).tolist()
+for rows in ([(image, "cat"), (image, "dog")], [(image, 0)] * 5 + [(np.zeros((9, 9), np.uint8).tolist(), 1)] + [(image, 1)] * 4):
+    try:
+        deepspark.train({solver!r}, data=spark.createDataFrame(rows, ["data", "label"]), workers=2)
+    except DeepSparkError as error:
+        print("error:", str(error).split("; Spark reports")[0])
+print("still running:", spark.range(3).count())
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        "error: the DataFrame's 'label' column holds string values; Caffe's labels are integers "
+        "(cast it: df.withColumn('label', df.label.cast('int')))",
+        "error: the Spark job failed: DataFrame row 5: its image is 1x9x9, the first row's is 1x8x8; "
+        "a net takes images of one size",
+        "still running: 3"], done.stdout + done.stderr[-3000:]
 
 
 def test_workers_that_never_connect_fail_with_the_timeout_message(tmp_path):

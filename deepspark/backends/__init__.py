@@ -15,6 +15,11 @@ def backend_module(name):
     return importlib.import_module(BACKENDS[name])
 
 
+def device(name):
+    """Where backend `name` computes in this process: "GPU:0", or "CPU"."""
+    return importlib.import_module(BACKENDS[name] + ".runtime").device()
+
+
 def create_model(backend_name, net_param, solver_param=None, **kw):
     """A base.Model of backend `backend_name` for this net (and solver, to train it).
 

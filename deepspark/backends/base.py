@@ -67,9 +67,10 @@ class Model(abc.ABC):
         for layer in self.graph.layers:
             if any(shape is None for shape in layer.top_shapes):
                 kind = "its data shape" if layer.type in DATA_TYPES else "a shape"
-                raise ConfigError(f"layer '{layer.name}' ({layer.type}): {kind} is unknown; pass "
-                                  "data_shape=callable returning (channels, height, width)",
-                                  *self.graph.source.where(layer.index))
+                # The first layer of unknown shape is a data layer; the data pipeline said why.
+                reason = self.graph.context.unknown.get(layer.name) or (
+                    f"layer '{layer.name}' ({layer.type}): {kind} is unknown (it comes from the data source)")
+                raise ConfigError(reason, *self.graph.source.where(layer.index))
 
     # -- parameters -----------------------------------------------------------
 

@@ -8,7 +8,7 @@ from deepspark.data.lmdb_io import count, peek_shape, shard_range
 from deepspark.data.transform import Transformer
 
 __all__ = ["DataError", "DataFeeder", "Transformer", "count", "decode_datum", "encode_datum",
-           "feeder_for", "load_mean", "peek_shape", "shard_range", "source_shape"]
+           "feeder_for", "load_mean", "missing_source", "peek_shape", "shard_range", "source_shape"]
 
 
 def source_shape(layer_param, data_shape=None):
@@ -33,6 +33,17 @@ def source_shape(layer_param, data_shape=None):
     crop_h, crop_w = tp.crop_h or tp.crop_size, tp.crop_w or tp.crop_size
     if crop_h and crop_w and len(tp.mean_value) > 1:
         return (len(tp.mean_value), crop_h, crop_w)
-    what = f"source {source!r} not found" if source else "no data_param.source"
-    return (f"layer {layer_param.name!r}: {what}; its data shape is unknown "
-            "(create the LMDB or give the data shape C,H,W)")
+    return missing_source(layer_param)
+
+
+def missing_source(layer_param):
+    """The one line that says a Data layer's source is not there (and where a relative one was looked
+    for), or None when it exists."""
+    source = layer_param.data_param.source
+    if not source:
+        return f"layer {layer_param.name!r}: no data_param.source; its data shape is unknown"
+    if os.path.exists(source):
+        return None
+    where = "" if os.path.isabs(source) else \
+        f" (a relative source is read from the current directory, {os.getcwd()}, as Caffe reads it)"
+    return f"layer {layer_param.name!r}: source {source!r} not found{where}; create it or correct the path"

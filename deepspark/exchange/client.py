@@ -338,17 +338,18 @@ class ExchangeClient:
         """Apply the in-flight exchange's result to `params` if it has arrived; True when applied."""
         if not self._pending or self._result is None:
             return False
-        t0 = time.perf_counter()
-        self._apply(_check_params(params))
-        self.blocked_seconds += time.perf_counter() - t0
-        return True
+        return self._blocked(self._apply, params)
 
     def wait(self, params):
         """Block until the in-flight exchange is back and apply it; False when nothing was in flight."""
         if not self._pending:
             return False
+        return self._blocked(self._wait_apply, params)
+
+    def _blocked(self, apply, params):
+        """apply(params), its time counted as blocked on the exchange; True."""
         t0 = time.perf_counter()
-        self._wait_apply(_check_params(params))
+        apply(_check_params(params))
         self.blocked_seconds += time.perf_counter() - t0
         return True
 

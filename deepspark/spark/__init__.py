@@ -14,18 +14,20 @@ JOBS = {pb.DeepSparkParameter.EASGD: EasgdJob, pb.DeepSparkParameter.SYNC: SyncJ
         pb.DeepSparkParameter.AVERAGE: AverageJob}
 
 
-def train(solver, data=None, *, weights=None, snapshot=None, iterations=None, output=None, **knobs):
+def train(solver, data=None, *, deepspark=None, weights=None, snapshot=None, iterations=None, output=None, **knobs):
     """Train from a solver .prototxt (a path, or a loaded config.Solver); returns the job's summary dict.
 
     data: a Spark DataFrame to train on instead of the train net's LMDB, with a
     `datum` column (Caffe Datum bytes) or `data` (an image array) and `label`
-    columns; its SparkSession runs the job and stays the caller's. weights: a
+    columns; its SparkSession runs the job and stays the caller's. deepspark: a
+    DeepSparkParameter prototxt (default: deepspark.prototxt beside the solver,
+    if there is one) over the solver's own deepspark_param block. weights: a
     .caffemodel to start from; snapshot: a .solverstate to resume; iterations:
     overrides max_iter; output: the folder for snapshots and logs; knobs: any
     DeepSparkParameter field by name (workers=4, algorithm="sync", period=10,
-    moving_rate=0.45, ...), over the solver's deepspark_param.
+    moving_rate=0.45, ...), over both.
     """
-    solver = load_solver(solver) if isinstance(solver, str) else solver
+    solver = load_solver(solver, deepspark) if isinstance(solver, str) else solver
     override(solver, iterations=iterations, output=output, **knobs)
     algorithm = solver.param.deepspark_param.algorithm
     if algorithm == pb.DeepSparkParameter.SINGLE:

@@ -98,18 +98,22 @@ def failed(error, sc):
     return JobError(f"the Spark job failed: {first_line(error)}; {executor_report(sc)}")
 
 
+def train_source(solver):
+    """The LMDB the train net's one Data layer reads in the TRAIN phase; a one-line error if there is
+    not exactly one, or it is not there."""
+    train = pb.NetState(phase=pb.TRAIN)
+    layers = [layer for layer in solver.train_net.layer if layer.type == "Data" and layer_included(layer, train)]
+    if len({layer.data_param.source for layer in layers}) != 1:
+        raise ConfigError("the Spark job needs exactly one Data layer (LMDB) in the TRAIN phase of the train net",
+                          solver.path)
+    local.check_sources(solver.train_net, solver.train_map, pb.TRAIN)
+    return layers[0].data_param.source
+
+
 def shard_payloads(solver, workers, shared_data):
     """Per worker: its record range of the train net's LMDB, as records shipped through Spark
     or (shared storage) as a path and range to read directly."""
-    train = pb.NetState(phase=pb.TRAIN)
-    sources = [layer.data_param.source for layer in solver.train_net.layer
-               if layer.type == "Data" and layer_included(layer, train)]
-    if len(set(sources)) != 1:
-        raise ConfigError("the Spark job needs exactly one Data layer (LMDB) in the TRAIN phase of the train net",
-                          solver.path)
-    source = sources[0]
-    if not os.path.exists(source):
-        raise ConfigError(f"training LMDB '{source}' not found", solver.path)
+    source = train_source(solver)
     total = lmdb_io.count(source)
     payloads = []
     for worker in range(workers):
@@ -133,13 +137,18 @@ def dataframe_shards(df, workers):
     if "datum" not in columns and not {"data", "label"} <= columns:
         raise ConfigError(f"the DataFrame needs a 'datum' column (Datum bytes) or 'data' and 'label' columns; "
                           f"it has {sorted(columns)}")
+    if "datum" not in columns:
+        kind = df.schema["label"].dataType.typeName()
+        if kind not in ("byte", "short", "integer", "long"):
+            raise ConfigError(f"the DataFrame's 'label' column holds {kind} values; Caffe's labels are integers "
+                              "(cast it: df.withColumn('label', df.label.cast('int')))")
     first = df.first()
     if first is None:
         raise ConfigError("the DataFrame is empty")
-    shape = decode_datum(row_to_record(0, first)[1])[0].shape
+    shape = tuple(int(d) for d in decode_datum(row_to_record(0, first)[1])[0].shape)
     use = ["datum"] if "datum" in columns else ["data", "label"]
-    records = df.select(*use).rdd.zipWithIndex().map(lambda pair: row_to_record(pair[1], pair[0]))
-    return records.repartition(workers), tuple(int(d) for d in shape)
+    records = df.select(*use).rdd.zipWithIndex().map(lambda pair: row_to_record(pair[1], pair[0], shape))
+    return records.repartition(workers), shape
 
 
 def initial_center(solver, log, weights=None, snapshot=None, shape=None):
@@ -193,7 +202,8 @@ class Progress:
             loss = s.get("loss", float("nan"))
             since = s.get("seconds_since_exchange")
             latency = s.get("latency")
-            rows.append(f"w{worker}: it {s.get('iteration', 0)}/{self.max_iter} loss {loss:.4f} "
+            loss = f"{loss:.4f}" if np.isfinite(loss) else "-"  # none reported yet
+            rows.append(f"w{worker}: it {s.get('iteration', 0)}/{self.max_iter} loss {loss} "
                         f"ex {s.get('exchanges', 0)}"
                         + (f" ({1e3 * latency:.1f} ms, {since:.1f}s ago)" if since is not None and latency else ""))
         self.log.progress(" | ".join(rows))
@@ -277,6 +287,7 @@ class Job:
             if data is not None:
                 self.spark = data.sparkSession  # the caller's session: theirs to stop
             else:
+                train_source(self.solver)  # a missing LMDB is said before Spark starts
                 self.spark = spark_session(self.ds, self.workers, self.options.master)
                 stack.callback(self.spark.stop)
             self.sc = self.spark.sparkContext
@@ -288,6 +299,7 @@ class Job:
             if self.server is not None:
                 stack.callback(self.server.stop)
             self.evaluator = local.evaluator(self.solver, self.log)
+            local.note_device(self.solver, self.log)  # as the driver's backend sees it
             stack.callback(self.evaluator.close)
             self.scalars = Scalars(os.path.join(self.output, "tensorboard"), self.log)
             stack.callback(self.scalars.close)
@@ -306,14 +318,12 @@ class Job:
             shards, shape = dataframe_shards(data, self.workers)
             log.info(f"Training on a DataFrame of {data.columns}, repartitioned into {self.workers} shards")
         else:
-            shape = None
-        self.graph, self.center0, self.start_iter = initial_center(self.solver, log, options.weights,
-                                                                   options.snapshot, shape)
-        if data is None:
             payloads, records = shard_payloads(self.solver, self.workers, self.ds.shared_data)
-            shards = self.sc.parallelize(payloads, self.workers)
+            shards, shape = self.sc.parallelize(payloads, self.workers), None
             how = "read by executors from shared storage" if self.ds.shared_data else "shipped through Spark"
             log.info(f"Sharded {records} records into {self.workers} shards ({how})")
+        self.graph, self.center0, self.start_iter = initial_center(self.solver, log, options.weights,
+                                                                   options.snapshot, shape)
         self.next_test = next_multiple(self.start_iter, self.param.test_interval, self.param.test_initialization)
         self.next_snapshot = next_multiple(self.start_iter, self.param.snapshot)
         self.next_display = next_multiple(self.start_iter, self.param.display)
@@ -440,7 +450,11 @@ class Job:
         self.log.info(f"Snapshotting to binary proto file {model_path}")
         checkpoint.save_caffemodel(model_path, self.graph, self.center_arrays())
         self.log.info(f"Snapshotting solver state to binary proto file {state_path}")
-        checkpoint.save_solverstate(state_path, checkpoint.solver_state(iteration, learned_net=model_path))
+        # The center's own solver state: x̃ moves by elastic differences, not by a solver of its own, so
+        # its history is zeros, one blob per parameter and history set, as Caffe's restore expects.
+        history = [np.zeros(p.shape, np.float32) for p in self.graph.params] * schedule.history_sets(self.param)
+        checkpoint.save_solverstate(state_path, checkpoint.solver_state(iteration, history=history,
+                                                                        learned_net=model_path))
         return model_path
 
     def finish(self, results):

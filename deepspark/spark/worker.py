@@ -11,9 +11,10 @@ import numpy as np
 
 from deepspark import local
 from deepspark.config import Solver
-from deepspark.data import encode_datum, lmdb_io
+from deepspark.data import DataError, encode_datum, lmdb_io
 from deepspark.errors import DeepSparkError, SourceMap
 from deepspark.exchange import ExchangeClient
+from deepspark.graph import fmt
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -126,19 +127,26 @@ def payload_of(items):
     return ("records", items)
 
 
-def row_to_record(index, row):
-    """(key, Datum bytes) of a DataFrame row: its `datum` bytes, or its `data` array and `label`."""
+def row_to_record(index, row, shape=None):
+    """(key, Datum bytes) of DataFrame row `index`: its `datum` bytes, or its `data` array (of `shape`,
+    when given: the first row's) and `label`; a DataError naming the row when it cannot be one."""
     fields = row.asDict() if hasattr(row, "asDict") else dict(row)
     if "datum" in fields:
-        value = bytes(fields["datum"])
-    else:
-        image = np.asarray(fields["data"])
-        if image.ndim == 2:
-            image = image[None]
-        if image.dtype != np.uint8:
-            image = image.astype(np.float32)
-        value = encode_datum(image, int(fields["label"]))
-    return b"%08d" % index, value
+        return b"%08d" % index, bytes(fields["datum"])
+    image = np.asarray(fields["data"])
+    if image.ndim == 2:
+        image = image[None]
+    if image.dtype.kind not in "buif" or image.ndim != 3:
+        raise DataError(f"DataFrame row {index}: 'data' must be an image array (C x H x W, or H x W) of numbers, "
+                        f"not {image.dtype} of shape {fmt(image.shape)}")
+    if shape is not None and image.shape != tuple(shape):
+        raise DataError(f"DataFrame row {index}: its image is {fmt(image.shape)}, the first row's is {fmt(shape)}; "
+                        "a net takes images of one size")
+    try:
+        label = int(fields["label"])
+    except (TypeError, ValueError):
+        raise DataError(f"DataFrame row {index}: label {fields['label']!r} is not an integer") from None
+    return b"%08d" % index, encode_datum(image if image.dtype == np.uint8 else image.astype(np.float32), label)
 
 
 def set_threads(threads):

@@ -49,3 +49,8 @@ def caffe(threads=None):
     if threads is not None:
         set_threads(threads)
     return _caffe
+
+
+def device():
+    """Where Caffe computes: on the CPU, as tools/build-caffe.sh builds it (CPU_ONLY)."""
+    return "CPU"

@@ -34,3 +34,9 @@ def set_threads(count):
         running = f"{_threads} threads (the first count asked for)"
     warnings.warn(f"TensorFlow already runs with {running} in this process; threads={count} is not applied: "
                   "TensorFlow takes a thread count only before it starts", RuntimeWarning, stacklevel=3)
+
+
+def device():
+    """Where TensorFlow places a model's ops: its first GPU when it sees one, else the CPU."""
+    gpus = tf.config.list_physical_devices("GPU")  # lists devices without starting the runtime
+    return f"GPU:{gpus[0].name.rsplit(':', 1)[-1]}" if gpus else "CPU"

@@ -1,0 +1,157 @@
+"""What a new Caffe or Spark user meets first: a missing LMDB named as such, out-of-range flags refused in
+one line before anything starts, `| head` ending quietly, distributed snapshots that pycaffe restores."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from google.protobuf import text_format
+
+from conftest import ROOT, run_cli
+from synthetic import make_job
+
+from deepspark.proto import deepspark_pb2 as pb
+
+
+def relative_source_job(folder):
+    """The tiny job with its train net reading `train_lmdb` relative to the working directory, as BVLC
+    nets read `examples/mnist/...`; the LMDB is not there."""
+    solver = make_job(folder)
+    net = folder / "net.prototxt"
+    net.write_text(net.read_text().replace(str(folder / "train_lmdb"), "train_lmdb"))
+    return solver
+
+
+@pytest.mark.parametrize("algorithm", ["single", "easgd"])
+def test_a_missing_lmdb_is_named_with_where_a_relative_source_was_read(tmp_path, algorithm):
+    solver = relative_source_job(tmp_path)
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    status, _, err = run_cli("train", "--solver", solver, "--algorithm", algorithm, cwd=str(cwd))
+    assert status == 1
+    last = err.strip().splitlines()[-1]
+    assert last == (f"deepspark train: error: {tmp_path / 'net.prototxt'}:2:1: layer 'data': source 'train_lmdb' "
+                    f"not found (a relative source is read from the current directory, {cwd}, as Caffe reads it); "
+                    "create it or correct the path"), err[-2000:]
+    assert "Solving" not in err  # said before Spark or the backend start
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--workers", "0"], "workers must be at least 1, not 0"),
+    (["--period", "0"], "period must be at least 1, not 0"),
+    (["--moving-rate", "-0.5"], r"moving_rate must be in \(0, 1\], not -0.5"),
+    (["--iterations", "0"], "argument --iterations: must be positive, not 0"),
+    (["--workers", "-3"], "argument --workers: must not be negative, not -3"),
+    (["--algorithm", "hogwild"], "argument --algorithm: invalid choice: 'hogwild'"),
+])
+def test_out_of_range_flags_are_one_line_before_anything_starts(tmp_path, flags, line):
+    status, _, err = run_cli("train", "--solver", make_job(tmp_path), *flags)
+    assert status in (1, 2) and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert re.search(line, err), err
+
+
+def test_describe_into_head_ends_quietly():
+    done = subprocess.run(f"{sys.executable} -m deepspark.cli describe models/googlenet | head -2", shell=True,
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert len(done.stdout.splitlines()) == 2 and done.stderr == "", done.stderr
+
+
+def caffe_solver(solver_path, folder):
+    """A copy of a solver that real Caffe parses, without DeepSpark's deepspark_param block (and without
+    its test net: the restore is what is tested)."""
+    param = text_format.Parse(open(solver_path).read(), pb.SolverParameter())
+    for field in ("deepspark_param", "test_iter", "test_interval"):
+        param.ClearField(field)
+    path = folder / "caffe_solver.prototxt"
+    path.write_text(text_format.MessageToString(param))
+    return str(path)
+
+
+@pytest.mark.spark
+@pytest.mark.caffe
+@pytest.mark.parametrize("algorithm", ["easgd", "sync", "average"])
+def test_pycaffe_restores_a_distributed_snapshot_and_steps_on(tmp_path, algorithm):
+    solver = make_job(tmp_path, max_iter=20, test_interval=0, snapshot=20)
+    status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--algorithm", algorithm)
+    assert status == 0, log[-3000:]
+    script = f"""
+import caffe
+caffe.set_mode_cpu()
+solver = caffe.get_solver({caffe_solver(solver, tmp_path)!r})
+solver.restore({str(tmp_path / "out" / "tiny_iter_20.solverstate")!r})
+assert solver.iter == 20, solver.iter
+solver.step(2)
+print("iter", solver.iter)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["iter", "22"]
+
+
+@pytest.mark.caffe
+def test_every_zoo_solver_is_one_real_caffe_parses():
+    script = """
+import glob, sys
+from google.protobuf import text_format
+from caffe.proto import caffe_pb2
+paths = sorted(glob.glob("models/*/solver.prototxt"))
+for path in paths:
+    text_format.Parse(open(path).read(), caffe_pb2.SolverParameter())
+print(len(paths))
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout) == len(os.listdir(os.path.join(ROOT, "models")))
+
+
+def test_deepspark_knobs_from_their_own_file_embedded_block_then_file_then_flags(tmp_path):
+    from deepspark.config import load_solver, override
+
+    solver = make_job(tmp_path)  # its deepspark_param block: workers 2, period 4, moving_rate 0.4, ...
+    assert load_solver(solver).param.deepspark_param.period == 4
+    (tmp_path / "deepspark.prototxt").write_text("period: 7\nalgorithm: SYNC\n")
+    ds = load_solver(solver).param.deepspark_param
+    assert (ds.period, ds.algorithm, ds.workers) == (7, pb.DeepSparkParameter.SYNC, 2)  # file over block
+    other = tmp_path / "other.prototxt"
+    other.write_text("period: 9\n")
+    ds = override(load_solver(solver, str(other)), period=11).param.deepspark_param
+    assert (ds.period, ds.algorithm) == (11, pb.DeepSparkParameter.EASGD)  # --deepspark replaces the file beside
+    other.write_text("peroid: 9\n")
+    with pytest.raises(Exception, match=r"other.prototxt:1:1: .*unknown field 'peroid' in DeepSparkParameter"):
+        load_solver(solver, str(other))
+    ds = load_solver(os.path.join(ROOT, "models/lenet/solver.prototxt")).param.deepspark_param
+    assert (ds.workers, ds.period, round(ds.moving_rate, 6)) == (2, 10, 0.45)  # the zoo's, beside its solver
+
+
+def test_a_solver_where_a_net_is_expected_and_a_python_layer_are_named(tmp_path):
+    status, _, err = run_cli("describe", "models/lenet/solver.prototxt")
+    assert status == 1 and err.strip() == (
+        "deepspark describe: error: models/lenet/solver.prototxt:2:1: this is a solver prototxt ('net' is a solver "
+        "field), where a net is expected; give the net it names, or the model folder")
+    net = tmp_path / "python.prototxt"
+    net.write_text("name: 'x'\nlayer {\n  python_param { module: 'm' layer: 'L' }\n  name: 'py'\n  type: 'Python'\n"
+                   "  top: 'data'\n}\n")
+    status, _, err = run_cli("describe", str(net))
+    assert status == 1 and f"{net}:3:3: layer type 'Python' is not supported (its 'python_param' is unknown)" in err
+
+
+def test_a_bad_solver_value_points_at_its_line(tmp_path):
+    solver = tmp_path / "solver.prototxt"
+    solver.write_text(f'net: "{ROOT}/models/lenet/train_val.prototxt"\nbase_lr: 0.01\nlr_policy: "invv"\n')
+    status, _, err = run_cli("train", "--solver", str(solver))
+    assert status == 1 and err.strip().splitlines()[-1] == (
+        f"deepspark train: error: {solver}:3:1: lr_policy: unknown policy 'invv'; "
+        "supported: fixed, step, exp, inv, multistep, poly, sigmoid")
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
+def test_solver_mode_gpu_says_once_where_the_backend_runs(tmp_path, backend):
+    solver = make_job(tmp_path, max_iter=10, test_interval=0)
+    with open(solver, "a") as stream:
+        stream.write("solver_mode: GPU\n")
+    status, _, err = run_cli("train", "--solver", solver, "--algorithm", "single", "--backend", backend)
+    assert status == 0, err[-3000:]
+    said = re.findall(r"solver_mode: GPU.*", err)
+    assert said == [f"solver_mode: GPU, but the {backend} backend has no GPU here: it runs on the CPU"], said
