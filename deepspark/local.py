@@ -147,9 +147,8 @@ def timing(path, iterations, backend, phase=pb.TRAIN, log=None):
             feeders = feeders_for(model, model.phase)
         except ConfigError:  # Input layers, or no LMDB
             feeders = []
-        source = engine.SyntheticBatches(model) if not feeders else None
         try:
-            batch = engine.next_batch(feeders) if feeders else source.next_batch()
+            batch = engine.next_batch(feeders) if feeders else engine.SyntheticBatches(model).next_batch()
         finally:
             engine.close_all(feeders)
         log.info(f"Performing Forward/Backward for {iterations} iterations")

@@ -34,6 +34,5 @@ def train(solver, data=None, *, deepspark=None, weights=None, snapshot=None, ite
         if data is not None:
             raise ConfigError("a DataFrame is trained on by the Spark algorithms, not 'single'", solver.path)
         return local.train(solver, weights=weights, snapshot=snapshot)
-    options = Options(weights=weights, snapshot=snapshot, master=solver.param.deepspark_param.master or None,
-                      data=data)
+    options = Options(weights=weights, snapshot=snapshot, data=data)
     return JOBS[algorithm](solver, options).run()

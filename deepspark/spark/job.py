@@ -42,11 +42,12 @@ def on_loopback(master):
     return is_local(master) or any(h in master for h in ("//127.0.0.1:", "//localhost:"))
 
 
-def spark_session(ds, workers, master=None):
-    """The job's SparkSession: `local[N,F]` by default, bound to 127.0.0.1; a spark-submit session as is."""
+def spark_session(ds, workers):
+    """The job's SparkSession on ds.master: `local[N,F]` by default, bound to 127.0.0.1; a spark-submit
+    session as is."""
     # Under spark-submit the JVM is already up with its master; use that session as configured.
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ
-    master = master or ds.master or (None if submitted else f"local[{workers},{max(ds.max_failures, 1)}]")
+    master = ds.master or (None if submitted else f"local[{workers},{max(ds.max_failures, 1)}]")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName("deepspark")
     if master:
@@ -102,12 +103,13 @@ def train_source(solver):
     """The LMDB the train net's one Data layer reads in the TRAIN phase; a one-line error if there is
     not exactly one, or it is not there."""
     train = pb.NetState(phase=pb.TRAIN)
-    layers = [layer for layer in solver.train_net.layer if layer.type == "Data" and layer_included(layer, train)]
-    if len({layer.data_param.source for layer in layers}) != 1:
+    sources = {layer.data_param.source for layer in solver.train_net.layer
+               if layer.type == "Data" and layer_included(layer, train)}
+    if len(sources) != 1:
         raise ConfigError("the Spark job needs exactly one Data layer (LMDB) in the TRAIN phase of the train net",
                           solver.path)
     local.check_sources(solver.train_net, solver.train_map, pb.TRAIN)
-    return layers[0].data_param.source
+    return sources.pop()
 
 
 def shard_payloads(solver, workers, shared_data):
@@ -232,11 +234,11 @@ class Scalars:
 
 @dataclasses.dataclass
 class Options:
-    """How a job starts, beside its solver: --weights, --snapshot, the Spark master, a DataFrame."""
+    """How a job starts, beside its solver (whose deepspark_param names the master): --weights, --snapshot,
+    a DataFrame."""
 
     weights: str = None
     snapshot: str = None
-    master: str = None
     data: object = None  # a pyspark DataFrame to train on instead of the train net's LMDB
 
 
@@ -288,10 +290,13 @@ class Job:
                 self.spark = data.sparkSession  # the caller's session: theirs to stop
             else:
                 train_source(self.solver)  # a missing LMDB is said before Spark starts
-                self.spark = spark_session(self.ds, self.workers, self.options.master)
+                self.spark = spark_session(self.ds, self.workers)
                 stack.callback(self.spark.stop)
             self.sc = self.spark.sparkContext
             self.shards = self.load_shards()
+            self.next_test = next_multiple(self.start_iter, self.param.test_interval, self.param.test_initialization)
+            self.next_snapshot = next_multiple(self.start_iter, self.param.snapshot)
+            self.next_display = next_multiple(self.start_iter, self.param.display)
             host = "127.0.0.1" if on_loopback(self.sc.master) else self.sc.getConf().get("spark.driver.host")
             secret = secrets.token_hex(32)
             flat = np.concatenate([a.reshape(-1) for a in self.center0]).astype(np.float32)
@@ -324,9 +329,6 @@ class Job:
             log.info(f"Sharded {records} records into {self.workers} shards ({how})")
         self.graph, self.center0, self.start_iter = initial_center(self.solver, log, options.weights,
                                                                    options.snapshot, shape)
-        self.next_test = next_multiple(self.start_iter, self.param.test_interval, self.param.test_initialization)
-        self.next_snapshot = next_multiple(self.start_iter, self.param.snapshot)
-        self.next_display = next_multiple(self.start_iter, self.param.display)
         return shards
 
     def threads(self):
