@@ -10,7 +10,7 @@ DATA    := data
 FASHION := /usr/share/datasets/fashion-mnist
 PYTEST_ARGS ?=
 
-.PHONY: help setup system venv caffe data test demo bench proto clean
+.PHONY: help setup system venv caffe data test demo bench proto pack-env clean
 
 help:
 	@echo "make demo    LeNet on Fashion-MNIST: 2 Spark workers, async EASGD, local[2]"
@@ -18,6 +18,7 @@ help:
 	@echo "make bench   the benchmarks in bench/ (JSON in bench/results/)"
 	@echo "make caffe   build pycaffe into $(VENV) (cached in ~/.cache/deepspark)"
 	@echo "make proto   regenerate deepspark/proto from proto/deepspark.proto"
+	@echo "make pack-env  dist/deepspark-env.tar.gz: the executors' Python for --executor-env (venv-pack)"
 
 setup: system venv caffe data
 
@@ -61,6 +62,9 @@ bench: setup
 proto: $(STAMPS)/system
 	protoc -Iproto --python_out=deepspark/proto --include_source_info \
 	    --descriptor_set_out=deepspark/proto/deepspark.desc proto/deepspark.proto
+
+pack-env: $(STAMPS)/venv
+	@bash tools/pack-env.sh dist/deepspark-env.tar.gz
 
 clean:
 	rm -rf $(STAMPS) output

@@ -12,7 +12,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["deepspark", "deepspark.*"]),
     # The schema's descriptor set with its comments: the help of the generated flags.
-    package_data={"deepspark.proto": ["deepspark.desc"]},
+    package_data={"deepspark.proto": ["deepspark.desc"], "deepspark.spark": ["log4j2.properties"]},
     install_requires=[
         "numpy>=1.26",
         "protobuf>=6.31.1,<8",

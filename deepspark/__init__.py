@@ -1,6 +1,13 @@
 """DeepSpark: Caffe-defined networks trained on Spark with asynchronous EASGD."""
 
+import os
+
 __version__ = "0.1.0"
+
+# TensorFlow prints its C++ start-up notices (oneDNN, CPU features, absl) unless told before it loads, and
+# more than our backend load it (tensorboard's writer does); every DeepSpark process, driver or worker,
+# imports this package first. A user's own setting wins. oneDNN itself stays on (ENVIRONMENT.md).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def train(solver, data=None, **options):

@@ -66,7 +66,8 @@ def blob_to_array(blob):
 
 
 def layer_blobs(graph, arrays):
-    """Per layer name, its parameter arrays in Caffe's order (shared blobs repeated in each sharer)."""
+    """(layer name, its parameter arrays in Caffe's order) per layer, in net order, blobless layers
+    too (Caffe's net.layers; shared blobs repeated in each sharer; a name may repeat)."""
     if len(arrays) != len(graph.params):
         raise ValueError(f"{len(arrays)} arrays for {len(graph.params)} parameters")
     checked = []
@@ -76,19 +77,19 @@ def layer_blobs(graph, arrays):
             raise ValueError(f"layer '{param.layer}' param {param.index}: shape {array.shape}, "
                              f"expected {param.shape}")
         checked.append(array)
-    return {name: [checked[i] for i in positions] for name, positions in graph.blob_params.items()}
+    return [(layer.name, [checked[i] for i in layer.blob_params]) for layer in graph.layers]
 
 
 def net_to_proto(graph, arrays):
-    """A NetParameter like Caffe's Net::ToProto: every layer's definition, learned blobs attached."""
+    """A NetParameter like Caffe's Net::ToProto: every layer's definition under its own name, in
+    order, learned blobs attached."""
     net = pb.NetParameter(name=graph.name)
-    blobs = layer_blobs(graph, arrays)
-    for layer in graph.layers:
+    for layer, (_, blobs) in zip(graph.layers, layer_blobs(graph, arrays)):
         out = net.layer.add()
         out.CopyFrom(layer.param)
         del out.blobs[:]
         out.phase = graph.phase
-        for array in blobs[layer.name]:
+        for array in blobs:
             array_to_blob(array, out.blobs.add())
     return net
 
@@ -99,35 +100,48 @@ def save_caffemodel(path, graph, arrays):
 
 
 def read_caffemodel(path):
-    """{layer name: [float32 arrays]} from a .caffemodel written by Caffe or by us."""
+    """[(layer name, [float32 arrays])] of every layer in a .caffemodel written by Caffe or by us, in
+    the file's order (blobless layers too: Caffe checks their count; a name may repeat)."""
     net = read_message(path, pb.NetParameter(), ".caffemodel")
     if not net.layer:
         raise ConfigError("this .caffemodel has no layers (V1 'layers' models need Caffe's upgrade tool)", path)
     try:
-        return {layer.name: [blob_to_array(b) for b in layer.blobs] for layer in net.layer if layer.blobs}
+        return [(layer.name, [blob_to_array(b) for b in layer.blobs]) for layer in net.layer]
     except ValueError as error:
         raise ConfigError(f"corrupt blob: {error}", path) from None
 
 
-def weights_for(graph, layer_blobs, initial, path="<weights>"):
-    """graph.params-ordered arrays: copied from `layer_blobs` by layer name (Caffe's
-    CopyTrainedLayersFrom), `initial` for layers the file does not have."""
-    out = []
-    for param, init in zip(graph.params, initial):
-        source = layer_blobs.get(param.layer)
-        if source is None:
-            out.append(init)
+def weights_for(graph, source, initial, path="<weights>"):
+    """graph.params-ordered arrays: `initial` with the weights of `source` copied in by Caffe's
+    Net::CopyTrainedLayersFrom.
+
+    `source` is (layer name, arrays) per layer of the weights, in their order
+    (read_caffemodel's; a dict when names are unique). Each goes into the
+    first layer of the net with its name, later ones overwriting earlier ones,
+    a blob shared by name taking what its last copy brings; a name the net
+    lacks is ignored; another count of blobs, or another shape (but for a
+    legacy 4-axis blob of the same count), is an error.
+    """
+    out = list(initial)
+    first, named = {}, {}
+    for layer in graph.layers:
+        first.setdefault(layer.name, layer)
+        named[layer.name] = named.get(layer.name, 0) + 1
+    for name, blobs in (source.items() if hasattr(source, "items") else source):
+        target = first.get(name)
+        if target is None:
             continue
-        if param.index >= len(source):
-            raise ConfigError(f"layer '{param.layer}' has {len(source)} blobs in the weights, "
-                              f"the net needs {len(graph.layer(param.layer).param_shapes)}", path)
-        blob = source[param.index]
-        if tuple(blob.shape) != tuple(param.shape):
-            if blob.size != int(np.prod(param.shape)) or blob.ndim != 4:
-                raise ConfigError(f"cannot copy param {param.index} of layer '{param.layer}': shape mismatch, "
-                                  f"weights have {blob.shape}, the net needs {param.shape}", path)
-            blob = blob.reshape(param.shape)  # legacy 4D blob, as Caffe accepts
-        out.append(np.ascontiguousarray(blob, dtype=np.float32))
+        # A name the net repeats: say which layer Caffe's rule picked.
+        which = f" (its first layer '{name}', the {target.type}, takes them)" if named[name] > 1 else ""
+        if len(blobs) != len(target.blob_params):
+            raise ConfigError(f"layer '{name}' has {len(blobs)} blobs in the weights, "
+                              f"the net needs {len(target.blob_params)}{which}", path)
+        for j, (blob, shape, i) in enumerate(zip(blobs, target.param_shapes, target.blob_params)):
+            if tuple(blob.shape) != tuple(shape):
+                if blob.size != int(np.prod(shape)) or blob.ndim != 4:
+                    raise ConfigError(f"cannot copy param {j} of layer '{name}': shape mismatch, "
+                                      f"weights have {blob.shape}, the net needs {shape}{which}", path)
+            out[i] = np.ascontiguousarray(blob.reshape(graph.params[i].shape), dtype=np.float32)
     return out
 
 

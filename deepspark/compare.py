@@ -190,7 +190,7 @@ def xavier_where_constant(model, params, seed, out=None):
     params, filled = list(params), []
     xavier = pb.FillerParameter(type="xavier")
     for layer in model.graph.layers:
-        indices = model.layer_blobs(layer.name)
+        indices = layer.blob_params
         if not indices or not spec(layer.type).learned:
             continue
         first = indices[0]
@@ -211,7 +211,7 @@ def unit_batch_norm(model, params):
     params = list(params)
     for layer in model.graph.layers:
         if layer.type == "BatchNorm":
-            mean, variance, factor = model.layer_blobs(layer.name)
+            mean, variance, factor = layer.blob_params
             params[mean] = np.zeros_like(params[mean])
             params[variance] = np.ones_like(params[variance])
             params[factor] = np.ones_like(params[factor])

@@ -225,8 +225,10 @@ def load_solver(path, deepspark=None):
             raise ConfigError(f"test_net: net file '{test_path}' not found", path)
         param.test_net[i] = resolved
         tests.append(load_net(resolved))
-    if not tests and (param.HasField("net") or param.HasField("net_param")) and param.test_iter:
-        tests.append((train, train_map))
+    if param.HasField("net") or param.HasField("net_param"):
+        # Caffe's generic net: one test net of it per test_iter past the explicit test nets
+        # (BVLC's mnist_autoencoder tests it twice, a test_state each).
+        tests += [(train, train_map)] * max(len(param.test_iter) - len(tests), 0)
     if len(param.test_iter) != len(tests):
         raise ConfigError(f"test_iter must be given once per test net ({len(tests)} test nets, "
                           f"{len(param.test_iter)} test_iter)", path)

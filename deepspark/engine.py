@@ -3,10 +3,12 @@
 The engine knows the backend contract (deepspark.backends.base.Model) and
 anything with `next_batch()` and `close()` as a batch source, but builds
 neither: the one-process verbs (deepspark.local) and the Spark workers build
-the model and its feeders, and hand them in.
+the model and its feeders, and hand them in. `benchmark` is Caffe's `time`
+loop, written once over the per-layer passes every backend hands it.
 """
 
 import collections
+import dataclasses
 import gc
 import time
 
@@ -97,6 +99,79 @@ def first_values(results):
     """{"test<i>/<output>": first value} of Evaluator.test's results: the run's summary and scalars."""
     return {f"test{i}/{name}": float(np.ravel(mean)[0]) for i, means in enumerate(results)
             for name, mean in means.items()}
+
+
+@dataclasses.dataclass
+class Timing:
+    """What `caffe time` reports, in milliseconds: [(layer, forward, backward)] means, and per pass."""
+
+    layers: list
+    forward: float  # Average Forward pass
+    backward: float  # Average Backward pass
+    total: float  # Total Time: iterations x Average Forward-Backward
+    iterations: int
+
+    @property
+    def forward_backward(self):
+        return self.total / self.iterations
+
+
+def benchmark(passes, loss, iterations, log):
+    """Caffe's `caffe time` (tools/caffe.cpp, time()) over a model's layer_passes, logged in its lines; a Timing.
+
+    One Forward and one Backward first, untimed, where a backend compiles
+    and allocates; then `iterations` times every layer's forward in order and
+    every backward in reverse, each layer timed alone and each pass whole.
+    Total Time runs from `Benchmark begins` to the end of the last
+    iteration, so it is iterations x Average Forward-Backward; a pass is
+    the sum of its layers plus the loop's own microseconds.
+    """
+    if iterations < 1:
+        raise ValueError(f"time needs at least one iteration, not {iterations}")
+    log.info("Performing Forward")
+    for layer in passes:
+        layer.forward()
+    log.info(f"Initial loss: {loss():g}")
+    log.info("Performing Backward")
+    for layer in reversed(passes):
+        layer.backward()
+    log.info("*** Benchmark begins ***")
+    log.info(f"Testing for {iterations} iterations.")
+    clock = time.perf_counter
+    forwards = list(enumerate(layer.forward for layer in passes))
+    backwards = list(enumerate(layer.backward for layer in passes))[::-1]
+    forward_layers, backward_layers = [0.0] * len(passes), [0.0] * len(passes)
+    forward_pass = backward_pass = 0.0
+    started = clock()
+    for j in range(iterations):
+        began = clock()
+        for i, run in forwards:
+            at = clock()
+            run()
+            forward_layers[i] += clock() - at
+        middle = clock()
+        for i, run in backwards:
+            at = clock()
+            run()
+            backward_layers[i] += clock() - at
+        ended = clock()
+        forward_pass += middle - began
+        backward_pass += ended - middle
+        log.info(f"Iteration: {j + 1} forward-backward time: {(ended - began) * 1000:g} ms.")
+    total = (clock() - started) * 1000
+    per = 1000 / iterations
+    rows = [(layer.name, f * per, b * per) for layer, f, b in zip(passes, forward_layers, backward_layers)]
+    log.info("Average time per layer: ")
+    for name, forward, backward in rows:
+        log.info(f"{name:>10}\tforward: {forward:g} ms.")
+        log.info(f"{name:>10}\tbackward: {backward:g} ms.")
+    timing = Timing(rows, forward_pass * per, backward_pass * per, total, iterations)
+    log.info(f"Average Forward pass: {timing.forward:g} ms.")
+    log.info(f"Average Backward pass: {timing.backward:g} ms.")
+    log.info(f"Average Forward-Backward: {timing.forward_backward:g} ms.")
+    log.info(f"Total Time: {timing.total:g} ms.")
+    log.info("*** Benchmark ends ***")
+    return timing
 
 
 class Evaluator:

@@ -95,7 +95,7 @@ def init_params(graph, seed=None):
     base = np.random.SeedSequence(seed).entropy if seed is None or seed < 0 else seed
     arrays = []
     for i, param in enumerate(graph.params):
-        layer = graph.layer(param.layer)
+        layer = graph.layers[param.owner]
         rng = np.random.default_rng([base, i])
         arrays.append(fill(layer_filler(layer, param.index), param.shape, rng))
     return arrays

@@ -586,6 +586,7 @@ class Layer:
     top_shapes: list = field(default_factory=list)
     param_shapes: list = field(default_factory=list)
     loss_weights: list = field(default_factory=list)
+    blob_params: list = field(default_factory=list)  # index into Graph.params of each of its blobs (shared too)
 
     def param_spec(self, i):
         """lr_mult, decay_mult and share name of parameter blob i (Caffe's defaults when unset)."""
@@ -601,9 +602,14 @@ class Layer:
 
 @dataclass
 class Param:
-    """A learnable blob: its owner layer, index in that layer and Caffe's solver multipliers."""
+    """A learnable blob: its owner layer, index in that layer and Caffe's solver multipliers.
+
+    `layer` is the owner's name, for the user; `owner` its position in
+    Graph.layers, for the code (Caffe lets two layers of a phase share a name).
+    """
 
     layer: str
+    owner: int
     index: int
     shape: tuple
     lr_mult: float
@@ -650,7 +656,6 @@ class Graph:
         self.producers = {}  # name -> layer name
         self.consumers = {}  # name -> [layer names]
         self.params = []
-        self.blob_params = {}  # layer name -> [index into params of each of its blobs; shared ones too]
         self._build()
 
     @property
@@ -677,11 +682,7 @@ class Graph:
             raise self._error(str(error), None) from None
         entries = [(None, upgraded)] if upgraded else []
         entries += [(i, lp) for i, lp in enumerate(self.net_param.layer) if layer_included(lp, self.state)]
-        names = set()
-        for index, lp in entries:
-            if lp.name in names:
-                raise self._error(f"layer name '{lp.name}' is used twice in this phase", index, "name")
-            names.add(lp.name)
+        for index, lp in entries:  # a name may repeat: Caffe's Net::Init does not refuse it
             self._add(index, lp)
         self._collect_params()
 
@@ -729,8 +730,7 @@ class Graph:
 
     def _collect_params(self):
         shared = {}  # share name -> index into self.params
-        for layer in self.layers:
-            positions = self.blob_params[layer.name] = []
+        for position, layer in enumerate(self.layers):
             for i, shape in enumerate(layer.param_shapes):
                 lr, decay, name = layer.param_spec(i)
                 if name and name in shared:
@@ -740,17 +740,21 @@ class Graph:
                                           f"{fmt(shape)}, its owner '{owner.layer}' has {fmt(owner.shape)}",
                                           layer.index, "param")
                     owner.sharers.append((layer.name, i))
-                    positions.append(shared[name])
+                    layer.blob_params.append(shared[name])
                     continue
                 if name:
                     shared[name] = len(self.params)
-                positions.append(len(self.params))
-                self.params.append(Param(layer.name, i, shape, lr, decay))
+                layer.blob_params.append(len(self.params))
+                self.params.append(Param(layer.name, position, i, shape, lr, decay))
 
     # -- questions the backends and the CLI ask -------------------------------
 
     def layer(self, name):
-        return next(layer for layer in self.layers if layer.name == name)
+        """The layer called `name`; of several, the last (Caffe's Net::layer_by_name)."""
+        named = [layer for layer in self.layers if layer.name == name]
+        if not named:
+            raise KeyError(f"no layer '{name}' in phase {pb.Phase.Name(self.phase)}")
+        return named[-1]
 
     @property
     def outputs(self):

@@ -136,9 +136,11 @@ def test(path, weights, iterations, backend, log=None):
 
 
 def timing(path, iterations, backend, phase=pb.TRAIN, log=None):
-    """Caffe's `time`: per-layer forward/backward milliseconds, logged as `caffe time` prints them.
+    """Caffe's `time`: per-layer forward/backward milliseconds, logged as `caffe time` prints them; an engine.Timing.
 
-    Real batches when the net's LMDBs exist, else seeded synthetic ones (timing needs no real data).
+    One batch, timed over and over: the net's first real one when its LMDBs
+    exist, else a seeded synthetic one (timing needs no real data; max
+    pooling is faster on blank input, so a blank batch would flatter it).
     """
     log = log or Log()
     model = test_model(path, backend, phase)
@@ -151,24 +153,10 @@ def timing(path, iterations, backend, phase=pb.TRAIN, log=None):
             batch = engine.next_batch(feeders) if feeders else engine.SyntheticBatches(model).next_batch()
         finally:
             engine.close_all(feeders)
-        log.info(f"Performing Forward/Backward for {iterations} iterations")
-        started = time.perf_counter()
-        rows = model.time_layers(batch, iterations)
-        total = (time.perf_counter() - started) * 1000.0
+        passes, loss = model.layer_passes(batch)
+        return engine.benchmark(passes, loss, iterations, log)
     finally:
         model.close()
-    log.info("Average time per layer: ")
-    width = max(len(name) for name, _, _ in rows)
-    for name, forward, backward in rows:
-        log.info(f"{name:>{width}}\tforward: {forward:.4g} ms.")
-        log.info(f"{name:>{width}}\tbackward: {backward:.4g} ms.")
-    forward, backward = sum(r[1] for r in rows), sum(r[2] for r in rows)
-    log.info(f"Average Forward pass: {forward:.4g} ms.")
-    log.info(f"Average Backward pass: {backward:.4g} ms.")
-    log.info(f"Average Forward-Backward: {forward + backward:.4g} ms.")
-    log.info(f"Total Time: {total:.4g} ms.")
-    log.info("*** Benchmark ends ***")
-    return rows
 
 
 def describe(path, phase=pb.TRAIN, data_shape=None, batch_size=None):

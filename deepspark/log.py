@@ -3,7 +3,12 @@
 import datetime
 import os
 import sys
+import threading
 import time
+
+# One console: a Log's lines, its progress line and other processes' lines (echo) never cut into each other.
+_CONSOLE = threading.RLock()
+_DRAWING = []  # the Logs whose progress line is on the screen now
 
 
 class Log:
@@ -25,15 +30,20 @@ class Log:
     def info(self, message, level="I"):
         now = datetime.datetime.now()
         line = f"{level}{now:%m%d %H:%M:%S.%f} {os.getpid()} deepspark] {message}"
+        with _CONSOLE:
+            self._above(line)
+            if self.file:
+                self.file.write(line + "\n")
+                self.file.flush()
+
+    def _above(self, line):
+        """`line` on the console, above the progress line if one is drawn."""
         if self._progress:
             self.stream.write("\r\033[K")
         self.stream.write(line + "\n")
         if self._progress:
             self.stream.write(self._progress)
         self.stream.flush()
-        if self.file:
-            self.file.write(line + "\n")
-            self.file.flush()
 
     def warning(self, message):
         self.info(message, "W")
@@ -42,21 +52,40 @@ class Log:
         """Redraw the progress line (terminals only)."""
         if not self.progress_enabled:
             return
-        self._progress = text
-        self.stream.write("\r\033[K" + text)
-        self.stream.flush()
+        with _CONSOLE:
+            if self not in _DRAWING:
+                _DRAWING.append(self)
+            self._progress = text
+            self.stream.write("\r\033[K" + text)
+            self.stream.flush()
 
     def end_progress(self):
-        if self._progress:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
-            self._progress = ""
+        with _CONSOLE:
+            if self in _DRAWING:
+                _DRAWING.remove(self)
+            if self._progress:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+                self._progress = ""
 
     def close(self):
         self.end_progress()
         if self.file:
             self.file.close()
             self.file = None
+
+
+def echo(line, stream=None):
+    """Another process's line (the JVM's, a Spark worker's) on stderr, above a progress line if one is
+    drawn there, never in the middle of one."""
+    stream = stream or sys.stderr
+    with _CONSOLE:
+        drawing = next((log for log in _DRAWING if log.stream is stream), None)
+        if drawing is not None:
+            drawing._above(line)
+        else:
+            stream.write(line + "\n")
+            stream.flush()
 
 
 def progress_bar(done, total, width=30, started=None, extra=""):

@@ -1,5 +1,6 @@
 """What a new Caffe or Spark user meets first: a missing LMDB named as such, out-of-range flags refused in
-one line before anything starts, `| head` ending quietly, distributed snapshots that pycaffe restores."""
+one line before anything starts, `| head` ending quietly, distributed snapshots that pycaffe restores, a
+console without TensorFlow's or Spark's banners whose progress line nothing cuts into."""
 
 import os
 import re
@@ -155,3 +156,113 @@ def test_solver_mode_gpu_says_once_where_the_backend_runs(tmp_path, backend):
     assert status == 0, err[-3000:]
     said = re.findall(r"solver_mode: GPU.*", err)
     assert said == [f"solver_mode: GPU, but the {backend} backend has no GPU here: it runs on the CPU"], said
+
+
+# What TensorFlow and Spark print at start when nobody silences them (their banner lines).
+BANNERS = ("oneDNN", "cpu_feature_guard", "absl::", "This TensorFlow binary", "To enable the following instructions",
+           "log4j", "Setting default log level", "setLogLevel", "NativeCodeLoader", "incubator modules", " WARN ")
+GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ deepspark\] ")
+# A worker's part of the progress line: `loss -` until it reports one (never `loss nan`).
+_WORKER = r"w\d+: (waiting|it \d+/\d+ loss (-|\d+\.\d{4}) ex \d+( \([\d.]+ ms, [\d.]+s ago\))?)"
+PROGRESS_LINE = re.compile(rf"^{_WORKER}( \| {_WORKER})*$")
+
+
+def on_a_terminal(args, cwd=ROOT):
+    """(exit status, everything written to the terminal) of `args` run with a pseudo-terminal as its
+    stdout and stderr, as a user at a console sees it."""
+    import pty
+
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(args, cwd=cwd, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+                               env={**os.environ, "PYTHONPATH": ROOT})
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: every writer has closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    return process.wait(timeout=600), b"".join(chunks).decode("utf-8", "replace")
+
+
+def screen_pieces(text):
+    """The pieces a terminal shows one by one: a line, or one drawing of the progress line (each
+    drawing starts by clearing the line, `\\r\\033[K`)."""
+    return [piece for piece in re.split(r"\r?\n|\r\x1b\[K", text) if piece]
+
+
+@pytest.mark.spark
+def test_the_two_worker_demo_prints_no_banner_and_its_progress_line_is_never_cut(tmp_path):
+    # `make demo`'s job, shortened: LeNet on Fashion-MNIST, 2 workers, EASGD, TensorFlow, at a terminal.
+    status, text = on_a_terminal([sys.executable, "-m", "deepspark.cli", "train", "--solver",
+                                  "models/lenet/solver.prototxt", "--workers", "2", "--iterations", "20",
+                                  "--output", str(tmp_path)])
+    assert status == 0, text[-3000:]
+    pieces = screen_pieces(text)
+    assert [p for p in pieces if any(banner in p for banner in BANNERS)] == []
+    # Every piece is one of ours, whole: a log line, or the progress line alone (not cut by another line).
+    assert [p for p in pieces if not (GLOG_LINE.match(p) or PROGRESS_LINE.match(p))] == [], text[-3000:]
+    assert any(p.startswith("w0: it ") for p in pieces) and "Optimization Done." in text
+
+
+@pytest.mark.spark
+def test_worker_output_lands_above_the_progress_line_and_the_callers_session_stays_up(tmp_path):
+    script = f"""
+import sys, time
+import deepspark
+from deepspark.log import Log
+from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark.session import spark_session
+spark, started = spark_session(pb.DeepSparkParameter(), 2)
+log = Log(progress=True)
+log.progress("w0: it 1/2 loss - ex 0")
+def shout(i):
+    import sys
+    print(f"worker line {{i}}", file=sys.stderr, flush=True)
+spark.sparkContext.parallelize(range(4), 2).foreach(shout)
+time.sleep(1)
+log.progress("w0: it 2/2 loss - ex 0")
+log.close()
+deepspark.train({make_job(tmp_path, max_iter=20, test_interval=0)!r}, workers=2, backend="caffe")
+print("still running:", spark.range(5).count(), "started:", started)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    out, err = done.stdout.decode(), done.stderr.decode()  # bytes: the terminal's \r kept
+    assert done.returncode == 0, err[-3000:]
+    assert out.splitlines()[-1] == "still running: 5 started: True"  # deepspark.train left it running
+    pieces = screen_pieces(err)
+    assert sorted(p for p in pieces if p.startswith("worker line")) == [f"worker line {i}" for i in range(4)]
+    assert [p for p in pieces if any(banner in p for banner in BANNERS)] == []
+    assert "Optimization Done." in err
+
+
+def test_an_error_after_tensorflow_loads_is_alone_on_the_console(tmp_path):
+    solver = make_job(tmp_path)
+    weights = pb.NetParameter()  # a .caffemodel whose 'conv' blob has another shape than the net's
+    blob = weights.layer.add(name="conv", type="Convolution").blobs.add()
+    blob.shape.dim.extend([8, 1, 3, 3])
+    blob.data.extend([0.0] * 72)
+    (tmp_path / "other.caffemodel").write_bytes(weights.SerializeToString())
+    status, _, err = run_cli("train", "--solver", solver, "--algorithm", "single", "--backend", "tensorflow",
+                             "--weights", str(tmp_path / "other.caffemodel"))
+    assert status == 1
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("deepspark train: error: ") and "conv" in lines[-1], err[-2000:]
+    assert [line for line in lines[:-1] if not GLOG_LINE.match(line)] == [], err[-2000:]  # no banner before it
+
+
+def test_tensorflow_compiles_caffes_parameterless_neurons_without_a_warning(tmp_path):
+    net = tmp_path / "neurons.prototxt"
+    chain = [("Sigmoid", "data"), ("TanH", "sigmoid"), ("AbsVal", "tanh"), ("BNLL", "absval")]
+    net.write_text('name: "neurons"\n'
+                   'layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 } } }\n'
+                   + "".join(f'layer {{ name: "{kind.lower()}" type: "{kind}" bottom: "{bottom}" '
+                             f'top: "{kind.lower()}" }}\n' for kind, bottom in chain))
+    status, _, err = run_cli("time", "--model", str(net), "--backend", "tensorflow", "--iterations", "1")
+    assert status == 0, err[-2000:]
+    assert [line for line in err.splitlines() if not GLOG_LINE.match(line)] == [], err[-2000:]  # no AutoGraph lines

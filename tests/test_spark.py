@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def test_dataframe_fed_run(tmp_path):
     script = f"""
 import sys, json, numpy as np
 sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
-from deepspark.spark.job import spark_session
+from deepspark.spark.session import spark_session
 from deepspark.proto import deepspark_pb2 as pb
 import deepspark
 rng = np.random.default_rng(0)
@@ -80,7 +81,7 @@ for i in range(160):
     image = rng.integers(0, 60, size=(8, 8)).astype(np.uint8)
     image[(slice(0, 4) if label == 0 else slice(4, 8)), :] += 150
     rows.append((image.tolist(), label))
-spark = spark_session(pb.DeepSparkParameter(), 2)
+spark, _ = spark_session(pb.DeepSparkParameter(), 2)
 df = spark.createDataFrame(rows, ["data", "label"])
 summary = deepspark.train({solver!r}, data=df, workers=2)
 assert spark.range(5).count() == 5  # the caller's session is still theirs, and running
@@ -99,11 +100,11 @@ def test_a_dataframe_that_cannot_train_says_which_column_or_row(tmp_path):
     solver = make_job(tmp_path, max_iter=20, test_interval=0)
     script = f"""
 import numpy as np
-from deepspark.spark.job import spark_session
+from deepspark.spark.session import spark_session
 from deepspark.errors import DeepSparkError
 from deepspark.proto import deepspark_pb2 as pb
 import deepspark
-spark = spark_session(pb.DeepSparkParameter(max_failures=1), 2)
+spark, _ = spark_session(pb.DeepSparkParameter(max_failures=1), 2)
 image = np.zeros((8, 8), np.uint8).tolist()
 for rows in ([(image, "cat"), (image, "dog")], [(image, 0)] * 5 + [(np.zeros((9, 9), np.uint8).tolist(), 1)] + [(image, 1)] * 4):
     try:
@@ -191,7 +192,7 @@ def test_standalone_cluster_runs_a_task_on_each_worker(tmp_path, standalone_clus
     status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--master", master)
     assert status == 0, log[-3000:]
     assert f"on {master} with 2 workers" in log
-    places = re.findall(r"Worker \d on \S+ \(in ([^)]*)\)", log)
+    places = re.findall(r"Worker \d on \S+ \(in ([^,)]*)", log)
     assert len(places) == 2
     assert {os.path.relpath(p, cluster).split(os.sep)[0] for p in places} == {"work-1", "work-2"}
     assert final_accuracy(log) >= 0.9
@@ -211,3 +212,40 @@ deepspark.spark.worker.WorkerError: worker 1 on vm: worker 0 left during the rou
     assert first_line(report.replace("deepspark.spark.worker.WorkerError", "ValueError")) == \
         "ValueError: worker 1 on vm: worker 0 left during the round of iteration 175"
     assert first_line("org.apache.spark.SparkException: Job aborted\nmore") == "SparkException: Job aborted"
+
+
+@pytest.mark.slow
+def test_executors_run_from_a_packed_environment_and_say_so_when_it_lacks_deepspark(tmp_path, standalone_cluster):
+    master, cluster = standalone_cluster
+    # The Spark way: a venv packed with venv-pack (tools/pack-env.sh; the Caffe backend, so without TensorFlow).
+    env = tmp_path / "deepspark-env.tar.gz"
+    build = tmp_path / "build"
+    packed = subprocess.run(["bash", os.path.join(ROOT, "tools", "pack-env.sh"), str(env)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "EXTRAS": "", "BUILD": str(build), "COMPRESS": "1", "VENV": sys.prefix})
+    assert packed.returncode == 0, packed.stdout + packed.stderr[-3000:]
+    bare = tmp_path / "bare-env.tar.gz"  # a packed venv without deepspark
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    subprocess.run([str(build / "bin" / "venv-pack"), "-q", "-p", str(tmp_path / "bare"), "-o", str(bare)],
+                   check=True, timeout=300)
+    shutil.rmtree(build)  # nothing to fall back on: the archive is all the executors get
+
+    solver = make_job(tmp_path, max_iter=60, test_interval=30)
+    status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--master", master, "--backend", "caffe",
+                             "--executor-env", str(env))
+    assert status == 0, log[-3000:]
+    places = re.findall(r"Worker \d on \S+ \(in ([^,)]*), deepspark from ([^)]*)\)", log)
+    assert len(places) == 2, log[-3000:]
+    for cwd, package in places:  # the archive Spark unpacked in the executor's own folder, not this checkout
+        assert os.path.realpath(package).startswith(os.path.realpath(cluster)), (cwd, package)
+        assert os.path.exists(os.path.join(cwd, "environment", "bin", "python"))
+    assert final_accuracy(log) >= 0.9
+
+    status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--master", master, "--backend", "caffe",
+                             "--executor-env", str(bare), "--max-failures", "1")
+    assert status == 1
+    assert log.strip().splitlines()[-1].startswith(
+        "deepspark train: error: the Spark job failed: the executors' Python cannot import deepspark "
+        "(ModuleNotFoundError: No module named 'deepspark'); ship an environment that has it: "
+        "--executor-env ENV.tar.gz (tools/pack-env.sh packs one)"), log[-3000:]
+    assert "Solving" in log and "connect" not in log  # it fails as the workers start, not on a timeout

@@ -8,7 +8,7 @@ order. `step` is one Caffe solver iteration, `forward` one Caffe forward
 pass, and the solver state is Caffe's SolverState.
 
 The contract, each part declared here: `feeds` (the {top: shape} a batch
-holds), step, forward, gradients, time_layers, get/set_params,
+holds), step, forward, gradients, layer_passes, get/set_params,
 get/set_flat, get/set_history, get/set_state and close; a backend
 implements the abstract ones and may override the others where it has a
 faster way.
@@ -16,6 +16,7 @@ faster way.
 
 import abc
 import numbers
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -24,6 +25,14 @@ from deepspark.config import random_seed
 from deepspark.errors import ConfigError
 from deepspark.graph import DATA_TYPES, Graph, fmt
 from deepspark.proto import deepspark_pb2 as pb
+
+
+class LayerPass(NamedTuple):
+    """One layer as `deepspark time` runs it: its name and its Forward and Backward, each a call of no argument."""
+
+    name: str
+    forward: Callable[[], object]
+    backward: Callable[[], object]
 
 
 class Model(abc.ABC):
@@ -128,8 +137,14 @@ class Model(abc.ABC):
         return result
 
     def layer_blobs(self, layer_name):
-        """Indices into the parameter list of a layer's blobs, in the layer's order (shared ones too)."""
-        return list(self.graph.blob_params[layer_name])
+        """Indices into the parameter list of a layer's blobs, in the layer's order (shared ones too).
+
+        Of several layers called `layer_name`, the last with blobs, as pycaffe's net.params[name].
+        """
+        named = [layer for layer in self.graph.layers if layer.name == layer_name]
+        if not named:
+            raise KeyError(f"no layer '{layer_name}' in this net")
+        return list(([layer for layer in named if layer.blob_params] or named)[-1].blob_params)
 
     def get_blobs(self, layer_name):
         """A layer's parameter blobs (Caffe's net.params[layer_name]) as float32 arrays."""
@@ -162,8 +177,18 @@ class Model(abc.ABC):
         """(loss, Caffe's parameter diffs of one forward/backward), without touching the weights."""
 
     @abc.abstractmethod
-    def time_layers(self, batch, iterations=10):
-        """[(layer name, forward ms, backward ms)] for `deepspark time`, as `caffe time` reports them."""
+    def layer_passes(self, batch):
+        """`deepspark time`'s layers on `batch`: ([LayerPass] in forward order, loss), for engine.benchmark.
+
+        A pass's forward runs that layer's Forward alone, on the bottoms the
+        forwards before it left; its backward runs that layer's Backward alone:
+        the diffs of its bottoms and parameters from the diffs its tops hold,
+        without running its forward again, and only those Caffe's Net would
+        compute (a bottom or parameter that needs backward, under a loss).
+        Both take no argument and are ready to call; the first call may
+        compile or allocate, so a caller times from the second pass on.
+        loss(): the weighted loss of the last forwards, as Net::Forward returns it.
+        """
 
     def close(self):
         """Release what the model holds beyond Python objects (scratch files, a framework's net)."""

@@ -11,7 +11,6 @@ import time
 import uuid
 
 import numpy as np
-from pyspark.sql import SparkSession
 
 from deepspark import checkpoint, engine, fillers, local, schedule
 from deepspark.config import random_seed
@@ -21,6 +20,7 @@ from deepspark.graph import Graph, layer_included
 from deepspark.log import Log
 from deepspark.plot import plot_history
 from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark.session import is_local, on_loopback, spark_session
 from deepspark.spark.worker import Task, row_to_record
 
 # Seconds the driver waits for the Spark job's thread once it has cancelled the job.
@@ -31,39 +31,6 @@ WATCH_SECONDS = 0.5
 
 class JobError(DeepSparkError):
     """The job cannot go on; the message says what happened and what Spark reports."""
-
-
-def is_local(master):
-    return master.startswith("local")
-
-
-def on_loopback(master):
-    """A local master, or one on 127.0.0.1/localhost: the driver binds to 127.0.0.1 too."""
-    return is_local(master) or any(h in master for h in ("//127.0.0.1:", "//localhost:"))
-
-
-def spark_session(ds, workers):
-    """The job's SparkSession on ds.master: `local[N,F]` by default, bound to 127.0.0.1; a spark-submit
-    session as is."""
-    # Under spark-submit the JVM is already up with its master; use that session as configured.
-    submitted = "PYSPARK_GATEWAY_PORT" in os.environ
-    master = ds.master or (None if submitted else f"local[{workers},{max(ds.max_failures, 1)}]")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    builder = SparkSession.builder.appName("deepspark")
-    if master:
-        builder = builder.master(master)
-    if master and on_loopback(master):
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        builder = (builder.config("spark.driver.host", "127.0.0.1")
-                   .config("spark.driver.bindAddress", "127.0.0.1")
-                   .config("spark.ui.enabled", "false"))
-    builder = (builder.config("spark.task.maxFailures", str(max(ds.max_failures, 1)))
-               .config("spark.python.worker.reuse", "true")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(p for p in sys.path if p)))
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
 
 
 def executor_report(sc):
@@ -96,7 +63,13 @@ def first_line(error):
 
 def failed(error, sc):
     """The JobError for a Spark job that raised `error`."""
-    return JobError(f"the Spark job failed: {first_line(error)}; {executor_report(sc)}")
+    line = first_line(error)
+    if re.search(r"No module named '?deepspark\b", line):
+        line = (f"the executors' Python cannot import deepspark ({line}); ship an environment that has it: "
+                f"--executor-env ENV.tar.gz (tools/pack-env.sh packs one), or spark-submit --archives "
+                f"ENV.tar.gz#environment with PYSPARK_PYTHON=./environment/bin/python, or install deepspark on "
+                f"every node")
+    return JobError(f"the Spark job failed: {line}; {executor_report(sc)}")
 
 
 def train_source(solver):
@@ -290,8 +263,9 @@ class Job:
                 self.spark = data.sparkSession  # the caller's session: theirs to stop
             else:
                 train_source(self.solver)  # a missing LMDB is said before Spark starts
-                self.spark = spark_session(self.ds, self.workers)
-                stack.callback(self.spark.stop)
+                self.spark, started = spark_session(self.ds, self.workers)
+                if started:
+                    stack.callback(self.spark.stop)
             self.sc = self.spark.sparkContext
             self.shards = self.load_shards()
             self.next_test = next_multiple(self.start_iter, self.param.test_interval, self.param.test_initialization)
@@ -466,9 +440,10 @@ class Job:
         spill = max(r.spill_seconds for r in results)
         train = max(r.train_seconds for r in results)
         for r in sorted(results, key=lambda r: r.worker):
-            log.info(f"Worker {r.worker} on {r.host} (in {r.cwd}): {r.iterations} iterations, "
-                     f"{r.exchanges} exchanges, spilled {r.records} records in {r.spill_seconds:.2f}s, trained "
-                     f"{r.train_seconds:.1f}s, blocked on exchange {r.blocked_seconds:.2f}s")
+            log.info(f"Worker {r.worker} on {r.host} (in {r.cwd}, deepspark from {r.package}): "
+                     f"{r.iterations} iterations, {r.exchanges} exchanges, spilled {r.records} records in "
+                     f"{r.spill_seconds:.2f}s, trained {r.train_seconds:.1f}s, blocked on exchange "
+                     f"{r.blocked_seconds:.2f}s")
         log.info(f"Spill took {spill:.2f}s, {100 * spill / max(train, 1e-9):.2f}% of training time")
         if p.snapshot_after_train and self.snapshotted != final:
             self.snapshot(final)

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+import deepspark
 from deepspark import local
 from deepspark.config import Solver
 from deepspark.data import DataError, encode_datum, lmdb_io
@@ -66,6 +67,7 @@ class Summary:
     host: str = ""
     pid: int = 0
     cwd: str = ""
+    package: str = ""  # where this executor imported deepspark from
     records: int = 0
     spill_seconds: float = 0.0
     train_seconds: float = 0.0
@@ -79,7 +81,8 @@ class Summary:
     @classmethod
     def here(cls, worker, **fields):
         """A summary of worker `worker` running in this process."""
-        return cls(worker, host=socket.gethostname(), pid=os.getpid(), cwd=os.getcwd(), **fields)
+        return cls(worker, host=socket.gethostname(), pid=os.getpid(), cwd=os.getcwd(),
+                   package=os.path.dirname(deepspark.__file__), **fields)
 
 
 def local_dir():

@@ -30,6 +30,23 @@ def fed_tops(graph, net):
     return graph.fed_tops([layer for layer, out in zip(graph.layers, net.layer) if out.type == "Input"])
 
 
+def layer_positions(graph, caffe_names):
+    """Where each layer of `graph` sits among the layers of Caffe's net (`caffe_names`, in order).
+
+    Caffe inserts a Split layer after each blob several layers read, and a
+    name may repeat, so a layer is found by its name in order, past the last.
+    """
+    positions, at = [], 0
+    for layer in graph.layers:
+        while at < len(caffe_names) and caffe_names[at] != layer.name:
+            at += 1
+        if at == len(caffe_names):
+            raise RuntimeError(f"layer '{layer.name}' is not in Caffe's net ({', '.join(caffe_names)})")
+        positions.append(at)
+        at += 1
+    return positions
+
+
 def check_in_place(graph):
     """A ConfigError for a blob that an in-place layer rewrites while another layer also reads it.
 

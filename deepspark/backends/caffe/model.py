@@ -1,9 +1,9 @@
 """The Caffe backend's Model: a real pycaffe Net (and Caffe solver) behind base.Model's contract."""
 
+import functools
 import os
 import shutil
 import tempfile
-import time
 
 import numpy as np
 
@@ -81,10 +81,10 @@ class Model(base.Model):
 
     def _param_blobs(self):
         """Caffe's blob of each graph.params entry (its owner's: sharers share its memory)."""
-        blobs = []
+        blobs, layers = [], self._net.layers
+        positions = compiler.layer_positions(self.graph, list(self._net._layer_names))
         for param in self.graph.params:
-            layer_blobs = self._net.params[param.layer]
-            blob = layer_blobs[param.index]
+            blob = layers[positions[param.owner]].blobs[param.index]  # by position: a name may repeat
             shape = tuple(blob.data.shape)
             if shape != tuple(param.shape) and blob.count != int(np.prod(param.shape)):
                 raise RuntimeError(f"Caffe's blob {param.index} of layer '{param.layer}' is {fmt(shape)}, "
@@ -180,27 +180,18 @@ class Model(base.Model):
         return loss, [np.array(blob.diff, np.float32).reshape(shape)
                       for blob, shape in zip(self._blobs, self.param_shapes)]
 
-    def time_layers(self, batch, iterations=10):
-        """[(layer, forward ms, backward ms)] as `caffe time` measures: Caffe's own layers one by one.
+    def layer_passes(self, batch):
+        """Caffe's own layers one by one: pycaffe's net._forward(i, i) and net._backward(i, i).
 
-        Caffe's inserted Split layers are listed too; a layer Caffe needs no
-        backward for (a TEST net without force_backward) reports its near-zero skip.
+        The batch is copied into the Input blobs once; Caffe's inserted Split
+        layers are listed too (they do Caffe's copying and summing of diffs). A
+        layer Caffe's Net needs no backward for (a deploy net, an Accuracy
+        layer) is skipped by Net::BackwardFromTo, as in net.backward().
         """
         self._load(batch)
         net = self._net
-        names = list(net._layer_names)
-        forward, backward = [0.0] * len(names), [0.0] * len(names)
-        for _ in range(max(int(iterations), 1)):
-            for i in range(len(names)):
-                started = time.perf_counter()
-                net._forward(i, i)
-                forward[i] += time.perf_counter() - started
-            for i in reversed(range(len(names))):
-                started = time.perf_counter()
-                net._backward(i, i)
-                backward[i] += time.perf_counter() - started
-        scale = 1000.0 / max(int(iterations), 1)
-        return [(name, f * scale, b * scale) for name, f, b in zip(names, forward, backward)]
+        return [base.LayerPass(name, functools.partial(net._forward, i, i), functools.partial(net._backward, i, i))
+                for i, name in enumerate(net._layer_names)], self._loss
 
     # -- parameters ---------------------------------------------------------------
 

@@ -19,12 +19,11 @@ def storage_orders(graph):
     A blob is stored as its layer function wants it, unless it is shared by a
     layer that wants it otherwise.
     """
-    orders = []
-    for param in graph.params:
-        users = [(param.layer, param.index)] + [tuple(s) for s in param.sharers]
-        wanted = {(wanted_order(graph.layer(name).type, i), graph.layer(name).param_shapes[i]) for name, i in users}
-        orders.append(wanted.pop()[0] if len(wanted) == 1 else None)
-    return orders
+    wanted = [set() for _ in graph.params]  # (order, shape) each user of the blob wants
+    for layer in graph.layers:
+        for b, (i, shape) in enumerate(zip(layer.blob_params, layer.param_shapes)):
+            wanted[i].add((wanted_order(layer.type, b), shape))
+    return [users.pop()[0] if len(users) == 1 else None for users in wanted]
 
 
 def permute(value, order):
@@ -38,24 +37,23 @@ def inverse(order):
 class Context:
     """What layer functions need beyond their bottoms: inputs, phase, randomness, state updates."""
 
-    def __init__(self, graph, inputs, train, rng=None, seed=0, index=None, orders=None):
+    def __init__(self, graph, inputs, train, rng=None, seed=0, orders=None):
         self.graph = graph
         self.orders = orders or [None] * len(graph.params)  # storage order of each parameter
         self.inputs = inputs
         self.train = train
         self.rng = rng
         self.seed = seed
-        self.index = index if index is not None else graph.blob_params
         self.updates = []  # (parameter index, new value): BatchNorm's running statistics
 
     def update(self, layer, blob, value):
-        self.updates.append((self.index[layer.name][blob], value))
+        self.updates.append((layer.blob_params[blob], value))
 
 
-def layer_params(layer, indices, params, orders):
+def layer_params(layer, params, orders):
     """A layer's parameter values in the shapes and axis orders its function takes."""
     values = []
-    for b, (i, shape) in enumerate(zip(indices, layer.param_shapes)):
+    for b, (i, shape) in enumerate(zip(layer.blob_params, layer.param_shapes)):
         value, stored, wanted = params[i], orders[i], wanted_order(layer.type, b)
         if stored == wanted and (stored is not None or tuple(value.shape) == tuple(shape)):
             values.append(value)
@@ -81,7 +79,7 @@ def run(graph, params, ctx):
         if propagate:
             bottoms = [b if down else Blob(tf.stop_gradient(b.tensor), b.nhwc)
                        for b, down in zip(bottoms, propagate)]
-        values = layer_params(layer, ctx.index[layer.name], params, ctx.orders)
+        values = layer_params(layer, params, ctx.orders)
         tops = LAYERS[layer.type].function(layer, bottoms, values, ctx)
         for name, value, weight in zip(layer.tops, tops, layer.loss_weights):
             blobs[name] = value

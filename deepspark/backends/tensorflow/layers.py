@@ -451,9 +451,16 @@ def relu(x, lp):
     return tf.nn.relu(x) if slope == 0 else tf.maximum(x, 0.0) + slope * tf.minimum(x, 0.0)
 
 
-# Neurons without parameters of their own: Caffe's function is TensorFlow's op.
+def _elementwise(op):
+    """A neuron without parameters of its own: Caffe's function is TensorFlow's op. (A def, not a lambda
+    named "<lambda>": AutoGraph cannot find a renamed lambda's source and warns on every trace.)"""
+    def neuron(x, lp):
+        return op(x)
+    return one_top(neuron)
+
+
 for _kind, _op in {"Sigmoid": tf.sigmoid, "TanH": tf.tanh, "AbsVal": tf.abs, "BNLL": tf.nn.softplus}.items():
-    layer(_kind)(one_top(lambda x, lp, op=_op: op(x)))
+    layer(_kind)(_elementwise(_op))
 
 
 @layer("ELU")

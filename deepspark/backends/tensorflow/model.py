@@ -1,6 +1,6 @@
 """The TensorFlow backend's Model: variables in Caffe's layout and a compiled solver step."""
 
-import time
+import functools
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,7 +27,6 @@ class Model(base.Model):
                          stages=stages, data_shape=data_shape, threads=threads)
         runtime.set_threads(self.threads)  # before the first variable starts TensorFlow's runtime
         graph = self.graph
-        self._index = graph.blob_params
         self._orders = compiler.storage_orders(graph)  # conv kernels live as HWIO inside
         self._inverse = [compiler.inverse(order) for order in self._orders]
         self._variables = [tf.Variable(self._store(i, array), name=f"param{i}")
@@ -59,7 +58,7 @@ class Model(base.Model):
 
     def _pass(self, inputs, differentiate):
         """Forward (and backward): (loss, {blob: Blob}, Caffe's diffs or None, running-stat updates)."""
-        ctx = compiler.Context(self.graph, inputs, self.train, self._rng, self._random_seed, self._index,
+        ctx = compiler.Context(self.graph, inputs, self.train, self._rng, self._random_seed,
                                self._orders)
         watched = [self._variables[i] for i in self._trainable]
         with tf.GradientTape(watch_accessed_variables=False) as tape:
@@ -185,30 +184,38 @@ class Model(base.Model):
         loss, grads = self._gradients_fn(self.feed(batch))
         return float(loss), [g.numpy() for g in grads]
 
-    def time_layers(self, batch, iterations=10):
-        """[(layer, forward ms, backward ms)]: each layer compiled on its own, timed on its real inputs.
+    def layer_passes(self, batch):
+        """Each layer compiled on its own (a tf.function), fed the blobs the forwards before it made.
 
-        Backward is the layer's forward-and-gradient function less its forward,
-        with an upstream gradient of ones, as `caffe time` reports per layer.
+        Forward calls the layer's function under a GradientTape when Caffe's Net
+        would give the layer a backward (_backward_needs), so that TensorFlow
+        keeps what the gradient reads, as Caffe's Forward keeps a pooling mask;
+        backward runs the gradient TensorFlow compiled for that call on the
+        diffs of the layer's tops (its loss_weight for a loss top) into the
+        diffs of its bottoms and parameters: Caffe's Backward, with no forward
+        run again, timed by itself. (The earlier measure, a forward-and-gradient
+        function less the forward, was the difference of two noisy timings,
+        clipped at 0 ms for ReLU and the loss, and took every bottom's gradient:
+        conv1's of the data too, which Caffe never computes.) Every call pays
+        TensorFlow's dispatch of a function, a few hundred microseconds on a
+        busy 2-core machine, which the compiled training step pays once for
+        the whole net (bench/time_layers.py measures the sum against it).
         """
         inputs = {top: tf.constant(array) for top, array in self.feed(batch).items()}
-        ctx = compiler.Context(self.graph, inputs, self.train, self._rng, self._random_seed, self._index,
+        ctx = compiler.Context(self.graph, inputs, self.train, self._rng, self._random_seed,
                                self._orders)
-        blobs, rows = {}, []
-        for layer in self.graph.layers:
-            function = compiler.LAYERS[layer.type].function
-            bottoms = [blobs[name] for name in layer.bottoms]
-            params = compiler.layer_params(layer, ctx.index[layer.name], self._variables, ctx.orders)
+        blobs, diffs, passes = {}, {}, []  # what Caffe's blobs hold as data and as diff
+        for layer, needs in zip(self.graph.layers, _backward_needs(self.graph)):
+            params = compiler.layer_params(layer, self._variables, ctx.orders)
+            params = [tf.convert_to_tensor(value) for value in params]  # the weights stay as they are
+            passes.append(_layer_pass(layer, params, needs, ctx, blobs, diffs))
+        loss_tops = [(top, weight) for layer in self.graph.layers
+                     for top, weight in zip(layer.tops, layer.loss_weights) if weight]
 
-            forward, backward = _layer_passes(layer, function, ctx)
-            forward_ms = _time(tf.function(forward), bottoms, params, iterations)
-            backward_ms = _time(tf.function(backward), bottoms, params, iterations) if (bottoms or params) else 0.0
-            tops = function(layer, bottoms, params, ctx)
-            for name, top in zip(layer.tops, tops):
-                blobs[name] = top
-            ctx.updates.clear()
-            rows.append((layer.name, forward_ms, max(backward_ms - forward_ms, 0.0)))
-        return rows
+        def loss():
+            return sum(weight * float(tf.reduce_sum(blobs[top].tensor)) for top, weight in loss_tops)
+
+        return passes, loss
 
     def get_params(self):
         return [self._load(i, v) for i, v in enumerate(self._variables)]
@@ -238,28 +245,102 @@ class Model(base.Model):
             variable.assign(self._store(i, array))
 
 
-def _layer_passes(layer, function, ctx):
-    """One layer's forward, and its forward-and-gradient with an upstream gradient of ones."""
-    def forward(bottoms, params):
-        return function(layer, bottoms, params, ctx)
+def _backward_needs(graph):
+    """Per layer, (bottom positions, blob positions) whose diffs Caffe's Net computes in its backward.
 
-    def backward(bottoms, params):
-        sources = [b.tensor for b in bottoms] + list(params)
-        with tf.GradientTape() as tape:
-            tape.watch(sources)
-            tops = function(layer, bottoms, params, ctx)
-            total = [tf.reduce_sum(t.tensor) for t in tops if t.tensor.dtype.is_floating]
-            total = tf.add_n(total) if total else tf.constant(0.0)
-        grads = tape.gradient(total, sources, unconnected_gradients="zero") if sources else []
-        return [g for g in grads if g is not None]
+    Net::Init's rules: a blob needs a diff when a layer that wrote it needs a
+    backward, and a layer needs one when a bottom needs a diff or a blob has a
+    nonzero lr_mult; propagate_down overrides a bottom; a layer under no loss,
+    or whose tops all skip back-propagation, computes none; force_backward
+    gives every layer all of its bottoms and blobs.
+    """
+    layers = graph.layers
+    wants, needed, rows = set(), [], []  # blob names that need a diff; per layer: does it need a backward
+    for layer in layers:
+        down = list(layer.param.propagate_down)
+        bottoms = [b for b, name in enumerate(layer.bottoms) if (down[b] if down else name in wants)]
+        params = [b for b in range(len(layer.blob_params)) if layer.param_spec(b)[0] != 0]
+        need = any(name in wants for name in layer.bottoms) or bool(params)
+        if need:
+            wants.update(layer.tops)
+        needed.append(need)
+        rows.append((bottoms, params))
+    under_loss, read, kept = set(), set(), set()  # a blob read, but with no reader wanting its diff, skips
+    for position in reversed(range(len(layers))):  # (Caffe decides this per Split top; here per blob)
+        layer, (bottoms, params) = layers[position], rows[position]
+        contributes = any(layer.loss_weights) or any(top in under_loss for top in layer.tops)
+        if not contributes or all(top in read and top not in kept for top in layer.tops):
+            needed[position], bottoms = False, []
+        for b, name in enumerate(layer.bottoms):
+            if contributes:
+                under_loss.add(name)
+            read.add(name)
+            if b in bottoms:
+                kept.add(name)
+        rows[position] = (bottoms, params) if needed[position] else ([], [])
+    if graph.net_param.force_backward:
+        return [(list(range(len(layer.bottoms))), list(range(len(layer.blob_params)))) for layer in layers]
+    return rows
 
-    return forward, backward
+
+def _traced_layer(layer, ctx, layouts, tensors, values):
+    """A layer's function on bare tensors (what a tf.function returns), the blobs' layouts kept in `layouts`."""
+    bottoms = [compiler.Blob(tensor, nhwc) for tensor, nhwc in zip(tensors, layouts["bottoms"])]
+    tops = compiler.LAYERS[layer.type].function(layer, bottoms, values, ctx)
+    layouts["tops"] = [top.nhwc for top in tops]
+    return [top.tensor for top in tops]
 
 
-def _time(function, bottoms, params, iterations):
-    """Milliseconds per call of a compiled function, after one call that traces it."""
-    function(bottoms, params)
-    started = time.perf_counter()
-    for _ in range(iterations):
-        function(bottoms, params)
-    return (time.perf_counter() - started) * 1000.0 / max(iterations, 1)
+def _layer_pass(layer, params, needs, ctx, blobs, diffs):
+    """One layer's base.LayerPass: its function compiled alone, and the gradient TensorFlow compiles for it.
+
+    blobs: {blob: Blob} the forwards fill; diffs: {blob: diff} the backwards
+    fill and read, a blob read by several layers summing their diffs.
+    """
+    bottoms_wanted, params_wanted = needs
+    layouts = {}  # "bottoms", "tops": each blob's nhwc flag, fixed from the first call
+    # A partial, not a closure: TensorFlow counts traces per code object and would warn of retracing.
+    compiled = tf.function(functools.partial(_traced_layer, layer, ctx, layouts))
+    taped = []  # (tape, sources, tops) of the last forward, for the backward
+    seeds = {}  # top -> its diff when no later layer gave one: loss_weight on a loss top, else zero
+
+    def forward():
+        bottoms = [blobs[name] for name in layer.bottoms]
+        if "bottoms" not in layouts:
+            layouts["bottoms"] = [bottom.nhwc for bottom in bottoms]
+        tensors = [bottom.tensor for bottom in bottoms]
+        if bottoms_wanted or params_wanted:
+            sources = [tensors[b] for b in bottoms_wanted] + [params[b] for b in params_wanted]
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(sources)
+                tops = compiled(tensors, params)
+            taped[:] = [(tape, sources, tops)]
+        else:
+            tops = compiled(tensors, params)
+        ctx.updates.clear()  # running statistics stay as they are
+        blobs.update((name, compiler.Blob(top, nhwc)) for name, top, nhwc in zip(layer.tops, tops, layouts["tops"]))
+
+    def backward():
+        if not taped:
+            for name in layer.tops:
+                diffs.pop(name, None)  # a diff nobody reads: its layer has no backward, as in Caffe's Net
+            return
+        tape, sources, tops = taped.pop()
+        targets, upstream = [], []
+        for name, top, weight in zip(layer.tops, tops, layer.loss_weights):
+            diff = diffs.pop(name, None)
+            if not top.dtype.is_floating:
+                continue
+            if weight or diff is None:
+                if name not in seeds:
+                    seeds[name] = tf.fill(tf.shape(top), tf.constant(weight, top.dtype))
+                diff = seeds[name] if diff is None else diff + seeds[name]
+            targets.append(top)
+            upstream.append(diff)
+        grads = tape.gradient(targets, sources, output_gradients=upstream)
+        for b, grad in zip(bottoms_wanted, grads):  # the parameters' diffs are computed, and not kept
+            if grad is not None:
+                name = layer.bottoms[b]
+                diffs[name] = grad if name not in diffs else diffs[name] + grad
+
+    return base.LayerPass(layer.name, forward, backward)

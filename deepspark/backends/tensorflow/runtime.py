@@ -1,12 +1,8 @@
 """TensorFlow, imported quietly once, and its intra- and inter-op thread counts, set on first use."""
 
-import os
 import warnings
 
-# Before TensorFlow loads, or its C++ start-up notices reach stderr; a user's own setting wins.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf  # quiet: deepspark/__init__.py set TF_CPP_MIN_LOG_LEVEL before anything loads it
 
 _threads = None  # the count TensorFlow took in this process, once a model asked for one
 
