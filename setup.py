@@ -21,6 +21,7 @@ setup(
         "pyspark>=3.5",
         "matplotlib>=3.8",
         "tensorboard>=2.16",  # the training job's scalars
+        "pyarrow>=14",  # Parquet datasets (deepspark.data.parquet)
     ],
     extras_require={
         "tensorflow": ["tensorflow-cpu>=2.16"],

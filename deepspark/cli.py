@@ -141,6 +141,11 @@ def cmd_convert_imageset(args):
     return 0
 
 
+def cmd_convert_lmdb(args):
+    convert.convert_lmdb(args.source, args.dest, overwrite=args.overwrite)
+    return 0
+
+
 def cmd_compute_image_mean(args):
     convert.compute_image_mean(args.lmdb, args.out)
     return 0
@@ -196,13 +201,15 @@ def parser():
     describe.add_argument("--batch-size", type=positive, help="override the batch size")
     describe.set_defaults(run=cmd_describe)
 
-    mnist = verbs.add_parser("convert-mnist", help="MNIST-format IDX files (gzipped or not) to an LMDB")
+    mnist = verbs.add_parser("convert-mnist", help="MNIST-format IDX files (gzipped or not) to an LMDB "
+                                                   "(or Parquet: OUT ending in .parquet)")
     mnist.add_argument("images")
     mnist.add_argument("labels")
     mnist.add_argument("out")
     mnist.set_defaults(run=cmd_convert_mnist)
 
-    imageset = verbs.add_parser("convert-imageset", help="images listed in LISTFILE ('path label' lines) to an LMDB")
+    imageset = verbs.add_parser("convert-imageset", help="images listed in LISTFILE ('path label' lines) to an LMDB "
+                                                         "(or Parquet: OUT ending in .parquet)")
     imageset.add_argument("root", help="folder the listed paths are relative to")
     imageset.add_argument("listfile")
     imageset.add_argument("out")
@@ -214,7 +221,15 @@ def parser():
     imageset.add_argument("--encode-type", default="", choices=("", "png", "jpg"), help="png or jpg (with --encoded)")
     imageset.set_defaults(run=cmd_convert_imageset)
 
-    mean = verbs.add_parser("compute-image-mean", help="the mean image of an LMDB as a .binaryproto")
+    lmdb = verbs.add_parser("convert-lmdb", help="an LMDB to Parquet, or Parquet to an LMDB (the direction "
+                                                 "read from SOURCE); keys and Datum bytes as they are")
+    lmdb.add_argument("source", help="an LMDB folder, or a Parquet file, folder of part files or URI")
+    lmdb.add_argument("dest", help="the LMDB, or the Parquet dataset: one file if DEST ends in .parquet, "
+                                   "else a folder of part files")
+    lmdb.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
+    lmdb.set_defaults(run=cmd_convert_lmdb)
+
+    mean = verbs.add_parser("compute-image-mean", help="the mean image of an LMDB (or Parquet) as a .binaryproto")
     mean.add_argument("lmdb")
     mean.add_argument("out")
     mean.set_defaults(run=cmd_compute_image_mean)

@@ -29,7 +29,8 @@ def feeders_for(model, phase, seed=None, shard=0, num_shards=1):
     for layer in model.graph.layers:
         if layer.type in FED_TYPES and layer.type != "Data":
             raise ConfigError(f"layer '{layer.name}' ({layer.type}) has no data to train or test on; "
-                              "use a Data layer reading an LMDB", *model.graph.source.where(layer.index))
+                              "use a Data layer reading an LMDB or a Parquet dataset",
+                              *model.graph.source.where(layer.index))
         if layer.type == "Data":
             missing = missing_source(layer.param)
             if missing:

@@ -1,9 +1,11 @@
 """The Spark job on real Spark: local[2], a standalone cluster, a DataFrame, killed workers and drivers."""
 
+import contextlib
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -57,12 +59,12 @@ def tensorboard_tags(folder):
 
 
 @pytest.mark.caffe
-def test_local_two_workers_caffe_reading_shared_data(tmp_path):
+def test_local_two_workers_caffe_shipping_records(tmp_path):
     solver = make_job(tmp_path, max_iter=120, test_interval=60)
-    status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--backend", "caffe", "--shared-data")
+    status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--backend", "caffe", "--ship-records")
     assert status == 0, log[-3000:]
     assert "(caffe backend, async EASGD)" in log and workers_done(log) == [0, 1]
-    assert "Sharded 200 records into 2 shards (read by executors from shared storage)" in log
+    assert "Sharded 200 records into 2 shards (shipped through Spark from the driver" in log
     assert final_accuracy(log) >= 0.9
 
 
@@ -175,15 +177,64 @@ def test_killed_driver_resumes_from_its_snapshot(tmp_path):
     assert final_accuracy(log) >= 0.9
 
 
-@pytest.fixture()
-def standalone_cluster(tmp_path):
-    env = {**os.environ, "CLUSTER_DIR": str(tmp_path / "cluster"), "SPARK_MASTER_PORT": "17077",
-           "SPARK_MASTER_WEBUI_PORT": "18080", "VENV": os.path.dirname(os.path.dirname(sys.executable))}
+def free_ports(count):
+    """The first of `count` consecutive loopback ports that are free now (a cluster left running by another
+    run keeps its own ports, and this one does not join it)."""
+    for base in range(17000, 30000, 97):
+        probes = []
+        try:
+            for port in range(base, base + count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError("no free loopback ports")
+
+
+@contextlib.contextmanager
+def cluster(folder, hide=None):
+    """tools/spark-cluster.sh's master and two workers on free ports, in folder/cluster; `hide`: a folder
+    the workers must not see. Yields (master URL, cluster folder)."""
+    base = free_ports(4)  # the master, its web UI, and the two workers' web UIs after it
+    env = {**os.environ, "CLUSTER_DIR": str(folder / "cluster"), "SPARK_MASTER_PORT": str(base),
+           "SPARK_MASTER_WEBUI_PORT": str(base + 1), "VENV": os.path.dirname(os.path.dirname(sys.executable)),
+           "HIDE_FROM_WORKERS": str(hide or "")}
     script = os.path.join(ROOT, "tools", "spark-cluster.sh")
     started = subprocess.run(["bash", script, "start"], env=env, capture_output=True, text=True, timeout=180)
     assert started.returncode == 0, started.stdout + started.stderr
-    yield "spark://127.0.0.1:17077", tmp_path / "cluster"
-    subprocess.run(["bash", script, "stop"], env=env, capture_output=True, timeout=120)
+    try:
+        yield f"spark://127.0.0.1:{base}", folder / "cluster"
+    finally:
+        subprocess.run(["bash", script, "stop"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture()
+def standalone_cluster(tmp_path):
+    with cluster(tmp_path) as started:
+        yield started
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="hiding a folder from the workers takes a mount namespace (root)")
+def test_an_lmdb_the_executors_cannot_see_fails_at_once_with_the_ways_on(tmp_path):
+    # The LMDB is on the driver's disk only: the workers run in a mount namespace with the data folder
+    # covered by an empty tmpfs, as on cluster nodes without that disk.
+    data = tmp_path / "data"
+    data.mkdir()
+    solver = make_job(data, max_iter=50, test_interval=0)
+    with cluster(tmp_path, hide=data) as (master, _):
+        status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--master", master,
+                                 "--backend", "caffe", "--max-failures", "1")
+    assert status == 1
+    last = log.strip().splitlines()[-1]
+    assert last.startswith(f"deepspark train: error: the Spark job failed: worker ") and \
+        f"the LMDB {data / 'train_lmdb'} is not visible here; put it on storage every executor sees at that " \
+        "path, or convert it to Parquet (deepspark convert-lmdb" in last and "--ship-records" in last, log[-3000:]
+    assert "Solving" in log and "connect" not in last  # failed as the workers started, not on connect_timeout
 
 
 def test_standalone_cluster_runs_a_task_on_each_worker(tmp_path, standalone_cluster):

@@ -89,7 +89,7 @@ def test_average_center_is_the_mean_of_what_the_workers_trained_from_it(tmp_path
     arrays = checkpoint.weights_for(job.graph, saved, [np.full(p.shape, np.nan, np.float32) for p in job.graph.params])
     np.testing.assert_array_equal(np.concatenate([a.ravel() for a in arrays]), job.center)
     # each worker's parameters are what its Trainer makes of the start center in `steps` iterations
-    payloads, _ = shard_payloads(solver, 2, False)
+    payloads, _ = shard_payloads(solver, 2)
     for worker, payload in enumerate(payloads):
         trainer, shard, _, _ = executor.build(worker, payload, job.task)
         try:

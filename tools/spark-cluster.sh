@@ -3,7 +3,9 @@
 # from the pip-installed pyspark (which ships no start-master.sh / start-worker.sh).
 #   tools/spark-cluster.sh start|stop|status
 # Environment: VENV (default .venv), CLUSTER_DIR (default /tmp/deepspark-spark-cluster),
-# SPARK_MASTER_PORT (7077), SPARK_MASTER_WEBUI_PORT (8080), WORKERS (2), WORKER_CORES (1), WORKER_MEMORY (2g).
+# SPARK_MASTER_PORT (7077), SPARK_MASTER_WEBUI_PORT (8080), WORKERS (2), WORKER_CORES (1), WORKER_MEMORY (2g),
+# HIDE_FROM_WORKERS (folders, space-separated, that the workers must not see: each is covered by an empty
+# tmpfs in the workers' own mount namespace, as on nodes without the driver's disk; needs root).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,6 +20,21 @@ url="spark://127.0.0.1:$port"
 
 spark_home() {
   "$venv/bin/python" -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))'
+}
+
+# Worker $1 in the background, its pid in worker-$1.pid; with HIDE_FROM_WORKERS, inside a mount namespace
+# whose shell covers those folders and then execs the worker (so the pid is still the worker's).
+start_worker() {
+  local cmd=("$SPARK_HOME/bin/spark-class" org.apache.spark.deploy.worker.Worker
+             --host 127.0.0.1 --cores "$cores" --memory "$memory" --webui-port $((webui + $1))
+             --work-dir "$dir/work-$1" "$url")
+  if [ -n "${HIDE_FROM_WORKERS:-}" ]; then
+    local mounts="" folder
+    for folder in $HIDE_FROM_WORKERS; do mounts+="mount -t tmpfs tmpfs '$folder' && "; done
+    cmd=(unshare -m --propagation private sh -c "${mounts}exec \"\$@\"" worker "${cmd[@]}")
+  fi
+  nohup "${cmd[@]}" >"$dir/worker-$1.log" 2>&1 &
+  echo $! >"$dir/worker-$1.pid"
 }
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -41,10 +58,7 @@ start() {
   for i in $(seq 1 "$workers"); do
     echo "[cluster] starting worker $i ($cores core, $memory)"
     mkdir -p "$dir/work-$i"
-    nohup "$SPARK_HOME/bin/spark-class" org.apache.spark.deploy.worker.Worker \
-      --host 127.0.0.1 --cores "$cores" --memory "$memory" --webui-port $((webui + i)) \
-      --work-dir "$dir/work-$i" "$url" >"$dir/worker-$i.log" 2>&1 &
-    echo $! >"$dir/worker-$i.pid"
+    start_worker "$i"
   done
   for _ in $(seq 1 120); do
     if [ "$(alive_workers)" -ge "$workers" ]; then

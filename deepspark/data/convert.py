@@ -1,5 +1,6 @@
-"""The dataset tools: convert-mnist, convert-imageset and compute-image-mean, as Caffe's tools do them."""
+"""The dataset tools: convert-mnist, convert-imageset and compute-image-mean, as Caffe's tools do them, and convert-lmdb."""
 
+import functools
 import gzip
 import io
 import os
@@ -10,7 +11,7 @@ import zlib
 import numpy as np
 
 from deepspark.errors import ConfigError
-from deepspark.data import lmdb_io
+from deepspark.data import lmdb_io, parquet
 from deepspark.data.datum import (DataError, datum_to_array, encode_image, save_mean,
                                   image_to_array, make_datum, parse_datum)
 from deepspark.proto import deepspark_pb2 as pb
@@ -21,6 +22,12 @@ IDX_LABELS_MAGIC = 2049
 
 def _say(message):
     print(message, file=sys.stderr, flush=True)
+
+
+def write_records(out, records, overwrite=False):
+    """(key, Datum bytes) pairs to a new dataset at out: Parquet when out ends in `.parquet`, else an LMDB."""
+    write = parquet.write_parquet if parquet.writes_parquet(out) else lmdb_io.write_lmdb
+    return write(out, records, overwrite=overwrite)
 
 
 # ---------------------------------------------------------------------------
@@ -57,7 +64,7 @@ def read_idx(path, magic):
 
 
 def convert_mnist(images, labels, out, overwrite=False):
-    """IDX images + labels → LMDB of Datum (1x28x28 raw bytes), keys %08d; returns the count."""
+    """IDX images + labels → LMDB (or Parquet) of Datum (1x28x28 raw bytes), keys %08d; returns the count."""
     (n, rows, cols), pixels = read_idx(images, IDX_IMAGES_MAGIC)
     (n_labels,), label_bytes = read_idx(labels, IDX_LABELS_MAGIC)
     if n != n_labels:
@@ -71,7 +78,7 @@ def convert_mnist(images, labels, out, overwrite=False):
         for i in range(n):
             yield f"{i:08d}".encode(), make_datum(pixels[i], int(label_values[i])).SerializeToString()
 
-    written = lmdb_io.write_lmdb(out, records(), overwrite=overwrite)
+    written = write_records(out, records(), overwrite=overwrite)
     _say(f"Processed {written} files.")
     return written
 
@@ -140,7 +147,7 @@ def _read_image_datum(path, label, color, resize, encode_type):
 def convert_imageset(root, listfile, out, gray=False, shuffle=False, resize_height=0,
                      resize_width=0, encoded=False, encode_type="", check_size=False,
                      seed=None, overwrite=False):
-    """Images listed in `FILENAME LABEL` lines → LMDB of Datum with keys %08d_FILENAME.
+    """Images listed in `FILENAME LABEL` lines → LMDB (or Parquet) of Datum with keys %08d_FILENAME.
 
     Colour images are stored BGR, as Caffe (OpenCV) stores them. Returns the count.
     """
@@ -190,7 +197,7 @@ def convert_imageset(root, listfile, out, gray=False, shuffle=False, resize_heig
             if (index + 1) % 1000 == 0:
                 _say(f"Processed {index + 1} files.")
 
-    written = lmdb_io.write_lmdb(out, records(), overwrite=overwrite)
+    written = write_records(out, records(), overwrite=overwrite)
     if written % 1000:
         _say(f"Processed {written} files.")
     return written
@@ -200,11 +207,11 @@ def convert_imageset(root, listfile, out, gray=False, shuffle=False, resize_heig
 # The mean image
 
 def compute_image_mean(db, out, overwrite=False):
-    """The per-pixel mean of an LMDB's images → .binaryproto (1xCxHxW); returns the count."""
+    """The per-pixel mean of an LMDB's (or a Parquet dataset's) images → .binaryproto (1xCxHxW); returns the count."""
     lmdb_io.refuse_existing(out, overwrite)
     total, shape, first_key = None, None, None
     n = 0
-    for key, value in lmdb_io.read_records(db):
+    for key, value in parquet.reader(db).read_records(db):
         array = datum_to_array(parse_datum(value, key, db), key, db)
         if total is None:
             shape, first_key = array.shape, key
@@ -219,7 +226,7 @@ def compute_image_mean(db, out, overwrite=False):
         if n % 10000 == 0:
             _say(f"Processed {n} files.")
     if n == 0:
-        raise DataError("the LMDB is empty; no mean to compute", db)
+        raise DataError("the dataset is empty; no mean to compute", db)
     if n % 10000:
         _say(f"Processed {n} files.")
     mean = (total / n).astype(np.float32)
@@ -229,3 +236,60 @@ def compute_image_mean(db, out, overwrite=False):
     for c in range(shape[0]):
         _say(f"mean_value channel [{c}]: {float(mean[c].mean())}")
     return n
+
+
+# ---------------------------------------------------------------------------
+# LMDB <-> Parquet
+
+REPORT_EVERY = 10000  # records between progress lines, as compute_image_mean reports
+
+
+def convert_lmdb(source, out, overwrite=False):
+    """An LMDB to a Parquet dataset, or a Parquet dataset to an LMDB (the direction read from source).
+
+    Keys and Datum bytes are copied as they are, in the source's order, so LMDB →
+    Parquet → LMDB gives back the same database. Returns the record count.
+    """
+    if parquet.is_parquet(source):
+        reader, write, kind = parquet, lmdb_io.write_lmdb, "LMDB"
+    elif lmdb_io.is_lmdb(source):
+        reader, write, kind = lmdb_io, functools.partial(parquet.write_parquet, source=source), "Parquet"
+    elif not os.path.exists(source):
+        raise DataError("no such LMDB or Parquet dataset", source)
+    else:
+        raise DataError("neither an LMDB (a folder holding data.mdb) nor a Parquet dataset (a .parquet file, "
+                        "a folder of them, or a URI)", source)
+    if kind == "LMDB" and (parquet.writes_parquet(out) or parquet.is_uri(out)):
+        raise DataError("the source is Parquet, so the output is an LMDB: a local folder, not a name ending "
+                        "in .parquet or a URI", out)
+    if not parquet.is_uri(out):
+        lmdb_io.refuse_existing(out, overwrite)  # before a long read
+    total = reader.count(source)
+    _say(f"A total of {total} records: {source} -> {kind} {out}")
+    in_order = True
+
+    def records():
+        nonlocal in_order
+        previous = None
+        for n, (key, value) in enumerate(reader.read_records(source), 1):
+            if key == previous:
+                raise DataError(f"key {key.decode('utf-8', 'backslashreplace')!r} repeats, and an LMDB holds "
+                                "one record per key; give every row its own key", source)
+            in_order = in_order and (previous is None or key > previous)
+            previous = key
+            yield key, value
+            if n % REPORT_EVERY == 0:
+                _say(f"Processed {n} of {total} records.")
+
+    written = write(out, records(), overwrite=overwrite)
+    if written % REPORT_EVERY:
+        _say(f"Processed {written} of {total} records.")
+    if kind == "LMDB" and not in_order:
+        stored = lmdb_io.count(out)
+        if stored < written:  # a repeat that was not next to its first: found only now
+            lmdb_io.remove_path(out)
+            raise DataError(f"{written - stored} of its keys repeat, and an LMDB holds one record per key; "
+                            "give every row its own key", source)
+        _say(f"warning: the keys of {source} are not in increasing order; the LMDB holds the records "
+             "in key order, not the Parquet's")
+    return written

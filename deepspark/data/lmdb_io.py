@@ -153,7 +153,7 @@ def refuse_existing(out_path, overwrite):
         raise DataError(f"the output's directory {parent} does not exist", out_path)
 
 
-def _replace(tmp, out_path):
+def rename_into(tmp, out_path):
     """Move tmp to out_path; an existing out_path is swapped out first, then removed."""
     old = None
     if os.path.lexists(out_path):
@@ -167,7 +167,7 @@ def _replace(tmp, out_path):
             os.remove(old)
 
 
-def _remove(path):
+def remove_path(path):
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):
@@ -184,7 +184,7 @@ def write_lmdb(out_path, records, overwrite=False, map_size=INITIAL_MAP_SIZE,
     """
     refuse_existing(out_path, overwrite)
     tmp = temp_path(out_path)
-    _remove(tmp)
+    remove_path(tmp)
     written = 0
     try:
         env = lmdb.open(tmp, map_size=map_size, subdir=True, meminit=False, map_async=True)
@@ -202,9 +202,9 @@ def write_lmdb(out_path, records, overwrite=False, map_size=INITIAL_MAP_SIZE,
             env.sync(True)
         finally:
             env.close()
-        _replace(tmp, out_path)
+        rename_into(tmp, out_path)
     except BaseException:
-        _remove(tmp)
+        remove_path(tmp)
         raise
     return written
 

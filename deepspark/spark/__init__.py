@@ -17,7 +17,7 @@ JOBS = {pb.DeepSparkParameter.EASGD: EasgdJob, pb.DeepSparkParameter.SYNC: SyncJ
 def train(solver, data=None, *, deepspark=None, weights=None, snapshot=None, iterations=None, output=None, **knobs):
     """Train from a solver .prototxt (a path, or a loaded config.Solver); returns the job's summary dict.
 
-    data: a Spark DataFrame to train on instead of the train net's LMDB, with a
+    data: a Spark DataFrame to train on instead of the train net's source, with a
     `datum` column (Caffe Datum bytes) or `data` (an image array) and `label`
     columns; its SparkSession runs the job and stays the caller's. deepspark: a
     DeepSparkParameter prototxt (default: deepspark.prototxt beside the solver,

@@ -37,7 +37,6 @@ class AverageJob(Job):
         if boundaries:
             log.info(f"Rounds also end at multiples of {' and '.join(map(str, boundaries))} (test_interval/snapshot "
                      f"not multiples of period {ds.period}), so that tests and snapshots fall on their iterations")
-        shards = self.shards.persist()
         iteration = self.start_iter
         workers = {}  # worker -> its running Summary, and counts of hand-overs and restarts
         handovers, restarts = {}, {}
@@ -51,7 +50,9 @@ class AverageJob(Job):
                 started = time.monotonic()
                 center = sc.broadcast(self.center)
                 try:
-                    returned = shards.mapPartitionsWithIndex(
+                    # self.shards is not persisted: a shard is one Range, or a shuffle's output, which Spark
+                    # keeps and each round streams again (drained); cached, it would sit in executor memory.
+                    returned = self.shards.mapPartitionsWithIndex(
                         lambda i, items: [average_round(i, items, task, center.value, iteration, steps)]).collect()
                 except Exception as error:
                     raise failed(error, sc) from None
@@ -73,17 +74,20 @@ class AverageJob(Job):
                     elif r["handed_over"] is not None and summary.exchanges:
                         restarts[w] = restarts.get(w, 0) + 1
                     summary.host, summary.pid, summary.cwd, summary.loss = r["host"], r["pid"], r["cwd"], r["loss"]
+                    summary.package = r["package"]
                     summary.final_iteration = r["iteration"]
                     summary.iterations += steps
                     summary.exchanges += 1
                     summary.train_seconds += wall
                     summary.blocked_seconds += max(wall - r["seconds"], 0.0)
+                    summary.peak_rss_mb = max(summary.peak_rss_mb, r["peak_rss_mb"])
                     if r["records"] is not None:
                         summary.records = r["records"]
                         summary.spill_seconds += r["spill_seconds"]
+                        summary.spill_rss_mb = max(summary.spill_rss_mb, r["spill_rss_mb"])
                 self.display(iteration, float(np.mean([r["loss"] for r in returned])))
         finally:
-            self._release(shards, task.job_id)
+            self._release(task.job_id)
         if handovers:
             log.info(f"Rounds that went on from a state another Python worker left (PySpark moved the partition): "
                      f"{handovers}; momentum and data position carried over through the executor's local folder")
@@ -92,13 +96,12 @@ class AverageJob(Job):
                         f"{restarts}; each restarted that worker's momentum history and data order")
         return list(workers.values()) or [executor.Summary.here(0, final_iteration=iteration)]
 
-    def _release(self, shards, job_id):
+    def _release(self, job_id):
         """Close the cached Trainers and local shards of this job wherever the tasks land (best effort)."""
         try:
             self.sc.parallelize(range(self.workers), self.workers).foreach(lambda _: release(job_id))
         except Exception as error:  # cleanup only; the executors' temp folders go with them anyway
             self.log.warning(f"could not release the workers' cached trainers: {first_line(error)}")
-        shards.unpersist()
 
 
 # Per Python worker process: the Trainer of each (job id, worker) it has run a round for, so that
@@ -109,17 +112,18 @@ _TRAINERS = {}
 
 def average_round(worker, items, task, center, iteration, steps):
     """One worker's round: from the broadcast center at `iteration`, `steps` local iterations; returns its parameters."""
-    # Read the partition even when it is not needed: PySpark reuses a Python worker only after
-    # a task has consumed all of its input, and the cache lives in that worker.
-    items = list(items)
     key = (task.job_id, worker)
     built = time.monotonic()
-    records = spill_seconds = None
+    records = spill_seconds = spill_rss = None
     if key not in _TRAINERS:
         for other in [k for k in _TRAINERS if k[0] != task.job_id]:
             release(other[0])
-        trainer, shard_path, records, spill_seconds = executor.build(worker, executor.payload_of(items), task)
+        trainer, shard_path, records, spill_seconds, spill_rss = executor.build(worker, executor.payload_of(items),
+                                                                                task)
         _TRAINERS[key] = (trainer, shard_path)
+    # Read the partition even when it is not needed, without holding it: the cache lives in this
+    # Python worker, and PySpark reuses one only after its task has consumed all of its input.
+    executor.drain(items)
     built = time.monotonic() - built
     trainer = _TRAINERS[key][0]
     model = trainer.model
@@ -135,9 +139,11 @@ def average_round(worker, items, task, center, iteration, steps):
         loss = trainer.step()
     hand_over(trainer, task.job_id, worker)
     here = executor.Summary.here(worker)
-    return {"worker": worker, "host": here.host, "pid": here.pid, "cwd": here.cwd, "params": model.get_flat(),
+    return {"worker": worker, "host": here.host, "pid": here.pid, "cwd": here.cwd, "package": here.package,
+            "params": model.get_flat(),
             "iteration": model.iter, "loss": loss, "seconds": time.monotonic() - started, "build_seconds": built,
-            "records": records, "spill_seconds": spill_seconds, "handed_over": handed}
+            "records": records, "spill_seconds": spill_seconds, "spill_rss_mb": spill_rss,
+            "peak_rss_mb": executor.peak_rss_mb(), "handed_over": handed}
 
 
 def _handoff_path(job_id, worker):

@@ -15,13 +15,14 @@ import numpy as np
 from deepspark import checkpoint, engine, fillers, local, schedule
 from deepspark.config import random_seed
 from deepspark.data import decode_datum, lmdb_io, source_shape
+from deepspark.data.parquet import COLUMNS, DATUM, is_parquet
 from deepspark.errors import ConfigError, DeepSparkError
 from deepspark.graph import Graph, layer_included
 from deepspark.log import Log
 from deepspark.plot import plot_history
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.session import is_local, on_loopback, spark_session
-from deepspark.spark.worker import Task, row_to_record
+from deepspark.spark.worker import Range, Task, row_datum
 
 # Seconds the driver waits for the Spark job's thread once it has cancelled the job.
 CANCEL_SECONDS = 30
@@ -73,37 +74,143 @@ def failed(error, sc):
 
 
 def train_source(solver):
-    """The LMDB the train net's one Data layer reads in the TRAIN phase; a one-line error if there is
-    not exactly one, or it is not there."""
+    """The LMDB or Parquet dataset the train net's one Data layer reads in the TRAIN phase; a one-line
+    error if there is not exactly one, or it is not there."""
     train = pb.NetState(phase=pb.TRAIN)
     sources = {layer.data_param.source for layer in solver.train_net.layer
                if layer.type == "Data" and layer_included(layer, train)}
     if len(sources) != 1:
-        raise ConfigError("the Spark job needs exactly one Data layer (LMDB) in the TRAIN phase of the train net",
-                          solver.path)
+        raise ConfigError("the Spark job needs exactly one Data layer (an LMDB or a Parquet dataset) in the TRAIN "
+                          "phase of the train net", solver.path)
     local.check_sources(solver.train_net, solver.train_map, pb.TRAIN)
     return sources.pop()
 
 
-def shard_payloads(solver, workers, shared_data):
-    """Per worker: its record range of the train net's LMDB, as records shipped through Spark
-    or (shared storage) as a path and range to read directly."""
+def shard_of(index, total, shards):
+    """The shard that record `index` of `total` falls in: the inverse of lmdb_io.shard_range, i.e. the
+    largest i with total * i // shards <= index, which is ((index + 1) * shards - 1) // total."""
+    return ((index + 1) * shards - 1) // total
+
+
+def too_few(workers, total, what):
+    """The one line for a dataset that cannot give every worker a record."""
+    return f"{workers} workers but {what} holds only {total} records"
+
+
+def shard_payloads(solver, workers):
+    """Per worker: the Range of the train net's LMDB that its executor reads itself, and the LMDB's
+    record count. Only the count is read here."""
     source = train_source(solver)
     total = lmdb_io.count(source)
-    payloads = []
-    for worker in range(workers):
-        start, stop = lmdb_io.shard_range(total, worker, workers)
-        if stop <= start:
-            raise ConfigError(f"{workers} workers but the LMDB holds only {total} records", source)
-        if shared_data:
-            payloads.append(("range", os.path.abspath(source), start, stop))
-        else:
-            payloads.append(("records", list(lmdb_io.read_records(source, start, stop))))
-    return payloads, total
+    if total < workers:
+        raise ConfigError(too_few(workers, total, "the LMDB"), source)
+    return [Range(os.path.abspath(source), *lmdb_io.shard_range(total, worker, workers), total)
+            for worker in range(workers)], total
 
 
-def dataframe_shards(df, workers):
-    """An RDD of N partitions of (key, Datum bytes) from a DataFrame, and the (C, H, W) of its images.
+def partition_counts(sc, rows):
+    """Per partition of the RDD `rows`: its row count, counted on the executors; and the first row of
+    the first partition that has one (None if none has)."""
+
+    def count(items):
+        first = next(items, None)
+        return [(0 if first is None else 1 + sum(1 for _ in items), first)]
+
+    try:
+        counted = rows.mapPartitions(count).collect()
+    except Exception as error:
+        raise failed(error, sc) from None
+    return [n for n, _ in counted], next((row for n, row in counted if n), None)
+
+
+def balanced_shards(rows, counts, workers, datum, what):
+    """`rows` (an RDD whose partitions hold `counts` rows) as `workers` partitions of (index, Datum
+    bytes): shard i holds the records lmdb_io.shard_range(total, i, workers) of `rows` in its
+    order, `datum(index, row)` each; and the total.
+
+    Indexing and `datum` run on the executors. The RDD that was counted is the one indexed,
+    and its partitions are fixed once it exists, so a record has one index and a worker gets
+    the same shard on every retry (Spark refetches the shuffle's output, or recomputes the
+    lost part of it from the same partitions).
+    """
+    total = sum(counts)
+    if total < workers:
+        raise ConfigError(too_few(workers, total, what))
+    starts = np.cumsum([0, *counts[:-1]]).tolist()
+
+    def indexed(partition, items):
+        return ((index, datum(index, row)) for index, row in enumerate(items, starts[partition]))
+
+    return by_shard(rows.mapPartitionsWithIndex(indexed), total, workers), total
+
+
+def by_shard(indexed, total, workers):
+    """An RDD of (index, Datum bytes) moved into `workers` partitions: partition i holds the indexes
+    lmdb_io.shard_range(total, i, workers)."""
+    return indexed.partitionBy(workers, lambda index: shard_of(index, total, workers))
+
+
+def shipped_shards(sc, source, workers):
+    """The LMDB's records shipped from the driver through Spark (ship_records), as balanced_shards gives
+    them, and the total: the driver streams them, but sc.parallelize keeps them all in its JVM."""
+    total = lmdb_io.count(source)
+    if total < workers:
+        raise ConfigError(too_few(workers, total, "the LMDB"), source)
+    values = sc.parallelize(LmdbValues(source, total), workers)
+    return balanced_shards(values, partition_counts(sc, values)[0], workers, lambda index, value: value, "the LMDB")
+
+
+class LmdbValues:
+    """An LMDB's values with its count as len(): sc.parallelize streams a sized iterable (it lists only
+    what has no len)."""
+
+    def __init__(self, source, total):
+        self.source, self.total = source, total
+
+    def __len__(self):
+        return self.total
+
+    def __iter__(self):
+        return (value for _, value in lmdb_io.read_records(self.source))
+
+
+def parquet_shards(spark, source, workers):
+    """The shards of a Parquet dataset as by_shard gives them, the (C, H, W) of its images and the total,
+    planned from Spark's own reader (any URI it reads: file:, hdfs://, s3a://).
+
+    A record's index is its place in the files taken in sorted path order, row by row (the
+    order the single-process reader reads them in): from its file's start, summed from
+    per-file counts the executors make, and its row in the file (`_metadata.row_index`). It
+    depends on neither how Spark splits the files into partitions nor on when, so a worker
+    gets the same shard on every retry and in every run over the same files.
+    """
+    try:
+        # A local path as the driver sees it; anything else (a URI) is Spark's to open.
+        df = spark.read.parquet(os.path.abspath(source) if os.path.exists(source) else source)
+    except Exception as error:
+        raise ConfigError(f"Spark cannot read the Parquet dataset: {first_line(error)}", source) from None
+    if DATUM not in df.columns:
+        raise ConfigError(f"the Parquet dataset has no '{DATUM}' column (Caffe Datum bytes) but {df.columns}; "
+                          f"deepspark convert-lmdb writes {', '.join(COLUMNS)}", source)
+    what = f"the Parquet dataset {source}"
+    try:
+        counts = sorted(df.groupBy("_metadata.file_path").count().collect())
+        first = df.select(DATUM).first()
+    except Exception as error:
+        raise ConfigError(f"Spark cannot read the Parquet dataset: {first_line(error)}", source) from None
+    if first is None:
+        raise ConfigError(f"{what} is empty")
+    starts = dict(zip([path for path, _ in counts], np.cumsum([0] + [n for _, n in counts[:-1]]).tolist()))
+    total = sum(n for _, n in counts)
+    if total < workers:
+        raise ConfigError(too_few(workers, total, what))
+    rows = df.select("_metadata.file_path", "_metadata.row_index", DATUM).rdd
+    indexed = rows.map(lambda row: (starts[row[0]] + row[1], bytes(row[2])))
+    return by_shard(indexed, total, workers), tuple(int(d) for d in decode_datum(bytes(first[0]))[0].shape), total
+
+
+def dataframe_shards(df, workers, what="the DataFrame"):
+    """A DataFrame's rows as balanced_shards gives them, the (C, H, W) of its images and the total.
 
     Rows hold either `datum` (serialized Caffe Datum bytes) or `data` (an image
     array: C x H x W, or H x W for one channel; uint8 or float) and `label`.
@@ -117,13 +224,13 @@ def dataframe_shards(df, workers):
         if kind not in ("byte", "short", "integer", "long"):
             raise ConfigError(f"the DataFrame's 'label' column holds {kind} values; Caffe's labels are integers "
                               "(cast it: df.withColumn('label', df.label.cast('int')))")
-    first = df.first()
+    rows = df.select(*(["datum"] if "datum" in columns else ["data", "label"])).rdd
+    counts, first = partition_counts(df.sparkSession.sparkContext, rows)
     if first is None:
-        raise ConfigError("the DataFrame is empty")
-    shape = tuple(int(d) for d in decode_datum(row_to_record(0, first)[1])[0].shape)
-    use = ["datum"] if "datum" in columns else ["data", "label"]
-    records = df.select(*use).rdd.zipWithIndex().map(lambda pair: row_to_record(pair[1], pair[0], shape))
-    return records.repartition(workers), shape
+        raise ConfigError(f"{what} is empty")
+    shape = tuple(int(d) for d in decode_datum(row_datum(0, first))[0].shape)
+    shards, total = balanced_shards(rows, counts, workers, lambda index, row: row_datum(index, row, shape), what)
+    return shards, shape, total
 
 
 def initial_center(solver, log, weights=None, snapshot=None, shape=None):
@@ -212,7 +319,7 @@ class Options:
 
     weights: str = None
     snapshot: str = None
-    data: object = None  # a pyspark DataFrame to train on instead of the train net's LMDB
+    data: object = None  # a pyspark DataFrame to train on instead of the train net's source
 
 
 class Job:
@@ -292,15 +399,27 @@ class Job:
 
     def load_shards(self):
         """The RDD of the workers' shards, one partition each; sets the graph, x̃'s start and the start iteration."""
-        data, options, log = self.options.data, self.options, self.log
-        if data is not None:
-            shards, shape = dataframe_shards(data, self.workers)
-            log.info(f"Training on a DataFrame of {data.columns}, repartitioned into {self.workers} shards")
+        data, options, log, workers = self.options.data, self.options, self.log, self.workers
+        streamed = "each task streams its partition into its local LMDB; the driver holds no records"
+        source = None if data is not None else train_source(self.solver)
+        if source is not None and is_parquet(source):
+            shards, shape, total = parquet_shards(self.spark, source, workers)
+            log.info(f"Planned {workers} shards of the {total} records of the Parquet dataset {source} ({streamed})")
+        elif data is not None:
+            shards, shape, total = dataframe_shards(data, workers)
+            log.info(f"Training on a DataFrame of {data.columns}, repartitioned into {workers} shards of its "
+                     f"{total} records ({streamed})")
+        elif self.ds.ship_records:
+            (shards, total), shape = shipped_shards(self.sc, source, workers), None
+            log.info(f"Sharded {total} records into {workers} shards (shipped through Spark from the driver: "
+                     f"ship_records, bounded by the driver's memory)")
         else:
-            payloads, records = shard_payloads(self.solver, self.workers, self.ds.shared_data)
-            shards, shape = self.sc.parallelize(payloads, self.workers), None
-            how = "read by executors from shared storage" if self.ds.shared_data else "shipped through Spark"
-            log.info(f"Sharded {records} records into {self.workers} shards ({how})")
+            payloads, total = shard_payloads(self.solver, workers)
+            shards, shape = self.sc.parallelize(payloads, workers), None
+            log.info(f"Sharded {total} records into {workers} shards (each executor reads its record range of "
+                     f"{payloads[0].source} itself; no records pass through the driver)")
+        if self.ds.ship_records and (data is not None or is_parquet(source)):
+            log.warning("ship_records applies to an LMDB source; this job's shards are read by the executors")
         self.graph, self.center0, self.start_iter = initial_center(self.solver, log, options.weights,
                                                                    options.snapshot, shape)
         return shards
@@ -443,7 +562,8 @@ class Job:
             log.info(f"Worker {r.worker} on {r.host} (in {r.cwd}, deepspark from {r.package}): "
                      f"{r.iterations} iterations, {r.exchanges} exchanges, spilled {r.records} records in "
                      f"{r.spill_seconds:.2f}s, trained {r.train_seconds:.1f}s, blocked on exchange "
-                     f"{r.blocked_seconds:.2f}s")
+                     f"{r.blocked_seconds:.2f}s, peak RSS {r.spill_rss_mb:.0f} MB after the spill, "
+                     f"{r.peak_rss_mb:.0f} MB")
         log.info(f"Spill took {spill:.2f}s, {100 * spill / max(train, 1e-9):.2f}% of training time")
         if p.snapshot_after_train and self.snapshotted != final:
             self.snapshot(final)

@@ -1,7 +1,10 @@
 """The executor side every job shares: what a task receives, the spill of its shard to a local LMDB, its Trainer, its way to the center, its summary."""
 
+import collections
 import dataclasses
+import itertools
 import os
+import resource
 import shutil
 import socket
 import tempfile
@@ -77,12 +80,19 @@ class Summary:
     blocked_seconds: float = 0.0
     loss: float = float("nan")
     digest: str = ""  # sync: a fingerprint of the parameters after the last round
+    spill_rss_mb: float = 0.0  # the worker process's peak RSS when its spill was done
+    peak_rss_mb: float = 0.0  # and at the end of its training
 
     @classmethod
     def here(cls, worker, **fields):
         """A summary of worker `worker` running in this process."""
         return cls(worker, host=socket.gethostname(), pid=os.getpid(), cwd=os.getcwd(),
                    package=os.path.dirname(deepspark.__file__), **fields)
+
+
+def peak_rss_mb():
+    """This process's peak resident memory so far, in MB (a Python worker's, which Spark may reuse)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def local_dir():
@@ -99,43 +109,85 @@ def job_dir(job_id):
     return os.path.join(local_dir(), f"deepspark-{job_id}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A shard that its executor reads itself: records [start, stop) of the LMDB at `source`, which
+    holds `total` records when the driver counts them (its partition's one item)."""
+
+    source: str
+    start: int
+    stop: int
+    total: int
+
+
+def not_visible(worker, source):
+    """The one line for an LMDB that this executor cannot see, naming the ways on."""
+    return (f"worker {worker} on {socket.gethostname()}: the LMDB {source} is not visible here; put it on storage "
+            f"every executor sees at that path, or convert it to Parquet (deepspark convert-lmdb {source} "
+            f"DEST.parquet) and train from that, or ship its records through the driver with --ship-records "
+            f"(bounded by the driver's memory)")
+
+
+def record_key(index):
+    """The local LMDB's key of record `index` of a streamed shard: zero-padded, so key order is index order."""
+    return b"%010d" % index
+
+
+def shard_records(payload, worker):
+    """The (key, Datum bytes) records of a shard, as a stream: read from its Range of the LMDB, or keyed
+    from the (index, Datum bytes) pairs that Spark streams to the task."""
+    if not isinstance(payload, Range):
+        return ((record_key(index), datum) for index, datum in payload)
+    if not os.path.exists(payload.source):
+        raise WorkerError(not_visible(worker, payload.source))
+    here = lmdb_io.count(payload.source)
+    if here != payload.total:
+        raise WorkerError(f"worker {worker} on {socket.gethostname()}: the LMDB {payload.source} holds {here} "
+                          f"records here and {payload.total} on the driver; every executor must see the same LMDB")
+    return lmdb_io.read_records(payload.source, payload.start, payload.stop)
+
+
 def spill(payload, job_id, worker):
-    """Write this worker's shard to a local LMDB (DeepSpark's spill step); (path, records, seconds)."""
+    """Stream this worker's shard into a local LMDB (DeepSpark's spill step) in batched transactions, so
+    that memory does not grow with the shard; (path, records, seconds)."""
     started = time.monotonic()
     folder = job_dir(job_id)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"shard-{worker}-{os.getpid()}_lmdb")
     if os.path.exists(path):
         shutil.rmtree(path)
-    kind = payload[0]
-    if kind == "records":
-        records = payload[1]
-    elif kind == "range":
-        _, source, start, stop = payload
-        if not os.path.exists(source):
-            raise WorkerError(f"worker {worker} on {socket.gethostname()}: LMDB {source} is not visible here; "
-                              "drop --shared-data to ship the records through Spark")
-        records = lmdb_io.read_records(source, start, stop)
-    else:
-        raise WorkerError(f"unknown shard payload {kind!r}")
-    count = lmdb_io.write_lmdb(path, records)
+    count = lmdb_io.write_lmdb(path, shard_records(payload, worker))
+    if not count:
+        shutil.rmtree(path, ignore_errors=True)
+        raise WorkerError(f"worker {worker} on {socket.gethostname()}: its shard is empty")
     return path, count, time.monotonic() - started
 
 
 def payload_of(items):
-    """A partition's content as a spill payload: one ("records"|"range", ...) tuple, or (key, value) records."""
-    items = list(items)
-    if len(items) == 1 and isinstance(items[0], tuple) and items[0][0] in ("records", "range"):
-        return items[0]
-    return ("records", items)
+    """A partition's shard, never held whole: its one Range to read, or the stream of its (index, Datum
+    bytes) records."""
+    items = iter(items)
+    first = next(items, None)
+    if first is None:
+        return iter(())
+    if isinstance(first, Range):
+        drain(items)  # to its end, which PySpark must see to reuse this Python worker
+        return first
+    return itertools.chain([first], items)
 
 
-def row_to_record(index, row, shape=None):
-    """(key, Datum bytes) of DataFrame row `index`: its `datum` bytes, or its `data` array (of `shape`,
+def drain(items):
+    """Consume what is left of a partition's input: PySpark reuses a Python worker only after its task
+    has read all of it."""
+    collections.deque(items, maxlen=0)
+
+
+def row_datum(index, row, shape=None):
+    """The Datum bytes of DataFrame row `index`: its `datum` bytes, or its `data` array (of `shape`,
     when given: the first row's) and `label`; a DataError naming the row when it cannot be one."""
     fields = row.asDict() if hasattr(row, "asDict") else dict(row)
     if "datum" in fields:
-        return b"%08d" % index, bytes(fields["datum"])
+        return bytes(fields["datum"])
     image = np.asarray(fields["data"])
     if image.ndim == 2:
         image = image[None]
@@ -149,7 +201,7 @@ def row_to_record(index, row, shape=None):
         label = int(fields["label"])
     except (TypeError, ValueError):
         raise DataError(f"DataFrame row {index}: label {fields['label']!r} is not an integer") from None
-    return b"%08d" % index, encode_datum(image if image.dtype == np.uint8 else image.astype(np.float32), label)
+    return encode_datum(image if image.dtype == np.uint8 else image.astype(np.float32), label)
 
 
 def set_threads(threads):
@@ -160,9 +212,11 @@ def set_threads(threads):
 
 
 def build(worker, payload, task):
-    """Spill the shard and build the worker's Trainer: (trainer, shard path, records, spill seconds)."""
+    """Spill the shard and build the worker's Trainer: (trainer, shard path, records, spill seconds, peak
+    RSS MB after the spill)."""
     set_threads(task.threads)
     shard_path, records, spill_seconds = spill(payload, task.job_id, worker)
+    spill_rss = peak_rss_mb()
     try:
         # The log goes to the executor's stderr, which Spark keeps in the executor's log.
         trainer = local.trainer(task.solver_for(shard_path), Log(progress=False), seed_offset=worker,
@@ -170,7 +224,7 @@ def build(worker, payload, task):
     except BaseException:
         shutil.rmtree(shard_path, ignore_errors=True)
         raise
-    return trainer, shard_path, records, spill_seconds
+    return trainer, shard_path, records, spill_seconds, spill_rss
 
 
 def join_center(worker, task, model, timeout):
@@ -191,7 +245,7 @@ def join_center(worker, task, model, timeout):
 def run(worker, items, task, train, timeout):
     """One worker's whole life in a Spark task: spill, build, join the center (waiting at most `timeout`
     seconds on it), `train(trainer, client, params)` -> (loss, extra Summary fields), leave; its Summary."""
-    trainer, shard_path, records, spill_seconds = build(worker, payload_of(items), task)
+    trainer, shard_path, records, spill_seconds, spill_rss = build(worker, payload_of(items), task)
     model = trainer.model
     try:
         client, params = join_center(worker, task, model, timeout)
@@ -200,7 +254,8 @@ def run(worker, items, task, train, timeout):
         summary = Summary.here(worker, records=records, spill_seconds=spill_seconds,
                                train_seconds=time.monotonic() - started, iterations=model.iter - start_iter,
                                final_iteration=model.iter, exchanges=client.exchanges,
-                               blocked_seconds=client.blocked_seconds, loss=loss, **extra)
+                               blocked_seconds=client.blocked_seconds, loss=loss, spill_rss_mb=spill_rss,
+                               peak_rss_mb=peak_rss_mb(), **extra)
         client.close()
         return summary
     finally:

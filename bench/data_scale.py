@@ -1,0 +1,200 @@
+"""Data at cluster scale (#11): a Parquet training set of several GB, trained on local[2] with async EASGD.
+
+Synthetic data (nothing can be downloaded here): 3x64x64 uint8 records, ten
+classes, each class a brighter band of rows, so the net has something to learn.
+For each dataset size it writes the Parquet dataset (streamed), trains a small
+conv net for a few hundred iterations per worker from it, and prints one JSON line:
+
+- driver_peak_rss_mb: the driver Python process's peak RSS (getrusage in that
+  process; the JVM is a process of its own and not counted);
+- workers: each worker's peak RSS after its spill and at the end of training;
+- spill records/s and MB/s, and spill_vs_raw: spill throughput against a raw
+  single-transaction LMDB write of the same records (one worker's share), timed
+  here around txn.put alone;
+- spill_share_of_run: the spill's share of a full run, extrapolated as the paper
+  does: spill time against the time `--epochs` passes over a worker's shard
+  take at the measured iterations per second (and the share of one epoch).
+
+A last line compares the sizes: the driver's peak RSS must not grow with the data.
+
+    PYTHONPATH=. .venv/bin/python bench/data_scale.py [--sizes-gb 1 4] [--iterations 300] [--folder DIR]
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import lmdb  # noqa: E402
+import numpy as np  # noqa: E402
+
+from deepspark.data import encode_datum  # noqa: E402
+from deepspark.data import parquet  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "bench", "results", "data_scale.jsonl")
+SHAPE = (3, 64, 64)
+RECORD_BYTES = int(np.prod(SHAPE))
+BATCH = 64
+
+NET = """name: "scale"
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TRAIN }}
+  transform_param {{ scale: 0.00390625 }} data_param {{ source: "{source}" batch_size: {batch} }} }}
+layer {{ name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param {{ num_output: 16 kernel_size: 5 stride: 2 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" pooling_param {{ pool: MAX kernel_size: 2 stride: 2 }} }}
+layer {{ name: "relu1" type: "ReLU" bottom: "pool1" top: "pool1" }}
+layer {{ name: "ip1" type: "InnerProduct" bottom: "pool1" top: "ip1"
+  inner_product_param {{ num_output: 10 weight_filler {{ type: "xavier" }} }} }}
+layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: "loss" }}
+"""
+
+SOLVER = """net: "{net}"
+base_lr: 0.01
+momentum: 0.9
+lr_policy: "fixed"
+display: 50
+max_iter: {iterations}
+snapshot_after_train: false
+snapshot_prefix: "{prefix}"
+solver_mode: CPU
+"""
+
+# Runs `deepspark ARGS` and says the process's own peak RSS on its last stderr line.
+DRIVER = """import resource, runpy, sys
+sys.argv = ["deepspark"] + sys.argv[1:]
+try:
+    runpy.run_module("deepspark.cli", run_name="__main__")
+except SystemExit as done:
+    status = done.code
+else:
+    status = 0
+print("DRIVER_PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr, flush=True)
+sys.exit(status)
+"""
+
+
+def emit(record):
+    line = json.dumps(record)
+    print(line, flush=True)
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "a") as stream:
+        stream.write(line + "\n")
+
+
+def records(count, seed=0):
+    """(key, Datum bytes) of `count` synthetic records, made as they are read (nothing held)."""
+    rng = np.random.default_rng(seed)
+    band = SHAPE[1] // 10
+    for i in range(count):
+        label = int(rng.integers(10))
+        image = rng.integers(0, 96, size=SHAPE, dtype=np.uint8)
+        image[:, label * band:(label + 1) * band, :] += 150
+        yield b"%08d" % i, encode_datum(image, label)
+
+
+def raw_lmdb_write(source, count, folder):
+    """MB/s of one transaction putting `count` records of `source` into a fresh LMDB, put calls alone."""
+    path = os.path.join(folder, "raw_lmdb")
+    shutil.rmtree(path, ignore_errors=True)
+    env = lmdb.open(path, map_size=2 * count * (RECORD_BYTES + 256) + (64 << 20), meminit=False, map_async=True)
+    seconds, size = 0.0, 0
+    try:
+        with env.begin(write=True) as txn:
+            for key, value in parquet.read_records(source, 0, count):
+                key = key.encode() if isinstance(key, str) else key
+                started = time.perf_counter()
+                txn.put(key, value)
+                seconds += time.perf_counter() - started
+                size += len(value)
+        started = time.perf_counter()
+        env.sync(True)
+        seconds += time.perf_counter() - started
+    finally:
+        env.close()
+        shutil.rmtree(path, ignore_errors=True)
+    return size / 1e6 / seconds
+
+
+def train(folder, source, iterations):
+    """(driver peak RSS MB, the run's stderr, wall seconds) of a 2-worker EASGD run on `source`."""
+    net = os.path.join(folder, "net.prototxt")
+    with open(net, "w") as stream:
+        stream.write(NET.format(source=source, batch=BATCH))
+    solver = os.path.join(folder, "solver.prototxt")
+    with open(solver, "w") as stream:
+        stream.write(SOLVER.format(net=net, iterations=iterations, prefix=os.path.join(folder, "out", "scale")))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", DRIVER, "train", "--solver", solver, "--workers", "2",
+                           "--algorithm", "easgd", "--output", os.path.join(folder, "out")],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    seconds = time.monotonic() - started
+    if done.returncode:
+        sys.exit(f"training failed:\n{done.stderr[-4000:]}")
+    peak = int(re.findall(r"DRIVER_PEAK_RSS_KB (\d+)", done.stderr)[-1]) / 1024
+    return peak, done.stderr, seconds
+
+
+WORKER_LINE = re.compile(r"Worker (\d+) on .*?: (\d+) iterations, .*?spilled (\d+) records in ([\d.]+)s, "
+                         r"trained ([\d.]+)s.*?peak RSS ([\d.]+) MB after the spill, ([\d.]+) MB")
+
+
+def measure(size_gb, iterations, epochs, folder):
+    count = int(size_gb * 1e9 / RECORD_BYTES)
+    source = os.path.join(folder, f"train_{size_gb:g}gb.parquet")
+    if not os.path.exists(source):
+        started = time.monotonic()
+        parquet.write_parquet(source, records(count))
+        print(f"[data_scale] wrote {count} records ({size_gb:g} GB) to {source} in "
+              f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    raw = raw_lmdb_write(source, count // 2, folder)
+    driver_mb, log, wall = train(folder, source, iterations)
+    workers = [dict(worker=int(w), iterations=int(it), records=int(n), spill_seconds=float(s),
+                    train_seconds=float(t), spill_rss_mb=float(a), peak_rss_mb=float(b))
+               for w, it, n, s, t, a, b in WORKER_LINE.findall(log)]
+    if len(workers) != 2:
+        sys.exit(f"no worker summary lines in the log:\n{log[-4000:]}")
+    spill = max(w["spill_seconds"] for w in workers)
+    shard = max(w["records"] for w in workers)
+    rate = min(w["iterations"] / w["train_seconds"] for w in workers)  # iterations per second per worker
+    epoch = shard / BATCH / rate
+    record = dict(bench="data_scale", size_gb=size_gb, records=count, iterations=iterations,
+                  driver_peak_rss_mb=round(driver_mb, 1), workers=workers,
+                  spill_records_per_s=round(shard / spill), spill_mb_per_s=round(shard * RECORD_BYTES / 1e6 / spill, 1),
+                  raw_lmdb_mb_per_s=round(raw, 1),
+                  spill_vs_raw=round(shard * RECORD_BYTES / 1e6 / spill / raw, 3),
+                  spill_share_of_one_epoch=round(spill / (spill + epoch), 4), epochs=epochs,
+                  spill_share_of_run=round(spill / (spill + epochs * epoch), 5), wall_seconds=round(wall, 1))
+    emit(record)
+    return record
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-gb", type=float, nargs="+", default=[1.0, 4.0])
+    parser.add_argument("--iterations", type=int, default=300, help="per worker")
+    parser.add_argument("--epochs", type=int, default=30, help="the full run the spill share is extrapolated to")
+    parser.add_argument("--folder", default="/tmp/deepspark-data-scale")
+    parser.add_argument("--keep", action="store_true", help="keep the datasets for another run")
+    args = parser.parse_args()
+    os.makedirs(args.folder, exist_ok=True)
+    try:
+        results = [measure(size, args.iterations, args.epochs, args.folder) for size in args.sizes_gb]
+    finally:
+        if not args.keep:
+            shutil.rmtree(args.folder, ignore_errors=True)
+    small, large = results[0], results[-1]
+    emit(dict(bench="data_scale_driver_memory", sizes_gb=args.sizes_gb,
+              driver_peak_rss_mb=[r["driver_peak_rss_mb"] for r in results],
+              growth_mb=round(large["driver_peak_rss_mb"] - small["driver_peak_rss_mb"], 1),
+              data_growth=round(large["records"] / small["records"], 2)))
+
+
+if __name__ == "__main__":
+    main()

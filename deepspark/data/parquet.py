@@ -1,0 +1,308 @@
+"""Training data as Parquet, the format Spark splits and reads from any URI: one row per record.
+
+A dataset is a `.parquet` file, a folder of Parquet files, or a URI with a scheme
+(`file:`, `hdfs://`, `s3a://`, ...). Its rows hold the record's LMDB key, its
+serialized Caffe Datum and, for convenience (filters, counts), the Datum's label.
+"""
+
+import contextlib
+import os
+import re
+import sys
+import urllib.parse
+
+from deepspark.data import lmdb_io
+from deepspark.data.datum import DataError, decode_datum, parse_datum
+
+# The columns, in order: what `convert-lmdb` writes and every reader expects.
+KEY, DATUM, LABEL = "key", "datum", "label"
+COLUMNS = (KEY, DATUM, LABEL)
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def is_parquet(source):
+    """Whether a Data layer's source names a Parquet dataset, not an LMDB: a path ending in `.parquet`,
+    a folder holding Parquet files (and no LMDB), or a URI with a scheme (`hdfs://...`, `file:...`)."""
+    if not source:
+        return False
+    if is_uri(source):
+        return True
+    path = source.rstrip("/")
+    if path.endswith(".parquet"):
+        return True
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "data.mdb")):
+        return any(name.endswith(".parquet") for name in os.listdir(path))
+    return False
+
+
+# ---------------------------------------------------------------------------
+# Where a dataset lives
+
+def _arrow():
+    """pyarrow with its fs and parquet modules, imported on first use: ~0.3 s that LMDB-only runs need not pay."""
+    import pyarrow.fs
+    import pyarrow.parquet
+    return pyarrow
+
+
+def _first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def is_uri(source):
+    """Whether a source is a URI with a scheme (`file:...`, `hdfs://...`), not a plain path."""
+    return bool(_SCHEME.match(source)) and not re.match(r"^[A-Za-z]:[\\/]", source)  # not a Windows drive
+
+
+def local_path(source):
+    """The local path of a plain path (as it is) or of a `file:` URI; None for any other scheme."""
+    if not is_uri(source):
+        return source
+    parsed = urllib.parse.urlparse(source)
+    if parsed.scheme == "file" and parsed.netloc in ("", "localhost"):
+        return os.path.abspath(urllib.parse.unquote(parsed.path))
+    return None
+
+
+def _filesystem(source):
+    """(pyarrow FileSystem, path on it): local paths and `file:` URIs here, any other scheme through
+    pyarrow's FileSystem.from_uri (Spark's `s3a://` is pyarrow's `s3://`)."""
+    pa = _arrow()
+    path = local_path(source)
+    if path is not None:
+        return pa.fs.LocalFileSystem(), os.path.abspath(path)
+    scheme = urllib.parse.urlparse(source).scheme
+    uri = "s3" + source[len("s3a"):] if scheme == "s3a" else source
+    try:
+        return pa.fs.FileSystem.from_uri(uri)
+    except Exception as e:  # ArrowInvalid, ArrowNotImplementedError, OSError (no libhdfs): all one line
+        raise DataError(f"pyarrow cannot open {scheme}:// here ({_first_line(e)}); train on Spark, which "
+                        "reads it on the executors, or copy the dataset to a local path", source) from None
+
+
+def _hidden(name):
+    # Spark's and Hive's bookkeeping beside the part files: _SUCCESS, _metadata, .part-*.crc
+    return name.startswith(("_", "."))
+
+
+def part_files(source):
+    """(FileSystem, [(path, name for errors)]) of a dataset: the file itself, or a folder's part files in
+    sorted name order (Spark's order of the DataFrame's partitions)."""
+    pa = _arrow()
+    fs, root = _filesystem(source)
+    try:
+        info = fs.get_file_info(root)
+        if info.type == pa.fs.FileType.NotFound:
+            raise DataError("no such Parquet dataset (write one with deepspark convert-lmdb, or fix "
+                            "data_param.source)", source)
+        if info.type == pa.fs.FileType.File:
+            return fs, [(root, source)]
+        found = fs.get_file_info(pa.fs.FileSelector(root, recursive=True))
+    except OSError as e:
+        raise DataError(f"cannot read ({_first_line(e)})", source) from None
+    names = sorted(f.path[len(root.rstrip("/")) + 1:] for f in found if f.type == pa.fs.FileType.File)
+    names = [name for name in names if not any(_hidden(part) for part in name.split("/"))]
+    if not names:
+        raise DataError("the folder holds no Parquet files", source)
+    return fs, [(f"{root.rstrip('/')}/{name}", f"{source.rstrip('/')}/{name}") for name in names]
+
+
+@contextlib.contextmanager
+def _opened(fs, path, where):
+    """A ParquetFile on one part file with the columns checked, closed at the end; a bad file is one DataError."""
+    pa = _arrow()
+    try:
+        stream = fs.open_input_file(path)
+    except OSError as e:
+        raise DataError(f"cannot read ({_first_line(e)})", where) from None
+    try:
+        try:
+            file = pa.parquet.ParquetFile(stream)
+        except (pa.ArrowException, OSError) as e:  # not Parquet, a truncated footer
+            raise DataError(f"not a Parquet file ({_first_line(e)})", where) from None
+        _check_schema(file.schema_arrow, where)
+        yield file
+    finally:
+        stream.close()
+
+
+def _check_schema(schema, where):
+    pa = _arrow()
+    for name, kinds in ((KEY, (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())),
+                        (DATUM, (pa.binary(), pa.large_binary()))):
+        index = schema.get_field_index(name)
+        if index < 0:
+            raise DataError(f"has no {name!r} column (it has {', '.join(schema.names) or 'none'}); a dataset "
+                            f"has columns {', '.join(COLUMNS)}, as deepspark convert-lmdb writes them", where)
+        if schema.field(index).type not in kinds:
+            raise DataError(f"column {name!r} is {schema.field(index).type}, not {kinds[0]}", where)
+
+
+def _parts(source):
+    """[(FileSystem, path, name for errors, number of rows)] of every part file, from the footers."""
+    fs, files = part_files(source)
+    parts = []
+    for path, where in files:
+        with _opened(fs, path, where) as file:
+            parts.append((fs, path, where, file.metadata.num_rows))
+    return parts
+
+
+# ---------------------------------------------------------------------------
+# Reading: lmdb_io's reading functions, by record range in file order
+
+def count(source):
+    """Number of records in the dataset, from its footers (no data read)."""
+    return sum(rows for *_, rows in _parts(source))
+
+
+def read_chunks(source, start=0, stop=None, chunk=4096):
+    """Lists of up to `chunk` (key, value) bytes pairs of records start..stop-1, in file order.
+
+    Only the row groups that hold the range are read, one at a time: memory is
+    bounded by the largest row group, whatever the dataset's size.
+    """
+    first = 0
+    for fs, path, where, rows in _parts(source):
+        begin, end = max(start - first, 0), rows if stop is None else min(stop - first, rows)
+        first += rows
+        if begin < end:
+            with _opened(fs, path, where) as file:
+                yield from _file_chunks(file, begin, end, chunk, where)
+        if stop is not None and first >= stop:
+            return
+
+
+def _file_chunks(file, begin, end, chunk, where):
+    """read_chunks of rows [begin, end) of one part file, a row group at a time.
+
+    One iter_batches per row group: given all of a file's groups at once, pyarrow 26's
+    reader keeps what it has read until the end (308 MB of pool for a 309 MB file,
+    against 20 MB one group at a time).
+    """
+    first = 0
+    try:
+        for index in range(file.metadata.num_row_groups):
+            rows = file.metadata.row_group(index).num_rows
+            skip, take, first = max(begin - first, 0), min(end - first, rows), first + rows
+            if skip >= take:
+                continue
+            for batch in file.iter_batches(batch_size=chunk, row_groups=[index], columns=[KEY, DATUM],
+                                           use_threads=False):
+                n = batch.num_rows  # rows [skip, take) of this batch are wanted
+                if min(take, n) > skip:
+                    yield _pairs(batch.slice(skip, min(take, n) - skip), where)
+                skip, take = max(skip - n, 0), take - n
+                if take <= 0:
+                    break
+    except OSError as e:  # pyarrow's ArrowInvalid (a corrupt page) is an OSError too
+        raise DataError(f"cannot read ({_first_line(e)})", where) from None
+
+
+def _pairs(batch, where):
+    keys, values = batch.column(0).to_pylist(), batch.column(1).to_pylist()
+    if None in keys or None in values:
+        raise DataError(f"a row's {KEY if None in keys else DATUM} is null", where)
+    return [(key.encode() if isinstance(key, str) else key, value) for key, value in zip(keys, values)]
+
+
+def read_records(source, start=0, stop=None, keys_only=False):
+    """(key, value) bytes of records start..stop-1 in file order (keys only: key)."""
+    for block in read_chunks(source, start, stop):
+        yield from ((key for key, _ in block) if keys_only else block)
+
+
+def first_record(source):
+    """(key, value) of the first record, or DataError if the dataset is empty."""
+    for key, value in read_records(source, 0, 1):
+        return key, value
+    raise DataError("the Parquet dataset is empty", source)
+
+
+def peek_shape(source):
+    """(C, H, W) of the first record (decoding it if it is an encoded image)."""
+    key, value = first_record(source)
+    array, _ = decode_datum(value, key, source)
+    return tuple(int(d) for d in array.shape)
+
+
+def reader(source):
+    """The module that reads `source` by record range: this one for Parquet, lmdb_io for an LMDB; the
+    two have the same count, first_record, peek_shape, read_records and read_chunks."""
+    return sys.modules[__name__] if is_parquet(source) else lmdb_io
+
+
+# ---------------------------------------------------------------------------
+# Writing
+
+# A row group is flushed when its records reach this many bytes: the writer holds
+# about one row group and so does a reader, and Spark splits a file at row-group
+# boundaries (the 47 MB of Fashion-MNIST's train set make 3 splits; parquet-mr's
+# default group, 128 MB, would make one).
+ROW_GROUP_BYTES = 16 << 20
+PART_FILE = "part-00000.parquet"  # the one file of a folder dataset, named as Spark names its parts
+
+
+def writes_parquet(out_path):
+    """Whether a converter's output path asks for Parquet: it ends in `.parquet`."""
+    return out_path.rstrip("/").endswith(".parquet")
+
+
+def write_parquet(out_path, records, overwrite=False, row_group_bytes=ROW_GROUP_BYTES, source=None):
+    """Write (key, value) pairs (value: a serialized Datum) as a Parquet dataset; returns the count.
+
+    A path ending in `.parquet` becomes one file, any other a folder holding
+    part-00000.parquet (the layout Spark writes). Rows go out a row group at a time
+    to `out_path.tmp-<pid>`, renamed to out_path at the end: a failed run leaves
+    nothing at out_path. A record that is not a Datum is an error naming `source`
+    (where the records come from; default out_path).
+    """
+    pa = _arrow()
+    path = local_path(out_path)
+    if path is None:
+        raise DataError("Parquet is written to a local path here (copy it to HDFS or S3 afterwards)", out_path)
+    lmdb_io.refuse_existing(path, overwrite)
+    tmp = lmdb_io.temp_path(path)
+    lmdb_io.remove_path(tmp)
+    single, blame = writes_parquet(path), source or out_path
+    written = 0
+    try:
+        if not single:
+            os.mkdir(tmp)
+        schema = pa.schema([(KEY, pa.string()), (DATUM, pa.binary()), (LABEL, pa.int32())])
+        with pa.parquet.ParquetWriter(tmp if single else os.path.join(tmp, PART_FILE), schema) as writer:
+            group, size = [], 0
+            for key, value in records:
+                group.append((_text(key, blame), value, parse_datum(value, key, blame).label))
+                size += len(value)
+                if size >= row_group_bytes:
+                    _write_group(writer, group)
+                    written += len(group)
+                    group, size = [], 0
+            if group or not written:
+                _write_group(writer, group)
+                written += len(group)
+        lmdb_io.rename_into(tmp, path)
+    except BaseException:
+        lmdb_io.remove_path(tmp)
+        raise
+    return written
+
+
+def _text(key, where):
+    if isinstance(key, str):
+        return key
+    try:
+        return bytes(key).decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"key {bytes(key)!r} is not UTF-8 (a Parquet key is a string)", where) from None
+
+
+def _write_group(writer, group):
+    """One row group of (key, value, label) rows."""
+    pa = _arrow()
+    keys, values, labels = zip(*group) if group else ((), (), ())
+    table = pa.Table.from_arrays([pa.array(keys, pa.string()), pa.array(values, pa.binary()),
+                                  pa.array(labels, pa.int32())], schema=writer.schema)
+    writer.write_table(table, row_group_size=max(len(group), 1))
