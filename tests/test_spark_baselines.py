@@ -91,7 +91,7 @@ def test_average_center_is_the_mean_of_what_the_workers_trained_from_it(tmp_path
     # each worker's parameters are what its Trainer makes of the start center in `steps` iterations
     payloads, _ = shard_payloads(solver, 2)
     for worker, payload in enumerate(payloads):
-        trainer, shard, _, _ = executor.build(worker, payload, job.task)
+        trainer, shard, *_ = executor.build(worker, payload, job.task)
         try:
             trainer.model.set_flat(start)
             for _ in range(steps):
