@@ -56,7 +56,7 @@ demo: setup
 # One BLAS thread, so that numpy's own threads do not blur the exchanger's figures.
 bench: setup
 	@mkdir -p bench/results
-	@for b in bench/*.py; do echo "== $$b"; OPENBLAS_NUM_THREADS=1 $(BIN)/python $$b || exit 1; done
+	@for b in bench/[!_]*.py; do echo "== $$b"; OPENBLAS_NUM_THREADS=1 $(BIN)/python $$b || exit 1; done
 
 # The descriptor set keeps the .proto's comments: the generated flags take their help from them.
 proto: $(STAMPS)/system

@@ -16,7 +16,6 @@ Prints one JSON line per figure and appends them to bench/results/caffe_backend.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ os.chdir(ROOT)  # the zoo's LMDB paths are relative to the repository
 
 import numpy as np  # noqa: E402
 
+import _results  # noqa: E402  (bench/_results.py)
 from deepspark import compare, engine  # noqa: E402
 from deepspark.backends import create_model  # noqa: E402
 from deepspark.backends.caffe import runtime  # noqa: E402
@@ -41,11 +41,7 @@ RESULTS = os.path.join(ROOT, "bench", "results", "caffe_backend.jsonl")
 
 
 def emit(record):
-    line = json.dumps(record)
-    print(line, flush=True)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a") as stream:
-        stream.write(line + "\n")
+    _results.emit(record, RESULTS)
 
 
 class PyCaffe:

@@ -1,7 +1,6 @@
 """Benchmark of batch assembly (DataFeeder, LeNet's transform) against a raw cursor read of the same LMDB; prints JSON lines."""
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -13,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from google.protobuf import text_format  # noqa: E402
 
+import _results  # noqa: E402  (bench/_results.py)
 from deepspark.data import DataFeeder, convert, lmdb_io  # noqa: E402
 from deepspark.data.datum import encode_datum, decode_datum  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
@@ -98,15 +98,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median)")
     ap.add_argument("--out", default="bench/results/data.jsonl", help="JSON lines are also appended here")
     args = ap.parse_args(argv)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
     def emit(rec):
-        line = json.dumps(dict(bench="data", **rec))
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        _results.emit(dict(bench="data", **rec), args.out)
 
     with tempfile.TemporaryDirectory(prefix="deepspark-bench-data-") as tmp:
         path = os.path.join(tmp, "train_lmdb")

@@ -5,15 +5,24 @@ classes, each class a brighter band of rows, so the net has something to learn.
 For each dataset size it writes the Parquet dataset (streamed), trains a small
 conv net for a few hundred iterations per worker from it, and prints one JSON line:
 
-- driver_peak_rss_mb: the driver Python process's peak RSS (getrusage in that
-  process; the JVM is a process of its own and not counted);
-- workers: each worker's peak RSS after its spill and at the end of training;
-- spill records/s and MB/s, and spill_vs_raw: spill throughput against a raw
-  single-transaction LMDB write of the same records (one worker's share), timed
-  here around txn.put alone;
+- driver_peak_rss_mb: the driver Python process's peak RSS (its VmHWM; the JVM
+  is a process of its own and not counted);
+- workers: each worker's peak RSS in its task after its spill and at the end of
+  training (a worker holds its shard's pixels in memory when they fit in the
+  feeder's 2 GiB, and the LMDB pages it reads count while mapped);
+- spill records/s and MB/s, and spill_vs_raw: one worker's spill throughput
+  against a raw single-transaction LMDB write of the same records (one worker's
+  share) in this process alone, timed around the puts, the commit and the sync;
+  spill_vs_raw_two_at_once: against the slower of two such raw writes run at
+  once, one per worker's share, as the two workers' spills run (one disk, two
+  cores: the like-for-like baseline here); both_workers_spill_vs_raw: both
+  workers' records over the spill time against the lone raw write;
 - spill_share_of_run: the spill's share of a full run, extrapolated as the paper
   does: spill time against the time `--epochs` passes over a worker's shard
-  take at the measured iterations per second (and the share of one epoch).
+  take at the measured iterations per second (and the share of one epoch);
+  shards_ready_share_of_run: the same for the time from the Spark job's start
+  to the last spill's end, which adds Spark's read of the Parquet files and its
+  shuffle into the workers' shards.
 
 A last line compares the sizes: the driver's peak RSS must not grow with the data.
 
@@ -21,7 +30,7 @@ A last line compares the sizes: the driver's peak RSS must not grow with the dat
 """
 
 import argparse
-import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -35,6 +44,7 @@ sys.path.insert(0, ROOT)
 import lmdb  # noqa: E402
 import numpy as np  # noqa: E402
 
+import _results  # noqa: E402  (bench/_results.py)
 from deepspark.data import encode_datum  # noqa: E402
 from deepspark.data import parquet  # noqa: E402
 
@@ -66,8 +76,10 @@ snapshot_prefix: "{prefix}"
 solver_mode: CPU
 """
 
-# Runs `deepspark ARGS` and says the process's own peak RSS on its last stderr line.
-DRIVER = """import resource, runpy, sys
+# Runs `deepspark ARGS` and says the process's own peak RSS on its last stderr line: VmHWM, which
+# belongs to this process's memory map alone (getrusage's ru_maxrss carries the peak of the process that
+# forked it, this bench, across the exec).
+DRIVER = """import runpy, sys
 sys.argv = ["deepspark"] + sys.argv[1:]
 try:
     runpy.run_module("deepspark.cli", run_name="__main__")
@@ -75,17 +87,15 @@ except SystemExit as done:
     status = done.code
 else:
     status = 0
-print("DRIVER_PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr, flush=True)
+with open("/proc/self/status") as lines:
+    peak = next(line.split()[1] for line in lines if line.startswith("VmHWM:"))
+print("DRIVER_PEAK_RSS_KB", peak, file=sys.stderr, flush=True)
 sys.exit(status)
 """
 
 
 def emit(record):
-    line = json.dumps(record)
-    print(line, flush=True)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a") as stream:
-        stream.write(line + "\n")
+    _results.emit(record, RESULTS)
 
 
 def records(count, seed=0):
@@ -99,27 +109,38 @@ def records(count, seed=0):
         yield b"%08d" % i, encode_datum(image, label)
 
 
-def raw_lmdb_write(source, count, folder):
-    """MB/s of one transaction putting `count` records of `source` into a fresh LMDB, put calls alone."""
-    path = os.path.join(folder, "raw_lmdb")
+def raw_lmdb_write(source, start, stop, folder):
+    """MB/s of one transaction putting records start..stop-1 of `source` into a fresh LMDB: the put calls,
+    the commit (where LMDB writes the pages) and the sync to disk, timed; reading the Parquet is not."""
+    path = os.path.join(folder, f"raw_{start}_lmdb")
     shutil.rmtree(path, ignore_errors=True)
-    env = lmdb.open(path, map_size=2 * count * (RECORD_BYTES + 256) + (64 << 20), meminit=False, map_async=True)
+    env = lmdb.open(path, map_size=2 * (stop - start) * (RECORD_BYTES + 256) + (64 << 20), meminit=False,
+                    sync=False)
     seconds, size = 0.0, 0
     try:
-        with env.begin(write=True) as txn:
-            for key, value in parquet.read_records(source, 0, count):
-                key = key.encode() if isinstance(key, str) else key
-                started = time.perf_counter()
-                txn.put(key, value)
-                seconds += time.perf_counter() - started
-                size += len(value)
+        txn = env.begin(write=True)
+        for key, value in parquet.read_records(source, start, stop):
+            key = key.encode() if isinstance(key, str) else key
+            started = time.perf_counter()
+            txn.put(key, value)
+            seconds += time.perf_counter() - started
+            size += len(value)
         started = time.perf_counter()
+        txn.commit()
         env.sync(True)
         seconds += time.perf_counter() - started
     finally:
         env.close()
         shutil.rmtree(path, ignore_errors=True)
     return size / 1e6 / seconds
+
+
+def raw_lmdb_writes(source, count, folder, writers):
+    """MB/s of each of `writers` raw_lmdb_write processes run at once, one shard of `count` records each:
+    the raw write under the contention the workers' spills meet (one disk, the machine's cores)."""
+    ranges = [(source, count * i // writers, count * (i + 1) // writers, folder) for i in range(writers)]
+    with multiprocessing.get_context("fork").Pool(writers) as pool:
+        return pool.starmap(raw_lmdb_write, ranges)
 
 
 def train(folder, source, iterations):
@@ -153,15 +174,18 @@ def measure(size_gb, iterations, epochs, folder):
         parquet.write_parquet(source, records(count))
         print(f"[data_scale] wrote {count} records ({size_gb:g} GB) to {source} in "
               f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-    raw = raw_lmdb_write(source, count // 2, folder)
+    raw = raw_lmdb_write(source, 0, count // 2, folder)  # one worker's share, alone
+    raw_both = raw_lmdb_writes(source, count, folder, 2)  # both workers' shares, at once
     driver_mb, log, wall = train(folder, source, iterations)
     workers = [dict(worker=int(w), iterations=int(it), records=int(n), spill_seconds=float(s),
                     train_seconds=float(t), spill_rss_mb=float(a), peak_rss_mb=float(b))
                for w, it, n, s, t, a, b in WORKER_LINE.findall(log)]
-    if len(workers) != 2:
+    ready = [float(seconds) for seconds in re.findall(r"Shards ready ([\d.]+)s after the Spark job started", log)]
+    if len(workers) != 2 or len(ready) != 1:
         sys.exit(f"no worker summary lines in the log:\n{log[-4000:]}")
-    spill = max(w["spill_seconds"] for w in workers)
+    spill, ready = max(w["spill_seconds"] for w in workers), ready[0]
     shard = max(w["records"] for w in workers)
+    both_mb = sum(w["records"] for w in workers) * RECORD_BYTES / 1e6
     rate = min(w["iterations"] / w["train_seconds"] for w in workers)  # iterations per second per worker
     epoch = shard / BATCH / rate
     record = dict(bench="data_scale", size_gb=size_gb, records=count, iterations=iterations,
@@ -169,8 +193,14 @@ def measure(size_gb, iterations, epochs, folder):
                   spill_records_per_s=round(shard / spill), spill_mb_per_s=round(shard * RECORD_BYTES / 1e6 / spill, 1),
                   raw_lmdb_mb_per_s=round(raw, 1),
                   spill_vs_raw=round(shard * RECORD_BYTES / 1e6 / spill / raw, 3),
+                  raw_lmdb_two_at_once_mb_per_s=[round(r, 1) for r in raw_both],
+                  spill_vs_raw_two_at_once=round(shard * RECORD_BYTES / 1e6 / spill / min(raw_both), 3),
+                  both_workers_spill_mb_per_s=round(both_mb / spill, 1),
+                  both_workers_spill_vs_raw=round(both_mb / spill / raw, 3),
                   spill_share_of_one_epoch=round(spill / (spill + epoch), 4), epochs=epochs,
-                  spill_share_of_run=round(spill / (spill + epochs * epoch), 5), wall_seconds=round(wall, 1))
+                  spill_share_of_run=round(spill / (spill + epochs * epoch), 5),
+                  shards_ready_seconds=ready, shards_ready_share_of_run=round(ready / (ready + epochs * epoch), 5),
+                  wall_seconds=round(wall, 1))
     emit(record)
     return record
 

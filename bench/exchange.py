@@ -1,7 +1,6 @@
 """Benchmark of the ParameterExchanger on loopback, against a raw-socket echo, a pickle-over-socket exchange and a single-threaded selectors server; prints JSON lines."""
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import pickle
@@ -16,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+import _results  # noqa: E402  (bench/_results.py)
 from deepspark import rules  # noqa: E402
 from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer  # noqa: E402
 from deepspark.exchange import protocol as P  # noqa: E402
@@ -434,16 +434,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     mp.set_start_method("fork")
     only = set(args.only.split(","))
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
     def emit(rec):
-        rec = dict(bench="exchange", **rec)
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        _results.emit(dict(bench="exchange", **rec), args.out)
 
     if "roundtrip" in only:
         global CPUS

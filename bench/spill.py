@@ -1,7 +1,6 @@
 """Benchmark of DeepSpark's spill step (shard → executor-local LMDB) as a fraction of training time, on the demo job; prints JSON lines."""
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -10,6 +9,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import _results  # noqa: E402  (bench/_results.py)
 import deepspark  # noqa: E402
 from deepspark.config import load_solver  # noqa: E402
 
@@ -55,11 +55,7 @@ def main():
     for record in records:
         record["paper_fraction_below"] = PAPER
         record["ratio_to_paper"] = round(record["fraction"] / PAPER, 3)
-        line = json.dumps({"bench": "spill", **record})
-        print(line, flush=True)
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(line + "\n")
+        _results.emit({"bench": "spill", **record}, args.out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ interleaved so machine noise hits both alike. Prints one JSON line per figure.
 """
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -18,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 from google.protobuf import text_format
 
+import _results  # bench/_results.py: the shared JSON lines
 from deepspark.backends import create_model
 from deepspark.config import parse_net
 from deepspark.proto import deepspark_pb2 as pb
@@ -116,12 +116,7 @@ def main():
     args = parser.parse_args()
 
     def emit(record):
-        line = json.dumps(record)
-        print(line, flush=True)
-        if args.out:
-            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        _results.emit(record, args.out)
 
     contenders = {"deepspark_tf": (ours(args.jit), batches(16, "nchw")),
                   "keras": (KerasLeNet().step, batches(16, "nhwc"))}

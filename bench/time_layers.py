@@ -28,7 +28,6 @@ cores a GEMM waits on a descheduled helper thread and single rounds swing 3x.
 
 import argparse
 import io
-import json
 import os
 import statistics
 import sys
@@ -40,6 +39,7 @@ os.chdir(ROOT)  # the zoo's LMDB paths are relative to the repository
 
 import numpy as np  # noqa: E402
 
+import _results  # noqa: E402  (bench/_results.py)
 from deepspark import engine, local  # noqa: E402
 from deepspark.backends.caffe import runtime  # noqa: E402
 from deepspark.log import Log  # noqa: E402
@@ -50,11 +50,7 @@ RESULTS = os.path.join(ROOT, "bench", "results", "time_layers.jsonl")
 
 
 def emit(record):
-    line = json.dumps(record)
-    print(line, flush=True)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "a") as stream:
-        stream.write(line + "\n")
+    _results.emit(record, RESULTS)
 
 
 def ours(model, batch, iterations):

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import sys
 import threading
 
 import numpy as np
@@ -11,6 +12,7 @@ from deepspark import rules
 from deepspark.exchange import ExchangeClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # where a benchmark finds bench/_results.py, as when run
 _spec = importlib.util.spec_from_file_location("bench_exchange", os.path.join(ROOT, "bench", "exchange.py"))
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)

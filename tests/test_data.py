@@ -8,7 +8,7 @@ import pytest
 from google.protobuf import text_format
 
 from deepspark import checkpoint
-from deepspark.data import DataFeeder, source_shape
+from deepspark.data import DataFeeder, peek_shape, source_shape
 from deepspark.data import lmdb_io
 from deepspark.data.datum import DataError, decode_datum, decode_datums, encode_datum, load_mean, save_mean
 from deepspark.data.transform import Transformer
@@ -287,7 +287,7 @@ def labels_of(feeder, batches):
 
 
 def test_feeder_loops_over_its_shard_like_caffes_data_layer(ten):
-    assert lmdb_io.count(ten) == 10 and lmdb_io.peek_shape(ten) == (1, 2, 2)
+    assert lmdb_io.count(ten) == 10 and peek_shape(ten) == (1, 2, 2)
     feeder = DataFeeder(data_layer(ten), "TEST", shard=1, num_shards=2)
     assert feeder.shape == (4, 1, 2, 2) and feeder.shapes["label"] == (4,)
     assert labels_of(feeder, 3) == [[5, 6, 7, 8], [9, 5, 6, 7], [8, 9, 5, 6]]

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import run_cli
 from deepspark.errors import ConfigError
-from deepspark.data import DataFeeder, convert, lmdb_io
+from deepspark.data import DataFeeder, convert, lmdb_io, peek_shape
 from deepspark.data.datum import decode_datum, encode_datum, load_mean
 from deepspark.proto import deepspark_pb2 as pb
 from test_data import data_layer, leftovers
@@ -57,7 +57,7 @@ def test_convert_real_fashion_mnist_t10k(tmp_path):
     out = str(tmp_path / "t10k_lmdb")
     n = convert.convert_mnist(f"{FASHION}/t10k-images-idx3-ubyte.gz",
                               f"{FASHION}/t10k-labels-idx1-ubyte.gz", out)
-    assert n == 10000 and lmdb_io.count(out) == 10000 and lmdb_io.peek_shape(out) == (1, 28, 28)
+    assert n == 10000 and lmdb_io.count(out) == 10000 and peek_shape(out) == (1, 28, 28)
     with gzip.open(f"{FASHION}/t10k-images-idx3-ubyte.gz") as f:
         raw = f.read()
     key, value = next(lmdb_io.read_records(out, 9999, 10000))
@@ -157,12 +157,12 @@ def test_convert_imageset_encoded(images, tmp_path):
     datum = pb.Datum.FromString(value)
     assert datum.encoded and not datum.HasField("channels")
     assert datum.data == open(os.path.join(root, "a.png"), "rb").read()  # the file as it is
-    assert lmdb_io.peek_shape(out) == (3, 6, 8)
+    assert peek_shape(out) == (3, 6, 8)
     out_jpg = str(tmp_path / "jpg_lmdb")
     convert.convert_imageset(root, listfile, out_jpg, encoded=True, encode_type="jpg",
                              resize_height=6, resize_width=4)
     datum = pb.Datum.FromString(next(lmdb_io.read_records(out_jpg))[1])
-    assert datum.data[:2] == b"\xff\xd8" and lmdb_io.peek_shape(out_jpg) == (3, 6, 4)
+    assert datum.data[:2] == b"\xff\xd8" and peek_shape(out_jpg) == (3, 6, 4)
     batch = DataFeeder(data_layer(out, batch=4), "TEST").next_batch()
     np.testing.assert_array_equal(batch["data"][0], pictures["a.png"][:, :, ::-1].transpose(2, 0, 1))
 

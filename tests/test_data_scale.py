@@ -157,6 +157,17 @@ def test_the_log_says_how_each_source_was_sharded(peaks):
     assert f"repartitioned into 2 shards of its {LARGE} records (each task streams" in log
 
 
+def test_the_time_until_the_shards_are_ready_is_reported_beside_the_spill(peaks):
+    # the spill is the task's own step; the time from the job's start to the last spill's end adds
+    # Spark's read of the source and any shuffle, and is said as a share of training time as well
+    result, log = peaks
+    for name, summary in result["summaries"].items():
+        assert summary["ready_seconds"] > summary["spill_seconds"] > 0, (name, summary)
+    ready = re.findall(r"Shards ready ([\d.]+)s after the Spark job started \(Spark's read of the data, any shuffle, "
+                       r"then the spill\), ([\d.]+)% of training time", log)
+    assert len(ready) == len(result["summaries"]), log[-3000:]
+
+
 def test_a_parquet_source_trains(peaks):
     # from the Parquet datasets Spark wrote as four files each; the test set is an LMDB
     result, _ = peaks

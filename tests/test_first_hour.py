@@ -70,25 +70,60 @@ def caffe_solver(solver_path, folder):
     return str(path)
 
 
-@pytest.mark.spark
-@pytest.mark.caffe
-@pytest.mark.parametrize("algorithm", ["easgd", "sync", "average"])
-def test_pycaffe_restores_a_distributed_snapshot_and_steps_on(tmp_path, algorithm):
-    solver = make_job(tmp_path, max_iter=20, test_interval=0, snapshot=20)
-    status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--algorithm", algorithm)
-    assert status == 0, log[-3000:]
-    script = f"""
+DISTRIBUTED = ["easgd", "sync", "average"]
+
+# Trains each solver given as ALGORITHM SOLVER pairs for 2 workers, all in this one driver process and its
+# one Spark session (a job runs in the caller's active session): one JVM start for the three.
+TRAIN_EACH = """
+import sys
+import deepspark
+from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark.session import spark_session
+spark, _ = spark_session(pb.DeepSparkParameter(), 2)
+for algorithm, solver in zip(sys.argv[1::2], sys.argv[2::2]):
+    deepspark.train(solver, workers=2, algorithm=algorithm)
+spark.stop()
+"""
+
+# Restores each .solverstate given as SOLVER STATE pairs in real pycaffe and steps 2 iterations on.
+RESTORE_EACH = """
+import sys
 import caffe
 caffe.set_mode_cpu()
-solver = caffe.get_solver({caffe_solver(solver, tmp_path)!r})
-solver.restore({str(tmp_path / "out" / "tiny_iter_20.solverstate")!r})
-assert solver.iter == 20, solver.iter
-solver.step(2)
-print("iter", solver.iter)
+for solver_path, state in zip(sys.argv[1::2], sys.argv[2::2]):
+    solver = caffe.get_solver(solver_path)
+    solver.restore(state)
+    start = solver.iter
+    solver.step(2)
+    print(start, solver.iter)
 """
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def restored(tmp_path_factory):
+    """{algorithm: (iteration pycaffe restored, iteration after 2 more steps)} for a 20-iteration 2-worker
+    run of each distributed algorithm, snapshotted at 20."""
+    folder = tmp_path_factory.mktemp("distributed")
+    solvers = {}
+    for algorithm in DISTRIBUTED:
+        (folder / algorithm).mkdir()
+        solvers[algorithm] = make_job(folder / algorithm, max_iter=20, test_interval=0, snapshot=20)
+    done = subprocess.run([sys.executable, "-c", TRAIN_EACH, *[a for pair in solvers.items() for a in pair]],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["iter", "22"]
+    pairs = [(caffe_solver(solvers[a], folder / a), str(folder / a / "out" / "tiny_iter_20.solverstate"))
+             for a in DISTRIBUTED]
+    done = subprocess.run([sys.executable, "-c", RESTORE_EACH, *[p for pair in pairs for p in pair]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(zip(DISTRIBUTED, [tuple(int(n) for n in line.split()) for line in done.stdout.splitlines()]))
+
+
+@pytest.mark.spark
+@pytest.mark.caffe
+@pytest.mark.parametrize("algorithm", DISTRIBUTED)
+def test_pycaffe_restores_a_distributed_snapshot_and_steps_on(restored, algorithm):
+    assert restored[algorithm] == (20, 22)
 
 
 @pytest.mark.caffe

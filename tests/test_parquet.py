@@ -15,7 +15,7 @@ from synthetic import make_job, make_lmdb
 from test_data import data_layer, leftovers
 from test_data_convert import write_idx
 from deepspark.cli import main
-from deepspark.data import DataError, DataFeeder, count, missing_source, parquet, source_shape
+from deepspark.data import DataError, DataFeeder, count, missing_source, parquet, peek_shape, source_shape
 from deepspark.data import lmdb_io
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -54,7 +54,7 @@ def test_schema_row_groups_and_record_ranges(small):
         assert list(parquet.read_records(path, start, stop)) == expected[start:stop], (start, stop)
     assert [len(c) for c in parquet.read_chunks(path, 2, 23, chunk=5)] == [2, 4, 4, 4, 4, 3]  # row groups of 4
     assert list(parquet.read_records(f"file://{path}", 5, 6)) == expected[5:6]
-    assert parquet.peek_shape(path) == (1, 8, 8) and parquet.is_parquet(path)
+    assert peek_shape(path) == (1, 8, 8) and parquet.is_parquet(path)
 
 
 def test_a_folder_of_part_files_reads_in_name_order_and_writes_atomically(small, tmp_path):

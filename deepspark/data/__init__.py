@@ -18,8 +18,10 @@ def count(source):
 
 
 def peek_shape(source):
-    """(C, H, W) of the first record of an LMDB or a Parquet dataset."""
-    return reader(source).peek_shape(source)
+    """(C, H, W) of the first record of an LMDB or a Parquet dataset (decoding it if it is an encoded image)."""
+    key, value = reader(source).first_record(source)
+    array, _ = decode_datum(value, key, source)
+    return tuple(int(d) for d in array.shape)
 
 
 def source_shape(layer_param, data_shape=None):

@@ -8,7 +8,7 @@ import threading
 
 import lmdb
 
-from deepspark.data.datum import DataError, decode_datum
+from deepspark.data.datum import DataError
 
 # Caffe commits every 1000 records; so do we (it bounds what a retry after a
 # full map has to redo).
@@ -83,13 +83,6 @@ def first_record(path):
     for key, value in read_records(path, 0, 1):
         return key, value
     raise DataError("the LMDB is empty", path)
-
-
-def peek_shape(path):
-    """(C, H, W) of the first record (decoding it if it is an encoded image)."""
-    key, value = first_record(path)
-    array, _ = decode_datum(value, key, path)
-    return tuple(int(d) for d in array.shape)
 
 
 def shard_range(n_records, shard, num_shards):
@@ -187,7 +180,8 @@ def write_lmdb(out_path, records, overwrite=False, map_size=INITIAL_MAP_SIZE,
     remove_path(tmp)
     written = 0
     try:
-        env = lmdb.open(tmp, map_size=map_size, subdir=True, meminit=False, map_async=True)
+        # No sync per commit: the one env.sync at the end makes it durable before the rename publishes it.
+        env = lmdb.open(tmp, map_size=map_size, subdir=True, meminit=False, sync=False)
         try:
             pending = []
             for key, value in records:

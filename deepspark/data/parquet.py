@@ -12,7 +12,7 @@ import sys
 import urllib.parse
 
 from deepspark.data import lmdb_io
-from deepspark.data.datum import DataError, decode_datum, parse_datum
+from deepspark.data.datum import DataError, parse_datum
 
 # The columns, in order: what `convert-lmdb` writes and every reader expects.
 KEY, DATUM, LABEL = "key", "datum", "label"
@@ -220,16 +220,9 @@ def first_record(source):
     raise DataError("the Parquet dataset is empty", source)
 
 
-def peek_shape(source):
-    """(C, H, W) of the first record (decoding it if it is an encoded image)."""
-    key, value = first_record(source)
-    array, _ = decode_datum(value, key, source)
-    return tuple(int(d) for d in array.shape)
-
-
 def reader(source):
     """The module that reads `source` by record range: this one for Parquet, lmdb_io for an LMDB; the
-    two have the same count, first_record, peek_shape, read_records and read_chunks."""
+    two have the same count, first_record, read_records and read_chunks."""
     return sys.modules[__name__] if is_parquet(source) else lmdb_io
 
 

@@ -1,5 +1,6 @@
 """Periodic model averaging in pure Spark, the SparkNet-style baseline: broadcast the center, period local iterations per partition, average on the driver, repeat."""
 
+import dataclasses
 import json
 import math
 import os
@@ -81,10 +82,10 @@ class AverageJob(Job):
                     summary.train_seconds += wall
                     summary.blocked_seconds += max(wall - r["seconds"], 0.0)
                     summary.peak_rss_mb = max(summary.peak_rss_mb, r["peak_rss_mb"])
-                    if r["records"] is not None:
-                        summary.records = r["records"]
-                        summary.spill_seconds += r["spill_seconds"]
-                        summary.spill_rss_mb = max(summary.spill_rss_mb, r["spill_rss_mb"])
+                    if r["spilled"] is not None:
+                        summary.records, summary.ready_at = r["spilled"]["records"], r["spilled"]["ready_at"]
+                        summary.spill_seconds += r["spilled"]["spill_seconds"]
+                        summary.spill_rss_mb = max(summary.spill_rss_mb, r["spilled"]["spill_rss_mb"])
                 self.display(iteration, float(np.mean([r["loss"] for r in returned])))
         finally:
             self._release(task.job_id)
@@ -114,12 +115,11 @@ def average_round(worker, items, task, center, iteration, steps):
     """One worker's round: from the broadcast center at `iteration`, `steps` local iterations; returns its parameters."""
     key = (task.job_id, worker)
     built = time.monotonic()
-    records = spill_seconds = spill_rss = None
+    spilled = None
     if key not in _TRAINERS:
         for other in [k for k in _TRAINERS if k[0] != task.job_id]:
             release(other[0])
-        trainer, shard_path, records, spill_seconds, spill_rss = executor.build(worker, executor.payload_of(items),
-                                                                                task)
+        trainer, shard_path, spilled = executor.build(worker, executor.payload_of(items), task)
         _TRAINERS[key] = (trainer, shard_path)
     # Read the partition even when it is not needed, without holding it: the cache lives in this
     # Python worker, and PySpark reuses one only after its task has consumed all of its input.
@@ -142,8 +142,7 @@ def average_round(worker, items, task, center, iteration, steps):
     return {"worker": worker, "host": here.host, "pid": here.pid, "cwd": here.cwd, "package": here.package,
             "params": model.get_flat(),
             "iteration": model.iter, "loss": loss, "seconds": time.monotonic() - started, "build_seconds": built,
-            "records": records, "spill_seconds": spill_seconds, "spill_rss_mb": spill_rss,
-            "peak_rss_mb": executor.peak_rss_mb(), "handed_over": handed}
+            "spilled": spilled and dataclasses.asdict(spilled), "peak_rss_mb": executor.peak_rss_mb(), "handed_over": handed}
 
 
 def _handoff_path(job_id, worker):

@@ -359,7 +359,7 @@ class Job:
     # -- the run ----------------------------------------------------------------
 
     def run(self):
-        """The whole job; returns its summary: {"iterations", "spill_seconds", "train_seconds",
+        """The whole job; returns its summary: {"iterations", "spill_seconds", "ready_seconds", "train_seconds",
         "wall_seconds", "test<i>/<output>": value}."""
         data = self.options.data
         with contextlib.ExitStack() as stack:
@@ -395,6 +395,7 @@ class Job:
                         threads=self.threads())
             self.log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
                           f"({self.ds.backend} backend, {self.title})")
+            self.submitted = time.time()  # the workers' ready_at is in the same clock
             return self.finish(self.train(task))
 
     def load_shards(self):
@@ -565,6 +566,10 @@ class Job:
                      f"{r.blocked_seconds:.2f}s, peak RSS {r.spill_rss_mb:.0f} MB after the spill, "
                      f"{r.peak_rss_mb:.0f} MB")
         log.info(f"Spill took {spill:.2f}s, {100 * spill / max(train, 1e-9):.2f}% of training time")
+        ready = max(r.ready_at for r in results) - self.submitted
+        if ready > 0:  # 0: a worker that reported no spill of its own
+            log.info(f"Shards ready {ready:.1f}s after the Spark job started (Spark's read of the data, any shuffle, "
+                     f"then the spill), {100 * ready / max(train, 1e-9):.2f}% of training time")
         if p.snapshot_after_train and self.snapshotted != final:
             self.snapshot(final)
         values = self.last_test_values
@@ -574,5 +579,5 @@ class Job:
         plot_path = os.path.join(self.output, "progress.png")
         plot_history(self.history, plot_path, title=f"{self.graph.name}: {self.workers} workers, {self.title}")
         log.info(f"Plot of loss and test outputs against time: {plot_path}")
-        return {"iterations": final, "spill_seconds": spill, "train_seconds": train,
+        return {"iterations": final, "spill_seconds": spill, "ready_seconds": max(ready, 0.0), "train_seconds": train,
                 "wall_seconds": time.monotonic() - self.started, **values}

@@ -80,8 +80,9 @@ class Summary:
     blocked_seconds: float = 0.0
     loss: float = float("nan")
     digest: str = ""  # sync: a fingerprint of the parameters after the last round
-    spill_rss_mb: float = 0.0  # the worker process's peak RSS when its spill was done
+    spill_rss_mb: float = 0.0  # the worker process's peak RSS in this task when its spill was done
     peak_rss_mb: float = 0.0  # and at the end of its training
+    ready_at: float = 0.0  # when its spill was done (time.time())
 
     @classmethod
     def here(cls, worker, **fields):
@@ -91,8 +92,26 @@ class Summary:
 
 
 def peak_rss_mb():
-    """This process's peak resident memory so far, in MB (a Python worker's, which Spark may reuse)."""
+    """This process's peak resident memory in MB since reset_peak_rss (Linux's VmHWM); else since it
+    started (getrusage, which a Python worker that Spark reuses carries over from earlier tasks)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def reset_peak_rss():
+    """Start peak_rss_mb afresh for this task (Linux: writing 5 to clear_refs resets VmHWM); a no-op
+    where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
 
 
 def local_dir():
@@ -211,12 +230,22 @@ def set_threads(threads):
         os.environ[variable] = str(threads)
 
 
+@dataclasses.dataclass(frozen=True)
+class Spilled:
+    """What a worker's spill step did, named as its Summary names it."""
+
+    records: int
+    spill_seconds: float
+    spill_rss_mb: float  # the task's peak RSS when the spill was done
+    ready_at: float  # when it was done (time.time())
+
+
 def build(worker, payload, task):
-    """Spill the shard and build the worker's Trainer: (trainer, shard path, records, spill seconds, peak
-    RSS MB after the spill)."""
+    """Spill the shard and build the worker's Trainer: (trainer, shard path, Spilled)."""
     set_threads(task.threads)
+    reset_peak_rss()
     shard_path, records, spill_seconds = spill(payload, task.job_id, worker)
-    spill_rss = peak_rss_mb()
+    spilled = Spilled(records, spill_seconds, peak_rss_mb(), time.time())
     try:
         # The log goes to the executor's stderr, which Spark keeps in the executor's log.
         trainer = local.trainer(task.solver_for(shard_path), Log(progress=False), seed_offset=worker,
@@ -224,7 +253,7 @@ def build(worker, payload, task):
     except BaseException:
         shutil.rmtree(shard_path, ignore_errors=True)
         raise
-    return trainer, shard_path, records, spill_seconds, spill_rss
+    return trainer, shard_path, spilled
 
 
 def join_center(worker, task, model, timeout):
@@ -245,17 +274,16 @@ def join_center(worker, task, model, timeout):
 def run(worker, items, task, train, timeout):
     """One worker's whole life in a Spark task: spill, build, join the center (waiting at most `timeout`
     seconds on it), `train(trainer, client, params)` -> (loss, extra Summary fields), leave; its Summary."""
-    trainer, shard_path, records, spill_seconds, spill_rss = build(worker, payload_of(items), task)
+    trainer, shard_path, spilled = build(worker, payload_of(items), task)
     model = trainer.model
     try:
         client, params = join_center(worker, task, model, timeout)
         start_iter, started = model.iter, time.monotonic()
         loss, extra = train(trainer, client, params)
-        summary = Summary.here(worker, records=records, spill_seconds=spill_seconds,
-                               train_seconds=time.monotonic() - started, iterations=model.iter - start_iter,
+        summary = Summary.here(worker, train_seconds=time.monotonic() - started, iterations=model.iter - start_iter,
                                final_iteration=model.iter, exchanges=client.exchanges,
-                               blocked_seconds=client.blocked_seconds, loss=loss, spill_rss_mb=spill_rss,
-                               peak_rss_mb=peak_rss_mb(), **extra)
+                               blocked_seconds=client.blocked_seconds, loss=loss, peak_rss_mb=peak_rss_mb(),
+                               **dataclasses.asdict(spilled), **extra)
         client.close()
         return summary
     finally:
