@@ -26,8 +26,27 @@ if [ -n "$caffe" ]; then extras=${extras:+$extras,}caffe; fi
 echo "[pack-env] venv $build: deepspark${extras:+[$extras]} from $here"
 rm -rf "$build"
 "$python" -m venv "$build"
-"$build/bin/python" -m pip install -q --disable-pip-version-check -c "$here/constraints.txt" \
-  "$here${extras:+[$extras]}" venv-pack
+# deepspark as a wheel without its dependencies, then those its metadata lists for the extras named, but
+# pyspark (~320 MB that the pack would leave out anyway). No byte-compiling: the executors compile what
+# they import, in their own copy.
+pip=("$build/bin/python" -m pip -q --disable-pip-version-check)
+"${pip[@]}" wheel --no-deps -w "$build/wheel" "$here"
+wheel=$(ls "$build"/wheel/deepspark-*.whl)
+"$build/bin/python" - "$wheel" "$extras" > "$build/requirements.txt" <<'EOF'
+import re, sys, zipfile
+wheel, extras = sys.argv[1], set(filter(None, sys.argv[2].split(",")))
+with zipfile.ZipFile(wheel) as archive:
+    metadata = next(name for name in archive.namelist() if name.endswith(".dist-info/METADATA"))
+    lines = archive.read(metadata).decode().splitlines()
+for line in lines:
+    if line.startswith("Requires-Dist:"):
+        requirement, _, marker = line[len("Requires-Dist:"):].partition(";")
+        extra = re.search(r'extra == "([^"]+)"', marker)
+        if re.match(r"\s*pyspark\b", requirement, re.I) is None and (extra is None or extra.group(1) in extras):
+            print(requirement.strip())
+EOF
+"${pip[@]}" install --no-compile -c "$here/constraints.txt" -r "$build/requirements.txt" venv-pack
+"${pip[@]}" install --no-compile --no-deps "$wheel" 2>&1 | { grep -v "requires pyspark" || true; } >&2
 if [ -n "$caffe" ]; then
   site=$("$build/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   cp -r "$caffe" "$site/caffe"

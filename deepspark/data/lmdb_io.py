@@ -167,13 +167,40 @@ def remove_path(path):
         os.remove(path)
 
 
+# While records are still being written, the pages committed so far go to disk in a thread of their
+# own once this many bytes have been committed since it last started: the disk works while the records
+# are read and put, and the sync before the rename finds little left to write.
+FLUSH_BYTES = 64 << 20
+
+
+class _Flusher:
+    """fdatasync of an LMDB's data file in the background, at most one at a time (any descriptor of a
+    file flushes the file's dirty pages)."""
+
+    def __init__(self, folder):
+        self.fd = os.open(os.path.join(folder, "data.mdb"), os.O_RDONLY)
+        self.thread, self.pending = None, 0
+
+    def committed(self, size):
+        self.pending += size
+        if self.pending >= FLUSH_BYTES and (self.thread is None or not self.thread.is_alive()):
+            self.pending = 0
+            self.thread = threading.Thread(target=os.fdatasync, args=(self.fd,), name="lmdb-flush", daemon=True)
+            self.thread.start()
+
+    def close(self):
+        if self.thread is not None:
+            self.thread.join()
+        os.close(self.fd)
+
+
 def write_lmdb(out_path, records, overwrite=False, map_size=INITIAL_MAP_SIZE,
                commit_every=COMMIT_EVERY):
     """Write (key, value) bytes pairs to a new LMDB at out_path; returns the record count.
 
     Records go to `out_path.tmp-<pid>` and are renamed to out_path only when all
-    are committed, so a failed or interrupted run never leaves a half-written
-    database at out_path. The map doubles whenever it fills.
+    are committed and on disk, so a failed or interrupted run never leaves a
+    half-written database at out_path. The map doubles whenever it fills.
     """
     refuse_existing(out_path, overwrite)
     tmp = temp_path(out_path)
@@ -182,19 +209,23 @@ def write_lmdb(out_path, records, overwrite=False, map_size=INITIAL_MAP_SIZE,
     try:
         # No sync per commit: the one env.sync at the end makes it durable before the rename publishes it.
         env = lmdb.open(tmp, map_size=map_size, subdir=True, meminit=False, sync=False)
+        flusher = _Flusher(tmp)
         try:
-            pending = []
+            pending, size = [], 0
             for key, value in records:
                 pending.append((key.encode() if isinstance(key, str) else key, value))
+                size += len(value)
                 if len(pending) >= commit_every:
                     _commit(env, pending)
                     written += len(pending)
-                    pending = []
+                    flusher.committed(size)
+                    pending, size = [], 0
             if pending:
                 _commit(env, pending)
                 written += len(pending)
             env.sync(True)
         finally:
+            flusher.close()
             env.close()
         rename_into(tmp, out_path)
     except BaseException:
