@@ -25,7 +25,7 @@ setup(
     ],
     extras_require={
         "tensorflow": ["tensorflow-cpu>=2.16"],
-        "test": ["pytest>=8", "hypothesis>=6", "import-linter>=2.1"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "import-linter>=2.1"],
         "caffe": ["six"],
         "bench": ["matplotlib>=3.8"],
     },
