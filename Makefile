@@ -47,8 +47,11 @@ $(DATA)/fashion_mnist_test_lmdb: | $(STAMPS)/venv $(STAMPS)/system
 	@mkdir -p $(DATA)
 	$(BIN)/deepspark convert-mnist $(FASHION)/t10k-images-idx3-ubyte.gz $(FASHION)/t10k-labels-idx1-ubyte.gz $@
 
+# Two test processes (pytest-xdist): most tests wait on a JVM, a socket or a subprocess, and two keep both
+# cores busy; more would crowd the Spark tests (each runs two workers) on a machine this size.
+TEST_PROCESSES ?= 2
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/python tools/demo.py

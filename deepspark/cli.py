@@ -12,7 +12,7 @@ import sys
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from deepspark import compare, config, local
+from deepspark import compare, config, export, local
 from deepspark.backends import BACKENDS
 from deepspark.data import convert
 from deepspark.errors import DeepSparkError
@@ -121,6 +121,15 @@ def cmd_compare(args):
     return 0 if result["ok"] else 1
 
 
+def cmd_export(args):
+    inputs, outputs = export.export(args.model, args.weights, args.output, overwrite=args.overwrite)
+    print(f"Wrote the SavedModel {args.output}: signature '{export.SIGNATURE}' takes "
+          f"{', '.join(name + ' (' + 'x'.join(str(d or 'N') for d in shape) + ' float32)' for name, shape in inputs.items())} "
+          f"and gives "
+          f"{', '.join(outputs)}")
+    return 0
+
+
 def cmd_describe(args):
     table, warnings = local.describe(args.net, args.phase, args.data_shape, args.batch_size)
     for warning in warnings:
@@ -193,6 +202,14 @@ def parser():
     comparison.add_argument("--solver", help="also train --iterations from the same weights and batches")
     add_fields(comparison, pb.CompareParameter)
     comparison.set_defaults(run=cmd_compare)
+
+    saved = verbs.add_parser("export", help="a deploy net and its .caffemodel as a TensorFlow SavedModel (Caffe's "
+                                            "numerics, N x C x H x W input; served without DeepSpark)")
+    saved.add_argument("--model", required=True, help="deploy .prototxt (or model folder)")
+    saved.add_argument("--weights", required=True, help="trained .caffemodel")
+    saved.add_argument("--output", required=True, help="the SavedModel folder to write")
+    saved.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    saved.set_defaults(run=cmd_export)
 
     describe = verbs.add_parser("describe", help="layers, shapes and parameter counts of a net")
     describe.add_argument("net", help="net .prototxt or model folder")

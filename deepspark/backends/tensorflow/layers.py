@@ -51,6 +51,12 @@ def layer(*types, param_order=None):
     return register
 
 
+def batch_free(shape):
+    """A blob's static shape for tf.reshape with its first (batch) axis left to the tensor: the same
+    shape at the graph's batch size, and any batch in a SavedModel served with another."""
+    return (-1,) + tuple(shape[1:])
+
+
 def _permute(x, order):
     """tf.transpose, or a free reshape when the moved axes are all of size 1 (e.g. one channel)."""
     shape = x.shape.as_list()
@@ -280,12 +286,12 @@ def inner_product(layer, bottoms, params, ctx):
     param = layer.param.inner_product_param
     shape = layer.bottom_shapes[0]
     axis = canonical_axis(param.axis, len(shape))
-    rows = math.prod(shape[:axis])
-    x = tf.reshape(bottoms[0].caffe, (rows, -1))
+    rows = (-1, math.prod(shape[axis:])) if axis else (1, -1)  # the batch is a row's axis from 1 on
+    x = tf.reshape(bottoms[0].caffe, rows)
     y = tf.matmul(x, params[0], transpose_b=not param.transpose)
     if param.bias_term:
         y = tf.nn.bias_add(y, params[1])
-    return [Blob(tf.reshape(y, layer.top_shapes[0]))]
+    return [Blob(tf.reshape(y, batch_free(layer.top_shapes[0]) if axis else layer.top_shapes[0]))]
 
 
 @layer("Dropout")
@@ -409,7 +415,7 @@ def silence(layer, bottoms, params, ctx):
 
 @layer("Flatten", "Reshape")
 def reshape(layer, bottoms, params, ctx):
-    return [Blob(tf.reshape(bottoms[0].caffe, layer.top_shapes[0]))]
+    return [Blob(tf.reshape(bottoms[0].caffe, batch_free(layer.top_shapes[0])))]
 
 
 @layer("Softmax")
@@ -428,7 +434,7 @@ def argmax(layer, bottoms, params, ctx):
         axis = canonical_axis(param.axis, len(shape))
         moved = tf.experimental.numpy.moveaxis(x, axis, -1)
     else:
-        moved = tf.reshape(x, (shape[0], -1))
+        moved = tf.reshape(x, (-1, math.prod(shape[1:])))
     size = moved.shape[-1]
     values, reversed_index = tf.math.top_k(tf.reverse(moved, [-1]), param.top_k, sorted=True)
     index = tf.cast(size - 1 - reversed_index, tf.float32)
@@ -439,7 +445,7 @@ def argmax(layer, bottoms, params, ctx):
         y = tf.stack([index, values], axis=1)
     else:
         y = index[:, None, :]
-    return [Blob(tf.reshape(y, layer.top_shapes[0]))]
+    return [Blob(tf.reshape(y, batch_free(layer.top_shapes[0])))]
 
 
 # -- neurons --------------------------------------------------------------------

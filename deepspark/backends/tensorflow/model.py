@@ -184,6 +184,25 @@ class Model(base.Model):
         loss, grads = self._gradients_fn(self.feed(batch))
         return float(loss), [g.numpy() for g in grads]
 
+    def serving_module(self, batch_size=None):
+        """A tf.Module that holds this net's parameters as they are now and whose `serve` is its forward pass,
+        the TEST phase's, for tf.saved_model.save: inputs by the net's input names, N x C x H x W float32 as
+        Caffe takes them (N: batch_size, None for any), outputs by the names of the blobs nothing consumes.
+        It needs neither DeepSpark nor this Model once saved."""
+        graph, orders = self.graph, self._orders
+        module = tf.Module()
+        module.params = [tf.Variable(v, trainable=False, name=f"param{i}") for i, v in enumerate(self._variables)]
+        names = list(self.feeds)
+        specs = [tf.TensorSpec((batch_size,) + tuple(self.feeds[name][1:]), tf.float32, name=name) for name in names]
+
+        def serve(*inputs):
+            ctx = compiler.Context(graph, dict(zip(names, inputs)), False, orders=orders)
+            _, blobs = compiler.run(graph, module.params, ctx)
+            return {name: blobs[name].caffe for name in graph.outputs}
+
+        module.serve = tf.function(serve, input_signature=specs)
+        return module
+
     def layer_passes(self, batch):
         """Each layer compiled on its own (a tf.function), fed the blobs the forwards before it made.
 
