@@ -123,9 +123,8 @@ def cmd_compare(args):
 
 def cmd_export(args):
     inputs, outputs = export.export(args.model, args.weights, args.output, overwrite=args.overwrite)
-    print(f"Wrote the SavedModel {args.output}: signature '{export.SIGNATURE}' takes "
-          f"{', '.join(name + ' (' + 'x'.join(str(d or 'N') for d in shape) + ' float32)' for name, shape in inputs.items())} "
-          f"and gives "
+    takes = ", ".join(f"{name} ({'x'.join(str(d or 'N') for d in shape)} float32)" for name, shape in inputs.items())
+    print(f"Wrote the SavedModel {args.output}: signature '{export.SIGNATURE}' takes {takes} and gives "
           f"{', '.join(outputs)}")
     return 0
 

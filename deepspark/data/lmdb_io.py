@@ -209,8 +209,9 @@ def write_lmdb(out_path, records, overwrite=False, map_size=INITIAL_MAP_SIZE,
     try:
         # No sync per commit: the one env.sync at the end makes it durable before the rename publishes it.
         env = lmdb.open(tmp, map_size=map_size, subdir=True, meminit=False, sync=False)
-        flusher = _Flusher(tmp)
+        flusher = None
         try:
+            flusher = _Flusher(tmp)
             pending, size = [], 0
             for key, value in records:
                 pending.append((key.encode() if isinstance(key, str) else key, value))
@@ -225,7 +226,8 @@ def write_lmdb(out_path, records, overwrite=False, map_size=INITIAL_MAP_SIZE,
                 written += len(pending)
             env.sync(True)
         finally:
-            flusher.close()
+            if flusher is not None:
+                flusher.close()
             env.close()
         rename_into(tmp, out_path)
     except BaseException:

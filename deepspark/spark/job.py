@@ -567,7 +567,7 @@ class Job:
                      f"{r.peak_rss_mb:.0f} MB")
         log.info(f"Spill took {spill:.2f}s, {100 * spill / max(train, 1e-9):.2f}% of training time")
         ready = max(r.ready_at for r in results) - self.submitted
-        if ready > 0:  # 0: a worker that reported no spill of its own
+        if ready > 0:  # not so when no worker spilled in this run (every ready_at 0)
             log.info(f"Shards ready {ready:.1f}s after the Spark job started (Spark's read of the data, any shuffle, "
                      f"then the spill), {100 * ready / max(train, 1e-9):.2f}% of training time")
         if p.snapshot_after_train and self.snapshotted != final:
