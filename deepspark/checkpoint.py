@@ -102,7 +102,21 @@ def save_caffemodel(path, graph, arrays):
 def read_caffemodel(path):
     """[(layer name, [float32 arrays])] of every layer in a .caffemodel written by Caffe or by us, in
     the file's order (blobless layers too: Caffe checks their count; a name may repeat)."""
-    net = read_message(path, pb.NetParameter(), ".caffemodel")
+    return caffemodel_layers(read_message(path, pb.NetParameter(), ".caffemodel"), path)
+
+
+def parse_caffemodel(data, path="<weights>"):
+    """read_caffemodel of a .caffemodel's bytes (shipped to an executor, read from a URI); `path` names it."""
+    net = pb.NetParameter()
+    try:
+        net.ParseFromString(data)
+    except Exception:
+        raise ConfigError("not a .caffemodel (NetParameter): cannot parse it", path) from None
+    return caffemodel_layers(net, path)
+
+
+def caffemodel_layers(net, path):
+    """read_caffemodel of a parsed NetParameter."""
     if not net.layer:
         raise ConfigError("this .caffemodel has no layers (V1 'layers' models need Caffe's upgrade tool)", path)
     try:

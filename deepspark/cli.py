@@ -66,12 +66,14 @@ _TYPES = {FieldDescriptor.TYPE_UINT32: non_negative, FieldDescriptor.TYPE_UINT64
           FieldDescriptor.TYPE_FLOAT: float, FieldDescriptor.TYPE_DOUBLE: float, FieldDescriptor.TYPE_STRING: str}
 
 
-def add_fields(parser, message):
-    """One flag per field of a schema message (`--moving-rate` for moving_rate), default None: a flag
-    not given leaves the prototxt's value (or the proto's default) as it is."""
+def add_fields(parser, message, only=None):
+    """One flag per field of a schema message (`--moving-rate` for moving_rate), or per field named in
+    `only`, default None: a flag not given leaves the prototxt's value (or the proto's default) as it is."""
     comments = config.field_comments(message.DESCRIPTOR.name)
     group = parser.add_argument_group(f"{message.DESCRIPTOR.name} (over the prototxt's)")
     for field in message.DESCRIPTOR.fields:
+        if only is not None and field.name not in only:
+            continue
         flag = "--" + field.name.replace("_", "-")
         default = field.default_value
         if field.enum_type is not None:
@@ -91,7 +93,18 @@ def add_fields(parser, message):
 
 def fields_of(args, message):
     """{field: value} of the flags add_fields made for `message`."""
-    return {field.name: getattr(args, field.name) for field in message.DESCRIPTOR.fields}
+    return {field.name: getattr(args, field.name) for field in message.DESCRIPTOR.fields if hasattr(args, field.name)}
+
+
+def message_of(args, message):
+    """`message` with the fields its flags set (config.set_fields checks them)."""
+    instance = message()
+    config.set_fields(instance, fields_of(args, message), "the command line")
+    return instance
+
+
+# The DeepSparkParameter fields that say where a forward-only job on Spark runs.
+SPARK_FIELDS = ("master", "workers", "backend", "max_failures", "executor_env")
 
 
 # -- the verbs ----------------------------------------------------------------------------
@@ -127,6 +140,27 @@ def cmd_export(args):
     print(f"Wrote the SavedModel {args.output}: signature '{export.SIGNATURE}' takes {takes} and gives "
           f"{', '.join(outputs)}")
     return 0
+
+
+def cmd_score(args):
+    from deepspark.spark import scoring  # deferred: pyspark loads only for the verbs that run on Spark
+
+    scoring.score(args.model, args.weights, source=args.data, batch_size=args.batch_size or 0,
+                  ds=message_of(args, pb.DeepSparkParameter))
+    return 0
+
+
+def cmd_extract_features(args):
+    from deepspark.spark import scoring  # deferred: pyspark loads only for the verbs that run on Spark
+
+    scoring.extract_features(args.model, args.weights, split_list(args.blobs), split_list(args.output),
+                             source=args.data, batch_size=args.batch_size or 0,
+                             ds=message_of(args, pb.DeepSparkParameter), overwrite=args.overwrite)
+    return 0
+
+
+def split_list(text):
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def cmd_describe(args):
@@ -209,6 +243,30 @@ def parser():
     saved.add_argument("--output", required=True, help="the SavedModel folder to write")
     saved.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     saved.set_defaults(run=cmd_export)
+
+    scoring = verbs.add_parser("score", help="Caffe's test over a whole dataset, on Spark's executors: the mean of "
+                                             "every output of the net's TEST phase")
+    scoring.add_argument("--model", required=True, help="a net .prototxt with one Data layer in its TEST phase "
+                                                        "(train_val.prototxt), or a model folder")
+    scoring.add_argument("--weights", required=True, help="trained .caffemodel")
+    scoring.add_argument("--data", help="the LMDB or Parquet dataset to score (default: the Data layer's source)")
+    scoring.add_argument("--batch-size", type=positive, help="records per forward pass (default: the Data layer's)")
+    add_fields(scoring, pb.DeepSparkParameter, SPARK_FIELDS)
+    scoring.set_defaults(run=cmd_score)
+
+    features = verbs.add_parser("extract-features", help="Caffe's extract_features on Spark's executors: blobs of "
+                                                         "a net for every record of a dataset, as Datums")
+    features.add_argument("--model", required=True, help="a net .prototxt with one Data layer in its TEST phase, "
+                                                         "or a model folder")
+    features.add_argument("--weights", required=True, help="trained .caffemodel")
+    features.add_argument("--blobs", required=True, help="blob names, comma-separated (ip1,ip2)")
+    features.add_argument("--output", required=True, help="one dataset per blob, comma-separated: an LMDB, or "
+                                                          "Parquet for a name ending in .parquet")
+    features.add_argument("--data", help="the LMDB or Parquet dataset to read (default: the Data layer's source)")
+    features.add_argument("--batch-size", type=positive, help="records per forward pass (default: the Data layer's)")
+    features.add_argument("--overwrite", action="store_true", help="replace an output that exists")
+    add_fields(features, pb.DeepSparkParameter, SPARK_FIELDS)
+    features.set_defaults(run=cmd_extract_features)
 
     describe = verbs.add_parser("describe", help="layers, shapes and parameter counts of a net")
     describe.add_argument("net", help="net .prototxt or model folder")

@@ -7,7 +7,6 @@ relative difference is its largest absolute difference over the larger of
 the two blobs' largest magnitudes, so values near zero do not blow it up.
 """
 
-import copy
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ from deepspark.config import load_net, load_solver, net_path, random_seed, set_f
 from deepspark.data import DataFeeder, source_shape
 from deepspark.errors import ConfigError
 from deepspark.fillers import fill
-from deepspark.graph import DATA_TYPES, Graph, spec
+from deepspark.graph import Graph, spec, with_batch_size, with_taps
 from deepspark.proto import deepspark_pb2 as pb
 
 SEED = 1701
@@ -50,57 +49,6 @@ def shape_finder(net_path):
             return beside[layer_param.top[0]]
         return shape
     return data_shape
-
-
-def with_batch_size(net, batch_size):
-    """A copy of `net` whose Input layers (and legacy inputs) have batch `batch_size`."""
-    net = copy.deepcopy(net)
-    if batch_size:
-        for layer in net.layer:
-            if layer.type == "Input":
-                for shape in layer.input_param.shape:
-                    if shape.dim:
-                        shape.dim[0] = batch_size
-        for shape in net.input_shape:
-            if shape.dim:
-                shape.dim[0] = batch_size
-        if net.input_dim:
-            for i in range(0, len(net.input_dim), 4):
-                net.input_dim[i] = batch_size
-    return net
-
-
-TAP = "{top}@{layer}"
-
-
-def with_taps(net, graph):
-    """A copy of `net` with a Split copying each blob out as an output, after its last writer.
-
-    Backends return only a net's outputs; a copy named `top@layer` makes every
-    blob one of them. A blob rewritten in place is tapped after its last
-    in-place layer (Caffe cannot split a blob that an in-place layer also
-    reads). Nothing else in the forward pass changes.
-    """
-    net = copy.deepcopy(net)
-    del net.layer[:]
-    outputs = set(graph.outputs)
-    for i, layer in enumerate(graph.layers):
-        added = net.layer.add()
-        added.CopyFrom(layer.param)
-        for field in ("include", "exclude"):
-            added.ClearField(field)
-        if layer.type in DATA_TYPES:
-            continue
-        for top in layer.tops:
-            if top in outputs or any(top in later.tops for later in graph.layers[i + 1:]):
-                continue  # already an output, or rewritten in place later: tapped there
-            tap = net.layer.add(name=TAP.format(top=top, layer=layer.name) + "/tap", type="Split")
-            tap.bottom.append(top)
-            tap.top.append(TAP.format(top=top, layer=layer.name))
-    net.ClearField("input")
-    net.ClearField("input_shape")
-    net.ClearField("input_dim")
-    return net
 
 
 class PipelineBatches:

@@ -8,11 +8,9 @@ what the deploy net's Input layer takes: the training's transform_param (its
 scale, mean and crop) is the caller's to apply, as with pycaffe's Net.
 """
 
-from deepspark import checkpoint, config
+from deepspark import checkpoint, local
 from deepspark.backends import create_model
 from deepspark.data import lmdb_io
-from deepspark.errors import ConfigError
-from deepspark.graph import DATA_TYPES
 from deepspark.proto import deepspark_pb2 as pb
 
 SIGNATURE = "serving_default"
@@ -22,14 +20,8 @@ def export(model_path, weights, output, overwrite=False):
     """Write the SavedModel of the deploy net at `model_path` (a file or a model folder) with the parameters
     of the .caffemodel `weights` to the folder `output` (under a temporary name, renamed when complete);
     returns ({input: shape}, [output names])."""
-    path = config.net_path(model_path)
-    net, source = config.load_net(path)
+    net, source = local.deploy_net(model_path, "export")
     lmdb_io.refuse_existing(output, overwrite)
-    fed = [(i, layer) for i, layer in enumerate(net.layer) if layer.type in DATA_TYPES and layer.type != "Input"]
-    if fed or not (net.input or any(layer.type == "Input" for layer in net.layer)):
-        what = f"reads its data from a {fed[0][1].type} layer ('{fed[0][1].name}')" if fed else "has no Input layer"
-        raise ConfigError(f"the net {what}; export takes a deploy net, whose Input layers name what a caller "
-                          "feeds (Caffe's deploy.prototxt)", *(source.where(fed[0][0]) if fed else (path,)))
     model = create_model("tensorflow", net, phase=pb.TEST, source=source)
     from deepspark.backends.tensorflow.runtime import tf  # deferred: TensorFlow loads only for this verb
 

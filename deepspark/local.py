@@ -8,7 +8,7 @@ from deepspark.backends import create_model, device
 from deepspark.config import load_net, net_path, random_seed
 from deepspark.data import DataFeeder, missing_source, source_shape
 from deepspark.errors import ConfigError
-from deepspark.graph import FED_TYPES, Graph, layer_included
+from deepspark.graph import DATA_TYPES, FED_TYPES, Graph, layer_included
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -108,6 +108,19 @@ def train(solver, weights=None, snapshot=None):
     finally:
         log.close()
     return {"iterations": iterations, "wall_seconds": time.monotonic() - started, **engine.first_values(results)}
+
+
+def deploy_net(path, verb):
+    """(NetParameter, SourceMap) of the deploy net at `path` (a file or a model folder); a one-line error
+    naming `verb` if the net reads its own data rather than taking it through Input layers."""
+    path = net_path(path)
+    net, source = load_net(path)
+    fed = [(i, layer) for i, layer in enumerate(net.layer) if layer.type in DATA_TYPES and layer.type != "Input"]
+    if fed or not (net.input or any(layer.type == "Input" for layer in net.layer)):
+        what = f"reads its data from a {fed[0][1].type} layer ('{fed[0][1].name}')" if fed else "has no Input layer"
+        raise ConfigError(f"the net {what}; {verb} takes a deploy net, whose Input layers name what a caller "
+                          "feeds (Caffe's deploy.prototxt)", *(source.where(fed[0][0]) if fed else (path,)))
+    return net, source
 
 
 def test_model(path, backend, phase=pb.TEST, batch_size=None, threads=None):

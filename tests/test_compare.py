@@ -10,6 +10,7 @@ import pytest
 from deepspark import compare
 from deepspark.backends import create_model
 from deepspark.config import parse_net
+from deepspark.graph import Graph, with_taps
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 from tests.conftest import ROOT, run_cli
@@ -63,10 +64,8 @@ def test_difference_is_relative_to_the_blob_scale():
 
 
 def test_taps_expose_every_blob_without_changing_the_outputs():
-    from deepspark.graph import Graph
-
     net = parse_net(CUBE_NET + 'layer { name: "relu" type: "ReLU" bottom: "p" top: "p" }')[0]
-    tapped = compare.with_taps(net, Graph(net, pb.TEST))
+    tapped = with_taps(net, Graph(net, pb.TEST))
     outputs = Graph(tapped, pb.TEST).outputs
     assert outputs == ["y@conv", "p"]  # pool's 'p' is rewritten in place: tapped after relu, i.e. the output
 

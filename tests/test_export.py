@@ -11,6 +11,7 @@ import pytest
 
 from conftest import ROOT, run_cli
 from deepspark import checkpoint, compare, config
+from deepspark.graph import with_batch_size
 from deepspark.proto import deepspark_pb2 as pb
 
 ZOO = sorted(name for name in os.listdir(os.path.join(ROOT, "models"))
@@ -57,7 +58,7 @@ def exported(tmp_path_factory):
     for name in ZOO:
         deploy = os.path.join(ROOT, "models", name, "deploy.prototxt")
         net, _ = config.load_net(deploy)
-        model = compare.build(["tensorflow"], compare.with_batch_size(net, BATCH), phase=pb.TEST)["tensorflow"]
+        model = compare.build(["tensorflow"], with_batch_size(net, BATCH), phase=pb.TEST)["tensorflow"]
         weights = str(folder / f"{name}.caffemodel")
         checkpoint.save_caffemodel(weights, model.graph, model.get_params())
         inputs = str(folder / f"{name}_inputs.npz")

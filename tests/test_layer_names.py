@@ -21,7 +21,7 @@ from deepspark import checkpoint, compare, engine, fillers, local
 from deepspark.backends.caffe import runtime
 from deepspark.config import load_solver, override, parse_net
 from deepspark.errors import ConfigError
-from deepspark.graph import Graph
+from deepspark.graph import Graph, with_taps
 from deepspark.proto import deepspark_pb2 as pb
 from tests.conftest import ROOT, run_cli
 from tests.synthetic import make_lmdb
@@ -541,7 +541,7 @@ def test_backends_give_a_name_the_blobs_pycaffe_does_and_agree(twice):
         first, second = (layer.blob_params for layer in ours.graph.layers if layer.name == "ip")
         assert ours.layer_blobs("ip") == second and first != second
         assert_same_arrays(models["tensorflow"].get_params(), ours.get_params())
-        tapped = compare.with_taps(net, ours.graph)
+        tapped = with_taps(net, ours.graph)
     finally:
         for model in models.values():
             model.close()

@@ -159,6 +159,11 @@ def load_mean(path):
             raw = f.read()
     except OSError as e:
         raise DataError(f"cannot read the mean file ({e.strerror})", path) from None
+    return parse_mean(raw, path)
+
+
+def parse_mean(raw, path="<mean>"):
+    """load_mean of a mean file's bytes; `path` names it in errors."""
     blob = pb.BlobProto()
     try:
         blob.ParseFromString(raw)
@@ -175,9 +180,14 @@ def load_mean(path):
 
 def save_mean(array, path):
     """Write a CHW mean as .binaryproto, 1xCxHxW as Caffe's compute_image_mean writes it (temp name, then rename)."""
+    checkpoint.atomic_write(path, mean_bytes(array))
+
+
+def mean_bytes(array):
+    """A CHW mean as the bytes of a .binaryproto (1xCxHxW, as compute_image_mean writes it)."""
     array = np.asarray(array, np.float32)
-    checkpoint.atomic_write(path, checkpoint.array_to_blob(array[np.newaxis] if array.ndim == 3 else array,
-                                                           legacy_dims=True).SerializeToString())
+    return checkpoint.array_to_blob(array[np.newaxis] if array.ndim == 3 else array,
+                                    legacy_dims=True).SerializeToString()
 
 
 # ---------------------------------------------------------------------------

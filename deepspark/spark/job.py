@@ -21,7 +21,7 @@ from deepspark.graph import Graph, layer_included
 from deepspark.log import Log
 from deepspark.plot import plot_history
 from deepspark.proto import deepspark_pb2 as pb
-from deepspark.spark.session import is_local, on_loopback, spark_session
+from deepspark.spark.session import on_loopback, spark_session, worker_threads
 from deepspark.spark.worker import Range, Task, row_datum
 
 # Seconds the driver waits for the Spark job's thread once it has cancelled the job.
@@ -176,7 +176,16 @@ class LmdbValues:
 
 def parquet_shards(spark, source, workers):
     """The shards of a Parquet dataset as by_shard gives them, the (C, H, W) of its images and the total,
-    planned from Spark's own reader (any URI it reads: file:, hdfs://, s3a://).
+    planned from Spark's own reader (any URI it reads: file:, hdfs://, s3a://): parquet_records's."""
+    indexed, shape, total = parquet_records(spark, source)
+    if total < workers:
+        raise ConfigError(too_few(workers, total, f"the Parquet dataset {source}"))
+    return by_shard(indexed, total, workers), shape, total
+
+
+def parquet_records(spark, source):
+    """(an RDD of (index, Datum bytes) of a Parquet dataset, the (C, H, W) of its images, its record count),
+    read by Spark's own reader.
 
     A record's index is its place in the files taken in sorted path order, row by row (the
     order the single-process reader reads them in): from its file's start, summed from
@@ -202,11 +211,9 @@ def parquet_shards(spark, source, workers):
         raise ConfigError(f"{what} is empty")
     starts = dict(zip([path for path, _ in counts], np.cumsum([0] + [n for _, n in counts[:-1]]).tolist()))
     total = sum(n for _, n in counts)
-    if total < workers:
-        raise ConfigError(too_few(workers, total, what))
     rows = df.select("_metadata.file_path", "_metadata.row_index", DATUM).rdd
     indexed = rows.map(lambda row: (starts[row[0]] + row[1], bytes(row[2])))
-    return by_shard(indexed, total, workers), tuple(int(d) for d in decode_datum(bytes(first[0]))[0].shape), total
+    return indexed, tuple(int(d) for d in decode_datum(bytes(first[0]))[0].shape), total
 
 
 def dataframe_shards(df, workers, what="the DataFrame"):
@@ -359,8 +366,8 @@ class Job:
     # -- the run ----------------------------------------------------------------
 
     def run(self):
-        """The whole job; returns its summary: {"iterations", "spill_seconds", "ready_seconds", "train_seconds",
-        "wall_seconds", "test<i>/<output>": value}."""
+        """The whole job; returns its summary: {"iterations", "weights" (the final .caffemodel, if snapshotted),
+        "spill_seconds", "ready_seconds", "train_seconds", "wall_seconds", "test<i>/<output>": value}."""
         data = self.options.data
         with contextlib.ExitStack() as stack:
             self.log = Log(os.path.join(self.output, "train.log"), append=bool(self.options.snapshot))
@@ -427,9 +434,7 @@ class Job:
 
     def threads(self):
         """Compute threads per worker: the cores shared out in local mode, an executor's cores on a cluster."""
-        if is_local(self.sc.master):
-            return max(1, (os.cpu_count() or 1) // self.workers)
-        return int(self.sc.getConf().get("spark.executor.cores", "1"))
+        return worker_threads(self.sc, self.workers)
 
     # -- watching workers that exchange with the driver's server ----------------
 
@@ -572,6 +577,7 @@ class Job:
                      f"then the spill), {100 * ready / max(train, 1e-9):.2f}% of training time")
         if p.snapshot_after_train and self.snapshotted != final:
             self.snapshot(final)
+        weights = checkpoint.snapshot_paths(p.snapshot_prefix, final)[0] if self.snapshotted == final else None
         values = self.last_test_values
         if self.evaluator.nets and self.tested != final:
             values = self.test(final)
@@ -579,5 +585,5 @@ class Job:
         plot_path = os.path.join(self.output, "progress.png")
         plot_history(self.history, plot_path, title=f"{self.graph.name}: {self.workers} workers, {self.title}")
         log.info(f"Plot of loss and test outputs against time: {plot_path}")
-        return {"iterations": final, "spill_seconds": spill, "ready_seconds": max(ready, 0.0), "train_seconds": train,
+        return {"iterations": final, "weights": weights, "spill_seconds": spill, "ready_seconds": max(ready, 0.0), "train_seconds": train,
                 "wall_seconds": time.monotonic() - self.started, **values}

@@ -33,6 +33,14 @@ def is_local(master):
     return master.startswith("local")
 
 
+def worker_threads(sc, concurrent):
+    """Compute threads per Python worker when `concurrent` tasks run at once: the cores shared out in local
+    mode, an executor's cores on a cluster."""
+    if is_local(sc.master):
+        return max(1, (os.cpu_count() or 1) // max(concurrent, 1))
+    return int(sc.getConf().get("spark.executor.cores", "1"))
+
+
 def on_loopback(master):
     """A local master, or one on 127.0.0.1/localhost: the driver binds to 127.0.0.1 too."""
     return is_local(master) or any(h in master for h in ("//127.0.0.1:", "//localhost:"))

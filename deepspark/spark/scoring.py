@@ -1,0 +1,404 @@
+"""Trained nets run forward on the executors, one path for the pyspark.ml Model's transform, `deepspark score`
+and `deepspark extract-features`.
+
+The driver describes the net once, as a Forward: the net, the backend, the
+weights (a Spark broadcast, fetched once per executor), Caffe's
+transform_param, and which tops take the images and the labels. A Python
+worker builds the net on its first batch and keeps it for its later tasks and
+stages (the session sets spark.python.worker.reuse), so a net is built once
+per Python worker, not per task, batch or row. Records go through in batches
+of the Forward's size: a transform pads the last short batch of a partition (a
+TEST-phase net computes each image apart from the others), a score runs it at
+its own size (its outputs are means over the batch).
+"""
+
+import collections
+import dataclasses
+import hashlib
+import os
+import socket
+import time
+
+import numpy as np
+from pyspark import StorageLevel
+
+from deepspark import checkpoint, engine
+from deepspark.backends import create_model
+from deepspark.config import load_net, net_path
+from deepspark.data import (DataError, Transformer, decode_datum, encode_datum, is_parquet, lmdb_io, load_mean,
+                            peek_shape)
+from deepspark.data.parquet import is_uri, write_parquet, writes_parquet
+from deepspark.errors import ConfigError, DeepSparkError
+from deepspark.graph import Graph, fmt, layer_included, tap_name, with_batch_size, with_taps
+from deepspark.log import Log
+from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark.job import failed, parquet_records
+from deepspark.spark.session import spark_session, worker_threads
+from deepspark.spark.worker import set_threads
+
+# Records per partition of a dataset that score or extract-features read (more partitions than cores
+# balance the executors; each builds its net once whatever their number).
+RECORDS_PER_PARTITION = 20_000
+
+_BUILT = {}  # in each Python worker: (Forward.key, batch size) -> (model, transformer)
+
+
+def _reworded(error, what):
+    """A DataError of decode_datum (which names no record here) as one naming `what`."""
+    text = str(error)
+    return DataError(f"{what}: {text.split(': ', 1)[1]}" if text.startswith("record: ") else f"{what}: {text}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """What a task needs to build a net and run it forward; small, shipped in the task's closure."""
+
+    key: str  # a fingerprint of the net, weights and backend: the per-worker cache's key
+    net: bytes  # the NetParameter (TEST phase), every blob wanted already one of its outputs
+    backend: str
+    weights: object  # a Spark Broadcast of (.caffemodel bytes, the mean image or None)
+    transform: bytes  # the TransformationParameter, applied as Caffe's TEST phase does (centre crop, no mirror)
+    image: str  # the top the images go to
+    label: str  # the top the labels go to ("": none)
+    shape: tuple  # (C, H, W) the net takes, after transform_param's crop
+    raw_shape: tuple  # (C, H, W) of the records a Data layer reads (before the crop); None for an Input net
+    batch_size: int
+    outputs: tuple  # the net's outputs a run returns
+    threads: int
+    counters: tuple = None  # (builds, build seconds): Spark accumulators, or None
+
+    def shipped(self, sc, counters=None):
+        """This Forward as tasks take it: the weights (and mean) as a Spark broadcast, the thread count of a
+        Python worker among the context's concurrent tasks, and build counters if given."""
+        return dataclasses.replace(self, weights=sc.broadcast(self.weights), counters=counters,
+                                   threads=worker_threads(sc, sc.defaultParallelism))
+
+    def built(self, batch_size):
+        """(model, transformer) of this net at `batch_size`, built on this Python worker's first call."""
+        key = (self.key, batch_size)
+        if key not in _BUILT:
+            started = time.monotonic()
+            set_threads(self.threads)
+            caffemodel, mean = self.weights.value
+            net = with_batch_size(pb.NetParameter.FromString(self.net), batch_size)
+            raw = self.raw_shape
+            model = create_model(self.backend, net, phase=pb.TEST, batch_size=batch_size, threads=self.threads,
+                                 data_shape=None if raw is None else (lambda layer: raw))
+            model.set_params(checkpoint.weights_for(model.graph, checkpoint.parse_caffemodel(caffemodel),
+                                                    model.get_params(), "the model's weights"))
+            transformer = Transformer(pb.TransformationParameter.FromString(self.transform), pb.TEST, mean=mean)
+            _BUILT[key] = (model, transformer)
+            if self.counters is not None:
+                self.counters[0].add(1)
+                self.counters[1].add(time.monotonic() - started)
+        return _BUILT[key]
+
+    def image_of(self, value, what, transformer):
+        """(C x H x W image, label) of one input: Datum bytes, an image array (nested or flat) or a Spark ML
+        vector; a DataError naming `what` when it is not an image the net takes."""
+        label = 0
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            try:
+                array, label = decode_datum(bytes(value))
+            except DataError as error:
+                raise _reworded(error, what) from None
+        elif value is None:
+            raise DataError(f"{what}: no image (null)")
+        else:
+            array = np.asarray(value.toArray() if hasattr(value, "toArray") else value)
+            if array.dtype.kind not in "buif":
+                raise DataError(f"{what}: not an image of numbers ({array.dtype} of shape {fmt(array.shape)})")
+        if array.ndim == 2:
+            array = array[None]
+        expected = self.shape if self.raw_shape is None else self.raw_shape
+        if array.ndim != 3 or transformer.output_shape(array.shape) != self.shape:
+            if array.ndim != 3 and array.size == int(np.prod(expected)):
+                return array.reshape(expected), label  # a flat image (a vector, a CSV's row)
+            crop = " after transform_param's crop" if transformer.crop_h else ""
+            raise DataError(f"{what}: its image is {fmt(array.shape)}; the net takes {fmt(self.shape)}{crop}")
+        return array, label
+
+    def forward_batch(self, items, pad):
+        """{output: array of the n records} of one batch of n <= batch_size (what, value) items. pad: fill a
+        short batch up to batch_size (else run it at its own size)."""
+        n = len(items)
+        model, transformer = self.built(self.batch_size if pad or n == self.batch_size else n)
+        size = self.batch_size if pad else n
+        pairs = [self.image_of(value, what, transformer) for what, value in items]
+        batch = np.zeros((size,) + self.shape, np.float32)
+        transformer.apply(np.stack([image for image, _ in pairs]), out=batch[:n])
+        feed = {self.image: batch}
+        if self.label:
+            feed[self.label] = np.zeros(size, np.float32)
+            feed[self.label][:n] = [label for _, label in pairs]
+        outputs = model.forward(feed)
+        return {name: outputs[name][:n] if size != n else outputs[name] for name in self.outputs}
+
+
+def chunks(items, size):
+    """`items` as lists of up to `size`."""
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+# -- the three uses --------------------------------------------------------------------------
+
+
+def rows_with_outputs(forward, input_index, columns):
+    """The mapPartitionsWithIndex function of a transform: each row with its new `columns` appended, from
+    the input at row[input_index]. columns: [(kind, output)] with kind "prediction" (the argmax of the
+    output, a double), or "vector" (the output's values for the row, a Spark ML DenseVector)."""
+    from pyspark.ml.linalg import DenseVector  # deferred: pyspark is imported on the executors only here
+
+    def run(partition, rows):
+        for chunk in chunks(enumerate(rows), forward.batch_size):
+            outputs = forward.forward_batch(
+                [(f"DataFrame row {offset} of partition {partition}", row[input_index]) for offset, row in chunk],
+                pad=True)
+            for i, (_, row) in enumerate(chunk):
+                extra = []
+                for kind, name in columns:
+                    values = outputs[name][i].reshape(-1)
+                    extra.append(float(np.argmax(values)) if kind == "prediction" else DenseVector(values))
+                yield tuple(row) + tuple(extra)
+
+    return run
+
+
+def output_sums(forward, source):
+    """The mapPartitions function of a score: per partition, one (record count, {output: sum over its
+    records}), each batch's mean output weighted by the batch's size."""
+
+    def run(items):
+        total, sums = 0, collections.OrderedDict()
+        for chunk in chunks(items, forward.batch_size):
+            outputs = forward.forward_batch([(where(source, index, key), value) for index, key, value in chunk],
+                                            pad=False)
+            total += len(chunk)
+            for name in forward.outputs:
+                value = np.asarray(outputs[name], np.float64) * len(chunk)
+                sums[name] = sums[name] + value if name in sums else value
+        return [(total, sums)] if total else []
+
+    return run
+
+
+def feature_rows(forward, source):
+    """The mapPartitions function of extract-features: (index, [per output of the Forward: the record's
+    values, float32]) per record, in the partition's order."""
+
+    def run(items):
+        for chunk in chunks(items, forward.batch_size):
+            outputs = forward.forward_batch([(where(source, index, key), value) for index, key, value in chunk],
+                                            pad=True)
+            for i, (index, _, _) in enumerate(chunk):
+                yield index, [np.asarray(outputs[name][i], np.float32) for name in forward.outputs]
+
+    return run
+
+
+def where(source, index, key):
+    """How an error names a record: its LMDB key, or its place in a Parquet dataset; and the source."""
+    name = key.decode("utf-8", "backslashreplace") if key is not None else str(index)
+    return f"{source}: record {name!r}"
+
+
+# -- records of a dataset, in whole batches ---------------------------------------------------
+
+
+def batch_ranges(total, batch_size, partitions):
+    """[start, stop) record ranges of `partitions` partitions that hold whole batches of `batch_size`
+    (the last one's last batch may be short), in order."""
+    batches = -(-total // batch_size)
+    bounds = [batches * p // partitions * batch_size for p in range(partitions + 1)]
+    return [(start, min(stop, total)) for start, stop in zip(bounds, bounds[1:]) if start < min(stop, total)]
+
+
+def lmdb_range(source, total):
+    """The flatMap function that reads a record range of the LMDB at `source` on an executor: (index, key,
+    Datum bytes) in order."""
+
+    def run(bounds):
+        start, stop = bounds
+        if not os.path.exists(source):
+            raise DataError(f"the LMDB {source} is not visible on {socket.gethostname()}; put it on storage "
+                            f"every executor sees at that path, or convert it to Parquet (deepspark convert-lmdb)")
+        here = lmdb_io.count(source)
+        if here != total:
+            raise DataError(f"the LMDB {source} holds {here} records on {socket.gethostname()} and {total} on the "
+                            "driver; every executor must see the same LMDB")
+        for index, (key, value) in enumerate(lmdb_io.read_records(source, start, stop), start):
+            yield index, key, value
+
+    return run
+
+
+def partitions_for(sc, total, batch_size):
+    """How many partitions to read `total` records in: at least one per core, one per RECORDS_PER_PARTITION,
+    at most one per batch."""
+    batches = -(-total // batch_size)
+    return max(1, min(batches, max(sc.defaultParallelism, total // RECORDS_PER_PARTITION)))
+
+
+def dataset_records(spark, source, batch_size):
+    """(an RDD of (index, key or None, Datum bytes) of the LMDB or Parquet dataset at `source`, its partitions
+    holding whole batches of `batch_size` in index order; the record count)."""
+    sc = spark.sparkContext
+    if is_parquet(source):
+        indexed, _, total = parquet_records(spark, source)
+        count = partitions_for(sc, total, batch_size)
+        batches = -(-total // batch_size)
+        by_batch = indexed.repartitionAndSortWithinPartitions(
+            count, lambda index: (index // batch_size) * count // batches)
+        return by_batch.map(lambda pair: (pair[0], None, pair[1])), total
+    if not lmdb_io.is_lmdb(source):
+        raise ConfigError("not an LMDB or a Parquet dataset", source)
+    total = lmdb_io.count(source)
+    if not total:
+        raise ConfigError("the LMDB is empty", source)
+    ranges = batch_ranges(total, batch_size, partitions_for(sc, total, batch_size))
+    return sc.parallelize(ranges, len(ranges)).flatMap(lmdb_range(os.path.abspath(source), total)), total
+
+
+# -- the driver's side of score and extract-features: a net that reads its own data, as Caffe's tools take --
+
+
+def test_net(path, source=None):
+    """(the NetParameter of the net at `path`, its SourceMap, its one Data layer in the TEST phase, the source
+    to read: `source` or that layer's own)."""
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "train_val.prototxt")):
+        path = os.path.join(path, "train_val.prototxt")
+    net, source_map = load_net(net_path(path))
+    state = pb.NetState(phase=pb.TEST)
+    data = [layer for layer in net.layer if layer.type == "Data" and layer_included(layer, state)]
+    if len(data) != 1:
+        raise ConfigError(f"the net has {len(data)} Data layers in its TEST phase; score and extract-features run "
+                          "a net that reads one dataset (Caffe's train_val.prototxt, or a net with one Data layer)",
+                          path)
+    return net, source_map, data[0], source or data[0].data_param.source
+
+
+def forward_of(path, weights, source, backend, batch_size, blobs=None):
+    """(the Forward of the TEST net at `path` for the dataset `source` (its weights not yet shipped:
+    Forward.shipped), its Graph, the source): the net's outputs, or the tapped `blobs`; the weights checked
+    against the net here, before Spark starts."""
+    net, source_map, layer, source = test_net(path, source)
+    if not (os.path.exists(source) or is_uri(source)):
+        raise ConfigError(f"the dataset {source!r} is not there", path)
+    raw_shape = peek_shape(source)
+    graph = Graph(net, pb.TEST, source=source_map, batch_size=batch_size or None, data_shape=lambda _: raw_shape)
+    outputs = list(graph.outputs) if blobs is None else [tap_name_or_error(graph, blob) for blob in blobs]
+    run_net = net if blobs is None else with_taps(net, graph, blobs)
+    try:
+        with open(weights, "rb") as stream:
+            caffemodel = stream.read()
+    except OSError as error:
+        raise ConfigError(f"cannot read the weights: {error.strerror}", weights) from None
+    checkpoint.weights_for(graph, checkpoint.parse_caffemodel(caffemodel, weights), [None] * len(graph.params),
+                           weights)
+    param = pb.TransformationParameter()
+    param.CopyFrom(layer.transform_param)
+    mean = load_mean(param.mean_file) if param.mean_file else None
+    param.ClearField("mean_file")  # read here, shipped with the weights
+    tops = list(layer.top)
+    net_bytes = run_net.SerializeToString()
+    forward = Forward(key=hashlib.sha256(net_bytes + caffemodel + backend.encode()).hexdigest(), net=net_bytes,
+                      backend=backend, weights=(caffemodel, mean), transform=param.SerializeToString(),
+                      image=tops[0], label=tops[1] if len(tops) > 1 else "",
+                      shape=tuple(graph.fed_tops()[tops[0]][1:]), raw_shape=raw_shape,
+                      batch_size=graph.fed_tops()[tops[0]][0], outputs=tuple(outputs), threads=1)
+    return forward, graph, source
+
+
+def tap_name_or_error(graph, blob):
+    try:
+        return tap_name(graph, blob)
+    except KeyError as error:
+        raise ConfigError(f"--blobs: {error.args[0]}") from None
+
+
+def score(path, weights, source=None, backend=None, batch_size=0, ds=None, log=None):
+    """`deepspark score`: Caffe's `test` over a whole dataset, on the executors: the mean of every output of
+    the net's TEST phase over every record of `source` (default: the Data layer's own), logged as `test`
+    logs them; {output: mean}."""
+    ds = ds or pb.DeepSparkParameter()
+    log = log or Log()
+    forward, graph, source = forward_of(path, weights, source, backend or ds.backend, batch_size)
+    session, started = spark_session(ds, ds.workers)
+    try:
+        sc = session.sparkContext
+        forward = forward.shipped(sc)
+        records, total = dataset_records(session, source, forward.batch_size)
+        log.info(f"Scoring {total} records of {source} on {sc.master} ({records.getNumPartitions()} partitions, "
+                 f"batches of {forward.batch_size}, {forward.backend} backend)")
+        try:
+            counted = records.mapPartitions(output_sums(forward, source)).collect()
+        except Exception as error:
+            raise failed(error, sc) from None
+        sums = collections.OrderedDict()
+        for _, part in counted:
+            for name, value in part.items():
+                sums[name] = sums[name] + value if name in sums else value
+        means = collections.OrderedDict((name, value / total) for name, value in sums.items())
+        engine.log_outputs(log, graph, means, "")
+        return means
+    finally:
+        if started:
+            session.stop()
+
+
+def feature_datum(values):
+    """A feature blob's values for one record as Caffe's extract_features stores them: a float Datum of the
+    blob's channels x height x width (Caffe's legacy axes: 1 where the blob has none)."""
+    shape = tuple(values.shape) + (1,) * (3 - values.ndim) if values.ndim < 3 else \
+        (values.shape[0], values.shape[1], int(np.prod(values.shape[2:])))
+    return encode_datum(values.reshape(shape).astype(np.float32))
+
+
+def extract_features(path, weights, blobs, outputs, source=None, backend=None, batch_size=0, ds=None,
+                     overwrite=False, log=None):
+    """`deepspark extract-features`: Caffe's extract_features on the executors. The blobs of the TEST net at
+    `path` for every record of `source` (default: the Data layer's), one dataset per blob in `outputs`
+    (an LMDB, or Parquet for a path ending in .parquet), keyed as Caffe keys them (the record's index,
+    10 digits), written from the driver partition by partition; {blob: records written}."""
+    ds = ds or pb.DeepSparkParameter()
+    log = log or Log()
+    if len(blobs) != len(outputs):
+        raise ConfigError(f"{len(blobs)} blobs but {len(outputs)} outputs; extract-features writes one dataset "
+                          "per blob (--blobs fc7,prob --output fc7_lmdb,prob_lmdb)")
+    for out in outputs:
+        lmdb_io.refuse_existing(out, overwrite)
+    forward, _, source = forward_of(path, weights, source, backend or ds.backend, batch_size, blobs)
+    session, started = spark_session(ds, ds.workers)
+    try:
+        sc = session.sparkContext
+        forward = forward.shipped(sc)
+        records, total = dataset_records(session, source, forward.batch_size)
+        log.info(f"Extracting {', '.join(blobs)} of {total} records of {source} on {sc.master} "
+                 f"({records.getNumPartitions()} partitions, batches of {forward.batch_size})")
+        features = records.mapPartitions(feature_rows(forward, source))
+        if len(blobs) > 1:
+            features = features.persist(StorageLevel.MEMORY_AND_DISK)  # one pass on the executors, one write each
+        written = {}
+        try:
+            for i, (blob, out) in enumerate(zip(blobs, outputs)):
+                rows = ((b"%010d" % index, feature_datum(values[i])) for index, values in features.toLocalIterator())
+                write = write_parquet if writes_parquet(out) else lmdb_io.write_lmdb
+                written[blob] = write(out, rows, overwrite=overwrite)
+                log.info(f"Extracted {written[blob]} records of {blob} into {out}")
+        except DeepSparkError:
+            raise
+        except Exception as error:
+            raise failed(error, sc) from None
+        finally:
+            features.unpersist()
+        return written
+    finally:
+        if started:
+            session.stop()

@@ -1,0 +1,189 @@
+"""deepspark.ml on real Spark (local[2]): a Pipeline with the Estimator fits on a DataFrame of Fashion-MNIST
+images, transforms, saves and loads in a new SparkSession; transform, `score` and Caffe's `test` agree on
+the 10,000 test images for each backend; the net is built once per Python worker; bad input is one line.
+
+One SparkSession serves the module (its tests share one xdist process); the persistence test stops it and
+starts the new one the tests after it use.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from deepspark import local
+from deepspark.data import decode_datum, lmdb_io
+from deepspark.errors import ConfigError
+from deepspark.proto import deepspark_pb2 as pb
+
+pyspark = pytest.importorskip("pyspark")
+from pyspark.ml import Pipeline, PipelineModel  # noqa: E402  (after the skip)
+from pyspark.sql import SparkSession  # noqa: E402
+
+from deepspark.ml import DeepSparkEstimator, DeepSparkModel  # noqa: E402
+from deepspark.spark import scoring  # noqa: E402
+from deepspark.spark.session import spark_session  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("ml")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LENET = os.path.join(ROOT, "models", "lenet")
+TRAIN = os.path.join(ROOT, "data", "fashion_mnist_train_lmdb")
+TEST = os.path.join(ROOT, "data", "fashion_mnist_test_lmdb")
+TRAIN_RECORDS = 4000
+
+
+def session():
+    """The module's SparkSession: the running one, or local[2] started."""
+    return spark_session(pb.DeepSparkParameter(), 2)[0]
+
+
+def image_rows(source, count=None):
+    """(28 x 28 image as nested lists, label) rows of an LMDB."""
+    rows = []
+    for _, value in lmdb_io.read_records(source, 0, count):
+        image, label = decode_datum(value)
+        rows.append((image[0].tolist(), int(label)))
+    return rows
+
+
+def datum_frame(spark, source, partitions=4, count=None):
+    return spark.createDataFrame([(bytes(v),) for _, v in lmdb_io.read_records(source, 0, count)], "datum binary") \
+        .repartition(partitions)
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """A Pipeline of one DeepSparkEstimator fitted by 2-worker EASGD on 4,000 training images (arrays and
+    integer labels), and the folder it trained in."""
+    if not (lmdb_io.is_lmdb(TRAIN) and lmdb_io.is_lmdb(TEST)):
+        pytest.skip("run `make setup` for the Fashion-MNIST LMDBs")
+    folder = tmp_path_factory.mktemp("fit")
+    spark = session()
+    train = spark.createDataFrame(image_rows(TRAIN, TRAIN_RECORDS), "image array<array<int>>, label int")
+    estimator = DeepSparkEstimator(solver=os.path.join(LENET, "solver.prototxt"), inputCol="image", maxIter=150,
+                                   output=str(folder), workers=2)
+    yield Pipeline(stages=[estimator]).fit(train), folder
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+
+
+def accuracy(rows):
+    return float(np.mean([decode_datum(datum)[1] == prediction for datum, prediction in rows]))
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "caffe"])
+def test_transform_score_and_caffes_test_agree_on_the_10000_test_images(fitted, backend):
+    pipeline_model, _ = fitted
+    model = pipeline_model.stages[0]
+    weights = model.summary["weights"]
+    spark = session()
+    model = DeepSparkModel.from_caffe(os.path.join(LENET, "deploy.prototxt"), weights,
+                                      transform=model.getOrDefault("transformParam"), backend=backend,
+                                      inputCol="datum", batchSize=100)
+    rows = model.transform(datum_frame(spark, TEST)).select("datum", "prediction").collect()
+    assert len(rows) == 10000
+    transformed = accuracy(rows)
+    tested = local.test(os.path.join(LENET, "train_val.prototxt"), weights, 100, backend)
+    scored = scoring.score(LENET, weights, backend=backend)
+    assert round(transformed, 4) == round(float(tested["accuracy"]), 4) == round(float(scored["accuracy"]), 4)
+    assert abs(float(scored["loss"]) - float(tested["loss"])) < 1e-5
+    assert transformed > 0.6  # trained: well above the 10% of chance
+
+
+def python_workers(spark):
+    """The PIDs of the Python workers a 16-task job runs on, with whether each holds a built net."""
+
+    def probe(_):
+        from deepspark.spark import scoring as executor_side
+
+        return os.getpid(), bool(executor_side._BUILT)
+
+    return dict(spark.sparkContext.parallelize(range(16), 16).map(probe).collect())
+
+
+def test_the_net_is_built_once_per_python_worker_not_per_batch_partition_or_job(fitted):
+    model = fitted[0].stages[0].copy()
+    model.setBatchSize(16).setInputCol("datum")  # 2,000 images in 8 partitions: 128 batches
+    spark = session()
+    # (Not .limit(): a task that stops reading its input early loses its Python worker, net and all.)
+    frame = datum_frame(spark, TEST, partitions=8, count=2000)
+    first = model.transform(frame).select("prediction").collect()
+    builds = model.counters[0].value
+    workers = python_workers(spark)
+    # The fit left a few idle Python workers (its training tasks' and its planning jobs'); each built once.
+    assert len(first) == 2000 and 1 <= builds <= sum(workers.values()) < 8, (builds, workers)
+    again = model.transform(frame).select("prediction").collect()
+    assert model.counters[0].value == 0 and again == first  # the same workers kept their net
+
+
+def test_transform_adds_named_blobs_as_vectors_and_bad_input_is_one_line(fitted):
+    model = fitted[0].stages[0].copy()
+    spark = session()
+    frame = spark.createDataFrame(image_rows(TEST, 5), "image array<array<int>>, label int")
+    model.setOutputBlobs("ip1")
+    rows = model.transform(frame).collect()
+    assert len(rows[0]["ip1"]) == 500 and len(rows[0]["probability"]) == 10
+    assert rows[0]["prediction"] == float(np.argmax(rows[0]["probability"]))
+    assert min(rows[0]["ip1"]) >= 0  # ip1 after relu1, which rewrites it in place: the blob as Caffe leaves it
+
+    with pytest.raises(ConfigError, match=r"^the DataFrame has no column 'pixels' \(inputCol\); it has "):
+        model.copy({model.inputCol: "pixels"}).transform(frame)
+    with pytest.raises(ConfigError, match=r"^outputBlobs: the net has no blob 'fc7'; its blobs are data, conv1"):
+        model.copy({model.outputBlobs: "fc7"}).transform(frame)
+    small = spark.createDataFrame([([[0] * 14] * 14, 0)] * 3, "image array<array<int>>, label int").coalesce(1)
+    with pytest.raises(Exception) as error:
+        model.transform(small).collect()
+    assert "DataFrame row 0 of partition 0: its image is 1x14x14; the net takes 1x28x28" in str(error.value)
+    cifar_deploy = os.path.join(ROOT, "models", "cifar10_quick", "deploy.prototxt")
+    with pytest.raises(ConfigError, match=r"lenet_iter_150.caffemodel: cannot copy param 0 of layer 'conv1': shape "
+                                          r"mismatch, weights have \(20, 1, 5, 5\), the net needs \(32, 3, 5, 5\)$"):
+        DeepSparkModel.from_caffe(cifar_deploy, fitted[0].stages[0].summary["weights"])
+
+
+CAFFE_LOADS = """
+import sys
+import numpy as np
+import caffe
+net = caffe.Net(sys.argv[1], sys.argv[2], caffe.TEST)
+image = np.array([float(v) for v in sys.argv[3].split(",")], np.float32).reshape(1, 1, 28, 28)
+net.blobs["data"].reshape(1, 1, 28, 28)
+net.blobs["data"].data[...] = image * 0.00390625
+print(",".join(repr(float(v)) for v in net.forward()["prob"].ravel()))
+"""
+
+
+def test_a_fitted_pipeline_saves_and_loads_in_a_new_session_to_identical_outputs_and_caffe_loads_it(
+        fitted, tmp_path):
+    pipeline_model, _ = fitted
+    spark = session()
+    # The same rows in the same partitions on both sides: the same batches, so the same bits.
+    frame = spark.createDataFrame(image_rows(TEST, 300), "image array<array<int>>, label int")
+    before = pipeline_model.transform(frame).collect()
+    before = {tuple(map(tuple, row["image"])): (row["prediction"], row["probability"].toArray()) for row in before}
+    pipeline_model.write().overwrite().save(str(tmp_path / "pipeline"))
+    spark.stop()
+
+    spark = session()  # a new SparkSession (and SparkContext) in this process
+    loaded = PipelineModel.load(str(tmp_path / "pipeline"))
+    assert isinstance(loaded.stages[0], DeepSparkModel)
+    after = loaded.transform(spark.createDataFrame(image_rows(TEST, 300), "image array<array<int>>, label int"))
+    after = {tuple(map(tuple, row["image"])): (row["prediction"], row["probability"].toArray())
+             for row in after.collect()}
+    assert after.keys() == before.keys()
+    for key, (prediction, probability) in after.items():
+        assert prediction == before[key][0] and np.array_equal(probability, before[key][1])
+
+    data = tmp_path / "pipeline" / "stages"
+    (stage,) = [p for p in data.iterdir()]
+    image = next(iter(after))
+    out = subprocess.run([sys.executable, "-c", CAFFE_LOADS, str(stage / "data" / "deploy.prototxt"),
+                          str(stage / "data" / "weights.caffemodel"),
+                          ",".join(str(v) for row in image for v in row)],
+                         capture_output=True, text=True, env={**os.environ, "GLOG_minloglevel": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    caffe_prob = np.array([float(v) for v in out.stdout.strip().splitlines()[-1].split(",")])
+    np.testing.assert_allclose(caffe_prob, after[image][1], rtol=1e-4, atol=1e-6)
