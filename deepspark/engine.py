@@ -211,6 +211,9 @@ class Trainer:
         self.log = log or Log()
         self.losses = collections.deque(maxlen=max(self.param.average_loss, 1))
         self._heap_frozen = False
+        # Called with (trainer, loss) after every step, before anything uses the loss (a Spark worker's
+        # divergence check; Caffe's own Solve goes on whatever the loss, and so does the single run).
+        self.on_step = None
 
     def load_weights(self, path):
         self.log.info(f"Finetuning from {path}")
@@ -236,6 +239,8 @@ class Trainer:
         """One solver iteration on the next iter_size batches; returns the loss."""
         batches = [next_batch(self.feeders) for _ in range(self.model.iter_size)]
         loss = float(self.model.step(batches[0] if len(batches) == 1 else batches))
+        if self.on_step is not None:
+            self.on_step(self, loss)
         self.losses.append(loss)
         if not self._heap_frozen:
             # After the first step the backend is built and traced, and its hundreds of thousands of

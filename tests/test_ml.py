@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from deepspark import local
-from deepspark.data import decode_datum, lmdb_io
+from deepspark.data import decode_datum, lmdb_io, reader
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -187,3 +187,96 @@ def test_a_fitted_pipeline_saves_and_loads_in_a_new_session_to_identical_outputs
     assert out.returncode == 0, out.stderr[-2000:]
     caffe_prob = np.array([float(v) for v in out.stdout.strip().splitlines()[-1].split(",")])
     np.testing.assert_allclose(caffe_prob, after[image][1], rtol=1e-4, atol=1e-6)
+
+
+PYCAFFE_FEATURES = """
+import sys
+import numpy as np
+import caffe
+caffe.set_mode_cpu()
+features, net_path, weights, out = sys.argv[1:5]
+data = open(net_path).read()
+reader = caffe.NetSpec()
+reader.data = caffe.layers.Data(source=features, backend=caffe.params.Data.LMDB, batch_size=50, ntop=1)
+with open(out + "reader.prototxt", "w") as f:
+    f.write(str(reader.to_proto()))
+read = caffe.Net(out + "reader.prototxt", caffe.TEST)
+lenet = caffe.Net(net_path, weights, caffe.TEST)
+got, want = [], {"ip1": [], "ip2": []}
+for _ in range(5):
+    got.append(read.forward()["data"].copy())
+    lenet.forward()
+    for blob in want:
+        want[blob].append(lenet.blobs[blob].data.copy())
+np.save(out + "read.npy", np.concatenate(got))
+for blob, parts in want.items():
+    np.save(out + blob + ".npy", np.concatenate(parts))
+"""
+
+
+def test_extract_features_writes_datums_caffes_data_layer_reads_with_pycaffes_values(fitted, tmp_path):
+    weights = fitted[0].stages[0].summary["weights"]
+    subset = str(tmp_path / "test250_lmdb")
+    lmdb_io.write_lmdb(subset, lmdb_io.read_records(TEST, 0, 250))
+    with pytest.raises(ConfigError, match=r"^--blobs: the net has no blob 'fc7'; its blobs are data, label, conv1"):
+        scoring.extract_features(LENET, weights, ["fc7"], [str(tmp_path / "x")], source=subset)
+    with pytest.raises(ConfigError, match=r"^2 blobs but 1 outputs"):
+        scoring.extract_features(LENET, weights, ["ip1", "ip2"], [str(tmp_path / "x")], source=subset)
+    session()
+    outputs = [str(tmp_path / "ip1_lmdb"), str(tmp_path / "ip2.parquet")]
+    written = scoring.extract_features(LENET, weights, ["ip1", "ip2"], outputs, source=subset,
+                                       backend="tensorflow")
+    assert written == {"ip1": 250, "ip2": 250}
+
+    net = open(os.path.join(LENET, "train_val.prototxt")).read()
+    net = net.replace('source: "data/fashion_mnist_test_lmdb"', f'source: "{subset}"').replace(
+        "batch_size: 100", "batch_size: 50")
+    (tmp_path / "lenet.prototxt").write_text(net)
+    out = subprocess.run([sys.executable, "-c", PYCAFFE_FEATURES, outputs[0], str(tmp_path / "lenet.prototxt"),
+                          weights, str(tmp_path) + "/"], capture_output=True, text=True,
+                         env={**os.environ, "GLOG_minloglevel": "2"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    read = np.load(tmp_path / "read.npy")  # our LMDB, through Caffe's own Data layer
+    pycaffe_ip1, pycaffe_ip2 = np.load(tmp_path / "ip1.npy"), np.load(tmp_path / "ip2.npy")
+    assert read.shape == (250, 500, 1, 1)
+    assert np.abs(read.reshape(250, 500) - pycaffe_ip1).max() <= 1e-4 * np.abs(pycaffe_ip1).max()
+    keys, values = zip(*reader(outputs[1]).read_records(outputs[1]))
+    assert list(keys) == [b"%010d" % i for i in range(250)]  # Caffe's keys: the record's index, 10 digits
+    ours = np.stack([decode_datum(v)[0] for v in values]).reshape(250, 10)
+    assert np.abs(ours - pycaffe_ip2).max() <= 1e-4 * np.abs(pycaffe_ip2).max()
+
+
+def test_the_params_are_the_schemas_fields_with_their_comments_and_defaults():
+    from deepspark.config import field_comments
+
+    estimator, model = DeepSparkEstimator(), DeepSparkModel()
+    for message, stages in ((pb.DeepSparkParameter, [estimator]), (pb.ScoreParameter, [estimator, model])):
+        comments = field_comments(message.DESCRIPTOR.name)
+        for field in message.DESCRIPTOR.fields:
+            if field.name in ("master", "executor_env", "ship_records"):
+                assert not estimator.hasParam(field.name)
+                continue
+            default = field.default_value if field.enum_type is None else \
+                field.enum_type.values_by_number[field.default_value].name.lower()
+            name = "".join(part if i == 0 else part.title() for i, part in enumerate(field.name.split("_")))
+            for stage in stages:
+                param = stage.getParam(name)
+                assert param.doc == comments[field.name] and stage.getOrDefault(param) == default, name
+    estimator.setMovingRate(0.3).setWorkers(3)
+    assert estimator.getMovingRate() == pytest.approx(0.3) and estimator.getWorkers() == 3
+    assert not estimator.isSet("period")  # left to the solver's prototxt
+
+
+def test_score_and_extract_features_refuse_bad_input_in_one_line_before_spark_starts(tmp_path, capsys):
+    from deepspark import cli
+
+    weights = str(tmp_path / "w.caffemodel")
+    open(weights, "wb").close()
+    assert cli.main(["score", "--model", LENET, "--weights", weights, "--data", str(tmp_path / "none")]) == 1
+    assert capsys.readouterr().err.strip().endswith(f"the dataset '{tmp_path / 'none'}' is not there")
+    assert cli.main(["score", "--model", os.path.join(LENET, "deploy.prototxt"), "--weights", weights]) == 1
+    assert "the net has 0 Data layers in its TEST phase" in capsys.readouterr().err
+    assert cli.main(["extract-features", "--model", LENET, "--weights", weights, "--blobs", "ip1",
+                     "--output", str(tmp_path / "f")]) == 1
+    assert capsys.readouterr().err.strip().endswith("this .caffemodel has no layers (V1 'layers' models need "
+                                                    "Caffe's upgrade tool)")

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import rules
 from . import protocol as P
-from .transport import Connection, apply_floats, byte_view, recv_applying, recv_exact, tune
+from .transport import Connection, apply_floats, byte_view, recv_applying, recv_exact, send_frame, tune
 
 log = logging.getLogger("deepspark.exchange.client")
 
@@ -389,7 +389,14 @@ class ExchangeClient:
 
     # ---- teardown -------------------------------------------------------------
 
+    def abort(self, code, reason):
+        """Leave with an ERROR frame that tells the server why (a diverged worker: E_DIVERGED), instead of BYE."""
+        self._leave(P.encode_error(code, reason, self.worker_id))
+
     def close(self):
+        self._leave(None)
+
+    def _leave(self, error):
         if self._closed:
             return
         if self._pending:
@@ -402,7 +409,10 @@ class ExchangeClient:
             self._cond.notify_all()
         if self._sock is not None:
             try:
-                self._conn.send(P.BYE)
+                if error is None:
+                    self._conn.send(P.BYE)
+                else:
+                    send_frame(self._conn.sock, error)
             except OSError:
                 pass
             self._drop()

@@ -43,9 +43,10 @@ E_FINGERPRINT = 3
 E_NONFINITE = 4
 E_TIMEOUT = 5
 E_SHUTDOWN = 6
+E_DIVERGED = 7  # client -> server: the worker's loss is no longer finite; it stops (the reason says where)
 ERROR_NAMES = {
     E_PROTOCOL: "protocol", E_AUTH: "authentication", E_FINGERPRINT: "fingerprint",
-    E_NONFINITE: "non-finite", E_TIMEOUT: "timeout", E_SHUTDOWN: "shutdown",
+    E_NONFINITE: "non-finite", E_TIMEOUT: "timeout", E_SHUTDOWN: "shutdown", E_DIVERGED: "diverged",
 }
 
 NONCE_SIZE = 32

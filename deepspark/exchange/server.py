@@ -302,7 +302,9 @@ class ExchangeServer:
                 log.info("worker %d left", wid)
                 return
             elif h.type == P.ERROR:
-                log.warning("worker %d sent an error: %s", wid, P.decode_error(conn.read_small(h.length)))
+                reason = P.decode_error(conn.read_small(h.length))
+                log.warning("worker %d sent an error: %s", wid, reason)
+                me["error"] = (h.flags, reason)  # for the driver's watch: a diverged worker stops the job
                 return
             elif h.type in (P.EXCHANGE, P.AVERAGE):
                 raise P.ProtocolError("%s from worker %d, but this is %s server"

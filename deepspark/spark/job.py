@@ -17,6 +17,7 @@ from deepspark.config import random_seed
 from deepspark.data import decode_datum, lmdb_io, source_shape
 from deepspark.data.parquet import COLUMNS, DATUM, is_parquet
 from deepspark.errors import ConfigError, DeepSparkError
+from deepspark.exchange.protocol import E_DIVERGED
 from deepspark.graph import Graph, layer_included
 from deepspark.log import Log
 from deepspark.plot import plot_history
@@ -459,6 +460,11 @@ class Job:
             stats = self.server.stats()
             progress.draw(stats)
             self.report_rejoins(stats, connections)
+            diverged = [s["error"][1] for _, s in sorted(stats.items()) if s.get("error", (0,))[0] == E_DIVERGED]
+            if diverged:  # stop at once: a retry from the center would diverge again at the same rate
+                self.sc.cancelAllJobs()
+                thread.join(CANCEL_SECONDS)
+                raise JobError(diverged[0])
             if len(stats) < self.workers and time.monotonic() > connect_deadline:
                 self.sc.cancelAllJobs()
                 thread.join(CANCEL_SECONDS)

@@ -27,6 +27,7 @@ from deepspark.backends import create_model
 from deepspark.config import load_net, net_path
 from deepspark.data import (DataError, Transformer, decode_datum, encode_datum, is_parquet, lmdb_io, load_mean,
                             peek_shape)
+from deepspark.data.datum import decode_datums
 from deepspark.data.parquet import is_uri, write_parquet, writes_parquet
 from deepspark.errors import ConfigError, DeepSparkError
 from deepspark.graph import Graph, fmt, layer_included, tap_name, with_batch_size, with_taps
@@ -118,19 +119,34 @@ class Forward:
             raise DataError(f"{what}: its image is {fmt(array.shape)}; the net takes {fmt(self.shape)}{crop}")
         return array, label
 
+    def images_of(self, items, transformer):
+        """(N x C x H x W images, N labels) of (what, value) items: Caffe's raw Datums of one size decoded
+        all at once (data.decode_datums), anything else one by one (image_of, which names a bad one)."""
+        values = [value for _, value in items]
+        if all(isinstance(value, bytes) for value in values):
+            try:
+                images, labels = decode_datums([None] * len(values), values)
+            except DataError:
+                pass  # a bad or odd record: the one-by-one path names it
+            else:
+                if transformer.output_shape(images.shape[1:]) == self.shape:
+                    return images, labels
+        pairs = [self.image_of(value, what, transformer) for what, value in items]
+        return np.stack([image for image, _ in pairs]), np.array([label for _, label in pairs], np.float32)
+
     def forward_batch(self, items, pad):
         """{output: array of the n records} of one batch of n <= batch_size (what, value) items. pad: fill a
         short batch up to batch_size (else run it at its own size)."""
         n = len(items)
         model, transformer = self.built(self.batch_size if pad or n == self.batch_size else n)
         size = self.batch_size if pad else n
-        pairs = [self.image_of(value, what, transformer) for what, value in items]
+        images, labels = self.images_of(items, transformer)
         batch = np.zeros((size,) + self.shape, np.float32)
-        transformer.apply(np.stack([image for image, _ in pairs]), out=batch[:n])
+        transformer.apply(images, out=batch[:n])
         feed = {self.image: batch}
         if self.label:
             feed[self.label] = np.zeros(size, np.float32)
-            feed[self.label][:n] = [label for _, label in pairs]
+            feed[self.label][:n] = labels
         outputs = model.forward(feed)
         return {name: outputs[name][:n] if size != n else outputs[name] for name in self.outputs}
 
@@ -161,12 +177,13 @@ def rows_with_outputs(forward, input_index, columns):
             outputs = forward.forward_batch(
                 [(f"DataFrame row {offset} of partition {partition}", row[input_index]) for offset, row in chunk],
                 pad=True)
+            n = len(chunk)
+            # Per column, a value per row: argmaxes as floats, or rows of the output as float64 vectors.
+            values = [outputs[name].reshape(n, -1).argmax(axis=1).astype(float).tolist() if kind == "prediction"
+                      else [DenseVector(v) for v in outputs[name].reshape(n, -1).astype(np.float64)]
+                      for kind, name in columns]
             for i, (_, row) in enumerate(chunk):
-                extra = []
-                for kind, name in columns:
-                    values = outputs[name][i].reshape(-1)
-                    extra.append(float(np.argmax(values)) if kind == "prediction" else DenseVector(values))
-                yield tuple(row) + tuple(extra)
+                yield tuple(row) + tuple(column[i] for column in values)
 
     return run
 

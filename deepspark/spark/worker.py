@@ -2,7 +2,9 @@
 
 import collections
 import dataclasses
+import functools
 import itertools
+import math
 import os
 import resource
 import shutil
@@ -13,11 +15,12 @@ import time
 import numpy as np
 
 import deepspark
-from deepspark import local
+from deepspark import local, schedule
 from deepspark.config import Solver
 from deepspark.data import DataError, encode_datum, lmdb_io
 from deepspark.errors import DeepSparkError, SourceMap
 from deepspark.exchange import ExchangeClient
+from deepspark.exchange.protocol import E_DIVERGED
 from deepspark.graph import fmt
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
@@ -240,6 +243,26 @@ class Spilled:
     ready_at: float  # when it was done (time.time())
 
 
+class Diverged(WorkerError):
+    """A worker's loss is no longer finite: the job stops rather than spread it (DESIGN's divergence rule)."""
+
+
+def check_finite(worker, client, trainer, loss):
+    """Trainer.on_step of a Spark worker: a worker whose loss became NaN or Inf stops before its parameters
+    reach the exchanger (which would refuse them); it tells the server why, in the one line the driver
+    stops the job with (a retry would diverge again at the same rate), and raises it."""
+    if math.isfinite(loss):
+        return
+    model = trainer.model
+    iteration = model.iter - 1  # the step that made the loss; the model has counted it
+    rate = schedule.learning_rate(model.solver_param, iteration, model.current_step)[0]
+    line = (f"worker {worker} diverged at iteration {iteration}: its loss is {loss} at learning rate {rate:g}; "
+            f"lower base_lr (or set clip_gradients) and resume from the last snapshot")
+    if client is not None:
+        client.abort(E_DIVERGED, line)
+    raise Diverged(line)
+
+
 def build(worker, payload, task):
     """Spill the shard and build the worker's Trainer: (trainer, shard path, Spilled)."""
     set_threads(task.threads)
@@ -250,6 +273,7 @@ def build(worker, payload, task):
         # The log goes to the executor's stderr, which Spark keeps in the executor's log.
         trainer = local.trainer(task.solver_for(shard_path), Log(progress=False), seed_offset=worker,
                                 threads=task.threads, evaluate=False)
+        trainer.on_step = functools.partial(check_finite, worker, None)  # until it joins the center
     except BaseException:
         shutil.rmtree(shard_path, ignore_errors=True)
         raise
@@ -278,6 +302,7 @@ def run(worker, items, task, train, timeout):
     model = trainer.model
     try:
         client, params = join_center(worker, task, model, timeout)
+        trainer.on_step = functools.partial(check_finite, worker, client)
         start_iter, started = model.iter, time.monotonic()
         loss, extra = train(trainer, client, params)
         summary = Summary.here(worker, train_seconds=time.monotonic() - started, iterations=model.iter - start_iter,

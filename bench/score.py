@@ -1,0 +1,160 @@
+"""Scoring on Spark (#12): images/s of DeepSparkModel.transform on 2 executors against a single-process forward
+of the same net and batches, in the same run, and the one-time cost of building the net in a Python worker.
+
+The data is real: the Fashion-MNIST training set's 60,000 Datums (`make data`), as a cached DataFrame of Datum
+bytes in 4 partitions on local[2]. The weights are LeNet's fillers (throughput does not depend on them). The
+transform is run once to build the net in each Python worker (that run's builds and their seconds are the
+build cost), then timed over `--repeats` runs, each collecting its prediction column; the baseline decodes,
+transforms (scale) and forwards the same records in the same batches in this process with the backend's
+threads on every core. The forward pass alone, at one thread and at every core (each in a process of its
+own), bounds what two one-thread executors can gain over that process: `compute_ceiling_ratio`. One JSON
+line per backend and batch size:
+
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/score.py [--backends tensorflow,caffe]
+"""
+
+import argparse
+import itertools
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import _results  # noqa: E402  (bench/_results.py)
+
+from deepspark import checkpoint, fillers  # noqa: E402
+from deepspark.backends import create_model  # noqa: E402
+from deepspark.config import load_net  # noqa: E402
+from deepspark.data import Transformer, lmdb_io  # noqa: E402
+from deepspark.data.datum import decode_datums  # noqa: E402
+from deepspark.graph import Graph, with_batch_size  # noqa: E402
+from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
+
+DEPLOY = os.path.join(ROOT, "models", "lenet", "deploy.prototxt")
+DATA = os.path.join(ROOT, "data", "fashion_mnist_train_lmdb")
+SCALE = "scale: 0.00390625"
+TARGET = 1.5
+
+
+def built(backend, batch_size, threads):
+    net = with_batch_size(load_net(DEPLOY)[0], batch_size)
+    model = create_model(backend, net, phase=pb.TEST, threads=threads)
+    model.set_params(fillers.init_params(Graph(net, pb.TEST), 1))
+    return model
+
+
+def single_process(backend, datums, batch_size, threads):
+    """Images/s of one process's forward of the deploy net over `datums`, batch by batch, with the decode
+    (all of a batch's Datums at once) and transform_param the transform does; the build and the first
+    (compiling) batch are not timed."""
+    model = built(backend, batch_size, threads)
+    transformer = Transformer(pb.TransformationParameter(scale=0.00390625), pb.TEST)
+    try:
+        model.forward({"data": np.zeros((batch_size, 1, 28, 28), np.float32)})
+        started = time.monotonic()
+        for start in range(0, len(datums), batch_size):
+            images, _ = decode_datums([None] * len(datums[start:start + batch_size]), datums[start:start + batch_size])
+            batch = np.zeros((batch_size,) + images.shape[1:], np.float32)
+            transformer.apply(images, out=batch[:len(images)])
+            model.forward({"data": batch})
+        return len(datums) / (time.monotonic() - started)
+    finally:
+        model.close()
+
+
+def in_process_of_its_own(call, threads):
+    """The float `call` (an expression over this module, `score`) prints, run in a new Python process with
+    `threads` compute threads: TensorFlow fixes its thread pools once per process, OpenBLAS at its load."""
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import score; "
+            f"print(score.{call})")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def forward_only(backend, batch_size, threads, batches=300):
+    """Images/s of the forward pass alone (one batch, again and again) at `threads` compute threads."""
+    model = built(backend, batch_size, threads)
+    batch = {"data": np.zeros((batch_size, 1, 28, 28), np.float32)}
+    try:
+        model.forward(batch)
+        started = time.monotonic()
+        for _ in range(batches):
+            model.forward(batch)
+        return batches * batch_size / (time.monotonic() - started)
+    finally:
+        model.close()
+
+
+def single_process_of_the_dataset(backend, batch_size, threads):
+    return single_process(backend, [bytes(v) for _, v in lmdb_io.read_records(DATA)], batch_size, threads)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="tensorflow,caffe")
+    parser.add_argument("--batch-sizes", default="64", help="comma-separated; 64 is the deploy net's")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=_results.results_path("score"))
+    args = parser.parse_args()
+    from deepspark.ml import DeepSparkModel  # deferred: pyspark
+    from deepspark.spark.session import spark_session
+
+    datums = [bytes(v) for _, v in lmdb_io.read_records(DATA)]
+    spark, _ = spark_session(pb.DeepSparkParameter(), 2)
+    frame = spark.createDataFrame([(d,) for d in datums], "datum binary").repartition(4).cache()
+    frame.count()
+    with tempfile.TemporaryDirectory() as folder:
+        weights = os.path.join(folder, "lenet.caffemodel")
+        graph = Graph(load_net(DEPLOY)[0], pb.TEST)
+        checkpoint.save_caffemodel(weights, graph, fillers.init_params(graph, 1))
+        for backend, batch_size in itertools.product(args.backends.split(","), map(int, args.batch_sizes.split(","))):
+            model = DeepSparkModel.from_caffe(DEPLOY, weights, transform=SCALE, backend=backend, inputCol="datum",
+                                              batchSize=batch_size)
+            warm = time.monotonic()
+            model.transform(frame).select("prediction").collect()
+            warm = time.monotonic() - warm
+            builds, build_seconds = model.counters[0].value, model.counters[1].value
+            times = []
+            for _ in range(args.repeats):
+                started = time.monotonic()
+                rows = model.transform(frame).select("prediction").collect()
+                times.append(time.monotonic() - started)
+            assert len(rows) == len(datums)
+            spark_rate = len(datums) / statistics.median(times)
+            cores = os.cpu_count()
+            # The baseline at the backend's threads on every core (how one process runs by default), and
+            # at one thread (Caffe's OpenBLAS is faster so here): each process of its own.
+            single = {n: in_process_of_its_own(f"single_process_of_the_dataset({backend!r}, {batch_size}, {n})", n)
+                      for n in (cores, 1)}
+            single_rate = single[cores]
+            # What two one-thread workers could do at best against one process on every core: the
+            # forward pass alone, no data, no Spark.
+            one, every = (in_process_of_its_own(f"forward_only({backend!r}, {batch_size}, {n})", n)
+                          for n in (1, cores))
+            _results.emit({
+                "bench": "score", "backend": backend, "net": "lenet", "images": len(datums),
+                "batch_size": batch_size, "executors": 2, "partitions": frame.rdd.getNumPartitions(),
+                "transform_images_per_s": round(spark_rate, 1), "single_process_images_per_s": round(single_rate, 1),
+                "single_process_one_thread_images_per_s": round(single[1], 1),
+                "ratio": round(spark_rate / single_rate, 3), "target_ratio": TARGET,
+                "ratio_vs_best_single_process": round(spark_rate / max(single.values()), 3),
+                "forward_only_images_per_s": {"1_thread": round(one, 1), f"{cores}_threads": round(every, 1)},
+                "compute_ceiling_ratio": round(2 * one / every, 3),
+                "meets_target": spark_rate / max(single.values()) >= TARGET, "repeats": args.repeats,
+                "transform_seconds": [round(t, 3) for t in times], "first_transform_seconds": round(warm, 3),
+                "python_worker_builds": builds, "build_seconds_per_worker": round(build_seconds / max(builds, 1), 3),
+                "data": "Fashion-MNIST training set (real), fillers' weights",
+            }, args.out)
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
