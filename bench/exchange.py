@@ -95,8 +95,8 @@ def _pickle_server(n, pipe):
         pass
 
 
-def _easgd_server(n, pipe):
-    server = ExchangeServer(np.zeros(n, dtype=np.float32), SECRET, EasgdHandler(ALPHA)).start()
+def _easgd_server(n, pipe, integrity=True):
+    server = ExchangeServer(np.zeros(n, dtype=np.float32), SECRET, EasgdHandler(ALPHA), integrity=integrity).start()
     pipe.send(server.address[1])
     pipe.recv()  # until told to stop
     pipe.send(server.exchanges)
@@ -127,9 +127,9 @@ def _pinned(target, cpus, *args):
     target(*args)
 
 
-def _spawn(target, n):
+def _spawn(target, n, *extra):
     ours, theirs = mp.Pipe()
-    proc = mp.Process(target=_pinned, args=(target, CPUS and CPUS[1], n, theirs), daemon=True)
+    proc = mp.Process(target=_pinned, args=(target, CPUS and CPUS[1], n, theirs, *extra), daemon=True)
     proc.start()
     return proc, ours, ours.recv()
 
@@ -176,13 +176,25 @@ def roundtrips(n, seconds, reps):
     def exchange_rt():
         client.exchange(xe)
 
-    procs = [echo_proc, pk_proc, ex_proc]
-    rates = {"echo": [], "exchange": [], "pickle": []}
+    # The same exchange without its integrity tags (exchange_integrity: false), to price them.
+    plain_proc, plain_pipe, port = _spawn(_easgd_server, n, False)
+    plain = ExchangeClient((HOST, port), SECRET, 0, integrity=False)
+    xq = x.copy()
+
+    def plain_rt():
+        plain.exchange(xq)
+
+    procs = [echo_proc, pk_proc, ex_proc, plain_proc]
+    rates = {"echo": [], "exchange": [], "plain": [], "pickle": []}
     for _ in range(reps):  # interleaved so drift on a shared machine hits all alike
         rates["echo"].append(_rate(echo_rt, seconds, 2000))
         rates["exchange"].append(_rate(exchange_rt, seconds, 2000))
+        rates["plain"].append(_rate(plain_rt, seconds, 2000))
         rates["pickle"].append(_rate(pickle_rt, seconds, 2000, min_rounds=2))
     client.close()
+    plain.close()
+    plain_pipe.send("stop")
+    plain_pipe.recv()
     echo.close()
     pk.close()
     ex_pipe.send("stop")
@@ -195,10 +207,13 @@ def roundtrips(n, seconds, reps):
     # Ratios within each interleaved repetition cancel most of the machine's drift.
     ratio = statistics.median(e / b for e, b in zip(rates["exchange"], rates["echo"]))
     speedup = statistics.median(e / b for e, b in zip(rates["exchange"], rates["pickle"]))
+    sealed = statistics.median(e / b for e, b in zip(rates["exchange"], rates["plain"]))
     return {
         "figure": "roundtrip", "floats": n, "megabytes": round(4 * n / 1e6, 2),
         "exchange_rt_per_s": round(med["exchange"], 2),
         "echo_rt_per_s": round(med["echo"], 2),
+        "plain_rt_per_s": round(med["plain"], 2),
+        "ratio_sealed_vs_plain": round(sealed, 3),
         "pickle_rt_per_s": round(med["pickle"], 2),
         "ratio_vs_echo": round(ratio, 3),
         "speedup_vs_pickle": round(speedup, 2),
@@ -208,7 +223,7 @@ def roundtrips(n, seconds, reps):
 
 
 def _throughput_client(port, wid, n, seconds, barrier, queue):
-    client = ExchangeClient((HOST, port), SECRET, wid)
+    client = ExchangeClient((HOST, port), SECRET, wid, integrity=False)  # as the selectors baseline speaks
     x = np.random.default_rng(wid).standard_normal(n).astype(np.float32)
     client.exchange(x)
     barrier.wait()
@@ -242,7 +257,8 @@ class SelectorsServer:
         self.listener, self.port = _listen()
         self.center = np.zeros(n, dtype=np.float32)
         self.exchanges = 0
-        self._handshaker = ExchangeServer(self.center, SECRET, EasgdHandler(ALPHA))  # never started: its handshake only
+        # Never started: its handshake only (untagged frames after it: the selectors loop reads plain frames).
+        self._handshaker = ExchangeServer(self.center, SECRET, EasgdHandler(ALPHA), integrity=False)
 
     def stop(self):
         self.listener.close()
@@ -347,9 +363,10 @@ class SelectorsServer:
 
 
 def throughput(n, workers, seconds, server="threads"):
-    """Exchanges/s of `workers` client processes against a thread-per-connection or a selectors server."""
+    """Exchanges/s of `workers` client processes against a thread-per-connection or a selectors server, both
+    speaking untagged frames (exchange_integrity off: like for like with the hand-written baseline)."""
     if server == "threads":
-        srv = ExchangeServer(np.zeros(n, dtype=np.float32), SECRET, EasgdHandler(ALPHA)).start()
+        srv = ExchangeServer(np.zeros(n, dtype=np.float32), SECRET, EasgdHandler(ALPHA), integrity=False).start()
         port = srv.address[1]
     else:
         srv = SelectorsServer(n)
@@ -389,13 +406,13 @@ def _numpy_compute(seconds):
     return step
 
 
-def overlap(n, step_seconds, steps, compute):
-    proc, pipe, port = _spawn(_easgd_server, n)
-    client = ExchangeClient((HOST, port), SECRET, 0)
+def overlap(n, step_seconds, steps, compute, integrity=True):
+    proc, pipe, port = _spawn(_easgd_server, n, integrity)
+    client = ExchangeClient((HOST, port), SECRET, 0, integrity=integrity)
     params = np.random.default_rng(2).standard_normal(n).astype(np.float32)
     step = (lambda: time.sleep(step_seconds)) if compute == "sleep" else _numpy_compute(step_seconds)
     out = {"figure": "overlap", "floats": n, "compute": compute, "compute_ms": step_seconds * 1e3,
-           "period": 1, "steps": steps}
+           "period": 1, "steps": steps, "integrity": integrity}
     for mode in ("overlapped", "blocking"):
         client.exchange(params)
         blocked0, t0 = client.blocked_seconds, time.perf_counter()
@@ -462,7 +479,8 @@ def main(argv=None):
                 emit(throughput(SIZES["lenet"], w, 3 * args.seconds, server))
     if "overlap" in only:
         for compute in ("sleep", "numpy"):
-            emit(overlap(SIZES["lenet"], 0.010, args.steps, compute))
+            for integrity in (True, False):
+                emit(overlap(SIZES["lenet"], 0.010, args.steps, compute, integrity))
 
 
 if __name__ == "__main__":

@@ -198,6 +198,19 @@ def cmd_plot(args):
     return 0
 
 
+def forward_job(verbs, name, help_text, data):
+    """A verb that runs a trained net forward on Spark's executors: its net, weights, data and Spark flags."""
+    verb = verbs.add_parser(name, help=help_text)
+    verb.add_argument("--model", required=True, help="a net .prototxt with one Data layer in its TEST phase "
+                                                     "(train_val.prototxt), or a model folder")
+    verb.add_argument("--weights", required=True, help="trained .caffemodel")
+    verb.add_argument("--data", help=f"{data}: an LMDB, or Parquet at any URI Spark reads (default: the Data "
+                                     "layer's source)")
+    verb.add_argument("--batch-size", type=positive, help="records per forward pass (default: the Data layer's)")
+    add_fields(verb, pb.DeepSparkParameter, SPARK_FIELDS)
+    return verb
+
+
 def parser():
     top = Parser(
         prog="deepspark", description="Train Caffe-defined networks on Spark with asynchronous EASGD.")
@@ -244,28 +257,16 @@ def parser():
     saved.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     saved.set_defaults(run=cmd_export)
 
-    scoring = verbs.add_parser("score", help="Caffe's test over a whole dataset, on Spark's executors: the mean of "
-                                             "every output of the net's TEST phase")
-    scoring.add_argument("--model", required=True, help="a net .prototxt with one Data layer in its TEST phase "
-                                                        "(train_val.prototxt), or a model folder")
-    scoring.add_argument("--weights", required=True, help="trained .caffemodel")
-    scoring.add_argument("--data", help="the LMDB or Parquet dataset to score (default: the Data layer's source)")
-    scoring.add_argument("--batch-size", type=positive, help="records per forward pass (default: the Data layer's)")
-    add_fields(scoring, pb.DeepSparkParameter, SPARK_FIELDS)
+    scoring = forward_job(verbs, "score", "Caffe's test over a whole dataset, on Spark's executors: the mean of "
+                                          "every output of the net's TEST phase", "the dataset to score")
     scoring.set_defaults(run=cmd_score)
 
-    features = verbs.add_parser("extract-features", help="Caffe's extract_features on Spark's executors: blobs of "
-                                                         "a net for every record of a dataset, as Datums")
-    features.add_argument("--model", required=True, help="a net .prototxt with one Data layer in its TEST phase, "
-                                                         "or a model folder")
-    features.add_argument("--weights", required=True, help="trained .caffemodel")
+    features = forward_job(verbs, "extract-features", "Caffe's extract_features on Spark's executors: blobs of a "
+                                                      "net for every record of a dataset, as Datums", "the dataset to read")
     features.add_argument("--blobs", required=True, help="blob names, comma-separated (ip1,ip2)")
     features.add_argument("--output", required=True, help="one dataset per blob, comma-separated: an LMDB, or "
                                                           "Parquet for a name ending in .parquet")
-    features.add_argument("--data", help="the LMDB or Parquet dataset to read (default: the Data layer's source)")
-    features.add_argument("--batch-size", type=positive, help="records per forward pass (default: the Data layer's)")
     features.add_argument("--overwrite", action="store_true", help="replace an output that exists")
-    add_fields(features, pb.DeepSparkParameter, SPARK_FIELDS)
     features.set_defaults(run=cmd_extract_features)
 
     describe = verbs.add_parser("describe", help="layers, shapes and parameter counts of a net")

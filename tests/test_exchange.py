@@ -1,5 +1,6 @@
 """ParameterExchanger over real loopback sockets: arithmetic, EASGD convergence, overlap, rejoin, and every bad input."""
 
+import contextlib
 import logging
 import socket
 import threading
@@ -523,3 +524,102 @@ def test_ready_says_when_an_overlapped_result_has_arrived():
         assert client.ready and client.poll(params) and not client.ready
         assert np.allclose(params, 0.5)
         client.close()
+
+
+# ---- a man in the middle on loopback -----------------------------------------------------------
+
+class BitFlipper:
+    """A TCP relay between a client and the server that flips one bit of the first connection's stream
+    in one direction, at byte `offset` of that direction (a man in the middle who rewrites a frame)."""
+
+    def __init__(self, target, direction, offset):
+        self.target, self.direction, self.offset = target, direction, offset
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                near, _ = self.listener.accept()
+            except OSError:
+                return
+            far = socket.create_connection(self.target)
+            first = self.connections == 0
+            self.connections += 1
+            for src, dst, way in ((near, far, "c2s"), (far, near, "s2c")):
+                flip = self.offset if first and way == self.direction else None
+                threading.Thread(target=self._relay, args=(src, dst, flip), daemon=True).start()
+
+    @staticmethod
+    def _relay(src, dst, flip):
+        seen = 0
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if flip is not None and seen <= flip < seen + len(data):
+                    data = bytearray(data)
+                    data[flip - seen] ^= 0x10
+                seen += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self):
+        self.listener.close()
+
+
+def handshake_bytes(direction):
+    """Bytes a client sends (c2s) or receives (s2c) in the handshake, before its first sealed frame."""
+    fingerprint = P.fingerprint(P.normalize_shapes(SHAPES))
+    if direction == "c2s":  # HELLO, AUTH
+        return 2 * P.HEADER_SIZE + P.NONCE_SIZE + P.PROOF_SIZE + len(fingerprint)
+    return 2 * P.HEADER_SIZE + P.NONCE_SIZE + P.PROOF_SIZE  # CHALLENGE, WELCOME
+
+
+@pytest.mark.parametrize("consistent", [True, False], ids=["locked", "lock-free"])
+def test_a_bit_flipped_in_an_exchange_frame_is_refused_and_the_center_stays_bit_identical(consistent):
+    # Lock-free (the default) computes d slice by slice as x arrives, and checks the tag once x is in.
+    server = ExchangeServer(make_center(), SECRET, EasgdHandler(0.5, consistent=consistent), shapes=SHAPES).start()
+    before = server.pull()
+    # A bit in the middle of the first EXCHANGE frame's payload, after the handshake.
+    relay = BitFlipper(server.address, "c2s", handshake_bytes("c2s") + P.HEADER_SIZE + 2 * N)
+    try:
+        client = ExchangeClient(relay.address, SECRET, 5, shapes=SHAPES)
+        x = np.full(N, 3.0, dtype=np.float32)
+        assert client.exchange(x, 1) == "reset"  # refused; it rejoined and took the center
+        assert bits(x) == bits(before) and client.reconnects == 1
+        assert bits(server.pull()) == bits(before)  # the tampered frame moved nothing
+        assert any("integrity" in reason for _, reason in server.refused)
+        assert client.exchange(x, 2) == "applied"  # the new connection is not tampered with
+        client.close()
+    finally:
+        relay.close()
+        server.stop()
+
+
+def test_a_bit_flipped_in_a_reply_is_caught_by_the_worker_which_rejoins_from_the_center(server):
+    relay = BitFlipper(server.address, "s2c", handshake_bytes("s2c") + P.HEADER_SIZE + 2 * N)
+    try:
+        client = ExchangeClient(relay.address, SECRET, 6, shapes=SHAPES)
+        x = np.full(N, 3.0, dtype=np.float32)
+        assert client.exchange(x, 1) == "reset"  # its d failed the check: x is the center, not x - bad d
+        assert client.reconnects == 1 and bits(x) == bits(server.pull())
+        client.close()
+    finally:
+        relay.close()
+
+
+def test_a_frame_replayed_on_its_connection_does_not_verify():
+    sealer, again = P.Sealer(b"k" * 32), P.Sealer(b"k" * 32)
+    header = P.encode_header(P.REPORT, 1, iteration=3)
+    first = sealer.begin(header).digest()
+    assert again.begin(header).digest() == first  # the same frame, the same place: the same tag
+    assert sealer.begin(header).digest() != first  # the same frame once more: the next sequence number

@@ -279,6 +279,9 @@ def test_a_standalone_cluster_runs_a_task_on_each_worker_from_a_packed_environme
                              "--executor-env", str(env))
     assert status == 0, log[-3000:]
     assert f"on {master} with 2 workers" in log
+    # This cluster runs without spark.authenticate: the job says once that its secret is readable, and how to fix it.
+    assert log.count(f"{master}: Spark's RPC is not authenticated and encrypted, so the exchange secret travels") == 1
+    assert "spark.authenticate=true" in log and "spark.network.crypto.enabled=true" in log
     places = re.findall(r"Worker \d on \S+ \(in ([^,)]*), deepspark from ([^)]*)\)", log)
     assert len(places) == 2, log[-3000:]
     assert {os.path.relpath(cwd, cluster).split(os.sep)[0] for cwd, _ in places} == {"work-1", "work-2"}

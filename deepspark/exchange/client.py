@@ -10,14 +10,15 @@ import numpy as np
 
 from .. import rules
 from . import protocol as P
-from .transport import Connection, apply_floats, byte_view, recv_applying, recv_exact, send_frame, tune
+from .transport import Connection, apply_floats, byte_view, recv_applying, tune
 
 log = logging.getLogger("deepspark.exchange.client")
 
 APPLIED = "applied"  # the elastic difference was applied
 RESET = "reset"      # parameters were replaced by the center (non-finite refusal or rejoin)
-# Refusals that only mean "this connection is over": the worker rejoins.
-_CONNECTION_LOST = (P.E_TIMEOUT, P.E_SHUTDOWN)
+# Refusals that only mean "this connection is over": the worker rejoins (a frame changed on the way,
+# by a bad network or someone on it, ends that connection; a new one is authenticated again).
+_CONNECTION_LOST = (P.E_TIMEOUT, P.E_SHUTDOWN, P.E_INTEGRITY)
 
 
 class NonFiniteError(P.RefusedError):
@@ -34,11 +35,13 @@ class ExchangeClient:
     timeout      seconds to wait on the server before treating the connection as lost
     retries      connection attempts (with exponential back-off from `backoff` to `max_backoff`)
     on_nonfinite "reset": replace the parameters with the center; "raise": NonFiniteError
+    integrity    as the server's: tagged frames after the handshake (a reply that fails its tag ends the
+                 connection; the worker rejoins and resets from the center)
     """
 
     def __init__(self, address, secret, worker_id, *, shapes=None, timeout=120.0,
                  connect_timeout=10.0, retries=8, backoff=0.05, max_backoff=2.0,
-                 on_nonfinite="reset", chunk=None):
+                 on_nonfinite="reset", chunk=None, integrity=True):
         if on_nonfinite not in ("reset", "raise"):
             raise ValueError("on_nonfinite must be 'reset' or 'raise'")
         if isinstance(address, str):
@@ -57,6 +60,7 @@ class ExchangeClient:
         self.max_backoff = max_backoff
         self.on_nonfinite = on_nonfinite
         self._chunk = chunk
+        self.integrity = bool(integrity)  # as the server's: tag every frame after the handshake
         self._conn = None  # made at the first connect; its buffer is also the overlapped snapshot
         self._closed = False
         # overlapped mode
@@ -116,6 +120,7 @@ class ExchangeClient:
     def _open(self):
         conn = self._conn
         sock = conn.sock = socket.create_connection(self.address, timeout=self.connect_timeout)
+        conn.unseal()  # a new socket: its handshake is untagged
         tune(sock)
         wid = self.worker_id
         nonce = P.new_nonce()
@@ -139,6 +144,9 @@ class ExchangeClient:
             raise P.ProtocolError("expected WELCOME, got %s" % P.TYPE_NAMES[h.type])
         self.server_iteration = h.iteration
         self.resume_iteration = h.iteration
+        if self.integrity:
+            c2s, s2c = P.session_keys(self._secret, nonce, server_nonce, wid)
+            conn.seal(send_key=c2s, recv_key=s2c)
         sock.settimeout(self.timeout)
 
     def _read_header(self, model_bytes):
@@ -210,12 +218,17 @@ class ExchangeClient:
             raise P.ProtocolError("expected DIFF, got %s" % P.TYPE_NAMES[h.type])
         self.server_iteration = h.iteration
         if apply_to is None:
-            recv_exact(conn.sock, conn.view)
+            conn.read_payload(conn.view)
         else:
+            view = conn.view
+
             def apply(start, end):
+                conn.absorb(view[4 * start:4 * end])
                 rules.apply_to_worker(apply_to[start:end], buf[start:end])
-            # x −= d slice by slice while the rest of d is still arriving.
-            recv_applying(conn.sock, conn.view, apply, self._apply_step)
+            # x −= d slice by slice while the rest of d is still arriving; a d that fails its check
+            # (ProtocolError) makes the round trip rejoin and reset x from the center.
+            recv_applying(conn.sock, view, apply, self._apply_step)
+            conn.verify()
         self.exchanges += 1
         return APPLIED
 
@@ -224,7 +237,7 @@ class ExchangeClient:
         h = self._read_header(4 * out.size)
         if h.type != P.CENTER:
             raise P.ProtocolError("expected CENTER, got %s" % P.TYPE_NAMES[h.type])
-        recv_exact(self._sock, byte_view(out))
+        self._conn.read_payload(byte_view(out))
         self.server_iteration = h.iteration
         return out
 
@@ -261,7 +274,7 @@ class ExchangeClient:
             h = self._read_header(4 * params.size)
             if h.type != P.CENTER:
                 raise P.ProtocolError("expected CENTER, got %s" % P.TYPE_NAMES[h.type])
-            recv_exact(self._sock, byte_view(params))
+            self._conn.read_payload(byte_view(params))
             self.server_iteration = h.iteration
             self.exchanges += 1
         finally:
@@ -412,7 +425,7 @@ class ExchangeClient:
                 if error is None:
                     self._conn.send(P.BYE)
                 else:
-                    send_frame(self._conn.sock, error)
+                    self._conn.send_frame_bytes(error)
             except OSError:
                 pass
             self._drop()

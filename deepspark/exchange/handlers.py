@@ -98,6 +98,7 @@ class EasgdHandler(Handler):
             # Lock-free, x̃ is read while other workers add to it, as in the paper's asynchronous variant.
             nonlocal finite
             span = self.span if end == n else step  # all of x is in: the rest in as few calls as the scratch allows
+            conn.absorb(view[4 * start:4 * end])  # the tag's input: x as it arrived, before d overwrites it
             for lo in range(start, end, span):
                 hi = min(lo + span, end)
                 seg = buf[lo:hi]
@@ -110,13 +111,14 @@ class EasgdHandler(Handler):
         with self.lock:
             # d = α(x − x̃) slice by slice as x arrives, in its receive buffer.
             recv_applying(sock, view, difference, step, len(view) if self.consistent else 0)
+            conn.verify()  # a frame changed on the way ends here: nothing has touched the center
             if not finite:
                 # Nothing has touched the center yet: refuse, keep the connection.
                 server.count(wid, "refused_nonfinite")
                 reason = ("worker %d sent NaN or Inf parameters at iteration %d; reset from the center"
                           % (wid, h.iteration))
                 log.warning(reason)
-                sock.sendall(P.encode_error(P.E_NONFINITE, reason, wid))
+                conn.send_frame_bytes(P.encode_error(P.E_NONFINITE, reason, wid))
                 return
             # Committed: counted before the reply so that a worker never sees its
             # exchange done before the server's books do.
@@ -131,7 +133,7 @@ class EasgdHandler(Handler):
         if span >= n:
             # Reply first, then add d to x̃: the add overlaps the worker's own
             # x −= d. This worker's next frame is read only after the add.
-            conn.send(P.DIFF, view, iteration=count)
+            conn.send(P.DIFF, view, iteration=count, tag_after=True)
             rules.apply_to_center(center, buf, self.server_factor, scratch)
             return
         # Big models: add and send slice by slice so the worker applies while we add.
@@ -141,7 +143,8 @@ class EasgdHandler(Handler):
             if start == 0:
                 conn.send(P.DIFF, view[:4 * end], iteration=count, length=len(view))
             else:
-                conn.sock.sendall(view[4 * start:4 * end])
+                conn.send_more(view[4 * start:4 * end])
+        conn.end_frame()
 
 
 class _Round:
@@ -201,7 +204,7 @@ class RoundsHandler(Handler):
     def serve(self, conn, h):
         """Add x to the round of its iteration; once all N are in, every worker gets their mean."""
         wid = conn.worker_id
-        recv_exact(conn.sock, conn.view)
+        conn.read_payload(conn.view)
         if not rules.all_finite(conn.buf):
             # A round cannot go on without this worker's parameters: it fails for everyone.
             raise P.Refusal(P.E_NONFINITE, "worker %d sent NaN or Inf parameters at iteration %d; "
@@ -237,7 +240,7 @@ class RoundsHandler(Handler):
                 raise P.Refusal(P.E_TIMEOUT, rnd.failure)
             # The center changes again only when a round completes, which needs this
             # worker's next frame: sending it outside the lock is safe (and so is a PULL's).
-        conn.send(P.CENTER, byte_view(self.center), iteration=h.iteration)
+        conn.send(P.CENTER, byte_view(self.center), iteration=h.iteration, tag_after=True)
 
     def left(self, worker_id):
         """An open round it is in, or that waits for it, can never complete."""

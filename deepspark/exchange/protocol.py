@@ -8,7 +8,7 @@ import struct
 from collections import namedtuple
 
 MAGIC = b"DSPX"
-VERSION = 1
+VERSION = 2  # 2: every frame after the handshake carries an integrity tag
 
 # magic, version, type, flags, worker id, iteration, payload length (bytes), value.
 # `value` carries the loss on EXCHANGE, AVERAGE and REPORT so progress needs no extra frame;
@@ -44,13 +44,16 @@ E_NONFINITE = 4
 E_TIMEOUT = 5
 E_SHUTDOWN = 6
 E_DIVERGED = 7  # client -> server: the worker's loss is no longer finite; it stops (the reason says where)
+E_INTEGRITY = 8  # a sealed frame failed its tag: the connection ends (the worker rejoins on a new one)
 ERROR_NAMES = {
     E_PROTOCOL: "protocol", E_AUTH: "authentication", E_FINGERPRINT: "fingerprint",
     E_NONFINITE: "non-finite", E_TIMEOUT: "timeout", E_SHUTDOWN: "shutdown", E_DIVERGED: "diverged",
+    E_INTEGRITY: "integrity",
 }
 
 NONCE_SIZE = 32
 PROOF_SIZE = 32  # HMAC-SHA256
+TAG_SIZE = 32  # HMAC-SHA256 of a sealed frame
 MAX_ERROR_BYTES = 1024
 MAX_FINGERPRINT_BYTES = 64 * 1024
 MAX_DIMS = 32
@@ -76,6 +79,12 @@ class ProtocolError(Exception):
     """A frame that breaks the protocol; the connection cannot go on."""
 
     code = E_PROTOCOL
+
+
+class IntegrityError(ProtocolError):
+    """A sealed frame whose tag does not match: changed on the way, or not from the authenticated peer."""
+
+    code = E_INTEGRITY
 
 
 class Refusal(Exception):
@@ -172,6 +181,33 @@ def client_proof(secret, client_nonce, server_nonce, worker_id, fingerprint_byte
 
 def proofs_match(a, b):
     return hmac.compare_digest(bytes(a), bytes(b))
+
+
+def session_keys(secret, client_nonce, server_nonce, worker_id):
+    """(client-to-server key, server-to-client key) of one connection: bound to the job's secret and
+    both nonces of its handshake, so no other connection's frames (or this one's replayed the other
+    way) verify."""
+    tail = client_nonce + server_nonce + struct.pack("<I", worker_id)
+    return (hmac.new(secret, b"DSPX-key-c2s" + tail, hashlib.sha256).digest(),
+            hmac.new(secret, b"DSPX-key-s2c" + tail, hashlib.sha256).digest())
+
+
+class Sealer:
+    """The tags of one direction of a sealed connection: HMAC-SHA256(key, sequence || header || payload),
+    the sequence counting that direction's frames from 0, so that a frame dropped, replayed or
+    reordered does not verify either."""
+
+    def __init__(self, key):
+        self._keyed = hmac.new(key, digestmod=hashlib.sha256)  # copied per frame: the key is set up once
+        self.sequence = 0
+
+    def begin(self, header):
+        """The MAC of the next frame, fed its sequence number and header; the caller feeds the payload."""
+        mac = self._keyed.copy()
+        mac.update(struct.pack("<Q", self.sequence))
+        mac.update(header)
+        self.sequence += 1
+        return mac
 
 
 # ---- model fingerprint -----------------------------------------------------

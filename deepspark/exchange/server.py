@@ -29,10 +29,12 @@ class ExchangeServer:
     idle_timeout  seconds an authenticated worker may stay silent before it is dropped (set it
                   above the longest expected period; a dropped worker rejoins from x̃)
     handshake_timeout  seconds a new connection has to complete the handshake
+    integrity     tag every frame after the handshake and refuse one whose tag fails (the
+                  center untouched); the workers' clients must say the same
     """
 
     def __init__(self, center, secret, handler, host="127.0.0.1", port=0, *, shapes=None,
-                 resume_iteration=0, idle_timeout=3600.0, handshake_timeout=10.0):
+                 resume_iteration=0, idle_timeout=3600.0, handshake_timeout=10.0, integrity=True):
         center = np.asarray(center)
         if not np.issubdtype(center.dtype, np.floating) or center.size == 0:
             raise ValueError("center must be a non-empty float array")
@@ -48,6 +50,7 @@ class ExchangeServer:
         self.resume_iteration = int(resume_iteration)
         self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
+        self.integrity = bool(integrity)  # tag every frame after the handshake (transport.Connection.seal)
         self._host, self._port = host, port
         self._books = threading.Lock()  # bookkeeping only, never held during the update
         self._workers = {}
@@ -217,7 +220,7 @@ class ExchangeServer:
             del self.refused[:-100]
         try:
             conn.sock.settimeout(1.0)
-            conn.sock.sendall(P.encode_error(code, reason, wid or 0))
+            conn.send_frame_bytes(P.encode_error(code, reason, wid or 0))
         except OSError:
             pass
 
@@ -259,6 +262,9 @@ class ExchangeServer:
                 # A rejoining worker continues from its last reported iteration.
                 iteration = prev["iteration"] if prev else self.resume_iteration
             send_frame(sock, P.encode_header(P.WELCOME, wid, iteration=iteration))
+            if self.integrity:
+                c2s, s2c = P.session_keys(self._secret, client_nonce, server_nonce, wid)
+                conn.seal(send_key=s2c, recv_key=c2s)
             self._workers[wid] = {
                 "exchanges": prev["exchanges"] if prev else 0,
                 "iteration": iteration,
@@ -276,6 +282,13 @@ class ExchangeServer:
         conn.worker_id = wid
         return wid
 
+    @staticmethod
+    def _note(me, h):
+        """A verified frame's iteration and loss, for the stats."""
+        me["iteration"] = h.iteration
+        if math.isfinite(h.value):
+            me["loss"] = h.value
+
     def _loop(self, conn):
         """Frames from an authenticated worker until it leaves: the handler's frame type, PULL, REPORT, BYE, ERROR."""
         handler, wid = self.handler, conn.worker_id
@@ -287,15 +300,14 @@ class ExchangeServer:
             if h.worker_id != wid:
                 raise P.ProtocolError("frame from worker %d on worker %d's connection" % (h.worker_id, wid))
             me["last_contact"] = time.monotonic()
-            if h.type in (P.EXCHANGE, P.AVERAGE, P.REPORT):
-                me["iteration"] = h.iteration
-                if math.isfinite(h.value):
-                    me["loss"] = h.value
+            if h.type == P.REPORT:  # verified with its header (it has no payload)
+                self._note(me, h)
             if h.type == handler.frame:
-                handler.serve(conn, h)
+                conn.on_verified = lambda: self._note(me, h)
+                handler.serve(conn, h)  # which verifies the frame before the center moves
             elif h.type == P.PULL:
                 with handler.send_lock:
-                    conn.send(P.CENTER, center_view, iteration=self._exchanges)
+                    conn.send(P.CENTER, center_view, iteration=self._exchanges, tag_after=True)
             elif h.type == P.REPORT:
                 pass
             elif h.type == P.BYE:

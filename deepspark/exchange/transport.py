@@ -114,18 +114,16 @@ def recv_header(sock, view, model_bytes):
     return protocol.decode_header(view, model_bytes)
 
 
-def send_frame(sock, header, payload=None):
-    """Send a header and an optional payload (a byte view) with one syscall when the kernel takes it all."""
-    if payload is None or len(payload) == 0:
-        sock.sendall(header)
-        return
-    sent = sock.sendmsg([header, payload])
-    hlen = len(header)
-    if sent < hlen:
-        sock.sendall(memoryview(header)[sent:])
-        sock.sendall(payload)
-    elif sent - hlen < len(payload):
-        sock.sendall(payload[sent - hlen:])
+def send_frame(sock, header, payload=None, tag=b""):
+    """Send a header, an optional payload (a byte view) and a tag with one syscall when the kernel takes it all."""
+    parts = [memoryview(part).cast("B") for part in (header, payload, tag) if part is not None and len(part)]
+    sent = sock.sendmsg(parts)
+    for part in parts:
+        if sent >= len(part):
+            sent -= len(part)
+            continue
+        sock.sendall(part[sent:])
+        sent = 0
 
 
 class Connection:
@@ -133,6 +131,14 @@ class Connection:
 
     The server makes one per accepted socket; a client keeps one across reconnects
     (a new socket is attached to the same buffers).
+
+    Once sealed (after the handshake, with the keys it derived) every frame carries a
+    tag: HMAC-SHA256 under the sending direction's key over its sequence number, header
+    and payload (protocol.Sealer). Sending, the tag goes out with a whole frame, and
+    after the last slice of a payload sent slice by slice (a big model's DIFF, hashed
+    as it goes); receiving, the tag is computed as the payload arrives, slice by slice,
+    and checked before the frame is acted on (`verify`): a frame changed on the way is
+    refused, and the center is untouched.
     """
 
     def __init__(self, sock, peer, worker_id=None):
@@ -142,7 +148,70 @@ class Connection:
         self.header = memoryview(bytearray(protocol.HEADER_SIZE))       # the header being read
         self.out_header = bytearray(protocol.HEADER_SIZE)               # the header being sent
         self.small = memoryview(bytearray(protocol.MAX_SMALL_PAYLOAD))  # handshake and ERROR payloads
+        self.tag = memoryview(bytearray(protocol.TAG_SIZE))              # the tag being read
         self.buf = self.view = self.ok = self.scratch = None
+        self.unseal()
+
+    # -- integrity ------------------------------------------------------------------
+
+    def seal(self, send_key, recv_key):
+        """From now on, tag what is sent under send_key and check what arrives under recv_key."""
+        self._out, self._in = protocol.Sealer(send_key), protocol.Sealer(recv_key)
+        self._sending = self._reading = None
+
+    def unseal(self):
+        """Untagged frames (a new socket's handshake)."""
+        self._out = self._in = self._sending = self._reading = self.on_verified = None
+
+    @property
+    def sealed(self):
+        return self._out is not None
+
+    def absorb(self, data):
+        """Payload bytes of the frame being read, in order, as they arrive (the tag's input)."""
+        if self._reading is not None:
+            self._reading.update(data)
+
+    def verify(self):
+        """The frame being read is complete: read its tag and check it (IntegrityError if it differs), then
+        call `on_verified` once if it is set (what may be believed of the frame's header)."""
+        if self._reading is not None:
+            mac, self._reading = self._reading, None
+            recv_exact(self.sock, self.tag)
+            if not protocol.proofs_match(mac.digest(), self.tag):
+                raise protocol.IntegrityError(
+                    "frame %d from %s failed its integrity check (changed on the way, or not from this job's "
+                    "peer)" % (self._in.sequence - 1, self.peer))
+        verified, self.on_verified = self.on_verified, None
+        if verified is not None:
+            verified()
+
+    def read_payload(self, view):
+        """Fill `view` with a payload and verify the frame."""
+        recv_exact(self.sock, view)
+        self.absorb(view)
+        self.verify()
+
+    def send_frame_bytes(self, frame):
+        """A whole frame built elsewhere (an ERROR), tagged when sealed."""
+        if self._out is None:
+            self.sock.sendall(frame)
+            return
+        mac = self._out.begin(memoryview(frame)[:protocol.HEADER_SIZE])
+        mac.update(memoryview(frame)[protocol.HEADER_SIZE:])
+        send_frame(self.sock, frame, None, mac.digest())
+
+    def send_more(self, data):
+        """The next slice of a payload whose first slice `send(..., length=)` sent."""
+        self.sock.sendall(data)
+        if self._sending is not None:
+            self._sending.update(data)
+
+    def end_frame(self):
+        """The payload has all gone out: its tag follows."""
+        if self._sending is not None:
+            mac, self._sending = self._sending, None
+            self.sock.sendall(mac.digest())
 
     def allocate(self, n, scratch=0):
         """The model buffer (x in, d or the mean out, in place) and `scratch` floats of scratch space."""
@@ -153,21 +222,47 @@ class Connection:
         return self
 
     def read_header(self, model_bytes):
-        """The next header, validated (model frames must be exactly `model_bytes` long)."""
-        return recv_header(self.sock, self.header, model_bytes)
+        """The next header, validated (model frames must be exactly `model_bytes` long); a sealed frame
+        without a payload is verified here, one with a payload once the reader has it (verify)."""
+        h = recv_header(self.sock, self.header, model_bytes)
+        if self._in is not None:
+            self._reading = self._in.begin(self.header)
+            if not h.length:
+                self.verify()
+        return h
 
-    def send(self, type_, payload=None, iteration=0, value=math.nan, length=None):
+    def send(self, type_, payload=None, iteration=0, value=math.nan, length=None, tag_after=False):
         """A frame from this connection's worker id: the header (packed in place) and the start of its payload.
 
-        `length` is the whole payload's when only its first slice goes out here.
+        `length` is the whole payload's when only its first slice goes out here: send_more the rest, then
+        end_frame. A whole frame's tag goes out here: with it in one syscall, or with tag_after (the
+        server's replies, which a worker reads to the end) just after it, hashed while the peer reads.
         """
-        if length is None:
+        whole = length is None
+        if whole:
             length = 0 if payload is None else len(payload)
         protocol.pack_header_into(self.out_header, type_, self.worker_id, iteration, length, value)
+        if self._out is None:
+            send_frame(self.sock, self.out_header, payload)
+            return
+        mac = self._out.begin(self.out_header)
+        if whole and not tag_after:
+            # The tag goes out with the frame, in one syscall: a peer that refuses the frame at its
+            # header has then had all of it, and its ERROR is what this side reads next.
+            if payload is not None and len(payload):
+                mac.update(payload)
+            send_frame(self.sock, self.out_header, payload, mac.digest())
+            return
         send_frame(self.sock, self.out_header, payload)
+        if payload is not None and len(payload):
+            mac.update(payload)  # while the peer reads it
+        if whole:
+            self.sock.sendall(mac.digest())
+        else:
+            self._sending = mac
 
     def read_small(self, length):
-        """The payload of a small frame whose header said `length` (a view, valid until the next read)."""
+        """The payload of a small frame whose header said `length` (a view, valid until the next read), verified."""
         view = self.small[:length]
-        recv_exact(self.sock, view)
+        self.read_payload(view)
         return view

@@ -23,7 +23,8 @@ class EasgdJob(Job):
         ds = self.ds
         server = ExchangeServer(center, secret, handler(ds), host=host, port=0,
                                 shapes=[tuple(p.shape) for p in self.graph.params],
-                                idle_timeout=ds.exchange_timeout, resume_iteration=self.start_iter).start()
+                                idle_timeout=ds.exchange_timeout, resume_iteration=self.start_iter,
+                                integrity=ds.exchange_integrity).start()
         self.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; "
                       f"{self.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}")
         return server

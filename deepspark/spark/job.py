@@ -22,7 +22,7 @@ from deepspark.graph import Graph, layer_included
 from deepspark.log import Log
 from deepspark.plot import plot_history
 from deepspark.proto import deepspark_pb2 as pb
-from deepspark.spark.session import on_loopback, spark_session, worker_threads
+from deepspark.spark.session import is_local, on_loopback, spark_session, worker_threads
 from deepspark.spark.worker import Range, Task, row_datum
 
 # Seconds the driver waits for the Spark job's thread once it has cancelled the job.
@@ -72,6 +72,24 @@ def failed(error, sc):
                 f"ENV.tar.gz#environment with PYSPARK_PYTHON=./environment/bin/python, or install deepspark on "
                 f"every node")
     return JobError(f"the Spark job failed: {line}; {executor_report(sc)}")
+
+
+_WARNED = set()  # masters already warned about, in this process
+
+
+def warn_if_the_secret_is_readable(sc, log):
+    """Once per master: a cluster whose Spark RPC is neither authenticated nor encrypted carries the job's
+    exchange secret (in the task closure) in clear to every executor; anyone on that network can read it."""
+    conf, master = sc.getConf(), sc.master
+    if is_local(master) or master in _WARNED:
+        return
+    if conf.get("spark.authenticate", "false") == "true" and conf.get("spark.network.crypto.enabled",
+                                                                      "false") == "true":
+        return
+    _WARNED.add(master)
+    log.warning(f"{master}: Spark's RPC is not authenticated and encrypted, so the exchange secret travels to the "
+                "executors readable by anyone on the network; set spark.authenticate=true (with "
+                "spark.authenticate.secret, or YARN/Kubernetes' own) and spark.network.crypto.enabled=true")
 
 
 def train_source(solver):
@@ -382,6 +400,7 @@ class Job:
                 if started:
                     stack.callback(self.spark.stop)
             self.sc = self.spark.sparkContext
+            warn_if_the_secret_is_readable(self.sc, self.log)
             self.shards = self.load_shards()
             self.next_test = next_multiple(self.start_iter, self.param.test_interval, self.param.test_initialization)
             self.next_snapshot = next_multiple(self.start_iter, self.param.snapshot)

@@ -13,6 +13,7 @@ its own size (its outputs are means over the batch).
 """
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -340,18 +341,30 @@ def tap_name_or_error(graph, blob):
         raise ConfigError(f"--blobs: {error.args[0]}") from None
 
 
-def score(path, weights, source=None, backend=None, batch_size=0, ds=None, log=None):
-    """`deepspark score`: Caffe's `test` over a whole dataset, on the executors: the mean of every output of
-    the net's TEST phase over every record of `source` (default: the Data layer's own), logged as `test`
-    logs them; {output: mean}."""
-    ds = ds or pb.DeepSparkParameter()
-    log = log or Log()
-    forward, graph, source = forward_of(path, weights, source, backend or ds.backend, batch_size)
+@contextlib.contextmanager
+def on_spark(path, weights, source, backend, batch_size, ds, blobs=None):
+    """forward_of's net checked here, then a Spark session (the caller's, or one started and stopped here):
+    yields (the SparkContext, the shipped Forward, the net's Graph, the source, its records RDD (dataset_records),
+    their count)."""
+    forward, graph, source = forward_of(path, weights, source, backend or ds.backend, batch_size, blobs)
     session, started = spark_session(ds, ds.workers)
     try:
         sc = session.sparkContext
         forward = forward.shipped(sc)
         records, total = dataset_records(session, source, forward.batch_size)
+        yield sc, forward, graph, source, records, total
+    finally:
+        if started:
+            session.stop()
+
+
+def score(path, weights, source=None, backend=None, batch_size=0, ds=None, log=None):
+    """`deepspark score`: Caffe's `test` over a whole dataset, on the executors: the mean of every output of
+    the net's TEST phase over every record of `source` (default: the Data layer's own), logged as `test`
+    logs them; {output: mean}."""
+    log = log or Log()
+    with on_spark(path, weights, source, backend, batch_size, ds or pb.DeepSparkParameter()) as (
+            sc, forward, graph, source, records, total):
         log.info(f"Scoring {total} records of {source} on {sc.master} ({records.getNumPartitions()} partitions, "
                  f"batches of {forward.batch_size}, {forward.backend} backend)")
         try:
@@ -365,9 +378,6 @@ def score(path, weights, source=None, backend=None, batch_size=0, ds=None, log=N
         means = collections.OrderedDict((name, value / total) for name, value in sums.items())
         engine.log_outputs(log, graph, means, "")
         return means
-    finally:
-        if started:
-            session.stop()
 
 
 def feature_datum(values):
@@ -384,19 +394,14 @@ def extract_features(path, weights, blobs, outputs, source=None, backend=None, b
     `path` for every record of `source` (default: the Data layer's), one dataset per blob in `outputs`
     (an LMDB, or Parquet for a path ending in .parquet), keyed as Caffe keys them (the record's index,
     10 digits), written from the driver partition by partition; {blob: records written}."""
-    ds = ds or pb.DeepSparkParameter()
     log = log or Log()
     if len(blobs) != len(outputs):
         raise ConfigError(f"{len(blobs)} blobs but {len(outputs)} outputs; extract-features writes one dataset "
                           "per blob (--blobs fc7,prob --output fc7_lmdb,prob_lmdb)")
     for out in outputs:
         lmdb_io.refuse_existing(out, overwrite)
-    forward, _, source = forward_of(path, weights, source, backend or ds.backend, batch_size, blobs)
-    session, started = spark_session(ds, ds.workers)
-    try:
-        sc = session.sparkContext
-        forward = forward.shipped(sc)
-        records, total = dataset_records(session, source, forward.batch_size)
+    with on_spark(path, weights, source, backend, batch_size, ds or pb.DeepSparkParameter(), blobs) as (
+            sc, forward, _, source, records, total):
         log.info(f"Extracting {', '.join(blobs)} of {total} records of {source} on {sc.master} "
                  f"({records.getNumPartitions()} partitions, batches of {forward.batch_size})")
         features = records.mapPartitions(feature_rows(forward, source))
@@ -416,6 +421,3 @@ def extract_features(path, weights, blobs, outputs, source=None, backend=None, b
         finally:
             features.unpersist()
         return written
-    finally:
-        if started:
-            session.stop()

@@ -31,7 +31,8 @@ class SyncJob(Job):
         ds = self.ds
         server = ExchangeServer(center, secret, RoundsHandler(self.workers, round_timeout=ds.exchange_timeout),
                                 host=host, port=0, shapes=[tuple(p.shape) for p in self.graph.params],
-                                idle_timeout=ds.exchange_timeout, resume_iteration=self.start_iter).start()
+                                idle_timeout=ds.exchange_timeout, resume_iteration=self.start_iter,
+                                integrity=ds.exchange_integrity).start()
         self.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; {self.workers} workers "
                       f"averaged every iteration (synchronous rounds, timeout {ds.exchange_timeout:g}s)")
         if ds.HasField("period") and ds.period != 1:

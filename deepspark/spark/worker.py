@@ -283,7 +283,8 @@ def build(worker, payload, task):
 def join_center(worker, task, model, timeout):
     """Connect to the driver's exchanger and start (or rejoin) from x̃ at the iteration it reports."""
     client = ExchangeClient(tuple(task.address), task.secret, worker, shapes=model.param_shapes,
-                            timeout=timeout, connect_timeout=min(timeout, CONNECT_SECONDS))
+                            timeout=timeout, connect_timeout=min(timeout, CONNECT_SECONDS),
+                            integrity=task.param.deepspark_param.exchange_integrity)
     try:
         client.connect()
         params = client.pull(model.get_flat())
