@@ -51,7 +51,7 @@ $(DATA)/fashion_mnist_test_lmdb: | $(STAMPS)/venv $(STAMPS)/system
 # cores busy; more would crowd the Spark tests (each runs two workers) on a machine this size.
 TEST_PROCESSES ?= 2
 test: setup
-	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/python tools/demo.py

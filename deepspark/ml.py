@@ -21,7 +21,6 @@ train` does with a flag not given.
 import hashlib
 import os
 
-import numpy as np
 from google.protobuf import text_format
 from google.protobuf.descriptor import FieldDescriptor
 from pyspark import keyword_only
@@ -30,13 +29,12 @@ from pyspark.ml.linalg import VectorUDT
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import DefaultParamsReadable, DefaultParamsReader, DefaultParamsWritable, DefaultParamsWriter
 from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
-from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 
 from deepspark import checkpoint, config, local, spark
 from deepspark.data import datum, load_mean
 from deepspark.errors import ConfigError
-from deepspark.graph import DATA_TYPES, Graph, fmt, tap_name, with_batch_size, with_taps
+from deepspark.graph import DATA_TYPES, Graph, tap_name, with_batch_size, with_taps
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.scoring import Forward, rows_with_outputs
 

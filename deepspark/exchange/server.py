@@ -307,7 +307,13 @@ class ExchangeServer:
                 handler.serve(conn, h)  # which verifies the frame before the center moves
             elif h.type == P.PULL:
                 with handler.send_lock:
-                    conn.send(P.CENTER, center_view, iteration=self._exchanges, tag_after=True)
+                    if conn.sealed:
+                        # Lock-free, other workers move x̃ while it is sent: the tag must cover the bytes
+                        # that went out, so a snapshot in this connection's buffer (free: the worker waits) goes.
+                        np.copyto(conn.buf, self._center)
+                        conn.send(P.CENTER, conn.view, iteration=self._exchanges, tag_after=True)
+                    else:
+                        conn.send(P.CENTER, center_view, iteration=self._exchanges)
             elif h.type == P.REPORT:
                 pass
             elif h.type == P.BYE:

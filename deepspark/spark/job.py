@@ -5,7 +5,6 @@ import dataclasses
 import os
 import re
 import secrets
-import sys
 import threading
 import time
 import uuid
