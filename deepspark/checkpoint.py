@@ -24,13 +24,18 @@ def atomic_write(path, data):
         raise
 
 
-def read_message(path, message, what):
-    """Parse a binary protobuf file into `message`; one-line errors name the file."""
+def read_bytes(path, what):
+    """A file's bytes; the one-line error names `what` and the file."""
     try:
         with open(path, "rb") as stream:
-            data = stream.read()
+            return stream.read()
     except OSError as error:
         raise ConfigError(f"cannot read {what}: {error.strerror}", path) from None
+
+
+def read_message(path, message, what):
+    """Parse a binary protobuf file into `message`; one-line errors name the file."""
+    data = read_bytes(path, what)
     try:
         message.ParseFromString(data)
     except Exception:
@@ -157,6 +162,12 @@ def weights_for(graph, source, initial, path="<weights>"):
                                       f"weights have {blob.shape}, the net needs {shape}{which}", path)
             out[i] = np.ascontiguousarray(blob.reshape(graph.params[i].shape), dtype=np.float32)
     return out
+
+
+def weights_that_fit(graph, data, path="<weights>"):
+    """The .caffemodel bytes `data` checked against `graph` by weights_for, without the net's own arrays:
+    graph.params-ordered arrays, None where the weights have nothing for a parameter."""
+    return weights_for(graph, parse_caffemodel(data, path), [None] * len(graph.params), path)
 
 
 def snapshot_paths(prefix, iteration):

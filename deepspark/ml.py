@@ -238,11 +238,7 @@ class DeepSparkModel(Model, _Stage, MLWritable, MLReadable):
         transform: Caffe's transform_param (prototxt text, or a TransformationParameter) to apply before
         the net; params: Model Params by name (backend="caffe", outputBlobs="ip1")."""
         net, _ = local.deploy_net(deploy, "DeepSparkModel")
-        try:
-            with open(caffemodel, "rb") as stream:
-                weights = stream.read()
-        except OSError as error:
-            raise ConfigError(f"cannot read the weights: {error.strerror}", caffemodel) from None
+        weights = checkpoint.read_bytes(caffemodel, "the weights")
         text = transform if isinstance(transform, (str, type(None))) else text_format.MessageToString(
             transform, as_one_line=True)
         param = parse_transform(text or "")
@@ -272,8 +268,7 @@ class DeepSparkModel(Model, _Stage, MLWritable, MLReadable):
     def _check(self, where="the model's weights"):
         """One line unless the weights fit the deploy net: every learnable layer has them, in its shapes."""
         graph = self._graph()
-        layers = checkpoint.parse_caffemodel(self.weights, where)
-        filled = checkpoint.weights_for(graph, layers, [None] * len(graph.params), where)
+        filled = checkpoint.weights_that_fit(graph, self.weights, where)
         missing = [graph.params[i].layer for i, array in enumerate(filled) if array is None]
         if missing:
             raise ConfigError(f"the weights have nothing for layer '{missing[0]}' of the net "

@@ -313,13 +313,8 @@ def forward_of(path, weights, source, backend, batch_size, blobs=None):
     graph = Graph(net, pb.TEST, source=source_map, batch_size=batch_size or None, data_shape=lambda _: raw_shape)
     outputs = list(graph.outputs) if blobs is None else [tap_name_or_error(graph, blob) for blob in blobs]
     run_net = net if blobs is None else with_taps(net, graph, blobs)
-    try:
-        with open(weights, "rb") as stream:
-            caffemodel = stream.read()
-    except OSError as error:
-        raise ConfigError(f"cannot read the weights: {error.strerror}", weights) from None
-    checkpoint.weights_for(graph, checkpoint.parse_caffemodel(caffemodel, weights), [None] * len(graph.params),
-                           weights)
+    caffemodel = checkpoint.read_bytes(weights, "the weights")
+    checkpoint.weights_that_fit(graph, caffemodel, weights)
     param = pb.TransformationParameter()
     param.CopyFrom(layer.transform_param)
     mean = load_mean(param.mean_file) if param.mean_file else None
