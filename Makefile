@@ -49,9 +49,12 @@ $(DATA)/fashion_mnist_test_lmdb: | $(STAMPS)/venv $(STAMPS)/system
 
 # Two test processes (pytest-xdist): most tests wait on a JVM, a socket or a subprocess, and two keep both
 # cores busy; more would crowd the Spark tests (each runs two workers) on a machine this size.
+# --dist loadscope sends each module whole to one process, so that a module's fixture (a trained model,
+# a standalone cluster, a Spark session) is set up once: split across processes, or interleaved with
+# other modules' tests, it was set up twice (~5 minutes of the suite).
 TEST_PROCESSES ?= 2
 test: setup
-	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadscope --durations=15 $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/python tools/demo.py

@@ -188,6 +188,38 @@ def solver_state(iteration, current_step=0, history=(), learned_net=None):
     return state
 
 
+def worker_state(worker, iteration, current_step, history, shapes):
+    """A WorkerSolverState of one Spark worker: its solver history (one flat float32 vector, history sets
+    x the parameters in `shapes`' order, as the exchanger moves it) as Caffe's history blobs."""
+    state = pb.WorkerSolverState(worker=int(worker), iter=int(iteration), current_step=int(current_step))
+    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
+    offsets = np.cumsum([0] + sizes * (history.size // max(sum(sizes), 1))).tolist()
+    for shape, start, end in zip(shapes * len(offsets), offsets, offsets[1:]):
+        array_to_blob(history[start:end].reshape(shape), state.history.add())
+    return state
+
+
+def worker_histories(state, shapes, sets, path="<solverstate>"):
+    """{worker: (iteration, current_step, flat float32 history)} of a snapshot's WorkerSolverStates, each
+    checked against the net's parameter `shapes` and the solver's `sets` of history blobs; a one-line
+    error for one that does not fit (another net or solver type)."""
+    histories = {}
+    for saved in state.worker_state:
+        if len(saved.history) != sets * len(shapes):
+            raise ConfigError(f"worker {saved.worker}'s solver state has {len(saved.history)} history blobs; "
+                              f"this net and solver have {sets * len(shapes)}", path)
+        arrays = []
+        for i, blob in enumerate(saved.history):
+            array = blob_to_array(blob)
+            if array.size != int(np.prod(shapes[i % len(shapes)], dtype=np.int64)):
+                raise ConfigError(f"worker {saved.worker}'s history blob {i} has shape {array.shape}; this net "
+                                  f"needs {tuple(shapes[i % len(shapes)])}", path)
+            arrays.append(array.ravel())
+        histories[saved.worker] = (saved.iter, saved.current_step,
+                                   np.concatenate(arrays) if arrays else np.zeros(0, np.float32))
+    return histories
+
+
 def save_solverstate(path, state):
     atomic_write(path, state.SerializeToString())
 

@@ -1,13 +1,23 @@
-"""Helpers of the Spark tests: run a training driver, read its log as it goes, find its workers."""
+"""Helpers of the Spark tests: run a training driver (or several runs in one), read its log as it goes; the fault harness."""
 
+import contextlib
+import importlib.util
+import json
 import os
 import re
-import signal
+import socket
 import subprocess
 import sys
 import time
 
 from conftest import ROOT
+
+# tools/chaos.py, the fault harness (workers connected to the exchanger, killed at seeded moments), by its path:
+# bench/ has a chaos.py of its own.
+_spec = importlib.util.spec_from_file_location("tools_chaos", os.path.join(ROOT, "tools", "chaos.py"))
+chaos = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = chaos  # for its dataclasses
+_spec.loader.exec_module(chaos)
 
 
 def final_accuracy(log):
@@ -35,41 +45,68 @@ def read_until(process, pattern, timeout=300):
     raise AssertionError(f"never saw {pattern!r}:\n" + "".join(lines[-40:]))
 
 
-def exchanger_clients(port):
-    """pids of the processes with an established TCP connection to the exchanger on `port`: the training
-    workers, found through /proc (the socket inodes of /proc/net/tcp*, then each process's fds)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.read().splitlines()[1:]:
-                fields = line.split()
-                if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(f"socket:[{fields[9]}]")
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+# Runs each solver in turn in one driver process and one SparkSession; a JSON line per summary on stdout.
+RUNS = """
+import json, sys
+import deepspark
+from deepspark.config import load_solver, override
+from deepspark.spark.session import spark_session
+knobs, solvers = json.loads(sys.argv[1]), sys.argv[2:]
+ds = override(load_solver(solvers[0]), **knobs).param.deepspark_param
+spark, _ = spark_session(ds, ds.workers)
+try:
+    for solver in solvers:
+        print(json.dumps(deepspark.train(solver, **knobs)), flush=True)
+finally:
+    spark.stop()
+"""
+
+
+def start_runs(solvers, **knobs):
+    """Train each solver in turn (knobs: DeepSparkParameter fields, as deepspark.train takes them) in one
+    driver process and one SparkSession, so that a later run skips the session's start and finds its
+    Python workers with TensorFlow loaded. Each run's log is its output folder's train.log; the process's
+    stdout holds each run's summary as a JSON line."""
+    return subprocess.Popen([sys.executable, "-c", RUNS, json.dumps(knobs), *solvers], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT},
+                            start_new_session=True)
+
+
+def workers_done(log):
+    return sorted(int(w) for w in re.findall(r"Worker (\d+) on \S+ \(in [^)]*\): \d+ iterations", log))
+
+
+def free_ports(count):
+    """The first of `count` consecutive loopback ports that are free now (a cluster left running by another
+    run keeps its own ports, and this one does not join it)."""
+    for base in range(17000, 30000, 97):
+        probes = []
         try:
-            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-        except OSError:  # gone, or not ours to read
+            for port in range(base, base + count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", port))
+            return base
+        except OSError:
             continue
-        if links & inodes:
-            pids.append(int(pid))
-    return sorted(pids)
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError("no free loopback ports")
 
 
-def train_and_kill_a_worker(solver, *flags):
-    """Train, SIGKILL one worker's Python process (one connected to the exchanger) once the log passes
-    iteration 100, let the job go on; (exit status, log)."""
-    driver = start_training(solver, *flags)
+@contextlib.contextmanager
+def cluster(folder, hide=None):
+    """tools/spark-cluster.sh's master and two workers on free ports, in folder/cluster; `hide`: a folder
+    the workers must not see. Yields (master URL, cluster folder)."""
+    base = free_ports(4)  # the master, its web UI, and the two workers' web UIs after it
+    env = {**os.environ, "CLUSTER_DIR": str(folder / "cluster"), "SPARK_MASTER_PORT": str(base),
+           "SPARK_MASTER_WEBUI_PORT": str(base + 1), "VENV": os.path.dirname(os.path.dirname(sys.executable)),
+           "HIDE_FROM_WORKERS": str(hide or "")}
+    script = os.path.join(ROOT, "tools", "spark-cluster.sh")
+    started = subprocess.run(["bash", script, "start"], env=env, capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, started.stdout + started.stderr
     try:
-        lines = read_until(driver, r"Iteration [1-9]\d\d, loss")
-        port = int(re.search(r"Exchanger listening on [\d.]+:(\d+)", "".join(lines)).group(1))
-        victims = exchanger_clients(port)
-        # A worker that started first may have finished already (it said BYE and its process idles):
-        # only a connected one is still training.
-        assert victims, f"no worker is connected to the exchanger on port {port}"
-        os.kill(victims[0], signal.SIGKILL)
-        _, log = driver.communicate(timeout=600)
+        yield f"spark://127.0.0.1:{base}", folder / "cluster"
     finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-    return driver.returncode, log
+        subprocess.run(["bash", script, "stop"], env=env, capture_output=True, timeout=120)

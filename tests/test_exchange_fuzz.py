@@ -14,41 +14,46 @@ N = 64
 MODEL_BYTES = 4 * N
 
 model_bytes = st.one_of(st.none(), st.integers(0, 2 ** 40))
+history_bytes = st.one_of(st.just(0), st.integers(0, 2 ** 41))
 
 
-@given(st.binary(min_size=0, max_size=2 * P.HEADER_SIZE), model_bytes)
+@given(st.binary(min_size=0, max_size=2 * P.HEADER_SIZE), model_bytes, history_bytes)
 @settings(max_examples=500, deadline=None)
-def test_arbitrary_bytes_parse_or_are_refused(data, mb):
+def test_arbitrary_bytes_parse_or_are_refused(data, mb, hb):
     try:
-        h = P.decode_header(data, mb)
+        h = P.decode_header(data, mb, hb)
     except P.ProtocolError:
         return
     assert len(data) == P.HEADER_SIZE and data[:4] == P.MAGIC
-    _assert_length_allowed(h, mb)
+    _assert_length_allowed(h, mb, hb)
 
 
 @given(st.integers(0, 255), st.integers(0, 2 ** 64 - 1), st.integers(0, 2 ** 16 - 1),
-       st.integers(0, 2 ** 32 - 1), st.integers(-2 ** 63, 2 ** 63 - 1), st.floats(), model_bytes)
+       st.integers(0, 2 ** 32 - 1), st.integers(-2 ** 63, 2 ** 63 - 1), st.floats(), model_bytes, history_bytes)
 @settings(max_examples=1000, deadline=None)
-def test_well_formed_headers_are_checked_against_the_limits(type_, length, flags, wid, it, value, mb):
+def test_well_formed_headers_are_checked_against_the_limits(type_, length, flags, wid, it, value, mb, hb):
     data = P.HEADER.pack(P.MAGIC, P.VERSION, type_, flags, wid, it, length, value)
     try:
-        h = P.decode_header(data, mb)
+        h = P.decode_header(data, mb, hb)
     except P.ProtocolError:
         return
     assert (h.type, h.length, h.flags, h.worker_id, h.iteration) == (type_, length, flags, wid, it)
-    _assert_length_allowed(h, mb)
+    _assert_length_allowed(h, mb, hb)
 
 
 def test_every_message_type_has_a_length_rule():
-    assert set(P.TYPE_NAMES) == set(P.MODEL_TYPES) | set(P._SMALL_LIMITS)
+    assert set(P.TYPE_NAMES) == set(P.MODEL_TYPES) | set(P._SMALL_LIMITS) | {P.HISTORY}
     assert not set(P.MODEL_TYPES) & set(P._SMALL_LIMITS)
+    assert P.HISTORY not in set(P.MODEL_TYPES) | set(P._SMALL_LIMITS)
 
 
-def _assert_length_allowed(h, mb):
-    # Nothing the parser accepts may make a reader allocate beyond the model or the small-frame cap.
+def _assert_length_allowed(h, mb, hb):
+    # Nothing the parser accepts may make a reader allocate beyond the model, its solver history or the
+    # small-frame cap.
     if h.type in P.MODEL_TYPES:
         assert mb is not None and h.length == mb
+    elif h.type == P.HISTORY:
+        assert mb is not None and hb and h.length in (0, hb)
     else:
         assert h.type in P.TYPE_NAMES and h.length <= P.MAX_SMALL_PAYLOAD
 

@@ -149,3 +149,31 @@ def test_rejoining_workers_all_restart_from_the_last_completed_round():
         results = in_threads([lambda: again[0].average(np.zeros(N, np.float32), 102),
                               lambda: (time.sleep(0.3), again[1].average(np.full(N, 2, np.float32), 102))])
         assert not any(isinstance(r, BaseException) for r in results) and server.handler.rounds == 2
+
+
+def test_a_worker_that_rejoins_while_its_dead_process_waits_in_a_round_starts_the_round_again():
+    """Spark reruns a sync stage: the killed process's frame is in the open round and its server thread waits
+    there, blind to its dead socket; the new process with the same id sends the same round's frame. The
+    round starts again with the new frame (no 'sent twice'), and the old connection's end, once it wakes, is
+    not worker 0 leaving: the new round completes with the new processes' parameters."""
+    rng = np.random.default_rng(4)
+    with make_server(2, round_timeout=20.0) as server:
+        old = client(server, 0)
+        waiting = threading.Thread(target=lambda: in_threads([lambda: old.average(np.ones(N, np.float32), 1)]))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while not server.handler._round.params and time.monotonic() < deadline:  # its frame is in the round
+            time.sleep(0.01)
+        old._conn.sock.shutdown(socket.SHUT_RDWR)  # the process dies; the server's thread still waits
+        new0, new1 = client(server, 0), client(server, 1)
+        assert new0.resume_iteration == 0  # no round completed: it starts where the job did
+        sent = [rng.standard_normal(N).astype(np.float32) for _ in range(2)]
+        params = [x.copy() for x in sent]
+        results = in_threads([lambda: new0.average(params[0], 1), lambda: new1.average(params[1], 1)])
+        assert results == [None, None], results
+        assert params[0].tobytes() == params[1].tobytes() == rules.average_models(sent).tobytes()
+        assert server.handler.rounds == 1
+        waiting.join(10)
+        assert any("rejoined while the round of iteration 1 held its previous connection" in reason
+                   for _, reason in server.refused)
+        assert server.stats()[0]["connected"]  # the old connection's end did not count as worker 0 leaving

@@ -26,8 +26,6 @@ from deepspark.ml import DeepSparkEstimator, DeepSparkModel  # noqa: E402
 from deepspark.spark import scoring  # noqa: E402
 from deepspark.spark.session import spark_session  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("ml")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENET = os.path.join(ROOT, "models", "lenet")
 TRAIN = os.path.join(ROOT, "data", "fashion_mnist_train_lmdb")

@@ -40,6 +40,7 @@ def caffe_fields(text, message):
 def test_field_names_and_numbers_match_caffe(caffe_source, name):
     caffe = caffe_fields(open(os.path.join(caffe_source, "src/caffe/proto/caffe.proto")).read(), name)
     ours = {f.name: f.number for f in getattr(pb, name).DESCRIPTOR.fields}
-    ours.pop("deepspark_param", None)
+    own = {field: ours.pop(field) for field in ("deepspark_param", "worker_state") if field in ours}
+    assert all(number >= 8000 for number in own.values()), own  # DeepSpark's own, numbered far from Caffe's
     for field, number in ours.items():
         assert caffe.get(field) == number, f"{name}.{field} = {number}, Caffe has {caffe.get(field)}"

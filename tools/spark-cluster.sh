@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Starts, stops or reports a Spark standalone master and two workers on 127.0.0.1,
 # from the pip-installed pyspark (which ships no start-master.sh / start-worker.sh).
-#   tools/spark-cluster.sh start|stop|status
+#   tools/spark-cluster.sh start|stop|status|kill-worker N
+# kill-worker N: SIGKILLs worker N's JVM for good, as a machine that is gone (its executors lose their Worker
+# and exit; tools/chaos.py's kill_spark_worker runs it in the fault tests).
 # Environment: VENV (default .venv), CLUSTER_DIR (default /tmp/deepspark-spark-cluster),
 # SPARK_MASTER_PORT (7077), SPARK_MASTER_WEBUI_PORT (8080), WORKERS (2), WORKER_CORES (1), WORKER_MEMORY (2g),
 # HIDE_FROM_WORKERS (folders, space-separated, that the workers must not see: each is covered by an empty
@@ -86,6 +88,18 @@ stop() {
   echo "[cluster] stopped"
 }
 
+kill_worker() {
+  local pidfile="$dir/worker-$1.pid" pid
+  if ! alive "$pidfile"; then
+    echo "[cluster] worker $1 is not running (no live pid in $pidfile)" >&2; return 1
+  fi
+  pid=$(cat "$pidfile")
+  kill -9 "$pid"
+  for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+  rm -f "$pidfile"
+  echo "[cluster] killed worker $1 (pid $pid) for good"
+}
+
 status() {
   if alive "$dir/master.pid"; then
     echo "master $url running; $(alive_workers) workers ALIVE"
@@ -98,5 +112,6 @@ case "${1:-}" in
   start) start ;;
   stop) stop ;;
   status) status ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  kill-worker) [ -n "${2:-}" ] || { echo "usage: $0 kill-worker N" >&2; exit 2; }; kill_worker "$2" ;;
+  *) echo "usage: $0 start|stop|status|kill-worker N" >&2; exit 2 ;;
 esac

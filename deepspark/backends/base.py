@@ -238,6 +238,19 @@ class Model(abc.ABC):
     def set_history(self, arrays):
         """Load history blobs given in Caffe's SolverState order."""
 
+    def get_history_flat(self):
+        """The history blobs as one float32 vector (history_sets x param_count values, SolverState order):
+        what a Spark worker ships to the exchanger for the job's snapshots."""
+        return np.concatenate([np.ravel(h) for h in self.get_history()]).astype(np.float32, copy=False)
+
+    def set_history_flat(self, vector):
+        """Load history blobs from get_history_flat's vector."""
+        n = self.param_count
+        vector = np.asarray(vector, np.float32)
+        if vector.shape != (self.history_sets * n,):
+            raise ValueError(f"flat solver history has shape {vector.shape}, expected ({self.history_sets * n},)")
+        self.set_history([array for k in range(self.history_sets) for array in self.split_flat(vector[k * n:(k + 1) * n])])
+
     def get_state(self):
         """Caffe's SolverState: iter, current_step and one history blob per history array.
 

@@ -2,14 +2,16 @@
 
 import os
 
-from deepspark.data.datum import DataError, decode_datum, encode_datum, load_mean
+from deepspark.data.datum import (DataError, check_datum, checked_records, decode_datum, encode_datum,
+                                  load_mean)
 from deepspark.data.feeder import DataFeeder, feeder_for
 from deepspark.data.lmdb_io import shard_range
 from deepspark.data.parquet import is_parquet, is_uri, reader
 from deepspark.data.transform import Transformer
 
-__all__ = ["DataError", "DataFeeder", "Transformer", "count", "decode_datum", "encode_datum",
-           "feeder_for", "is_parquet", "load_mean", "missing_source", "peek_shape", "shard_range", "source_shape"]
+__all__ = ["DataError", "DataFeeder", "Transformer", "check_datum", "checked_records", "count", "decode_datum",
+           "encode_datum", "feeder_for", "is_parquet", "load_mean", "missing_source", "peek_shape", "shard_range",
+           "source_shape"]
 
 
 def count(source):

@@ -1,12 +1,14 @@
 """Caffe's Datum and BlobProto records to and from numpy arrays (raw, float_data, PNG/JPEG)."""
 
 import io
+import itertools
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from deepspark import checkpoint
 from deepspark.errors import ConfigError
+from deepspark.graph import fmt
 from deepspark.proto import deepspark_pb2 as pb
 
 
@@ -15,8 +17,12 @@ class DataError(ConfigError):
 
 
 def _where(key):
+    """A record as errors name it: by its key (an LMDB key, a Parquet key column), or `row N` given an
+    int (a Parquet file's or a DataFrame's row, where there is no key)."""
     if key is None:
         return "record"
+    if isinstance(key, int):
+        return f"row {key}"
     if isinstance(key, (bytes, bytearray, memoryview)):
         key = bytes(key).decode("utf-8", "backslashreplace")
     return f"record {key!r}"
@@ -120,27 +126,39 @@ def datum_to_array(datum, key=None, filename=None, color=None):
         except Exception as e:  # Pillow raises many kinds for bad images
             raise DataError(f"{_where(key)}: cannot decode the encoded image ({e})",
                             filename) from None
+    shape, dtype = raw_shape(datum, key, filename)
+    if dtype == np.uint8:
+        array = np.frombuffer(datum.data, dtype=np.uint8).reshape(shape)
+    else:
+        array = np.array(datum.float_data, dtype=np.float32).reshape(shape)
+    if color is not None and array.shape[0] != (3 if color else 1):
+        raise DataError(f"{_where(key)}: force_color/force_gray apply to encoded Datums only "
+                        f"(this one is raw with {array.shape[0]} channels)", filename)
+    return array
+
+
+_UINT8, _FLOAT32 = np.dtype(np.uint8), np.dtype(np.float32)
+
+
+def raw_shape(datum, key=None, filename=None):
+    """((C, H, W), uint8 or float32) of a raw (not encoded) Datum whose data or float_data holds
+    C×H×W values; else DataError naming the key."""
     shape = (datum.channels, datum.height, datum.width)
     size = shape[0] * shape[1] * shape[2]
     if min(shape) <= 0:
         raise DataError(f"{_where(key)}: Datum has no shape "
                         f"(channels={shape[0]} height={shape[1]} width={shape[2]})", filename)
-    if datum.data:
-        if len(datum.data) != size:
-            raise DataError(f"{_where(key)}: data holds {len(datum.data)} bytes, "
-                            f"expected {size} for {shape[0]}x{shape[1]}x{shape[2]}", filename)
-        array = np.frombuffer(datum.data, dtype=np.uint8).reshape(shape)
-    elif len(datum.float_data):
+    data = len(datum.data)  # one read: each copies the bytes out of the message
+    if data:
+        if data != size:
+            raise DataError(f"{_where(key)}: data holds {data} bytes, expected {size} for {fmt(shape)}", filename)
+        return shape, _UINT8
+    if len(datum.float_data):
         if len(datum.float_data) != size:
             raise DataError(f"{_where(key)}: float_data holds {len(datum.float_data)} values, "
-                            f"expected {size} for {shape[0]}x{shape[1]}x{shape[2]}", filename)
-        array = np.array(datum.float_data, dtype=np.float32).reshape(shape)
-    else:
-        raise DataError(f"{_where(key)}: Datum has neither data nor float_data", filename)
-    if color is not None and array.shape[0] != (3 if color else 1):
-        raise DataError(f"{_where(key)}: force_color/force_gray apply to encoded Datums only "
-                        f"(this one is raw with {array.shape[0]} channels)", filename)
-    return array
+                            f"expected {size} for {fmt(shape)}", filename)
+        return shape, _FLOAT32
+    raise DataError(f"{_where(key)}: Datum has neither data nor float_data", filename)
 
 
 def decode_datum(value, key=None, filename=None, color=None):
@@ -235,13 +253,44 @@ def _tail_labels(tails):
     return values, ok
 
 
+def _caffe_layout(values, shape):
+    """Per distinct length of the serialized `values`: (rows, ok, pixels, labels), where ok marks the rows
+    that are raw uint8 Datums of (C, H, W) `shape` laid out as Caffe writes them (channels, height,
+    width, data, label), pixels views their data (N×C×H×W, no copy of the joined rows) and labels
+    are float32. A handful of numpy operations per length instead of a protobuf parse per record."""
+    size = int(np.prod(shape))
+    header = (pb.Datum(channels=shape[0], height=shape[1], width=shape[2]).SerializeToString()
+              + b"\x22" + _varint(size))
+    lengths = list(map(len, values))
+    distinct = set(lengths)
+    for length in sorted(distinct):
+        if length < len(header) + size:
+            continue
+        whole = len(distinct) == 1  # the usual case: one layout, no gathers
+        rows = np.arange(len(values)) if whole else np.flatnonzero(np.array(lengths) == length)
+        buf = np.frombuffer(b"".join(values if whole else [values[i] for i in rows]),
+                            dtype=np.uint8).reshape(len(rows), length)
+        ok = (buf[:, :len(header)] == np.frombuffer(header, dtype=np.uint8)).all(axis=1)
+        labels, tail_ok = _tail_labels(buf[:, len(header) + size:])
+        pixels = buf[:, len(header):len(header) + size].reshape((len(rows),) + tuple(shape))
+        yield rows, ok & tail_ok, pixels, labels
+
+
+def _one_size(key, filename, found, found_dtype, shape, dtype):
+    """DataError unless a record of (C, H, W) `found` and `found_dtype` is of the first record's."""
+    if tuple(found) != tuple(shape) or np.dtype(found_dtype) != dtype:
+        raise DataError(
+            f"{_where(key)} is {fmt(found)} {np.dtype(found_dtype)} but the first record is {fmt(shape)} "
+            f"{np.dtype(dtype)}; records must be one size (convert-imageset --resize-height/--resize-width)",
+            filename)
+
+
 def decode_datums(keys, values, filename=None, color=None, shape=None, dtype=None):
     """Many serialized Datums → (N×C×H×W array, float32 labels); all must be one shape.
 
-    Raw uint8 Datums laid out as Caffe writes them (channels, height, width, data,
-    label) are decoded with a handful of numpy operations per distinct record
-    length instead of a protobuf parse each; any other record takes the
-    per-record path, which is also where a corrupt record gets its error.
+    Raw uint8 Datums laid out as Caffe writes them are decoded by _caffe_layout's
+    vectorised compare; any other record takes the per-record path, which is also
+    where a corrupt record gets its error.
     """
     n = len(values)
     if shape is None and n:
@@ -250,24 +299,9 @@ def decode_datums(keys, values, filename=None, color=None, shape=None, dtype=Non
     images = np.empty((n,) + tuple(shape), dtype=dtype)
     labels = np.empty(n, dtype=np.float32)
     done = np.zeros(n, dtype=bool)
-    size = int(np.prod(shape))
     if n and dtype == np.uint8:
-        header = (pb.Datum(channels=shape[0], height=shape[1], width=shape[2]).SerializeToString()
-                  + b"\x22" + _varint(size))
-        lengths = np.fromiter(map(len, values), dtype=np.int64, count=n)
-        for length in np.unique(lengths):
-            tail_length = int(length) - len(header) - size
-            if tail_length < 0:
-                continue
-            rows = np.flatnonzero(lengths == length)
-            whole = len(rows) == n  # the usual case: one layout, no gathers
-            buf = np.frombuffer(b"".join(values if whole else [values[i] for i in rows]),
-                                dtype=np.uint8).reshape(len(rows), int(length))
-            ok = (buf[:, :len(header)] == np.frombuffer(header, dtype=np.uint8)).all(axis=1)
-            row_labels, tail_ok = _tail_labels(buf[:, len(header) + size:])
-            ok &= tail_ok
-            pixels = buf[:, len(header):len(header) + size].reshape((len(rows),) + tuple(shape))
-            if whole and ok.all():
+        for rows, ok, pixels, row_labels in _caffe_layout(values, shape):
+            if len(rows) == n and ok.all():
                 images[:], labels[:] = pixels, row_labels
                 done[:] = True
                 break
@@ -276,10 +310,59 @@ def decode_datums(keys, values, filename=None, color=None, shape=None, dtype=Non
             done[take] = True
     for i in np.flatnonzero(~done):
         array, label = decode_datum(values[i], keys[i], filename, color)
-        if array.shape != tuple(shape) or array.dtype != dtype:
-            raise DataError(
-                f"{_where(keys[i])} is {'x'.join(map(str, array.shape))} {array.dtype} but the "
-                f"first record is {'x'.join(map(str, shape))} {np.dtype(dtype)}; records must be "
-                "one size (convert-imageset --resize-height/--resize-width)", filename)
+        _one_size(keys[i], filename, array.shape, array.dtype, shape, dtype)
         images[i], labels[i] = array, label
     return images, labels
+
+
+def check_datums(keys, values, filename=None, shape=None, dtype=None):
+    """DataError naming the first of the serialized Datums `values` that is not a record of (C, H, W)
+    `shape` and `dtype` (default: the first one's): not a Datum, data of another length than C×H×W,
+    another shape or channel count. What decode_datums refuses, for less: raw uint8 Datums in
+    Caffe's layout pass _caffe_layout's compare with no copy of their pixels; any other record is
+    parsed, and an encoded image is not decoded (its reader decodes it, and names it if it cannot).
+    """
+    n = len(values)
+    if not n:
+        return
+    if shape is None:
+        first, _ = decode_datum(values[0], keys[0], filename)
+        shape, dtype = first.shape, first.dtype
+    done = np.zeros(n, dtype=bool)
+    if np.dtype(dtype) == np.uint8:
+        for rows, ok, _, _ in _caffe_layout(values, shape):
+            done[rows[ok]] = True
+    for i in np.flatnonzero(~done):
+        check_datum(values[i], keys[i], filename, shape, dtype)
+
+
+def check_datum(value, key=None, filename=None, shape=None, dtype=None):
+    """check_datums of one record, by a parse: DataError naming `key` unless `value` is a Datum (a raw one
+    of (C, H, W) `shape` and `dtype`, where given); an encoded image is parsed, not decoded."""
+    datum = parse_datum(value, key, filename)
+    if not datum.encoded:
+        found, found_dtype = raw_shape(datum, key, filename)
+        if shape is not None:
+            _one_size(key, filename, found, found_dtype, shape, found_dtype if dtype is None else dtype)
+
+
+# Records a stream hands to check_datums at a time: enough to make its numpy calls cheap per
+# record, few enough that a stream holds only this many.
+CHECK_EVERY = 1024
+
+
+def checked_records(records, filename=None, shape=None, dtype=None):
+    """The (key, Datum bytes) pairs of `records` as they come, CHECK_EVERY at a time through check_datums
+    first (against `shape` and `dtype`, default the first record's): a stream that stops at its first
+    bad record with the DataError that names it."""
+    records = iter(records)
+    while True:
+        block = list(itertools.islice(records, CHECK_EVERY))
+        if not block:
+            return
+        keys, values = zip(*block)
+        if shape is None:
+            first, _ = decode_datum(values[0], keys[0], filename)
+            shape, dtype = first.shape, first.dtype
+        check_datums(keys, values, filename, shape, dtype)
+        yield from block

@@ -44,10 +44,32 @@ def open_db(path):
             try:
                 env = lmdb.open(real, readonly=True, lock=False, readahead=False, max_readers=512)
             except lmdb.Error as e:
-                raise DataError(f"not a readable LMDB ({e})", path) from None
+                empty = os.path.getsize(os.path.join(real, "data.mdb")) == 0
+                raise DataError(f"not a readable LMDB ({'its data.mdb is empty' if empty else _reason(e, real)})",
+                                path) from None
+            try:
+                _check_whole(env, real, path)
+            except BaseException:
+                env.close()
+                raise
             entry = _environments[real] = [env, 0]
         entry[1] += 1
         return entry[0]
+
+
+def _reason(error, real):
+    """py-lmdb's message without the path it starts with (the one line names the path once)."""
+    return str(error).removeprefix(f"{real}: ")
+
+
+def _check_whole(env, real, path):
+    """DataError if the LMDB's data.mdb is shorter than its newest meta page says (a copy or download cut
+    short): reading a page past the end of a mapped file kills the process with SIGBUS, no exception."""
+    data = os.path.join(real, "data.mdb")
+    size, end = os.path.getsize(data), (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    if size < end:
+        raise DataError(f"truncated: its data.mdb holds {size} bytes but its pages run to byte {end}; "
+                        "copy or rebuild the LMDB", path)
 
 
 def close_db(path):
@@ -105,10 +127,21 @@ def _positioned(txn, start):
     return cursor
 
 
+@contextlib.contextmanager
+def _reading(path, start):
+    """A cursor on record `start` (None past the end) of the LMDB at path; a page that LMDB cannot read on
+    the way is one DataError naming the LMDB."""
+    with opened(path) as env, env.begin(buffers=False) as txn:
+        try:
+            yield _positioned(txn, start)
+        except lmdb.Error as e:
+            raise DataError(f"corrupt LMDB: a page cannot be read ({_reason(e, os.path.realpath(path))}); "
+                            "copy or rebuild it", path) from None
+
+
 def read_records(path, start=0, stop=None, keys_only=False):
     """(key, value) bytes of records start..stop-1 in key order (keys only: key)."""
-    with opened(path) as env, env.begin(buffers=False) as txn:
-        cursor = _positioned(txn, start)
+    with _reading(path, start) as cursor:
         if cursor is None:
             return
         items = cursor.iternext(keys=True, values=not keys_only)
@@ -117,8 +150,7 @@ def read_records(path, start=0, stop=None, keys_only=False):
 
 def read_chunks(path, start=0, stop=None, chunk=4096):
     """Lists of up to `chunk` (key, value) pairs of records start..stop-1, read in C."""
-    with opened(path) as env, env.begin(buffers=False) as txn:
-        cursor = _positioned(txn, start)
+    with _reading(path, start) as cursor:
         if cursor is None:
             return
         items = cursor.iternext(keys=True, values=True)

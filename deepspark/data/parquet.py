@@ -185,6 +185,7 @@ def _file_chunks(file, begin, end, chunk, where):
     try:
         for index in range(file.metadata.num_row_groups):
             rows = file.metadata.row_group(index).num_rows
+            at = first  # the file's row of the next batch's first row
             skip, take, first = max(begin - first, 0), min(end - first, rows), first + rows
             if skip >= take:
                 continue
@@ -192,19 +193,29 @@ def _file_chunks(file, begin, end, chunk, where):
                                            use_threads=False):
                 n = batch.num_rows  # rows [skip, take) of this batch are wanted
                 if min(take, n) > skip:
-                    yield _pairs(batch.slice(skip, min(take, n) - skip), where)
-                skip, take = max(skip - n, 0), take - n
+                    yield _pairs(batch.slice(skip, min(take, n) - skip), where, at + skip)
+                skip, take, at = max(skip - n, 0), take - n, at + n
                 if take <= 0:
                     break
     except OSError as e:  # pyarrow's ArrowInvalid (a corrupt page) is an OSError too
         raise DataError(f"cannot read ({_first_line(e)})", where) from None
 
 
-def _pairs(batch, where):
+def _pairs(batch, where, row):
+    """(key, Datum bytes) pairs of a batch whose first row is row `row` of the part file `where`."""
     keys, values = batch.column(0).to_pylist(), batch.column(1).to_pylist()
     if None in keys or None in values:
-        raise DataError(f"a row's {KEY if None in keys else DATUM} is null", where)
+        i = min(column.index(None) for column in (keys, values) if None in column)
+        raise null_row(KEY if keys[i] is None else DATUM, row + i, keys[i], where)
     return [(key.encode() if isinstance(key, str) else key, value) for key, value in zip(keys, values)]
+
+
+def null_row(column, row, key, where):
+    """The DataError for a row of the part file `where` whose `column` is null (`key`: its key, if any)."""
+    if isinstance(key, (bytes, bytearray)):
+        key = bytes(key).decode("utf-8", "backslashreplace")
+    named = f"row {row}" if key is None else f"row {row}, key {key!r}"
+    return DataError(f"a row's {column} is null ({named}); every row needs its {column}", where)
 
 
 def read_records(source, start=0, stop=None, keys_only=False):

@@ -37,11 +37,13 @@ class ExchangeClient:
     on_nonfinite "reset": replace the parameters with the center; "raise": NonFiniteError
     integrity    as the server's: tagged frames after the handshake (a reply that fails its tag ends the
                  connection; the worker rejoins and resets from the center)
+    history_sets as the server's: the worker's solver history is this many model-sized vectors
+                 (send_history, pull_history); 0 exchanges none
     """
 
     def __init__(self, address, secret, worker_id, *, shapes=None, timeout=120.0,
                  connect_timeout=10.0, retries=8, backoff=0.05, max_backoff=2.0,
-                 on_nonfinite="reset", chunk=None, integrity=True):
+                 on_nonfinite="reset", chunk=None, integrity=True, history_sets=0):
         if on_nonfinite not in ("reset", "raise"):
             raise ValueError("on_nonfinite must be 'reset' or 'raise'")
         if isinstance(address, str):
@@ -61,6 +63,10 @@ class ExchangeClient:
         self.on_nonfinite = on_nonfinite
         self._chunk = chunk
         self.integrity = bool(integrity)  # as the server's: tag every frame after the handshake
+        self.history_sets = int(history_sets)
+        # The server asked for this worker's solver history (a reply's F_SEND_HISTORY): send_history it
+        # once no exchange is in flight. Set by the thread that read the reply, before the result is handed over.
+        self.history_wanted = False
         self._conn = None  # made at the first connect; its buffer is also the overlapped snapshot
         self._closed = False
         # overlapped mode
@@ -100,6 +106,7 @@ class ExchangeClient:
             self._fingerprint = P.fingerprint(self._shapes)
             self._apply_step = apply_floats(n, self._chunk)
             self._conn = Connection(None, "%s:%d" % self.address, self.worker_id).allocate(n)
+            self._conn.history_bytes = 4 * self.history_sets * n
         delay = self.backoff
         for attempt in range(1, self.retries + 1):
             try:
@@ -217,6 +224,7 @@ class ExchangeClient:
         if h.type != P.DIFF:
             raise P.ProtocolError("expected DIFF, got %s" % P.TYPE_NAMES[h.type])
         self.server_iteration = h.iteration
+        self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
         if apply_to is None:
             conn.read_payload(conn.view)
         else:
@@ -276,6 +284,7 @@ class ExchangeClient:
                 raise P.ProtocolError("expected CENTER, got %s" % P.TYPE_NAMES[h.type])
             self._conn.read_payload(byte_view(params))
             self.server_iteration = h.iteration
+            self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
             self.exchanges += 1
         finally:
             self.blocked_seconds += time.perf_counter() - t0
@@ -311,6 +320,47 @@ class ExchangeClient:
             self._conn.send(P.REPORT, iteration=iteration, value=loss)
         except OSError:
             self._drop()
+
+    # ---- the worker's solver history ---------------------------------------------
+
+    def send_history(self, history, iteration, current_step=0):
+        """Send the solver's history (Caffe's history blobs as one float32 vector of history_sets x the
+        model's floats) for the server to hold; no reply. Best-effort like report(): on a lost connection
+        the next exchange rejoins."""
+        history = _check_params(history)
+        if self._pending:
+            raise RuntimeError("an overlapped exchange is in flight; call wait(params) first")
+        if 4 * history.size != self._conn.history_bytes:
+            raise ValueError("a solver history of %d values; this client's is %d"
+                             % (history.size, self._conn.history_bytes // 4))
+        self.history_wanted = False
+        if self._sock is None:
+            return
+        try:
+            self._conn.send(P.HISTORY, byte_view(history), iteration, float(current_step))
+        except OSError:
+            self._drop()
+
+    def pull_history(self, out):
+        """The solver history the server holds for this worker (a resumed job's snapshot, or what it last
+        sent) into `out`: (iteration, current_step) when it held one, else None."""
+        out = _check_params(out)
+        if self._pending:
+            raise RuntimeError("an overlapped exchange is in flight; call wait(params) first")
+        self._ensure(self._conn.buf.size if self._conn is not None else None)
+        if 4 * out.size != self._conn.history_bytes:
+            raise ValueError("a solver history of %d values; this client's is %d"
+                             % (out.size, self._conn.history_bytes // 4))
+        self._conn.send(P.GET_HISTORY)
+        h = self._read_header(len(self._conn.view))
+        if h.type != P.HISTORY:
+            raise P.ProtocolError("expected HISTORY, got %s" % P.TYPE_NAMES[h.type])
+        if not h.length:
+            return None
+        self._conn.read_payload(byte_view(out))
+        if not rules.all_finite(out):
+            raise P.ProtocolError("the server sent a solver history holding NaN or Inf")
+        return h.iteration, int(h.value)
 
     # ---- overlapped API -----------------------------------------------------
 

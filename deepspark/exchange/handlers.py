@@ -133,7 +133,7 @@ class EasgdHandler(Handler):
         if span >= n:
             # Reply first, then add d to x̃: the add overlaps the worker's own
             # x −= d. This worker's next frame is read only after the add.
-            conn.send(P.DIFF, view, iteration=count, tag_after=True)
+            conn.send(P.DIFF, view, iteration=count, tag_after=True, flags=self.server.reply_flags(conn.worker_id))
             rules.apply_to_center(center, buf, self.server_factor, scratch)
             return
         # Big models: add and send slice by slice so the worker applies while we add.
@@ -141,7 +141,8 @@ class EasgdHandler(Handler):
             end = min(start + span, n)
             rules.apply_to_center(center[start:end], buf[start:end], self.server_factor, scratch[:end - start])
             if start == 0:
-                conn.send(P.DIFF, view[:4 * end], iteration=count, length=len(view))
+                conn.send(P.DIFF, view[:4 * end], iteration=count, length=len(view),
+                          flags=self.server.reply_flags(conn.worker_id))
             else:
                 conn.send_more(view[4 * start:4 * end])
         conn.end_frame()
@@ -197,8 +198,17 @@ class RoundsHandler(Handler):
         return self._rounds
 
     def start_iteration(self, worker_id):
+        """The last completed round. An open round that holds this worker's frame holds its previous
+        connection's (a process Spark has since replaced, whose server thread still waits in the round
+        and never saw its socket die): it can never complete as it is, so it fails, and its waiters with it."""
         with self._cond:
             self._gone.discard(worker_id)
+            rnd = self._round
+            if worker_id in rnd.params and not rnd.done and not rnd.failure:
+                rnd.failure = ("worker %d rejoined while the round of iteration %d held its previous connection's "
+                               "parameters; the round starts again" % (worker_id, rnd.iteration))
+                self._round = _Round()
+                self._cond.notify_all()
             return self._round_iteration
 
     def serve(self, conn, h):
@@ -240,10 +250,12 @@ class RoundsHandler(Handler):
                 raise P.Refusal(P.E_TIMEOUT, rnd.failure)
             # The center changes again only when a round completes, which needs this
             # worker's next frame: sending it outside the lock is safe (and so is a PULL's).
-        conn.send(P.CENTER, byte_view(self.center), iteration=h.iteration, tag_after=True)
+        conn.send(P.CENTER, byte_view(self.center), iteration=h.iteration, tag_after=True,
+                  flags=self.server.reply_flags(wid))
 
     def left(self, worker_id):
-        """An open round it is in, or that waits for it, can never complete."""
+        """An open round it is in, or that waits for it, can never complete (the server calls this for a
+        worker's current connection only)."""
         with self._cond:
             self._gone.add(worker_id)
             rnd = self._round

@@ -8,11 +8,12 @@ import struct
 from collections import namedtuple
 
 MAGIC = b"DSPX"
-VERSION = 2  # 2: every frame after the handshake carries an integrity tag
+VERSION = 3  # 2: every frame after the handshake carries an integrity tag; 3: workers' solver history
 
 # magic, version, type, flags, worker id, iteration, payload length (bytes), value.
-# `value` carries the loss on EXCHANGE, AVERAGE and REPORT so progress needs no extra frame;
-# `flags` carries the error code on ERROR.
+# `value` carries the loss on EXCHANGE, AVERAGE and REPORT so progress needs no extra frame, and the
+# solver's current_step on HISTORY; `flags` carries the error code on ERROR, and F_SEND_HISTORY on a
+# reply (DIFF, CENTER) asks the worker for its solver history.
 HEADER = struct.Struct("<4sBBHIqQd")
 HEADER_SIZE = HEADER.size
 
@@ -29,11 +30,18 @@ REPORT = 9       # client -> server: iteration and loss, no reply
 ERROR = 10       # either way: UTF-8 reason, code in flags
 BYE = 11         # client -> server: closing, no reply
 AVERAGE = 12     # client -> server: parameters x for the synchronous round `iteration`; reply CENTER (the mean)
+HISTORY = 13     # either way: a worker's solver history (history sets x the model's floats), no reply;
+                 # server -> client as the reply to GET_HISTORY, empty when the server holds none for it
+GET_HISTORY = 14  # client -> server: ask for the solver history held for this worker (a resumed job's)
+
+# Header flags of a reply to a model frame.
+F_SEND_HISTORY = 1  # the driver is snapshotting: send a HISTORY frame (once the reply is applied)
 
 TYPE_NAMES = {
     HELLO: "HELLO", CHALLENGE: "CHALLENGE", AUTH: "AUTH", WELCOME: "WELCOME",
     EXCHANGE: "EXCHANGE", DIFF: "DIFF", PULL: "PULL", CENTER: "CENTER",
-    REPORT: "REPORT", ERROR: "ERROR", BYE: "BYE", AVERAGE: "AVERAGE",
+    REPORT: "REPORT", ERROR: "ERROR", BYE: "BYE", AVERAGE: "AVERAGE", HISTORY: "HISTORY",
+    GET_HISTORY: "GET_HISTORY",
 }
 
 # Error codes (ERROR frame flags).
@@ -68,6 +76,7 @@ _SMALL_LIMITS = {
     REPORT: (0, 0),
     ERROR: (0, MAX_ERROR_BYTES),
     BYE: (0, 0),
+    GET_HISTORY: (0, 0),
 }
 MAX_SMALL_PAYLOAD = max(hi for _, hi in _SMALL_LIMITS.values())
 MODEL_TYPES = (EXCHANGE, DIFF, CENTER, AVERAGE)
@@ -113,11 +122,13 @@ def pack_header_into(buf, type_, worker_id=0, iteration=0, length=0, value=math.
     HEADER.pack_into(buf, 0, MAGIC, VERSION, type_, flags, worker_id, iteration, length, value)
 
 
-def decode_header(buf, model_bytes=None):
+def decode_header(buf, model_bytes=None, history_bytes=0):
     """Parse and validate a header; raise ProtocolError on anything unexpected.
 
     `model_bytes` is the exact payload length of a model-sized frame (4 × the
     parameter count); before the handshake it is None and model frames are refused.
+    `history_bytes` is a HISTORY frame's (history sets × model_bytes), which may also
+    be empty; 0 refuses HISTORY frames (a peer that keeps no solver history).
     A length is checked before anything is read or allocated after the header.
     """
     if len(buf) != HEADER_SIZE:
@@ -133,6 +144,13 @@ def decode_header(buf, model_bytes=None):
         if length != model_bytes:
             raise ProtocolError("%s payload of %d bytes, the model needs exactly %d"
                                 % (TYPE_NAMES[type_], length, model_bytes))
+    elif type_ == HISTORY:
+        if model_bytes is None or not history_bytes:
+            raise ProtocolError("HISTORY %s" % ("before the handshake completed" if model_bytes is None
+                                                else "to a peer that keeps no solver history"))
+        if length not in (0, history_bytes):
+            raise ProtocolError("HISTORY payload of %d bytes, the solver history needs exactly %d (or 0)"
+                                % (length, history_bytes))
     elif type_ in _SMALL_LIMITS:
         lo, hi = _SMALL_LIMITS[type_]
         if not lo <= length <= hi:

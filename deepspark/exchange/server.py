@@ -5,6 +5,7 @@ import math
 import socket
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -13,6 +14,16 @@ from . import protocol as P
 from .transport import Connection, PeerClosed, byte_view, send_frame, tune
 
 log = logging.getLogger("deepspark.exchange.server")
+
+
+class Held(NamedTuple):
+    """A worker's solver history as the server holds it: Caffe's history blobs as one float32 vector, the
+    worker's iteration and current_step when it was taken, and the request it answered (0: none)."""
+
+    vector: np.ndarray
+    iteration: int
+    current_step: int
+    request: int
 
 
 class ExchangeServer:
@@ -31,10 +42,17 @@ class ExchangeServer:
     handshake_timeout  seconds a new connection has to complete the handshake
     integrity     tag every frame after the handshake and refuse one whose tag fails (the
                   center untouched); the workers' clients must say the same
+    history_sets  the workers' solver history is this many model-sized vectors (Caffe's SolverState
+                  history: 1 for SGD, 2 for Adam); 0 keeps none. The server then holds one history
+                  per worker: what it last sent (HISTORY, unprompted or asked for by
+                  request_histories), or what `histories` gives at the start (a resumed job's), and
+                  hands it to a worker that asks (GET_HISTORY) as it joins
+    histories     {worker id: (iteration, current_step, float32 vector)} to hold from the start
     """
 
     def __init__(self, center, secret, handler, host="127.0.0.1", port=0, *, shapes=None,
-                 resume_iteration=0, idle_timeout=3600.0, handshake_timeout=10.0, integrity=True):
+                 resume_iteration=0, idle_timeout=3600.0, handshake_timeout=10.0, integrity=True,
+                 history_sets=0, histories=None):
         center = np.asarray(center)
         if not np.issubdtype(center.dtype, np.floating) or center.size == 0:
             raise ValueError("center must be a non-empty float array")
@@ -51,6 +69,11 @@ class ExchangeServer:
         self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
         self.integrity = bool(integrity)  # tag every frame after the handshake (transport.Connection.seal)
+        self._history_floats = int(history_sets) * self._center.size
+        self._histories = {}  # worker id -> Held
+        self._history_round = 0  # request_histories' count: a worker is asked until it has sent one since
+        for wid, (iteration, step, vector) in (histories or {}).items():
+            self._histories[int(wid)] = Held(self._checked_history(vector), int(iteration), int(step), 0)
         self._host, self._port = host, port
         self._books = threading.Lock()  # bookkeeping only, never held during the update
         self._workers = {}
@@ -119,6 +142,29 @@ class ExchangeServer:
                 d["seconds_since_exchange"] = None if last is None else now - last
                 out[wid] = d
             return out
+
+    def request_histories(self):
+        """Ask every worker for its solver history: the replies to its model frames carry F_SEND_HISTORY
+        until it has sent one. Returns the request's number, for histories(since=)."""
+        if not self._history_floats:
+            raise RuntimeError("this server keeps no solver history (history_sets=0)")
+        with self._books:
+            self._history_round += 1
+            return self._history_round
+
+    def histories(self, since=0):
+        """{worker id: Held} of the workers' solver histories held now, sent in answer to request `since`
+        or later (0: any); the vectors are the server's own, replaced (never changed) by a newer one."""
+        with self._books:
+            return {wid: held for wid, held in self._histories.items() if held.request >= since}
+
+    def reply_flags(self, worker_id):
+        """The header flags of a reply to the worker's model frame: F_SEND_HISTORY while a request is
+        open for it."""
+        if not self._history_floats:
+            return 0
+        held = self._histories.get(worker_id)
+        return P.F_SEND_HISTORY if (held.request if held else 0) < self._history_round else 0
 
     def stop(self):
         self._stopping.set()
@@ -204,12 +250,45 @@ class ExchangeServer:
         finally:
             sock.close()
             wid = conn.worker_id
-            if wid is not None:
-                self.handler.left(wid)
             with self._books:
                 self._conns.discard(entry)
-                if wid is not None and self._workers.get(wid, {}).get("peer") == conn.peer:
+                # A worker's connection that has been replaced by a newer one (its process rejoined) is not
+                # the worker leaving: only the current one's end is.
+                current = wid is not None and self._workers.get(wid, {}).get("peer") == conn.peer
+                if current:
                     self._workers[wid]["connected"] = False
+            if current:  # outside the books: a handler takes its own lock, then the books
+                self.handler.left(wid)
+
+    def _checked_history(self, vector):
+        vector = np.ascontiguousarray(vector, dtype=np.float32).ravel()
+        if vector.size != self._history_floats:
+            raise ValueError("a solver history of %d values; this server's is %d" % (vector.size, self._history_floats))
+        return vector
+
+    def _receive_history(self, conn, h, me):
+        """A worker's HISTORY frame: read into a new vector, held once verified and finite."""
+        if not h.length:
+            raise P.ProtocolError("empty HISTORY from worker %d" % conn.worker_id)
+        vector = np.empty(self._history_floats, dtype=np.float32)
+        conn.read_payload(byte_view(vector))  # verified before it replaces what is held
+        if not rules.all_finite(vector):
+            raise P.Refusal(P.E_NONFINITE, "worker %d sent a solver history holding NaN or Inf at iteration %d"
+                            % (conn.worker_id, h.iteration))
+        with self._books:
+            self._histories[conn.worker_id] = Held(vector, h.iteration, int(h.value), self._history_round)
+            me["history_iteration"] = h.iteration
+
+    def _send_history(self, conn):
+        """The reply to GET_HISTORY: the history held for this worker, or an empty HISTORY."""
+        with self._books:
+            held = self._histories.get(conn.worker_id)
+        if held is None:
+            conn.send(P.HISTORY)
+            return
+        conn.send(P.HISTORY, byte_view(held.vector), iteration=held.iteration, value=held.current_step,
+                  tag_after=True)
+        self.record(conn.worker_id, restored_history=held.iteration)
 
     def _refuse(self, conn, code, reason):
         wid = conn.worker_id
@@ -277,9 +356,12 @@ class ExchangeServer:
                 "connections": (prev["connections"] if prev else 0) + 1,
                 "refused_nonfinite": prev["refused_nonfinite"] if prev else 0,
                 "peer": conn.peer,
+                "history_iteration": prev["history_iteration"] if prev else None,  # of the last it sent
+                "restored_history": None,  # the iteration of the history handed to this connection
             }
         log.info("worker %d joined from %s", wid, conn.peer)
         conn.worker_id = wid
+        conn.history_bytes = 4 * self._history_floats
         return wid
 
     @staticmethod
@@ -316,6 +398,10 @@ class ExchangeServer:
                         conn.send(P.CENTER, center_view, iteration=self._exchanges)
             elif h.type == P.REPORT:
                 pass
+            elif h.type == P.HISTORY:
+                self._receive_history(conn, h, me)
+            elif h.type == P.GET_HISTORY:
+                self._send_history(conn)
             elif h.type == P.BYE:
                 log.info("worker %d left", wid)
                 return

@@ -3,7 +3,7 @@
 import math
 
 from deepspark import rules
-from deepspark.exchange import EasgdHandler, ExchangeServer
+from deepspark.exchange import EasgdHandler
 from deepspark.spark import worker as executor
 from deepspark.spark.job import Job
 
@@ -21,10 +21,7 @@ class EasgdJob(Job):
 
     def start_exchanger(self, center, host, secret):
         ds = self.ds
-        server = ExchangeServer(center, secret, handler(ds), host=host, port=0,
-                                shapes=[tuple(p.shape) for p in self.graph.params],
-                                idle_timeout=ds.exchange_timeout, resume_iteration=self.start_iter,
-                                integrity=ds.exchange_integrity).start()
+        server = self.exchange_server(center, host, secret, handler(ds))
         self.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; "
                       f"{self.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}")
         return server
@@ -53,6 +50,7 @@ def train_worker(trainer, client, params):
             if client.pending:  # the previous difference first, so the snapshot includes it
                 client.wait(params)
                 model.set_flat(params)
+            executor.send_history(client, model, asked=True)
             if ds.overlap:
                 client.exchange_async(params, model.iter, loss)
             else:
@@ -62,5 +60,6 @@ def train_worker(trainer, client, params):
             client.report(model.iter, loss)
     params = model.get_flat(params)
     client.wait(params)
+    executor.send_history(client, model)  # held for the job's last snapshot
     client.exchange(params, model.iter, loss)  # the center gets the final state
     return loss, {}

@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import re
 import secrets
@@ -13,9 +14,10 @@ import numpy as np
 
 from deepspark import checkpoint, engine, fillers, local, schedule
 from deepspark.config import random_seed
-from deepspark.data import decode_datum, lmdb_io, source_shape
-from deepspark.data.parquet import COLUMNS, DATUM, is_parquet
+from deepspark.data import checked_records, decode_datum, lmdb_io, source_shape
+from deepspark.data.parquet import COLUMNS, DATUM, is_parquet, null_row
 from deepspark.errors import ConfigError, DeepSparkError
+from deepspark.exchange import ExchangeServer
 from deepspark.exchange.protocol import E_DIVERGED
 from deepspark.graph import Graph, layer_included
 from deepspark.log import Log
@@ -28,20 +30,28 @@ from deepspark.spark.worker import Range, Task, row_datum
 CANCEL_SECONDS = 30
 # Seconds between two looks at the workers' progress.
 WATCH_SECONDS = 0.5
+# Seconds a snapshot waits at most for the training workers' solver histories (each sends its own at its
+# next exchange, a period's steps away); one not in time goes in as it last sent it, and the log says so.
+HISTORY_SECONDS = 10.0
 
 
 class JobError(DeepSparkError):
     """The job cannot go on; the message says what happened and what Spark reports."""
 
 
-def executor_report(sc):
-    """What Spark says about its executors, for error messages."""
+def executor_report(sc, listing=False):
+    """What Spark says about its executors (the driver's among them), for error messages; with `listing`,
+    the executors but the driver as {id: "HOST:PORT"} instead (None when Spark cannot say), for the watch
+    to see one go."""
     try:
+        if listing:  # the status store's list has the executors' ids (the driver's is "driver")
+            active = sc._jsc.sc().statusStore().executorList(True)
+            return {e.id(): e.hostPort() for e in map(active.apply, range(active.size())) if e.id() != "driver"}
         infos = sc._jsc.sc().statusTracker().getExecutorInfos()
         hosts = [f"{info.host()}:{info.port()} ({info.numRunningTasks()} running)" for info in infos]
         return f"Spark reports {len(hosts)} executor(s): {', '.join(hosts) or 'none'}"
     except Exception as error:  # only used to enrich a message
-        return f"Spark's executor list is unavailable ({error})"
+        return None if listing else f"Spark's executor list is unavailable ({error})"
 
 
 _EXCEPTION_LINE = re.compile(r"^\s*([\w.]+(?:Error|Exception)): (.+)$")
@@ -210,6 +220,9 @@ def parquet_records(spark, source):
     per-file counts the executors make, and its row in the file (`_metadata.row_index`). It
     depends on neither how Spark splits the files into partitions nor on when, so a worker
     gets the same shard on every retry and in every run over the same files.
+
+    The records are checked as Spark reads them (a null `datum`, not a Datum, another shape than
+    the first record's), so that a bad one is named by its part file and row.
     """
     try:
         # A local path as the driver sees it; anything else (a URI) is Spark's to open.
@@ -220,18 +233,35 @@ def parquet_records(spark, source):
         raise ConfigError(f"the Parquet dataset has no '{DATUM}' column (Caffe Datum bytes) but {df.columns}; "
                           f"deepspark convert-lmdb writes {', '.join(COLUMNS)}", source)
     what = f"the Parquet dataset {source}"
+    located = df.select("_metadata.file_path", "_metadata.row_index", DATUM)
     try:
         counts = sorted(df.groupBy("_metadata.file_path").count().collect())
-        first = df.select(DATUM).first()
+        first = located.first()
     except Exception as error:
         raise ConfigError(f"Spark cannot read the Parquet dataset: {first_line(error)}", source) from None
     if first is None:
         raise ConfigError(f"{what} is empty")
     starts = dict(zip([path for path, _ in counts], np.cumsum([0] + [n for _, n in counts[:-1]]).tolist()))
     total = sum(n for _, n in counts)
-    rows = df.select("_metadata.file_path", "_metadata.row_index", DATUM).rdd
-    indexed = rows.map(lambda row: (starts[row[0]] + row[1], bytes(row[2])))
-    return indexed, tuple(int(d) for d in decode_datum(bytes(first[0]))[0].shape), total
+    if first[2] is None:
+        raise null_row(DATUM, first[1], None, first[0])
+    image, _ = decode_datum(bytes(first[2]), first[1], first[0])
+    shape, dtype = tuple(int(d) for d in image.shape), image.dtype
+
+    def present(rows, file):
+        for _, row, datum in rows:
+            if datum is None:
+                raise null_row(DATUM, row, None, file)
+            yield row, bytes(datum)
+
+    def indexed(rows):
+        # Checked here, where a record's part file and row are known (the worker's spill knows only its index);
+        # a partition reads runs of rows of one file.
+        for file, run in itertools.groupby(rows, key=lambda row: row[0]):
+            for row, datum in checked_records(present(run, file), file, shape, dtype):
+                yield starts[file] + row, datum
+
+    return located.rdd.mapPartitions(indexed), shape, total
 
 
 def dataframe_shards(df, workers, what="the DataFrame"):
@@ -259,19 +289,22 @@ def dataframe_shards(df, workers, what="the DataFrame"):
 
 
 def initial_center(solver, log, weights=None, snapshot=None, shape=None):
-    """x̃ at the start: the fillers, a --weights file, or a --snapshot's learned net; and the start iteration."""
+    """x̃ at the start: the fillers, a --weights file, or a --snapshot's learned net; the start iteration; and
+    the workers' solver histories the snapshot holds ({worker: (iteration, current_step, flat history)})."""
     graph = Graph(solver.train_net, pb.TRAIN, source=solver.train_map,
                   data_shape=source_shape if shape is None else (lambda layer: shape))
     arrays = fillers.init_params(graph, random_seed(solver.param))
-    start = 0
+    start, histories = 0, {}
     if snapshot:
         log.info(f"Restoring previous solver status from {snapshot}")
         state = checkpoint.read_solverstate(snapshot)
         weights, start = checkpoint.learned_net_path(state, snapshot), state.iter
+        histories = checkpoint.worker_histories(state, [p.shape for p in graph.params],
+                                                schedule.history_sets(solver.param), snapshot)
     if weights:
         log.info(f"Initialising the center from {weights}")
         arrays = checkpoint.weights_for(graph, checkpoint.read_caffemodel(weights), arrays, weights)
-    return graph, arrays, start
+    return graph, arrays, start, histories
 
 
 def rate_at(param, iteration):
@@ -299,7 +332,8 @@ class Progress:
     def __init__(self, log, workers, max_iter):
         self.log, self.workers, self.max_iter = log, workers, max_iter
 
-    def draw(self, stats):
+    def draw(self, stats, lost=()):
+        """The row of each worker from the exchanger's stats; `lost`: the workers lost before they finished."""
         rows = []
         for worker in range(self.workers):
             s = stats.get(worker)
@@ -312,7 +346,8 @@ class Progress:
             loss = f"{loss:.4f}" if np.isfinite(loss) else "-"  # none reported yet
             rows.append(f"w{worker}: it {s.get('iteration', 0)}/{self.max_iter} loss {loss} "
                         f"ex {s.get('exchanges', 0)}"
-                        + (f" ({1e3 * latency:.1f} ms, {since:.1f}s ago)" if since is not None and latency else ""))
+                        + (f" ({1e3 * latency:.1f} ms, {since:.1f}s ago)" if since is not None and latency else "")
+                        + (" lost, to rejoin" if worker in lost else ""))
         self.log.progress(" | ".join(rows))
 
 
@@ -366,6 +401,7 @@ class Job:
         self.history = []  # (seconds, iteration, loss, {test output: value})
         # Iterations of the last test and snapshot, and the last test's outputs.
         self.tested, self.snapshotted, self.last_test_values = None, None, {}
+        self.resume_histories = {}  # a --snapshot's workers' solver histories, for the exchanger to hand back
 
     # -- what an algorithm says ------------------------------------------------
 
@@ -380,6 +416,16 @@ class Job:
     def center_flat(self):
         """A copy of x̃ as one float32 vector."""
         return self.server.pull()
+
+    def exchange_server(self, center, host, secret, handler):
+        """The started ExchangeServer of an algorithm that exchanges through one (its `handler`): the job's
+        timeouts, integrity and resume point, and the workers' solver histories held for its snapshots."""
+        ds = self.ds
+        return ExchangeServer(center, secret, handler, host=host, port=0,
+                              shapes=[tuple(p.shape) for p in self.graph.params], idle_timeout=ds.exchange_timeout,
+                              resume_iteration=self.start_iter, integrity=ds.exchange_integrity,
+                              history_sets=schedule.history_sets(self.param),
+                              histories=self.resume_histories).start()
 
     # -- the run ----------------------------------------------------------------
 
@@ -447,8 +493,16 @@ class Job:
                      f"{payloads[0].source} itself; no records pass through the driver)")
         if self.ds.ship_records and (data is not None or is_parquet(source)):
             log.warning("ship_records applies to an LMDB source; this job's shards are read by the executors")
-        self.graph, self.center0, self.start_iter = initial_center(self.solver, log, options.weights,
-                                                                   options.snapshot, shape)
+        self.graph, self.center0, self.start_iter, histories = initial_center(self.solver, log, options.weights,
+                                                                              options.snapshot, shape)
+        self.resume_histories = {w: held for w, held in histories.items() if w < workers}
+        if self.resume_histories:
+            log.info(f"Restoring the solver history of worker(s) {', '.join(map(str, sorted(self.resume_histories)))} "
+                     f"(as each was at iteration "
+                     f"{', '.join(str(held[0]) for _, held in sorted(self.resume_histories.items()))})")
+        if len(self.resume_histories) < len(histories):
+            log.warning(f"the snapshot holds the solver history of {len(histories)} workers; this job has {workers}: "
+                        f"worker(s) {', '.join(str(w) for w in sorted(histories) if w >= workers)} left out")
         return shards
 
     def threads(self):
@@ -472,12 +526,12 @@ class Job:
         thread.start()
         progress = Progress(self.log, self.workers, self.param.max_iter)
         connect_deadline = time.monotonic() + self.ds.connect_timeout
-        connections = {}
+        followed, idle_since = {}, None
         while thread.is_alive():
             thread.join(WATCH_SECONDS)
             stats = self.server.stats()
-            progress.draw(stats)
-            self.report_rejoins(stats, connections)
+            lost = self.report_rejoins(stats, followed)
+            progress.draw(stats, lost)
             diverged = [s["error"][1] for _, s in sorted(stats.items()) if s.get("error", (0,))[0] == E_DIVERGED]
             if diverged:  # stop at once: a retry from the center would diverge again at the same rate
                 self.sc.cancelAllJobs()
@@ -490,6 +544,28 @@ class Job:
                                f"{self.ds.connect_timeout:g}s; {executor_report(self.sc)}")
             if len(stats) < self.workers:
                 continue
+            # Once all have joined, no worker connected means none trains: a lost worker's task (or a rerun
+            # stage) has a free slot, or never will (its executors gone for good). It must (re)join within
+            # connect_timeout, else the job fails with what was lost rather than hang.
+            if any(s.get("connected") for s in stats.values()):
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > self.ds.connect_timeout:
+                self.sc.cancelAllJobs()
+                thread.join(CANCEL_SECONDS)
+                if not thread.is_alive() and "results" in outcome:  # it ended as the deadline came
+                    break
+                waited = f"{self.ds.connect_timeout:g}s (connect_timeout)"
+                if not lost:
+                    raise JobError(f"every worker finished, but Spark's job has not ended within {waited} of the "
+                                   f"last; {executor_report(self.sc)}")
+                with_ = followed.get("lost_with", {})
+                what = "; ".join(f"worker {w} at iteration {it}"
+                                 + (f" with {' and '.join(with_[w])}" if w in with_ else "")
+                                 for w, it in sorted(lost.items()))
+                raise JobError(f"lost {what}; no worker has trained for {waited} and no executor took up the "
+                               f"lost work; {executor_report(self.sc)}; resume from the last snapshot (--snapshot)")
             # The job's iteration is the slowest worker's (Caffe counts max_iter on each node).
             iteration = min(s.get("iteration", 0) for s in stats.values())
             losses = [x for x in (s.get("loss", float("nan")) for s in stats.values()) if np.isfinite(x)]
@@ -501,14 +577,48 @@ class Job:
             raise failed(outcome["failure"], self.sc)
         return outcome["results"]
 
-    def report_rejoins(self, stats, connections):
-        """A line for each worker that connected again (Spark retried its task, or reran the stage)."""
+    def report_rejoins(self, stats, followed):
+        """A line for each worker that connected again (Spark retried its task, or reran the stage), and one
+        for each that lost its connection before it finished as Spark lost an executor (a machine gone):
+        what was lost and what happens next. `followed` carries what was seen from one look to the next.
+        Returns the workers lost (connection gone before the last iteration, no error) not yet back:
+        {worker: iteration it was lost at}."""
+        connections, lost = followed.setdefault("connections", {}), followed.setdefault("lost", {})
+        said, seen = followed.setdefault("said", set()), followed.setdefault("executors", {})
         for wid, s in sorted(stats.items()):
             count = s.get("connections", 1)
             if count > connections.get(wid, 1):
                 self.log.warning(f"Worker {wid} rejoined the exchanger (connection {count}); it goes on from "
                                  f"the center at iteration {s.get('joined_at', 0)}")
+                lost.pop(wid, None)
+                said.discard(wid)
+                followed.get("lost_with", {}).pop(wid, None)
             connections[wid] = count
+            if not s.get("connected", True) and s.get("iteration", 0) < self.param.max_iter and "error" not in s:
+                lost.setdefault(wid, s.get("iteration", 0))
+        executors = executor_report(self.sc, listing=True)
+        if executors is None:
+            return lost
+        seen.update(executors)  # an executor's host:port as Spark last gave it (it may lack the port at first)
+        named = followed.setdefault("named", set())
+        gone = [f"executor {e} on {seen[e]}" for e in sorted(set(seen) - set(executors) - named)]
+        unsaid = [w for w in sorted(lost) if w not in said]
+        if gone and unsaid:
+            waited = f"{self.ds.connect_timeout:g}s (connect_timeout)"
+            if executors:
+                left = ", ".join(f"executor {e} on {host}" for e, host in sorted(executors.items()))
+                then = (f" (left: {left}); its shard is re-placed when a slot frees and it "
+                        f"goes on from the center where it was; the job fails if no worker trains for {waited} "
+                        f"before it rejoins")
+            else:
+                then = (f" and has none left; its shard is re-placed if Spark gets an executor within {waited}, "
+                        f"else the job fails")
+            for wid in unsaid:
+                self.log.warning(f"Worker {wid} lost at iteration {lost[wid]}: Spark lost {' and '.join(gone)}{then}")
+                followed.setdefault("lost_with", {})[wid] = gone
+            said.update(unsaid)
+            named.update(set(seen) - set(executors))
+        return lost
 
     def exchange_scalars(self, stats, iteration):
         self.scalars.add("exchange/seconds_since_exchange",
@@ -572,15 +682,43 @@ class Job:
         self.snapshotted = iteration
         self._note_observed("Snapshotting", iteration, observed)
         model_path, state_path = checkpoint.snapshot_paths(self.param.snapshot_prefix, iteration)
+        center = self.center_arrays()
+        workers = self.worker_states()
         self.log.info(f"Snapshotting to binary proto file {model_path}")
-        checkpoint.save_caffemodel(model_path, self.graph, self.center_arrays())
-        self.log.info(f"Snapshotting solver state to binary proto file {state_path}")
+        checkpoint.save_caffemodel(model_path, self.graph, center)
+        self.log.info(f"Snapshotting solver state to binary proto file {state_path}"
+                      + (f" (with the solver history of {len(workers)} workers)" if workers else ""))
         # The center's own solver state: x̃ moves by elastic differences, not by a solver of its own, so
-        # its history is zeros, one blob per parameter and history set, as Caffe's restore expects.
+        # its history is zeros, one blob per parameter and history set, as Caffe's restore expects; each
+        # worker's own goes beside it, for a resume of this job (Caffe's restore skips them).
         history = [np.zeros(p.shape, np.float32) for p in self.graph.params] * schedule.history_sets(self.param)
-        checkpoint.save_solverstate(state_path, checkpoint.solver_state(iteration, history=history,
-                                                                        learned_net=model_path))
+        state = checkpoint.solver_state(iteration, history=history, learned_net=model_path)
+        state.worker_state.extend(workers)
+        checkpoint.save_solverstate(state_path, state)
         return model_path
+
+    def worker_states(self):
+        """The workers' solver histories for a snapshot (WorkerSolverStates): each training worker is asked
+        for its own and sends it at its next exchange; a worker that has finished sent its last. Waits
+        HISTORY_SECONDS at most; a worker not in time goes in with the last it sent, and a line says so."""
+        if self.server is None or not self.server.stats():
+            return []
+        request = self.server.request_histories()
+        deadline = time.monotonic() + min(HISTORY_SECONDS, self.ds.exchange_timeout)
+        while True:
+            answered = self.server.histories(since=request)
+            waiting = [w for w, s in self.server.stats().items() if s["connected"] and w not in answered]
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        held = self.server.histories()
+        if waiting:
+            self.log.warning(f"worker(s) {', '.join(map(str, waiting))} sent no solver history within "
+                             f"{HISTORY_SECONDS:g}s; the snapshot keeps the last each sent "
+                             f"({', '.join(f'iteration {held[w].iteration}' if w in held else 'none' for w in waiting)})")
+        shapes = [tuple(p.shape) for p in self.graph.params]
+        return [checkpoint.worker_state(w, h.iteration, h.current_step, h.vector, shapes)
+                for w, h in sorted(held.items())]
 
     def finish(self, results):
         """The workers' summary lines, the last snapshot and test, the plot; the job's summary."""
@@ -593,7 +731,9 @@ class Job:
                      f"{r.iterations} iterations, {r.exchanges} exchanges, spilled {r.records} records in "
                      f"{r.spill_seconds:.2f}s, trained {r.train_seconds:.1f}s, blocked on exchange "
                      f"{r.blocked_seconds:.2f}s, peak RSS {r.spill_rss_mb:.0f} MB after the spill, "
-                     f"{r.peak_rss_mb:.0f} MB")
+                     f"{r.peak_rss_mb:.0f} MB"
+                     + ("" if r.restored_history is None else
+                        f"; started from its solver history of iteration {r.restored_history}"))
         log.info(f"Spill took {spill:.2f}s, {100 * spill / max(train, 1e-9):.2f}% of training time")
         ready = max(r.ready_at for r in results) - self.submitted
         if ready > 0:  # not so when no worker spilled in this run (every ready_at 0)
@@ -609,5 +749,5 @@ class Job:
         plot_path = os.path.join(self.output, "progress.png")
         plot_history(self.history, plot_path, title=f"{self.graph.name}: {self.workers} workers, {self.title}")
         log.info(f"Plot of loss and test outputs against time: {plot_path}")
-        return {"iterations": final, "weights": weights, "spill_seconds": spill, "ready_seconds": max(ready, 0.0), "train_seconds": train,
-                "wall_seconds": time.monotonic() - self.started, **values}
+        return {"iterations": final, "weights": weights, "spill_seconds": spill, "ready_seconds": max(ready, 0.0),
+                "train_seconds": train, "wall_seconds": time.monotonic() - self.started, **values}

@@ -61,7 +61,10 @@ def spark_session(ds, workers):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         conf.set("spark.driver.host", "127.0.0.1").set("spark.driver.bindAddress", "127.0.0.1")
         conf.set("spark.ui.enabled", "false")
+    # A sync job's lost worker fails its barrier stage's attempt, which Spark reruns whole: max_failures
+    # governs those reruns too (Spark's own default, 4 attempts, would cap them whatever the flag says).
     conf.set("spark.task.maxFailures", str(max(ds.max_failures, 1)))
+    conf.set("spark.stage.maxConsecutiveAttempts", str(max(ds.max_failures, 1)))
     conf.set("spark.python.worker.reuse", "true").set("spark.ui.showConsoleProgress", "false")
     own_jvm = not submitted and SparkContext._gateway is None  # pyspark keeps one JVM per process
     if own_jvm:

@@ -6,7 +6,7 @@ import zlib
 
 import numpy as np
 
-from deepspark.exchange import ExchangeServer, RefusedError, RoundsHandler
+from deepspark.exchange import RefusedError, RoundsHandler
 from deepspark.spark import worker as executor
 from deepspark.spark.job import Job
 
@@ -29,10 +29,7 @@ class SyncJob(Job):
 
     def start_exchanger(self, center, host, secret):
         ds = self.ds
-        server = ExchangeServer(center, secret, RoundsHandler(self.workers, round_timeout=ds.exchange_timeout),
-                                host=host, port=0, shapes=[tuple(p.shape) for p in self.graph.params],
-                                idle_timeout=ds.exchange_timeout, resume_iteration=self.start_iter,
-                                integrity=ds.exchange_integrity).start()
+        server = self.exchange_server(center, host, secret, RoundsHandler(self.workers, round_timeout=ds.exchange_timeout))
         self.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; {self.workers} workers "
                       f"averaged every iteration (synchronous rounds, timeout {ds.exchange_timeout:g}s)")
         if ds.HasField("period") and ds.period != 1:
@@ -72,4 +69,6 @@ def train_worker(trainer, client, params):
                 f"{where}: no average from the driver's exchanger for iteration {model.iter} within "
                 f"{client.timeout:g}s ({error or type(error).__name__})") from None
         model.set_flat(params)
+        executor.send_history(client, model, asked=True)
+    executor.send_history(client, model)  # held for the job's last snapshot
     return loss, {"digest": digest(params)}

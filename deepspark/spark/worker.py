@@ -17,7 +17,7 @@ import numpy as np
 import deepspark
 from deepspark import local, schedule
 from deepspark.config import Solver
-from deepspark.data import DataError, encode_datum, lmdb_io
+from deepspark.data import DataError, check_datum, checked_records, decode_datum, encode_datum, lmdb_io
 from deepspark.errors import DeepSparkError, SourceMap
 from deepspark.exchange import ExchangeClient
 from deepspark.exchange.protocol import E_DIVERGED
@@ -86,6 +86,7 @@ class Summary:
     spill_rss_mb: float = 0.0  # the worker process's peak RSS in this task when its spill was done
     peak_rss_mb: float = 0.0  # and at the end of its training
     ready_at: float = 0.0  # when its spill was done (time.time())
+    restored_history: int = None  # the iteration of the solver history it started from (a resumed job's), if any
 
     @classmethod
     def here(cls, worker, **fields):
@@ -157,7 +158,12 @@ def record_key(index):
 
 def shard_records(payload, worker):
     """The (key, Datum bytes) records of a shard, as a stream: read from its Range of the LMDB, or keyed
-    from the (index, Datum bytes) pairs that Spark streams to the task."""
+    from the (index, Datum bytes) pairs that Spark streams to the task.
+
+    A Range's records are checked on the way (checked_records: no Datum, another shape than the
+    LMDB's first record), here where the LMDB and the key are known; the local LMDB's reader would
+    name only itself. Streamed records were checked where Spark read them (parquet_records,
+    row_datum)."""
     if not isinstance(payload, Range):
         return ((record_key(index), datum) for index, datum in payload)
     if not os.path.exists(payload.source):
@@ -166,7 +172,10 @@ def shard_records(payload, worker):
     if here != payload.total:
         raise WorkerError(f"worker {worker} on {socket.gethostname()}: the LMDB {payload.source} holds {here} "
                           f"records here and {payload.total} on the driver; every executor must see the same LMDB")
-    return lmdb_io.read_records(payload.source, payload.start, payload.stop)
+    key, value = lmdb_io.first_record(payload.source)
+    first, _ = decode_datum(value, key, payload.source)
+    return checked_records(lmdb_io.read_records(payload.source, payload.start, payload.stop), payload.source,
+                           first.shape, first.dtype)
 
 
 def spill(payload, job_id, worker):
@@ -209,7 +218,14 @@ def row_datum(index, row, shape=None):
     when given: the first row's) and `label`; a DataError naming the row when it cannot be one."""
     fields = row.asDict() if hasattr(row, "asDict") else dict(row)
     if "datum" in fields:
-        return bytes(fields["datum"])
+        if fields["datum"] is None:
+            raise DataError(f"DataFrame row {index}: its 'datum' is null; every row needs its Datum bytes")
+        datum = bytes(fields["datum"])
+        try:
+            check_datum(datum, index, None, shape)  # a parse: row_datum runs once per row, where it is known
+        except DataError as error:
+            raise DataError(f"DataFrame {error}") from None  # "row N: what" as "DataFrame row N: what"
+        return datum
     image = np.asarray(fields["data"])
     if image.ndim == 2:
         image = image[None]
@@ -281,19 +297,35 @@ def build(worker, payload, task):
 
 
 def join_center(worker, task, model, timeout):
-    """Connect to the driver's exchanger and start (or rejoin) from x̃ at the iteration it reports."""
+    """Connect to the driver's exchanger and start (or rejoin) from x̃ at the iteration it reports, with the
+    solver history it holds for this worker (a resumed job's, or what this worker last sent before a
+    retry), if any; (client, params, the iteration that history was taken at or None)."""
     client = ExchangeClient(tuple(task.address), task.secret, worker, shapes=model.param_shapes,
                             timeout=timeout, connect_timeout=min(timeout, CONNECT_SECONDS),
-                            integrity=task.param.deepspark_param.exchange_integrity)
+                            integrity=task.param.deepspark_param.exchange_integrity,
+                            history_sets=model.history_sets)
+    history = np.empty(model.history_sets * model.param_count, np.float32)
     try:
         client.connect()
         params = client.pull(model.get_flat())
+        held = client.pull_history(history)
     except OSError as error:
         raise WorkerError(f"worker {worker} on {socket.gethostname()} cannot reach the driver's exchanger at "
                           f"{task.address[0]}:{task.address[1]}: {error}") from None
     model.set_flat(params)
     model.iter = client.resume_iteration  # 0, a resumed job's, or this worker's before a retry
-    return client, params
+    if held is not None:
+        model.set_history_flat(history)
+        model.current_step = held[1]
+    return client, params, None if held is None else held[0]
+
+
+def send_history(client, model, asked=False):
+    """Send the worker's solver history to the exchanger, which holds it for the job's snapshots (asked: only
+    if the driver asked for it, in the reply to the last exchange). Between exchanges, never while one is in
+    flight: the model's history is the training thread's."""
+    if not asked or client.history_wanted:
+        client.send_history(model.get_history_flat(), model.iter, model.current_step)
 
 
 def run(worker, items, task, train, timeout):
@@ -302,13 +334,14 @@ def run(worker, items, task, train, timeout):
     trainer, shard_path, spilled = build(worker, payload_of(items), task)
     model = trainer.model
     try:
-        client, params = join_center(worker, task, model, timeout)
+        client, params, restored = join_center(worker, task, model, timeout)
         trainer.on_step = functools.partial(check_finite, worker, client)
         start_iter, started = model.iter, time.monotonic()
         loss, extra = train(trainer, client, params)
         summary = Summary.here(worker, train_seconds=time.monotonic() - started, iterations=model.iter - start_iter,
                                final_iteration=model.iter, exchanges=client.exchanges,
                                blocked_seconds=client.blocked_seconds, loss=loss, peak_rss_mb=peak_rss_mb(),
+                               restored_history=restored,
                                **dataclasses.asdict(spilled), **extra)
         client.close()
         return summary
