@@ -10,7 +10,7 @@ DATA    := data
 FASHION := /usr/share/datasets/fashion-mnist
 PYTEST_ARGS ?=
 
-.PHONY: help setup system venv caffe data test demo bench proto pack-env clean
+.PHONY: help setup system venv caffe data test demo bench peers-env proto pack-env clean
 
 help:
 	@echo "make demo    LeNet on Fashion-MNIST: 2 Spark workers, async EASGD, local[2]"
@@ -59,8 +59,12 @@ test: setup
 demo: setup
 	$(BIN)/python tools/demo.py
 
+# The external peers (#14: Elephas, TorchDistributor) run in a venv of their own: elephas pins TensorFlow < 2.20.
+peers-env:
+	@bash tools/peers-env.sh
+
 # One BLAS thread, so that numpy's own threads do not blur the exchanger's figures.
-bench: setup
+bench: setup peers-env
 	@mkdir -p bench/results
 	@for b in bench/[!_]*.py; do echo "== $$b"; OPENBLAS_NUM_THREADS=1 $(BIN)/python $$b || exit 1; done
 

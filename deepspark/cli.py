@@ -12,10 +12,11 @@ import sys
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from deepspark import compare, config, export, local
+from deepspark import compare, config, export, local, plan
 from deepspark.backends import BACKENDS
 from deepspark.data import convert
 from deepspark.errors import DeepSparkError
+from deepspark.log import Log
 from deepspark.plot import plot_log
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -105,6 +106,8 @@ def message_of(args, message):
 
 # The DeepSparkParameter fields that say where a forward-only job on Spark runs.
 SPARK_FIELDS = ("master", "workers", "backend", "max_failures", "executor_env")
+# The DeepSparkParameter fields the throughput model reads (plan's table goes 1, 2, 4, ... up to `workers`).
+PLAN_FIELDS = ("algorithm", "workers", "period", "overlap", "backend", "exchange_integrity")
 
 
 # -- the verbs ----------------------------------------------------------------------------
@@ -132,6 +135,12 @@ def cmd_compare(args):
     result = compare.run(args.model, weights=args.weights, solver_path=args.solver,
                          **fields_of(args, pb.CompareParameter))
     return 0 if result["ok"] else 1
+
+
+def cmd_plan(args):
+    plan.run(args.model, fields_of(args, pb.DeepSparkParameter), message_of(args, pb.PlanParameter),
+             args.data_shape, Log())
+    return 0
 
 
 def cmd_export(args):
@@ -248,6 +257,17 @@ def parser():
     comparison.add_argument("--solver", help="also train --iterations from the same weights and batches")
     add_fields(comparison, pb.CompareParameter)
     comparison.set_defaults(run=cmd_compare)
+
+    planner = verbs.add_parser("plan", help="what N workers will do on a network: images/s, speedup, exchange share "
+                                            "and where the single center saturates (the throughput model, from a "
+                                            "step and an exchange measured here)")
+    planner.add_argument("--model", required=True, help="a model folder (its solver.prototxt and deepspark.prototxt), a "
+                                                        "solver, or a train_val .prototxt")
+    planner.add_argument("--data-shape", type=data_shape, help="C,H,W of the Data layers when their LMDB is absent "
+                                                               "(default: a model folder's deploy.prototxt input)")
+    add_fields(planner, pb.DeepSparkParameter, PLAN_FIELDS)
+    add_fields(planner, pb.PlanParameter)
+    planner.set_defaults(run=cmd_plan)
 
     saved = verbs.add_parser("export", help="a deploy net and its .caffemodel as a TensorFlow SavedModel (Caffe's "
                                             "numerics, N x C x H x W input; served without DeepSpark)")

@@ -298,9 +298,23 @@ def check_deepspark(ds, path):
         raise ConfigError(f"moving_rate must be in (0, 1], not {ds.moving_rate:g}", path)
     if ds.moving_rate_limit < 0:
         raise ConfigError(f"moving_rate_limit must not be negative, not {ds.moving_rate_limit:g}", path)
-    for field in ("exchange_timeout", "connect_timeout"):
+    for field in ("exchange_timeout", "connect_timeout", "outer_learning_rate"):
         if getattr(ds, field) <= 0:
             raise ConfigError(f"{field} must be positive, not {getattr(ds, field):g}", path)
+    if not 0.0 <= ds.outer_momentum < 1.0:
+        raise ConfigError(f"outer_momentum must be in [0, 1), not {ds.outer_momentum:g}", path)
+    if ds.exchange_port > 65535:
+        raise ConfigError(f"exchange_port must be a TCP port (0 to 65535), not {ds.exchange_port}", path)
+    if ds.exchange_address:
+        host_port(ds.exchange_address, path)
+
+
+def host_port(text, path="<options>"):
+    """(host, port) of "host:port"; a one-line error for anything else."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ConfigError(f"exchange_address must be host:port, not '{text}'", path)
+    return host.strip("[]"), int(port)
 
 
 def set_fields(message, values, path="<options>"):

@@ -121,6 +121,20 @@ def average_models(models, out=None):
     return out
 
 
+def outer_step(center, mean, velocity, learning_rate, momentum):
+    """DiLoCo's outer Nesterov step on the averaged update, in place on `center` and `velocity`:
+
+        g = x̃ − mean,   v ← μ·v + g,   x̃ ← x̃ − η·(g + μ·v)
+
+    With η = 1 and μ = 0 it is x̃ ← mean: model averaging. Returns `center`.
+    """
+    g = center - mean
+    velocity *= momentum
+    velocity += g
+    center -= learning_rate * (g + momentum * velocity)
+    return center
+
+
 def averaging_step(workers, period, iteration, out=None):
     """Baseline round: when due, every worker's parameters become their mean (in place); returns whether it ran."""
     if not periodic_due(iteration, period):

@@ -1,13 +1,18 @@
 """What the Spark jobs take from the solver, without Spark: the moving-rate schedule the EASGD job
-gives its exchanger (decay and its floor, moving_rate_limit), and Caffe's cadence arithmetic."""
+gives its exchanger (decay and its floor, moving_rate_limit), Caffe's cadence arithmetic, and the address the
+workers are told."""
 
 import numpy as np
 import pytest
 
-from deepspark.exchange import ExchangeClient, ExchangeServer
+from synthetic import make_job
+
+from deepspark.config import check_deepspark, load_solver, override
+from deepspark.errors import ConfigError
+from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark import easgd
-from deepspark.spark.job import last_multiple, next_multiple
+from deepspark.spark.job import Job, last_multiple, next_multiple
 
 
 def test_moving_rate_limit_is_the_floor_of_the_servers_decayed_rate():
@@ -42,3 +47,20 @@ def test_cadence_is_caffes_multiples():
     assert next_multiple(0, 500) == 500 and next_multiple(499, 500) == 500 and next_multiple(500, 500) == 1000
     assert next_multiple(123, 0) == float("inf")
     assert last_multiple(5046, 5000, 0) == 5000 and last_multiple(4990, 5000, 4000) == 4000
+
+
+def test_the_workers_are_told_exchange_address_when_it_is_set_else_where_the_exchanger_listens(tmp_path):
+    solver = load_solver(make_job(tmp_path))
+    job = Job(solver)
+    job.server = None
+    assert job.exchange_address() is None  # average: no exchanger
+    with ExchangeServer(np.zeros(4, np.float32), b"s", EasgdHandler(0.5)) as job.server:
+        assert job.exchange_address() == tuple(job.server.address)
+        override(solver, exchange_address="proxy.example:7100")
+        assert job.exchange_address() == ("proxy.example", 7100)
+    for bad, line in (("noport", "exchange_address must be host:port, not 'noport'"),
+                      ("h:99999", "exchange_address must be host:port, not 'h:99999'")):
+        with pytest.raises(ConfigError, match=line):
+            check_deepspark(pb.DeepSparkParameter(exchange_address=bad), "x")
+    with pytest.raises(ConfigError, match=r"exchange_port must be a TCP port \(0 to 65535\), not 70000"):
+        check_deepspark(pb.DeepSparkParameter(exchange_port=70000), "x")

@@ -1,5 +1,7 @@
 """Update rules, checked as plain arithmetic with no sockets."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -128,3 +130,32 @@ def test_easgd_rules_alone_reach_the_least_squares_optimum():
             if rules.periodic_due(it, tau):
                 rules.easgd_step(x, center, alpha)
     assert np.linalg.norm(center - x_star) / np.linalg.norm(x_star) < 1e-3
+
+
+def test_outer_step_is_dilocos_nesterov_and_plain_averaging_at_rate_one_without_momentum():
+    rng = np.random.default_rng(3)
+    center, mean = rng.standard_normal(50).astype(np.float32), rng.standard_normal(50).astype(np.float32)
+    velocity = np.zeros_like(center)
+    # the mean up to rounding (x̃ − (x̃ − mean)); AverageJob takes the mean itself at these defaults
+    np.testing.assert_allclose(rules.outer_step(center.copy(), mean, velocity, 1.0, 0.0), mean, rtol=0, atol=1e-6)
+    # two rounds by hand: g = x̃ − mean, v = μv + g, x̃ −= η(g + μv)
+    x, v = np.array([1.0], np.float32), np.zeros(1, np.float32)
+    rules.outer_step(x, np.zeros(1, np.float32), v, 0.7, 0.9)
+    np.testing.assert_allclose((x, v), ([1 - 0.7 * (1 + 0.9)], [1.0]), rtol=1e-6)
+    g = x.copy()
+    rules.outer_step(x, np.zeros(1, np.float32), v, 0.7, 0.9)
+    v_expected = 0.9 * 1.0 + g
+    np.testing.assert_allclose((x, v), (g - 0.7 * (g + 0.9 * v_expected), v_expected), rtol=1e-6)
+
+
+@pytest.mark.parametrize("knob, value, line", [
+    ("outer_momentum", 1.0, "outer_momentum must be in [0, 1), not 1"),
+    ("outer_learning_rate", 0.0, "outer_learning_rate must be positive, not 0"),
+])
+def test_outer_optimizer_knobs_out_of_range_are_one_line(knob, value, line):
+    from deepspark.config import check_deepspark
+    from deepspark.errors import ConfigError
+    from deepspark.proto import deepspark_pb2 as pb
+
+    with pytest.raises(ConfigError, match=re.escape(line)):
+        check_deepspark(pb.DeepSparkParameter(**{knob: value}), "x.prototxt")

@@ -52,22 +52,30 @@ def test_average_runs_rounds_of_period_iterations(tmp_path):
     assert "Optimization Done." in log
 
 
-def test_average_center_is_the_mean_of_what_the_workers_trained_from_it(tmp_path):
+@pytest.mark.parametrize("outer", [None, (0.7, 0.9)], ids=["mean", "diloco"])
+def test_average_center_is_the_mean_of_what_the_workers_trained_from_it(tmp_path, outer):
     """One round (period = max_iter): each worker ran `period` iterations from the broadcast center on its
-    own shard, and the new center is rules.average_models of their parameters."""
+    own shard, and the new center is rules.average_models of their parameters (with DiLoCo's outer
+    optimizer: rules.outer_step from the start center toward that mean, its momentum from zero)."""
     from deepspark.spark import average
     from deepspark.spark import worker as executor
     from deepspark.spark.job import shard_payloads
 
     steps = 12
     path = make_job(tmp_path, max_iter=steps, test_interval=0, snapshot=0)
-    solver = override(load_solver(path), algorithm="average", period=steps, workers=2, iterations=steps)
+    knobs = {} if outer is None else {"outer_learning_rate": outer[0], "outer_momentum": outer[1]}
+    solver = override(load_solver(path), algorithm="average", period=steps, workers=2, iterations=steps, **knobs)
     job = average.AverageJob(solver)
     job.run()
     start = np.concatenate([a.reshape(-1) for a in job.center0]).astype(np.float32)
     assert [w for w, _ in job.last_round] == [0, 1]
     returned = [params for _, params in job.last_round]
     assert not np.array_equal(returned[0], returned[1])
+    if outer is not None:
+        assert "outer Nesterov (DiLoCo) rate 0.7, momentum 0.9" in job.title
+        expected = rules.outer_step(start.copy(), rules.average_models(returned), np.zeros_like(start), *outer)
+        np.testing.assert_allclose(job.center, expected, rtol=1e-6, atol=1e-7)
+        return
     assert job.center.tobytes() == rules.average_models(returned).tobytes()
     # the snapshot holds that center
     saved = checkpoint.read_caffemodel(str(tmp_path / "out" / f"tiny_iter_{steps}.caffemodel"))

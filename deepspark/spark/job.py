@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 
 from deepspark import checkpoint, engine, fillers, local, schedule
-from deepspark.config import random_seed
+from deepspark.config import host_port, random_seed
 from deepspark.data import checked_records, decode_datum, lmdb_io, source_shape
 from deepspark.data.parquet import COLUMNS, DATUM, is_parquet, null_row
 from deepspark.errors import ConfigError, DeepSparkError
@@ -417,11 +417,18 @@ class Job:
         """A copy of x̃ as one float32 vector."""
         return self.server.pull()
 
+    def exchange_address(self):
+        """(host, port) the workers connect to: exchange_address when set, else where the exchanger listens;
+        None for a job without one."""
+        if self.server is None:
+            return None
+        return host_port(self.ds.exchange_address) if self.ds.exchange_address else tuple(self.server.address)
+
     def exchange_server(self, center, host, secret, handler):
         """The started ExchangeServer of an algorithm that exchanges through one (its `handler`): the job's
         timeouts, integrity and resume point, and the workers' solver histories held for its snapshots."""
         ds = self.ds
-        return ExchangeServer(center, secret, handler, host=host, port=0,
+        return ExchangeServer(center, secret, handler, host=host, port=ds.exchange_port,
                               shapes=[tuple(p.shape) for p in self.graph.params], idle_timeout=ds.exchange_timeout,
                               resume_iteration=self.start_iter, integrity=ds.exchange_integrity,
                               history_sets=schedule.history_sets(self.param),
@@ -431,7 +438,8 @@ class Job:
 
     def run(self):
         """The whole job; returns its summary: {"iterations", "weights" (the final .caffemodel, if snapshotted),
-        "spill_seconds", "ready_seconds", "train_seconds", "wall_seconds", "test<i>/<output>": value}."""
+        "spill_seconds", "ready_seconds", "train_seconds", "wall_seconds", "workers" (each worker's Summary as a
+        dict), "test<i>/<output>": value}."""
         data = self.options.data
         with contextlib.ExitStack() as stack:
             self.log = Log(os.path.join(self.output, "train.log"), append=bool(self.options.snapshot))
@@ -456,6 +464,8 @@ class Job:
             self.server = self.start_exchanger(flat, host, secret)
             if self.server is not None:
                 stack.callback(self.server.stop)
+                if self.ds.exchange_address:
+                    self.log.info(f"Workers connect to the exchanger through {self.ds.exchange_address}")
             self.evaluator = local.evaluator(self.solver, self.log)
             local.note_device(self.solver, self.log)  # as the driver's backend sees it
             stack.callback(self.evaluator.close)
@@ -463,7 +473,7 @@ class Job:
             stack.callback(self.scalars.close)
             self.task = task = Task(job_id=uuid.uuid4().hex[:12], solver=self.param.SerializeToString(),
                         train_net=self.solver.train_net.SerializeToString(), solver_path=self.solver.path,
-                        address=tuple(self.server.address) if self.server else None, secret=secret,
+                        address=self.exchange_address(), secret=secret,
                         threads=self.threads())
             self.log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
                           f"({self.ds.backend} backend, {self.title})")
@@ -750,4 +760,5 @@ class Job:
         plot_history(self.history, plot_path, title=f"{self.graph.name}: {self.workers} workers, {self.title}")
         log.info(f"Plot of loss and test outputs against time: {plot_path}")
         return {"iterations": final, "weights": weights, "spill_seconds": spill, "ready_seconds": max(ready, 0.0),
-                "train_seconds": train, "wall_seconds": time.monotonic() - self.started, **values}
+                "train_seconds": train, "wall_seconds": time.monotonic() - self.started,
+                "workers": [dataclasses.asdict(r) for r in sorted(results, key=lambda r: r.worker)], **values}

@@ -1,0 +1,132 @@
+"""A commodity network, emulated (#14, items 2 and 5): easgd at period 1, 10 and 64 against sync, each worker's exchanges through a token-bucket proxy (bench/_shaper.py) at 10 Gbit/s, 1 Gbit/s and 100 Mbit/s; time per iteration, exchange share, time to 0.88 (LeNet), and what `deepspark plan` projected for each.
+
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/network.py [--quick] [--seconds 120] [--only lenet|wide]
+
+Two models: models/lenet on Fashion-MNIST (real data; 431,080 parameters), and "wide", a synthetic net of
+GoogLeNet's parameter count (6,998,552: inner products on 32x32 synthetic images) whose step is cheap beside its
+exchange. The jobs are `deepspark train` with 2 workers on local[2]; the exchanger listens on a fixed port and the
+workers are told the proxy's (--exchange-port, --exchange-address), so every byte of the exchange crosses the
+emulated links: each worker's own and the driver's, shared (bench/_shaper.py). LeNet runs stop after --seconds of
+training or 5 epochs, snapshot every ~15,000 samples and are tested afterwards (bench/time_to_accuracy.py's way);
+wide runs train a fixed number of iterations. The proxy's own ceiling (unshaped) is measured first: a setting near it
+is bounded by the proxy, not the emulated link, and the record says so.
+"""
+
+import argparse
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import _results  # noqa: E402  (bench/_results.py)
+import _shaper  # noqa: E402  (bench/_shaper.py)
+import time_to_accuracy as tta  # noqa: E402  (bench/time_to_accuracy.py: the clock, the snapshots, the tests)
+from _wide import wide_job  # noqa: E402  (bench/_wide.py)
+from deepspark import plan  # noqa: E402
+from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
+
+NETWORKS = {"10G": 10.0, "1G": 1.0, "100M": 0.1}  # Gbit/s
+LATENCY_MS = 0.1  # one way, a LAN's
+RUNS = {"easgd period 1": {"algorithm": "easgd", "period": 1}, "easgd period 10": {"algorithm": "easgd", "period": 10},
+        "easgd period 64": {"algorithm": "easgd", "period": 64}, "sync": {"algorithm": "sync"}}
+WORKER = re.compile(r"Worker (\d+) on .*?: (\d+) iterations, (\d+) exchanges, .*? trained ([\d.]+)s, blocked on exchange "
+                    r"([\d.]+)s")
+WIDE_ITERATIONS = 60
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def train(solver, knobs, gbit, folder, iterations, seconds=None):
+    """One 2-worker job whose exchanges cross a proxy shaped to `gbit`; (its stderr, the proxy's bytes)."""
+    port = free_port()
+    with _shaper.Shaper(("127.0.0.1", port), bandwidth=gbit * 1e9 / 8, latency=LATENCY_MS / 1e3) as proxy:
+        knobs = {**knobs, "workers": 2, "exchange_port": port, "exchange_address": f"127.0.0.1:{proxy.address[1]}"}
+        process = subprocess.Popen(tta.command(solver, folder, iterations, knobs), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT},
+                                   start_new_session=True)
+        try:
+            _, err = process.communicate(timeout=seconds)
+        except subprocess.TimeoutExpired:  # the time cap: stop the job as a user would, its snapshots are written
+            os.killpg(process.pid, signal.SIGINT)
+            _, err = process.communicate(timeout=120)
+        return err, dict(proxy.bytes)
+
+
+def worker_figures(log):
+    """(seconds per iteration, exchange share) of the workers' summary lines: their means."""
+    rows = WORKER.findall(log)
+    if not rows:
+        return None, None
+    per_iteration = statistics.mean(float(trained) / int(its) for _, its, _, trained, _ in rows if int(its))
+    share = statistics.mean(float(blocked) / float(trained) for _, _, _, trained, blocked in rows if float(trained))
+    return per_iteration, share
+
+
+def projected(costs, gbit, knobs):
+    """What the throughput model says of this run: seconds per iteration of a worker and its exchange share."""
+    ds = pb.DeepSparkParameter(algorithm=pb.DeepSparkParameter.Algorithm.Value(knobs["algorithm"].upper()),
+                               period=knobs.get("period", 10))
+    p = plan.project(costs, plan.Network.of(gbit, LATENCY_MS), ds, 2)
+    return p.cycle / (ds.period if ds.algorithm == pb.DeepSparkParameter.EASGD else 1), p.exchange_share
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 Gbit/s and 100 Mbit/s, easgd period 10 and sync")
+    parser.add_argument("--seconds", type=float, default=120.0, help="the cap on a LeNet run")
+    parser.add_argument("--only", choices=("lenet", "wide"))
+    parser.add_argument("--out", default=_results.results_path("network"))
+    args = parser.parse_args()
+    ceiling = _shaper.ceiling()
+    _results.emit({"bench": "network", "figure": "proxy ceiling", "gbit": round(8 * ceiling / 1e9, 2)}, args.out)
+    networks = {k: v for k, v in NETWORKS.items() if not args.quick or k != "10G"}
+    runs = {k: v for k, v in RUNS.items() if not args.quick or k in ("easgd period 10", "sync")}
+    with tempfile.TemporaryDirectory() as scratch:
+        models = {"lenet": tta.SOLVER, "wide": wide_job(os.path.join(scratch, "wide"))}
+        for model, solver in models.items():
+            if args.only and model != args.only:
+                continue
+            net, source, param, shape = plan.training_net(solver)
+            costs = plan.measure(net, source, param, pb.PlanParameter(cores=1), shape)
+            for network, gbit in networks.items():
+                for name, knobs in runs.items():
+                    folder = os.path.join(scratch, f"{model}-{network}-{name.replace(' ', '-')}")
+                    record = {"bench": "network", "model": model, "network": network, "gbit": gbit,
+                              "latency_ms": LATENCY_MS, "run": name,
+                              "proxy_bound": gbit * 1e9 / 8 > 0.5 * ceiling}
+                    if model == "lenet":
+                        per = tta.samples_per_iteration(knobs)
+                        every = max(1, round(tta.MILESTONE_SAMPLES / per))
+                        err, moved = train(tta.solver_copy(folder, every, False), knobs, gbit, folder,
+                                           round(5 * tta.TRAIN_IMAGES / per), args.seconds)
+                        points = [(s, n, tta.accuracy(path)) for s, n, path in
+                                  tta.snapshot_points(tta.stamped(os.path.join(folder, "train.log")), per)]
+                        record.update({k: v for k, v in tta.figures(name, points, 0, 0, False).items()
+                                       if k.startswith(("seconds_to", "samples_to", "final", "points"))})
+                    else:
+                        err, moved = train(solver, knobs, gbit, folder, WIDE_ITERATIONS)
+                    per_iteration, share = worker_figures(err)
+                    model_per_iteration, model_share = projected(costs, gbit, knobs)
+                    record.update({"seconds_per_iteration": per_iteration, "exchange_share": share,
+                                   "projected_seconds_per_iteration": round(model_per_iteration, 5),
+                                   "projected_exchange_share": round(model_share, 4),
+                                   "plan_error_percent": None if not per_iteration else
+                                   round(100 * (model_per_iteration / per_iteration - 1), 1),
+                                   "bytes_through_proxy": moved})
+                    _results.emit(record, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The throughput model against runs here (#14): `deepspark plan`'s projection of the LeNet job at 1, 2 and 4 workers (4 oversubscribe the 2 cores) beside measured runs of the same job, and the error of each.
+
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/plan_check.py [--iterations 600] [--quick] [--out FILE]
+
+The costs are measured as `deepspark plan` measures them (deepspark.plan.measure), once per thread count, each in a
+process of its own (TensorFlow fixes its thread pools once per process); the network is this machine's loopback, its
+bandwidth and latency measured in the same run. Each run is `deepspark train`'s async EASGD job on Fashion-MNIST
+(real data) with tests and snapshots off, its throughput the sum over its workers of iterations x batch / training
+seconds (from each worker's own clock: after its spill and build), its exchange share the workers' mean blocked share.
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import _results  # noqa: E402  (bench/_results.py)
+from deepspark import plan  # noqa: E402
+from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
+
+MODEL = os.path.join(ROOT, "models", "lenet")
+CORES = os.cpu_count() or 1
+
+# One process measuring the costs at a thread count: Costs as a JSON line.
+MEASURE = """
+import dataclasses, json, sys
+from deepspark import plan
+from deepspark.proto import deepspark_pb2 as pb
+net, source, param, shape = plan.training_net(sys.argv[1])
+costs = plan.measure(net, source, param, pb.PlanParameter(cores=int(sys.argv[2])), shape)
+print(json.dumps(dataclasses.asdict(costs)))
+"""
+
+
+def costs_at(threads):
+    done = subprocess.run([sys.executable, "-c", MEASURE, MODEL, str(threads)], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    if done.returncode:
+        raise SystemExit(f"measuring the costs failed:\n{done.stderr[-3000:]}")
+    return plan.Costs(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def loopback(megabytes=256, pings=200):
+    """Loopback's Network: one-way bytes per second of a stream through a TCP socket, and half a small round trip."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def echo():
+        sock, _ = server.accept()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = memoryview(bytearray(1 << 20))
+        while True:
+            got = sock.recv_into(buf)
+            if not got:
+                return
+            if got == 1:  # a ping
+                sock.sendall(b"p")
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    client = socket.create_connection(("127.0.0.1", port))
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(pings):
+        at = time.perf_counter()
+        client.sendall(b"p")
+        client.recv(1)
+        rtts.append(time.perf_counter() - at)
+    block = bytes(8 << 20)
+    at = time.perf_counter()
+    for _ in range(megabytes // 8):
+        client.sendall(block)
+    client.close()
+    thread.join()
+    seconds = time.perf_counter() - at
+    server.close()
+    return plan.Network((megabytes << 20) / seconds, statistics.median(rtts) / 2)
+
+
+def measured(workers, iterations, batch, folder):
+    """(images/s, the workers' mean exchange share) of the LeNet EASGD job at `workers`, tests and snapshots off."""
+    import deepspark.spark as spark  # deferred: pyspark starts only for the runs
+    from deepspark.config import load_solver
+
+    solver = load_solver(os.path.join(MODEL, "solver.prototxt"))
+    solver.param.test_interval, solver.param.snapshot, solver.param.snapshot_after_train = 0, 0, False
+    summary = spark.train(solver, workers=workers, iterations=iterations, output=folder, algorithm="easgd")
+    rows = summary["workers"]
+    images = sum(r["iterations"] * batch / r["train_seconds"] for r in rows)
+    return images, statistics.mean(r["blocked_seconds"] / r["train_seconds"] for r in rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=600)
+    parser.add_argument("--quick", action="store_true", help="300 iterations a run")
+    parser.add_argument("--out", default=_results.results_path("plan_check"))
+    args = parser.parse_args()
+    iterations = 300 if args.quick else args.iterations
+    network = loopback()
+    _results.emit({"bench": "plan_check", "figure": "loopback", "bandwidth_gbit": round(8 * network.bandwidth / 1e9, 2),
+                   "latency_ms": round(1e3 * network.latency, 4)}, args.out)
+    costs = {}
+    errors = []
+    ds = pb.DeepSparkParameter(period=plan.training_net(MODEL)[2].deepspark_param.period)
+    with tempfile.TemporaryDirectory() as folder:
+        for workers in (1, 2, 4):
+            threads = max(1, CORES // workers)  # as deepspark.spark.session.worker_threads shares local mode's cores
+            if threads not in costs:
+                costs[threads] = costs_at(threads)
+                _results.emit({"bench": "plan_check", "figure": "costs", "threads": threads,
+                               **{k: (round(v * 1e3, 3) if isinstance(v, float) else v)
+                                  for k, v in costs[threads].__dict__.items()}, "unit": "ms"}, args.out)
+            shared = max(1.0, workers * threads / CORES)  # workers on fewer cores than their threads
+            projected = plan.easgd(costs[threads], network, workers, ds.period, shared=shared)
+            images, share = measured(workers, iterations, costs[threads].batch, os.path.join(folder, str(workers)))
+            error = projected.images_per_second / images - 1
+            errors.append(abs(error))
+            _results.emit({"bench": "plan_check", "workers": workers, "threads_per_worker": threads,
+                           "cores_shared_by": round(shared, 2), "iterations": iterations, "period": ds.period,
+                           "projected_images_per_s": round(projected.images_per_second, 1),
+                           "measured_images_per_s": round(images, 1), "error_percent": round(100 * error, 1),
+                           "projected_exchange_percent": round(100 * projected.exchange_share, 2),
+                           "measured_exchange_percent": round(100 * share, 2)}, args.out)
+    _results.emit({"bench": "plan_check", "figure": "largest error", "error_percent": round(100 * max(errors), 1),
+                   "target_percent": 20}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Time to accuracy (#14, RQ1 and RQ2): LeNet on Fashion-MNIST (real data) trained by each of DeepSpark's algorithms, test accuracy against wall-clock and samples; JSON lines.
+
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/time_to_accuracy.py [--quick] [--epochs 5] [--only NAME,...]
+
+Each run is `deepspark train` on models/lenet in a process of its own (2 workers on local[2], or `single`), with the
+solver's hyperparameters and its deepspark.prototxt. The clock starts at the driver's "Solving" line: Spark's session is up and the shards are
+planned, so it holds the workers' start-up (task launch, TensorFlow, the spill, the backend build) and their training.
+Tests are off the clock, as the peers' clocks have them: the run snapshots every ~15,000 samples (0.25 epoch) and each
+snapshot is tested afterwards on the 10,000 test images. `single` and `easgd` at period 10 also run with the driver's
+tests on the clock (`--on-clock`), to show what testing the center on the workers' cores costs in local mode. Each run
+stops after `--epochs` epochs of samples. Peak memory is the PSS of the run's whole process tree (driver, JVM, Python
+workers), sampled every 0.25 s.
+"""
+
+import argparse
+import datetime
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import _memory  # noqa: E402  (bench/_memory.py)
+import _results  # noqa: E402  (bench/_results.py)
+from deepspark.plot import LINE  # noqa: E402
+
+SOLVER = os.path.join(ROOT, "models", "lenet", "solver.prototxt")
+NET = os.path.join(ROOT, "models", "lenet", "train_val.prototxt")
+TRAIN_IMAGES, BATCH, WORKERS = 60_000, 64, 2
+MILESTONE_SAMPLES = 15_000
+TARGETS = (0.85, 0.88)
+AT_SECONDS = 180
+
+# name: DeepSparkParameter knobs. The moving rate is the zoo's (0.45 for 2 workers: β = p·α = 0.9, the EASGD paper's).
+RUNS = {
+    "single": {"algorithm": "single"},
+    "easgd period 1": {"algorithm": "easgd", "period": 1},
+    "easgd period 4": {"algorithm": "easgd", "period": 4},
+    "easgd period 10": {"algorithm": "easgd", "period": 10},
+    "easgd period 16": {"algorithm": "easgd", "period": 16},
+    "easgd period 64": {"algorithm": "easgd", "period": 64},
+    "sync": {"algorithm": "sync"},
+    "average period 10": {"algorithm": "average", "period": 10},
+    "average period 10, DiLoCo outer Nesterov": {"algorithm": "average", "period": 10, "outer_learning_rate": 0.7,
+                                                 "outer_momentum": 0.9},
+}
+QUICK = ("single", "easgd period 10", "sync")
+ON_CLOCK = ("single", "easgd period 10")
+
+def solver_copy(folder, every, on_clock, solver=SOLVER):
+    """A copy of `solver` in `folder` (its deepspark.prototxt embedded) that snapshots every `every` iterations and
+    tests then too when `on_clock` (else never: the snapshots are tested afterwards); its path."""
+    from google.protobuf import text_format
+
+    from deepspark.config import load_solver
+
+    param = load_solver(solver).param
+    param.test_interval = every if on_clock else 0
+    param.test_initialization = False
+    param.snapshot, param.snapshot_after_train, param.display = every, True, every
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "solver.prototxt")
+    with open(path, "w") as stream:
+        stream.write(text_format.MessageToString(param))
+    return path
+
+
+def command(solver, folder, iterations, knobs):
+    """`deepspark train` of `solver` for `iterations` into `folder`, with DeepSparkParameter `knobs` as flags."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in knobs.items()]
+    return [sys.executable, "-m", "deepspark.cli", "train", "--solver", solver, "--output", folder, "--iterations",
+            str(iterations), *flags]
+
+
+def samples_per_iteration(knobs):
+    return BATCH * (1 if knobs["algorithm"] == "single" else WORKERS)
+
+
+def stamped(log_path):
+    """(seconds since the first "Solving" line, message) of each line of a train.log."""
+    lines, start = [], None
+    with open(log_path) as stream:
+        for line in stream:
+            match = LINE.match(line.rstrip("\n"))
+            if not match:
+                continue
+            when = datetime.datetime.strptime(match.group(1), "%m%d %H:%M:%S.%f")
+            if start is None and match.group(2).startswith("Solving"):
+                start = when
+            if start is not None:
+                lines.append(((when - start).total_seconds(), match.group(2)))
+    return lines
+
+
+def on_clock_points(lines, per_iteration):
+    """[(seconds, samples, accuracy)] from the driver's own tests."""
+    points, testing = [], None
+    for seconds, message in lines:
+        if (m := re.search(r"Iteration (\d+), Testing net \(#0\)", message)):
+            testing = int(m.group(1))
+        elif (m := re.search(r"Test net output #\d+: accuracy = ([\d.]+)", message)) and testing is not None:
+            points.append((seconds, testing * per_iteration, float(m.group(1))))
+            testing = None
+    return points
+
+
+def snapshot_points(lines, per_iteration):
+    """[(seconds, samples, .caffemodel)] of the snapshots the run wrote, when each was written."""
+    points = []
+    for seconds, message in lines:
+        if (m := re.search(r"Snapshotting to binary proto file (\S+_iter_(\d+)\.caffemodel)", message)):
+            points.append((seconds, int(m.group(2)) * per_iteration, m.group(1)))
+    return points
+
+
+def accuracy(weights):
+    """The test accuracy of a snapshot on the 10,000 test images (off the clock, after the run)."""
+    from deepspark import local
+    from deepspark.log import Log
+
+    with open(os.devnull, "w") as quiet:
+        means = local.test(NET, weights, 100, "tensorflow", log=Log(stream=quiet, progress=False))
+    return float(means["accuracy"])
+
+
+def reached(points, target):
+    """(seconds, samples) of the first point at or above `target`, or (None, None)."""
+    for seconds, samples, value in points:
+        if value >= target:
+            return seconds, samples
+    return None, None
+
+
+def figures(name, points, peak_mb, wall, on_clock):
+    """The run's JSON record: its points and what the table shows of them."""
+    record = {"bench": "time_to_accuracy", "run": name, "tests": "on the clock" if on_clock else "off the clock",
+              "points": [[round(s, 2), n, round(a, 4)] for s, n, a in points], "peak_pss_mb": round(peak_mb),
+              "wall_seconds": round(wall, 1)}
+    for target in TARGETS:
+        seconds, samples = reached(points, target)
+        record[f"seconds_to_{target}"] = None if seconds is None else round(seconds, 1)
+        record[f"samples_to_{target}"] = samples
+    before = [a for s, _, a in points if s <= AT_SECONDS]
+    record[f"accuracy_at_{AT_SECONDS}s"] = round(before[-1], 4) if before else None
+    record["final_accuracy"] = round(points[-1][2], 4) if points else None
+    return record
+
+
+def run(name, knobs, epochs, on_clock, folder):
+    per_iteration = samples_per_iteration(knobs)
+    every = max(1, round(MILESTONE_SAMPLES / per_iteration))
+    iterations = round(epochs * TRAIN_IMAGES / per_iteration)
+    solver = solver_copy(folder, every, on_clock)
+    started = time.monotonic()
+    process = subprocess.Popen(command(solver, folder, iterations, knobs), cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    memory = _memory.PeakPss(process.pid)
+    out, err = process.communicate()
+    peak, wall = memory.stop(), time.monotonic() - started
+    if process.returncode:
+        raise SystemExit(f"{name}: the run failed:\n{err[-3000:]}")
+    lines = stamped(os.path.join(folder, "train.log"))
+    if on_clock:
+        points = on_clock_points(lines, per_iteration)
+    else:
+        points = [(s, n, accuracy(path)) for s, n, path in snapshot_points(lines, per_iteration)]
+    return figures(name, points, peak, wall, on_clock)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, 2 epochs, no on-clock runs")
+    parser.add_argument("--epochs", type=float, default=5.0)
+    parser.add_argument("--only", help="comma-separated run names")
+    parser.add_argument("--out", default=_results.results_path("time_to_accuracy"))
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(QUICK if args.quick else RUNS)
+    epochs = 2.0 if args.quick else args.epochs
+    plans = [(name, False) for name in names] + \
+        ([] if args.quick else [(name, True) for name in names if name in ON_CLOCK])
+    with tempfile.TemporaryDirectory() as scratch:
+        for i, (name, on_clock) in enumerate(plans):
+            record = run(name, RUNS[name], epochs, on_clock, os.path.join(scratch, str(i)))
+            _results.emit({**record, "epochs": epochs}, args.out)
+
+
+if __name__ == "__main__":
+    main()
