@@ -10,12 +10,12 @@ DATA    := data
 FASHION := /usr/share/datasets/fashion-mnist
 PYTEST_ARGS ?=
 
-.PHONY: help setup system venv caffe data test demo bench peers-env proto pack-env clean
+.PHONY: help setup system venv caffe data test demo bench bench-all peers-env proto pack-env clean
 
 help:
 	@echo "make demo    LeNet on Fashion-MNIST: 2 Spark workers, async EASGD, local[2]"
 	@echo "make test    the test suite (sets up venv, Debian packages, pycaffe, data)"
-	@echo "make bench   the benchmarks in bench/ (JSON in bench/results/)"
+	@echo "make bench   docs/results.md: DeepSpark against its peers (QUICK=1: a subset); make bench-all: every bench"
 	@echo "make caffe   build pycaffe into $(VENV) (cached in ~/.cache/deepspark)"
 	@echo "make proto   regenerate deepspark/proto from proto/deepspark.proto"
 	@echo "make pack-env  dist/deepspark-env.tar.gz: the executors' Python for --executor-env (venv-pack)"
@@ -63,8 +63,19 @@ demo: setup
 peers-env:
 	@bash tools/peers-env.sh
 
-# One BLAS thread, so that numpy's own threads do not blur the exchanger's figures.
+# The benchmarks behind docs/results.md (#14), each writing docs/data/NAME.jsonl afresh, then the page from them.
+# One BLAS thread, so that numpy's own threads do not blur the figures. QUICK=1: each bench's --quick subset.
+PAGE_BENCHES := plan_check time_to_accuracy peers network
+QUICK ?=
 bench: setup peers-env
+	@mkdir -p docs/data
+	@for b in $(PAGE_BENCHES); do echo "== bench/$$b.py"; rm -f docs/data/$$b.jsonl; \
+	    OPENBLAS_NUM_THREADS=1 $(BIN)/python bench/$$b.py $(if $(QUICK),--quick) --out docs/data/$$b.jsonl || exit 1; done
+	@$(BIN)/python bench/_page.py
+
+# Every benchmark in bench/ (the README's "Measured here" figures; some take long: data_scale writes GBs), JSON
+# lines in bench/results/.
+bench-all: setup peers-env
 	@mkdir -p bench/results
 	@for b in bench/[!_]*.py; do echo "== $$b"; OPENBLAS_NUM_THREADS=1 $(BIN)/python $$b || exit 1; done
 
