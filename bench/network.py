@@ -8,7 +8,7 @@ exchange. The jobs are `deepspark train` with 2 workers on local[2]; the exchang
 workers are told the proxy's (--exchange-port, --exchange-address), so every byte of the exchange crosses the
 emulated links: each worker's own and the driver's, shared (bench/_shaper.py). LeNet runs stop after --seconds of
 training or 5 epochs, snapshot every ~15,000 samples and are tested afterwards (bench/time_to_accuracy.py's way);
-wide runs train a fixed number of iterations. The proxy's own ceiling (unshaped) is measured first: a setting near it
+wide runs train the iterations the planner projects for WIDE_SECONDS (10 to 200). The proxy's own ceiling (unshaped) is measured first: a setting near it
 is bounded by the proxy, not the emulated link, and the record says so.
 """
 
@@ -39,7 +39,7 @@ RUNS = {"easgd period 1": {"algorithm": "easgd", "period": 1}, "easgd period 10"
         "easgd period 64": {"algorithm": "easgd", "period": 64}, "sync": {"algorithm": "sync"}}
 WORKER = re.compile(r"Worker (\d+) on .*?: (\d+) iterations, (\d+) exchanges, .*? trained ([\d.]+)s, blocked on exchange "
                     r"([\d.]+)s")
-WIDE_ITERATIONS = 60
+WIDE_SECONDS = 30  # a wide run's length as the planner projects it: iterations = WIDE_SECONDS / its s per iteration
 
 
 def free_port():
@@ -74,6 +74,16 @@ def worker_figures(log):
     return per_iteration, share
 
 
+def display_seconds_per_iteration(lines):
+    """Seconds per iteration between the first and the last `Iteration N, loss` line of a stamped log (a run
+    stopped at its time cap prints no worker summaries); None with fewer than two."""
+    shown = [(seconds, int(m.group(1))) for seconds, message in lines
+             if (m := re.match(r"Iteration (\d+), loss", message))]
+    if len(shown) < 2 or shown[-1][1] == shown[0][1]:
+        return None
+    return (shown[-1][0] - shown[0][0]) / (shown[-1][1] - shown[0][1])
+
+
 def projected(costs, gbit, knobs):
     """What the throughput model says of this run: seconds per iteration of a worker and its exchange share."""
     ds = pb.DeepSparkParameter(algorithm=pb.DeepSparkParameter.Algorithm.Value(knobs["algorithm"].upper()),
@@ -84,7 +94,8 @@ def projected(costs, gbit, knobs):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 Gbit/s and 100 Mbit/s, easgd period 10 and sync")
+    parser.add_argument("--quick", action="store_true", help="the wide model only, at 1 Gbit/s and 100 Mbit/s, easgd "
+                                                                 "period 10 and sync")
     parser.add_argument("--seconds", type=float, default=120.0, help="the cap on a LeNet run")
     parser.add_argument("--only", choices=("lenet", "wide"))
     parser.add_argument("--out", default=_results.results_path("network"))
@@ -96,7 +107,7 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         models = {"lenet": tta.SOLVER, "wide": wide_job(os.path.join(scratch, "wide"))}
         for model, solver in models.items():
-            if args.only and model != args.only:
+            if (args.only and model != args.only) or (args.quick and model != "wide"):
                 continue
             net, source, param, shape = plan.training_net(solver)
             costs = plan.measure(net, source, param, pb.PlanParameter(cores=1), shape)
@@ -111,14 +122,17 @@ def main():
                         every = max(1, round(tta.MILESTONE_SAMPLES / per))
                         err, moved = train(tta.solver_copy(folder, every, False), knobs, gbit, folder,
                                            round(5 * tta.TRAIN_IMAGES / per), args.seconds)
-                        points = [(s, n, tta.accuracy(path)) for s, n, path in
-                                  tta.snapshot_points(tta.stamped(os.path.join(folder, "train.log")), per)]
+                        lines = tta.stamped(os.path.join(folder, "train.log"))
+                        points = [(s, n, tta.accuracy(path)) for s, n, path in tta.snapshot_points(lines, per)]
                         record.update({k: v for k, v in tta.figures(name, points, 0, 0, False).items()
                                        if k.startswith(("seconds_to", "samples_to", "final", "points"))})
-                    else:
-                        err, moved = train(solver, knobs, gbit, folder, WIDE_ITERATIONS)
-                    per_iteration, share = worker_figures(err)
                     model_per_iteration, model_share = projected(costs, gbit, knobs)
+                    if model != "lenet":
+                        iterations = int(min(200, max(10, WIDE_SECONDS / model_per_iteration)))
+                        err, moved = train(solver, knobs, gbit, folder, iterations)
+                    per_iteration, share = worker_figures(err)
+                    if per_iteration is None and model == "lenet":  # stopped at its cap: from the displays
+                        per_iteration = display_seconds_per_iteration(lines)
                     record.update({"seconds_per_iteration": per_iteration, "exchange_share": share,
                                    "projected_seconds_per_iteration": round(model_per_iteration, 5),
                                    "projected_exchange_share": round(model_share, 4),

@@ -124,7 +124,7 @@ def run(name, config, folder):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, 2 epochs")
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, 1 epoch")
     parser.add_argument("--epochs", type=float, default=5.0)
     parser.add_argument("--only", help=f"comma-separated run names: {', '.join(RUNS)}")
     parser.add_argument("--out", default=_results.results_path("peers"))
@@ -133,7 +133,7 @@ def main():
     unknown = [name for name in names if name not in RUNS]
     if unknown:
         parser.error(f"no run {', '.join(unknown)}; the runs: {', '.join(RUNS)}")
-    epochs = 2.0 if args.quick else args.epochs
+    epochs = 1.0 if args.quick else args.epochs
     built = subprocess.run(["bash", os.path.join(ROOT, "tools", "peers-env.sh")], capture_output=True, text=True)
     with tempfile.TemporaryDirectory() as scratch:
         data = os.path.join(scratch, "fashion-mnist.npz")

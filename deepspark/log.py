@@ -1,8 +1,11 @@
 """Caffe-style log lines (glog's prefix) to stderr and a log file, and a progress line on a terminal."""
 
 import datetime
+import importlib
 import os
+import re
 import sys
+import tempfile
 import threading
 import time
 
@@ -86,6 +89,35 @@ def echo(line, stream=None):
         else:
             stream.write(line + "\n")
             stream.flush()
+
+
+# What TensorFlow's native libraries print to fd 2 as they load, whatever TF_CPP_MIN_LOG_LEVEL says, on a CPU
+# where TensorFlow turns oneDNN on by itself (AVX-512, AMX): absl's notice and the oneDNN line, once per library.
+# Only TF_ENABLE_ONEDNN_OPTS=0 stops them, and it halves LeNet's throughput (ENVIRONMENT.md).
+NATIVE_BANNER = re.compile(r"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$"
+                           r"|^I\d{4} [\d:.]+ +\d+ port\.cc:\d+\] oneDNN custom operations are on\.")
+
+
+def import_quietly(name):
+    """importlib.import_module(name), with what native code prints to fd 2 meanwhile held back and then written
+    to stderr, but for its start-up banner (NATIVE_BANNER): the console keeps DeepSpark's lines and real errors."""
+    if name in sys.modules:
+        return sys.modules[name]
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for raw in held:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                if not NATIVE_BANNER.search(line):
+                    echo(line)
 
 
 def progress_bar(done, total, width=30, started=None, extra=""):

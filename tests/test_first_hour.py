@@ -305,3 +305,20 @@ def test_tensorflow_compiles_caffes_parameterless_neurons_without_a_warning(tmp_
     status, _, err = run_cli("time", "--model", str(net), "--backend", "tensorflow", "--iterations", "1")
     assert status == 0, err[-2000:]
     assert [line for line in err.splitlines() if not GLOG_LINE.match(line)] == [], err[-2000:]  # no AutoGraph lines
+
+
+def test_native_start_up_lines_are_held_back_and_the_rest_reaches_stderr(tmp_path):
+    """log.import_quietly: what native code prints to fd 2 while a module loads reaches stderr, but for
+    TensorFlow's start-up banner (printed on CPUs where it turns oneDNN on, whatever TF_CPP_MIN_LOG_LEVEL says)."""
+    (tmp_path / "noisy.py").write_text(
+        "import os\n"
+        "os.write(2, b'WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n')\n"
+        "os.write(2, b'I0000 00:00:1796165047.185893   15904 port.cc:153] oneDNN custom operations are on. "
+        "You may see slightly different numerical results\\n')\n"
+        "os.write(2, b'E0000 something real went wrong\\n')\n")
+    done = subprocess.run([sys.executable, "-c", "from deepspark.log import import_quietly; import_quietly('noisy'); "
+                                                 "import sys; print('after', file=sys.stderr)"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["E0000 something real went wrong", "after"]

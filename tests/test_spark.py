@@ -1,5 +1,6 @@
 """The Spark job on real Spark: local[2], a standalone cluster, a DataFrame, a killed driver resumed with every worker's momentum."""
 
+import json
 import os
 import re
 import shutil
@@ -89,7 +90,7 @@ print(json.dumps(summary))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Training on a DataFrame of ['data', 'label'], repartitioned into 2 shards" in done.stderr
     assert workers_done(done.stderr) == [0, 1]
-    summary = eval(done.stdout.strip().splitlines()[-1].replace("NaN", "float('nan')"))
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["iterations"] == 100 and summary["test0/accuracy"] >= 0.9
 
 

@@ -20,7 +20,7 @@ from deepspark.errors import ConfigError, DeepSparkError
 from deepspark.exchange import ExchangeServer
 from deepspark.exchange.protocol import E_DIVERGED
 from deepspark.graph import Graph, layer_included
-from deepspark.log import Log
+from deepspark.log import Log, import_quietly
 from deepspark.plot import plot_history
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.session import is_local, on_loopback, spark_session, worker_threads
@@ -357,6 +357,11 @@ class Scalars:
     def __init__(self, folder, log):
         try:
             from tensorboard.summary import Writer
+
+            try:  # tensorboard loads TensorFlow at the first scalar: here instead, quietly, if it is installed
+                import_quietly("tensorflow")
+            except ImportError:
+                pass
         except ImportError:
             log.warning("tensorboard is not installed; no TensorBoard scalars")
             self.writer = None

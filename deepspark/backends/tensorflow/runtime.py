@@ -2,7 +2,11 @@
 
 import warnings
 
-import tensorflow as tf  # quiet: deepspark/__init__.py set TF_CPP_MIN_LOG_LEVEL before anything loads it
+from deepspark.log import import_quietly
+
+# Quiet: deepspark/__init__.py set TF_CPP_MIN_LOG_LEVEL before anything loads it, and import_quietly holds back
+# the start-up lines that no setting silences.
+tf = import_quietly("tensorflow")
 
 _threads = None  # the count TensorFlow took in this process, once a model asked for one
 
