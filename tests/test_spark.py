@@ -147,7 +147,7 @@ def test_killed_driver_resumes_from_its_snapshot_with_every_workers_momentum(tmp
         assert state, lines[-1]
         path, snapshot_iter = state.group(1), int(state.group(2))
         # The run goes on unharmed for a few displays past the snapshot: what the resumed run is held to.
-        while max(display_losses("".join(lines)), default=0) < snapshot_iter + 60:
+        while max(display_losses("".join(lines)), default=0) < min(snapshot_iter + 150, 500):  # before the end: 600
             lines += read_until(driver, r"Iteration \d+, loss")
         deadline = time.monotonic() + 30
         while not os.path.exists(path) and time.monotonic() < deadline:  # the line comes before the write
@@ -169,13 +169,15 @@ def test_killed_driver_resumes_from_its_snapshot_with_every_workers_momentum(tmp
     assert {int(i) for _, i in restored} == {w.iter for w in saved.worker_state}
     assert os.path.exists(tmp_path / "out" / "tiny_iter_600.caffemodel")
     assert final_accuracy(log) >= 0.9
-    # The resumed run's loss at its first display is within the interrupted run's own noise there: the
-    # range its displays took from the one before the snapshot to the kill, widened by that range.
+    # The resumed run's loss at its first display does not jump above the interrupted run's own noise there
+    # (the range its displays took from the one before the snapshot to the kill, widened by that range), as a
+    # resume that lost the workers' state would. One-sided: this tiny job's loss is ~1e-4 and still falling,
+    # and the driver displays once per look (0.5 s, ~250 iterations here), so below the range is not a jump.
     before, after = display_losses("".join(lines)), display_losses(log)
     first = min(i for i in after if i > snapshot_iter)
     window = [loss for i, loss in sorted(before.items()) if i >= snapshot_iter - 20]
     low, high = min(window), max(window)
-    assert low - (high - low) <= after[first] <= high + (high - low), (first, after[first], sorted(before.items()))
+    assert after[first] <= high + (high - low), (first, after[first], sorted(before.items()))
 
 
 @pytest.fixture(scope="module")
