@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import rules
 from . import protocol as P
-from .transport import Connection, PeerClosed, byte_view, send_frame, tune
+from .transport import Connection, PeerClosed, byte_view, mapped, send_frame, tune
 
 log = logging.getLogger("deepspark.exchange.server")
 
@@ -270,7 +270,8 @@ class ExchangeServer:
         """A worker's HISTORY frame: read into a new vector, held once verified and finite."""
         if not h.length:
             raise P.ProtocolError("empty HISTORY from worker %d" % conn.worker_id)
-        vector = np.empty(self._history_floats, dtype=np.float32)
+        # A mapping of its own, as a connection's buffers: model-sized, and freed when the next snapshot's replaces it.
+        vector = mapped(self._history_floats, np.float32)
         conn.read_payload(byte_view(vector))  # verified before it replaces what is held
         if not rules.all_finite(vector):
             raise P.Refusal(P.E_NONFINITE, "worker %d sent a solver history holding NaN or Inf at iteration %d"
