@@ -1,13 +1,14 @@
 """A commodity network, emulated (#14, items 2 and 5): easgd at period 1, 10 and 64 against sync, each worker's exchanges through a token-bucket proxy (bench/_shaper.py) at 10 Gbit/s, 1 Gbit/s and 100 Mbit/s; time per iteration, exchange share, time to 0.88 (LeNet), and what `deepspark plan` projected for each.
 
-    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/network.py [--quick] [--seconds 120] [--only lenet|wide]
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/network.py [--quick] [--seconds 120] [--epochs 4]
+        [--only lenet|wide]
 
 Two models: models/lenet on Fashion-MNIST (real data; 431,080 parameters), and "wide", a synthetic net of
 GoogLeNet's parameter count (6,998,552: inner products on 32x32 synthetic images) whose step is cheap beside its
 exchange. The jobs are `deepspark train` with 2 workers on local[2]; the exchanger listens on a fixed port and the
 workers are told the proxy's (--exchange-port, --exchange-address), so every byte of the exchange crosses the
-emulated links: each worker's own and the driver's, shared (bench/_shaper.py). LeNet runs stop after --seconds of
-training or 5 epochs, snapshot every ~15,000 samples and are tested afterwards (bench/time_to_accuracy.py's way);
+emulated links: each worker's own and the driver's, shared (bench/_shaper.py). LeNet runs (at 1 Gbit/s: LENET_NETWORKS
+says why) stop after --seconds or --epochs, snapshot every ~15,000 samples and are tested afterwards (bench/time_to_accuracy.py's way);
 wide runs train the iterations the planner projects for WIDE_SECONDS (10 to 200). The proxy's own ceiling (unshaped) is measured first: a setting near it
 is bounded by the proxy, not the emulated link, and the record says so.
 """
@@ -34,9 +35,17 @@ from deepspark import plan  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
 
 NETWORKS = {"10G": 10.0, "1G": 1.0, "100M": 0.1}  # Gbit/s
+# LeNet's runs train to accuracy, a minute or more each: at 1 Gbit/s, the commodity link of the targets. At 10 Gbit/s
+# its 1.7 MB exchange (1.4 ms) is lost in a 160 ms cycle and the loopback runs of time_to_accuracy stand for it; at
+# 100 Mbit/s sync's 280 ms per iteration would not reach 0.88 in any cap the whole page can afford.
+LENET_NETWORKS = ("1G",)
 LATENCY_MS = 0.1  # one way, a LAN's
 RUNS = {"easgd period 1": {"algorithm": "easgd", "period": 1}, "easgd period 10": {"algorithm": "easgd", "period": 10},
         "easgd period 64": {"algorithm": "easgd", "period": 64}, "sync": {"algorithm": "sync"}}
+# `average` moves its models through Spark (a broadcast and a collect), not the exchanger, so no proxy sits in its
+# way: it runs on loopback, and each round's transfers over the emulated link are added to its clock by the
+# model (plan.average_transfers: 2·N·S / bandwidth + 2·latency a round). The record says so.
+MODELLED = {"average period 10": {"algorithm": "average", "period": 10}}
 WORKER = re.compile(r"Worker (\d+) on .*?: (\d+) iterations, (\d+) exchanges, .*? trained ([\d.]+)s, blocked on exchange "
                     r"([\d.]+)s")
 WIDE_SECONDS = 30  # a wide run's length as the planner projects it: iterations = WIDE_SECONDS / its s per iteration
@@ -49,19 +58,34 @@ def free_port():
 
 
 def train(solver, knobs, gbit, folder, iterations, seconds=None):
-    """One 2-worker job whose exchanges cross a proxy shaped to `gbit`; (its stderr, the proxy's bytes)."""
+    """One 2-worker job whose exchanges cross a proxy shaped to `gbit` (None: no proxy); (its stderr, the
+    proxy's bytes)."""
+    if gbit is None:
+        return run_job(solver, {**knobs, "workers": 2}, folder, iterations, seconds), {}
     port = free_port()
     with _shaper.Shaper(("127.0.0.1", port), bandwidth=gbit * 1e9 / 8, latency=LATENCY_MS / 1e3) as proxy:
         knobs = {**knobs, "workers": 2, "exchange_port": port, "exchange_address": f"127.0.0.1:{proxy.address[1]}"}
-        process = subprocess.Popen(tta.command(solver, folder, iterations, knobs), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT},
-                                   start_new_session=True)
-        try:
-            _, err = process.communicate(timeout=seconds)
-        except subprocess.TimeoutExpired:  # the time cap: stop the job as a user would, its snapshots are written
-            os.killpg(process.pid, signal.SIGINT)
-            _, err = process.communicate(timeout=120)
-        return err, dict(proxy.bytes)
+        return run_job(solver, knobs, folder, iterations, seconds), dict(proxy.bytes)
+
+
+def run_job(solver, knobs, folder, iterations, seconds):
+    """`deepspark train` with `knobs`, stopped as a user would (SIGINT: its snapshots are written) after
+    `seconds`; its stderr."""
+    process = subprocess.Popen(tta.command(solver, folder, iterations, knobs), cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT},
+                               start_new_session=True)
+    try:
+        return process.communicate(timeout=seconds)[1]
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGINT)
+        return process.communicate(timeout=120)[1]
+
+
+def with_transfers(points, costs, gbit, knobs):
+    """`average`'s loopback points with each round's transfers over a `gbit` link added to its clock."""
+    per_round = tta.samples_per_iteration(knobs) * knobs["period"]
+    transfers = plan.average_transfers(costs, plan.Network.of(gbit, LATENCY_MS), tta.workers_of(knobs))
+    return [(s + n / per_round * transfers, n, a) for s, n, a in points]
 
 
 def worker_figures(log):
@@ -96,14 +120,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the wide model only, at 1 Gbit/s and 100 Mbit/s, easgd "
                                                                  "period 10 and sync")
-    parser.add_argument("--seconds", type=float, default=120.0, help="the cap on a LeNet run")
+    parser.add_argument("--seconds", type=float, default=120.0, help="the cap on a LeNet run's wall time")
+    parser.add_argument("--epochs", type=float, default=tta.EPOCHS, help="and on its samples")
     parser.add_argument("--only", choices=("lenet", "wide"))
     parser.add_argument("--out", default=_results.results_path("network"))
     args = parser.parse_args()
     ceiling = _shaper.ceiling()
     _results.emit({"bench": "network", "figure": "proxy ceiling", "gbit": round(8 * ceiling / 1e9, 2)}, args.out)
-    networks = {k: v for k, v in NETWORKS.items() if not args.quick or k != "10G"}
-    runs = {k: v for k, v in RUNS.items() if not args.quick or k in ("easgd period 10", "sync")}
+    quick_runs = ("easgd period 10", "sync")
     with tempfile.TemporaryDirectory() as scratch:
         models = {"lenet": tta.SOLVER, "wide": wide_job(os.path.join(scratch, "wide"))}
         for model, solver in models.items():
@@ -111,19 +135,29 @@ def main():
                 continue
             net, source, param, shape = plan.training_net(solver)
             costs = plan.measure(net, source, param, pb.PlanParameter(cores=1), shape)
+            networks = {k: v for k, v in NETWORKS.items()
+                        if (model != "lenet" or k in LENET_NETWORKS) and not (args.quick and k == "10G")}
+            runs = {**RUNS, **(MODELLED if model == "lenet" else {})}
             for network, gbit in networks.items():
                 for name, knobs in runs.items():
+                    if args.quick and name not in quick_runs:
+                        continue
                     folder = os.path.join(scratch, f"{model}-{network}-{name.replace(' ', '-')}")
+                    modelled = name in MODELLED
                     record = {"bench": "network", "model": model, "network": network, "gbit": gbit,
                               "latency_ms": LATENCY_MS, "run": name,
-                              "proxy_bound": gbit * 1e9 / 8 > 0.5 * ceiling}
+                              "proxy_bound": not modelled and gbit * 1e9 / 8 > 0.5 * ceiling,
+                              **({"emulated": "on loopback, each round's transfers over the link added by the "
+                                              "model (plan.average_transfers)"} if modelled else {})}
                     if model == "lenet":
                         per = tta.samples_per_iteration(knobs)
                         every = max(1, round(tta.MILESTONE_SAMPLES / per))
-                        err, moved = train(tta.solver_copy(folder, every, False), knobs, gbit, folder,
-                                           round(5 * tta.TRAIN_IMAGES / per), args.seconds)
+                        err, moved = train(tta.solver_copy(folder, every, False), knobs, None if modelled else gbit,
+                                           folder, round(args.epochs * tta.TRAIN_IMAGES / per), args.seconds)
                         lines = tta.stamped(os.path.join(folder, "train.log"))
                         points = [(s, n, tta.accuracy(path)) for s, n, path in tta.snapshot_points(lines, per)]
+                        if modelled:
+                            points = with_transfers(points, costs, gbit, knobs)
                         record.update({k: v for k, v in tta.figures(name, points, 0, 0, False).items()
                                        if k.startswith(("seconds_to", "samples_to", "final", "points"))})
                     model_per_iteration, model_share = projected(costs, gbit, knobs)
@@ -133,6 +167,10 @@ def main():
                     per_iteration, share = worker_figures(err)
                     if per_iteration is None and model == "lenet":  # stopped at its cap: from the displays
                         per_iteration = display_seconds_per_iteration(lines)
+                    if modelled and per_iteration:  # the link's share of each round, as with_transfers adds it
+                        extra = plan.average_transfers(costs, plan.Network.of(gbit, LATENCY_MS), 2) / knobs["period"]
+                        share = ((share or 0.0) * per_iteration + extra) / (per_iteration + extra)
+                        per_iteration += extra
                     record.update({"seconds_per_iteration": per_iteration, "exchange_share": share,
                                    "projected_seconds_per_iteration": round(model_per_iteration, 5),
                                    "projected_exchange_share": round(model_share, 4),

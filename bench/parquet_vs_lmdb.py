@@ -15,6 +15,7 @@ single-process run, which is deterministic, gives identical losses from both
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,9 @@ def solver_for(folder, kind, sources):
     solver_path = os.path.join(folder, f"{kind}_solver.prototxt")
     with open(solver_path, "w") as stream:
         stream.write(solver)
+    # The zoo's DeepSpark knobs beside the copy, as beside the original (`deepspark train` reads the file next to
+    # the solver): without it the copy would run at the schema's defaults (moving rate 0.2, not LeNet's 0.45).
+    shutil.copy(os.path.join(os.path.dirname(SOLVER), "deepspark.prototxt"), folder)
     return solver_path
 
 

@@ -1,6 +1,6 @@
 """The external peers of the time-to-accuracy table (#14): Elephas, Spark's TorchDistributor, and single-process tf.keras and PyTorch loops training models/lenet's LeNet on Fashion-MNIST; JSON lines in time_to_accuracy's schema.
 
-    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/peers.py [--quick] [--epochs 5] [--only NAME,...]
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/peers.py [--quick] [--epochs 4] [--only NAME,...]
 
 The peers live in a venv of their own, bench/.venv-peers (tools/peers-env.sh, run first here: a no-op once built),
 since elephas 7.3 pins TensorFlow < 2.20, numpy < 2 and pyspark <= 4.0.0. Each run is a process of that venv on the
@@ -124,8 +124,9 @@ def run(name, config, folder):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, 1 epoch")
-    parser.add_argument("--epochs", type=float, default=5.0)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"only {', '.join(QUICK)}, {time_to_accuracy.QUICK_EPOCHS:g} epochs")
+    parser.add_argument("--epochs", type=float, default=time_to_accuracy.EPOCHS)
     parser.add_argument("--only", help=f"comma-separated run names: {', '.join(RUNS)}")
     parser.add_argument("--out", default=_results.results_path("peers"))
     args = parser.parse_args()
@@ -133,7 +134,7 @@ def main():
     unknown = [name for name in names if name not in RUNS]
     if unknown:
         parser.error(f"no run {', '.join(unknown)}; the runs: {', '.join(RUNS)}")
-    epochs = 1.0 if args.quick else args.epochs
+    epochs = time_to_accuracy.QUICK_EPOCHS if args.quick else args.epochs
     built = subprocess.run(["bash", os.path.join(ROOT, "tools", "peers-env.sh")], capture_output=True, text=True)
     with tempfile.TemporaryDirectory() as scratch:
         data = os.path.join(scratch, "fashion-mnist.npz")

@@ -211,6 +211,9 @@ class Trainer:
         self.log = log or Log()
         self.losses = collections.deque(maxlen=max(self.param.average_loss, 1))
         self._heap_frozen = False
+        # (time.time() when it was done, seconds it took) of this trainer's first step, where a backend traces
+        # and compiles: the last part of a worker's start-up.
+        self.first_step = None
         # Called with (trainer, loss) after every step, before anything uses the loss (a Spark worker's
         # divergence check; Caffe's own Solve goes on whatever the loss, and so does the single run).
         self.on_step = None
@@ -237,8 +240,11 @@ class Trainer:
 
     def step(self):
         """One solver iteration on the next iter_size batches; returns the loss."""
+        began = time.monotonic()
         batches = [next_batch(self.feeders) for _ in range(self.model.iter_size)]
         loss = float(self.model.step(batches[0] if len(batches) == 1 else batches))
+        if self.first_step is None:
+            self.first_step = (time.time(), time.monotonic() - began)
         if self.on_step is not None:
             self.on_step(self, loss)
         self.losses.append(loss)

@@ -138,11 +138,16 @@ def average(costs, network, workers, period, shared=1.0):
         cycle = period · T_comp · shared + 2 · N · S / bandwidth + 2 · latency + AVERAGE_ROUND_SECONDS
     """
     compute = period * costs.step * shared
-    transfers = 2 * workers * costs.bytes / network.bandwidth + 2 * network.latency
+    transfers = average_transfers(costs, network, workers)
     cycle = compute + transfers + AVERAGE_ROUND_SECONDS
     images = workers * period * costs.batch / cycle
     return Projection(workers, images, images * costs.step / costs.batch, 1 - compute / cycle,
                       transfers / cycle, cycle)
+
+
+def average_transfers(costs, network, workers):
+    """An `average` round's transfers over the driver's one link: 2 · N · S / bandwidth + 2 · latency."""
+    return 2 * workers * costs.bytes / network.bandwidth + 2 * network.latency
 
 
 def project(costs, network, ds, workers, shared=1.0):

@@ -1,5 +1,6 @@
 """ExchangeClient: a worker's persistent connection to the exchange server, blocking or overlapped with computation, or in synchronous rounds."""
 
+import contextlib
 import logging
 import math
 import socket
@@ -408,6 +409,16 @@ class ExchangeClient:
         if not self._pending:
             return False
         return self._blocked(self._wait_apply, params)
+
+    @contextlib.contextmanager
+    def blocking(self):
+        """The time in this block counts as blocked on the exchange: a worker's own part of one (reading its
+        parameters out for it, writing the result back), which its steps wait on as they wait on the wire."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.blocked_seconds += time.perf_counter() - t0
 
     def _blocked(self, apply, params):
         """apply(params), its time counted as blocked on the exchange; True."""

@@ -6,8 +6,10 @@ import itertools
 import os
 import re
 import secrets
+import sys
 import threading
 import time
+import types
 import uuid
 
 import numpy as np
@@ -20,7 +22,7 @@ from deepspark.errors import ConfigError, DeepSparkError
 from deepspark.exchange import ExchangeServer
 from deepspark.exchange.protocol import E_DIVERGED
 from deepspark.graph import Graph, layer_included
-from deepspark.log import Log, import_quietly
+from deepspark.log import Log
 from deepspark.plot import plot_history
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.session import is_local, on_loopback, spark_session, worker_threads
@@ -351,22 +353,35 @@ class Progress:
         self.log.progress(" | ".join(rows))
 
 
+# tensorboard's switch (a module by this name, importable) that makes it write through its own stand-in for
+# TensorFlow, which it otherwise imports to write an event file.
+TENSORBOARD_WITHOUT_TF = "tensorboard.compat.notf"
+
+
 class Scalars:
     """TensorBoard scalars (loss, test outputs, learning rate, exchange latency), when tensorboard is installed."""
 
     def __init__(self, folder, log):
         try:
             from tensorboard.summary import Writer
-
-            try:  # tensorboard loads TensorFlow at the first scalar: here instead, quietly, if it is installed
-                import_quietly("tensorflow")
-            except ImportError:
-                pass
         except ImportError:
             log.warning("tensorboard is not installed; no TensorBoard scalars")
             self.writer = None
             return
-        self.writer = Writer(folder)
+        if "tensorflow" in sys.modules:
+            self.writer = Writer(folder)
+            return
+        # A driver that has not loaded TensorFlow (no test nets yet) does not load it for a file of scalars: ~250 MB
+        # of its memory all job long (bench/startup.py). tensorboard reads the switch once, as this first writer
+        # opens its file; it is taken down after.
+        switched = TENSORBOARD_WITHOUT_TF not in sys.modules
+        if switched:
+            sys.modules[TENSORBOARD_WITHOUT_TF] = types.ModuleType(TENSORBOARD_WITHOUT_TF)
+        try:
+            self.writer = Writer(folder)
+        finally:
+            if switched:
+                del sys.modules[TENSORBOARD_WITHOUT_TF]
 
     def add(self, tag, value, step):
         if self.writer is not None and np.isfinite(value):
@@ -407,6 +422,7 @@ class Job:
         # Iterations of the last test and snapshot, and the last test's outputs.
         self.tested, self.snapshotted, self.last_test_values = None, None, {}
         self.resume_histories = {}  # a --snapshot's workers' solver histories, for the exchanger to hand back
+        self.evaluator = None  # the driver's test nets: test_nets() builds them
 
     # -- what an algorithm says ------------------------------------------------
 
@@ -443,20 +459,22 @@ class Job:
 
     def run(self):
         """The whole job; returns its summary: {"iterations", "weights" (the final .caffemodel, if snapshotted),
-        "spill_seconds", "ready_seconds", "train_seconds", "wall_seconds", "workers" (each worker's Summary as a
+        "spill_seconds", "ready_seconds", "train_seconds", "wall_seconds", "startup_seconds" (from the Solving line
+        to the slowest worker's first step), "workers" (each worker's Summary as a
         dict), "test<i>/<output>": value}."""
         data = self.options.data
         with contextlib.ExitStack() as stack:
             self.log = Log(os.path.join(self.output, "train.log"), append=bool(self.options.snapshot))
             stack.callback(self.log.close)
             self.started = time.monotonic()
+            own = False
             if data is not None:
                 self.spark = data.sparkSession  # the caller's session: theirs to stop
             else:
                 train_source(self.solver)  # a missing LMDB is said before Spark starts
-                self.spark, started = spark_session(self.ds, self.workers)
-                if started:
-                    stack.callback(self.spark.stop)
+                self.spark, own = spark_session(self.ds, self.workers)
+                if own:
+                    stack.callback(self.stop_session)
             self.sc = self.spark.sparkContext
             warn_if_the_secret_is_readable(self.sc, self.log)
             self.shards = self.load_shards()
@@ -471,9 +489,12 @@ class Job:
                 stack.callback(self.server.stop)
                 if self.ds.exchange_address:
                     self.log.info(f"Workers connect to the exchanger through {self.ds.exchange_address}")
-            self.evaluator = local.evaluator(self.solver, self.log)
-            local.note_device(self.solver, self.log)  # as the driver's backend sees it
-            stack.callback(self.evaluator.close)
+            # The test nets load TensorFlow into the driver and hold it all job long (~380 MB of its memory,
+            # bench/startup.py): with no test_interval the first test is the last, after training, and they are
+            # built for it then.
+            stack.callback(self.close_test_nets)
+            if self.param.test_interval:
+                self.test_nets()
             self.scalars = Scalars(os.path.join(self.output, "tensorboard"), self.log)
             stack.callback(self.scalars.close)
             self.task = task = Task(job_id=uuid.uuid4().hex[:12], solver=self.param.SerializeToString(),
@@ -483,7 +504,28 @@ class Job:
             self.log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
                           f"({self.ds.backend} backend, {self.title})")
             self.submitted = time.time()  # the workers' ready_at is in the same clock
-            return self.finish(self.train(task))
+            results = self.train(task)
+            if own:  # its executors and Python workers are done: their memory goes before the last test
+                self.stop_session()
+            return self.finish(results)
+
+    def stop_session(self):
+        """Stop the SparkSession this job started, once."""
+        if self.spark is not None:
+            self.spark.stop()
+            self.spark = None
+
+    def test_nets(self):
+        """The driver's test nets (an engine.Evaluator), built at the first call."""
+        if self.evaluator is None:
+            self.evaluator = local.evaluator(self.solver, self.log)
+            local.note_device(self.solver, self.log)  # as the driver's backend sees it, now that it runs
+        return self.evaluator
+
+    def close_test_nets(self):
+        if self.evaluator is not None:
+            self.evaluator.close()
+            self.evaluator = None
 
     def load_shards(self):
         """The RDD of the workers' shards, one partition each; sets the graph, x̃'s start and the start iteration."""
@@ -686,7 +728,7 @@ class Job:
     def test(self, iteration, observed=None):
         self.tested = iteration
         self._note_observed("Testing", iteration, observed)
-        values = engine.first_values(self.evaluator.test(iteration, self.graph, self.center_arrays()))
+        values = engine.first_values(self.test_nets().test(iteration, self.graph, self.center_arrays()))
         for tag, value in values.items():
             self.scalars.add(tag, value, iteration)
         self.history.append((time.monotonic() - self.started, iteration, float("nan"), values))
@@ -698,9 +740,11 @@ class Job:
         self._note_observed("Snapshotting", iteration, observed)
         model_path, state_path = checkpoint.snapshot_paths(self.param.snapshot_prefix, iteration)
         center = self.center_arrays()
-        workers = self.worker_states()
+        # x̃ first, as read: its line is when it was taken (time-to-accuracy reads it), not after the wait for
+        # the workers' histories, which only the solver state holds.
         self.log.info(f"Snapshotting to binary proto file {model_path}")
         checkpoint.save_caffemodel(model_path, self.graph, center)
+        workers = self.worker_states()
         self.log.info(f"Snapshotting solver state to binary proto file {state_path}"
                       + (f" (with the solver history of {len(workers)} workers)" if workers else ""))
         # The center's own solver state: x̃ moves by elastic differences, not by a solver of its own, so
@@ -749,6 +793,10 @@ class Job:
                      f"{r.peak_rss_mb:.0f} MB"
                      + ("" if r.restored_history is None else
                         f"; started from its solver history of iteration {r.restored_history}"))
+        startup = {r.worker: r.startup(self.submitted) for r in results if r.first_step_at}
+        for worker, parts in sorted(startup.items()):
+            log.info(f"Start-up of worker {worker}: {sum(parts.values()):.2f}s from Solving to its first step done: "
+                     + ", ".join(f"{part} {seconds:.2f}s" for part, seconds in parts.items()))
         log.info(f"Spill took {spill:.2f}s, {100 * spill / max(train, 1e-9):.2f}% of training time")
         ready = max(r.ready_at for r in results) - self.submitted
         if ready > 0:  # not so when no worker spilled in this run (every ready_at 0)
@@ -758,7 +806,7 @@ class Job:
             self.snapshot(final)
         weights = checkpoint.snapshot_paths(p.snapshot_prefix, final)[0] if self.snapshotted == final else None
         values = self.last_test_values
-        if self.evaluator.nets and self.tested != final:
+        if self.solver.test_nets and p.test_interval and self.tested != final:  # Caffe: no test_interval, no test
             values = self.test(final)
         log.info("Optimization Done.")
         plot_path = os.path.join(self.output, "progress.png")
@@ -766,4 +814,5 @@ class Job:
         log.info(f"Plot of loss and test outputs against time: {plot_path}")
         return {"iterations": final, "weights": weights, "spill_seconds": spill, "ready_seconds": max(ready, 0.0),
                 "train_seconds": train, "wall_seconds": time.monotonic() - self.started,
+                "startup_seconds": max((sum(parts.values()) for parts in startup.values()), default=None),
                 "workers": [dataclasses.asdict(r) for r in sorted(results, key=lambda r: r.worker)], **values}

@@ -19,6 +19,14 @@ from deepspark.errors import ConfigError
 from deepspark.log import echo
 
 LOG4J = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
+# The JVM's collector and first heap in local mode, where it schedules tasks and the Python workers compute: the
+# serial collector from a 16 MB heap holds ~300 MB (a LeNet job's JVM, alone_mb) where G1 holds ~390 MB: G1
+# commits its initial heap, 1/64 of the machine's memory (384 MB here), and ~50 MB of its own tables for the
+# 1 GB maximum (spark.driver.memory's, unchanged).
+LOCAL_JVM = "-XX:+UseSerialGC -Xms16m"
+# The executors' pyspark daemon in local mode (spark.python.daemon.module), and the environment variable that names the
+# backend it imports (daemon.py).
+DAEMON, DAEMON_BACKEND = "deepspark.spark.daemon", "DEEPSPARK_DAEMON_BACKEND"
 # The folder Spark extracts executor_env into, in each executor's working directory (`--archives ENV#environment`).
 ENV_ALIAS = "environment"
 
@@ -39,6 +47,22 @@ def worker_threads(sc, concurrent):
     if is_local(sc.master):
         return max(1, (os.cpu_count() or 1) // max(concurrent, 1))
     return int(sc.getConf().get("spark.executor.cores", "1"))
+
+
+def start_python_workers(sc, count):
+    """Have Spark start its Python daemon and `count` Python workers now, in a job of no-op tasks that the driver
+    does not wait for; Spark reuses them (spark.python.worker.reuse) for the next job's tasks. Its thread; a failure
+    there is left to the tasks that come after, which report their own."""
+
+    def start():
+        try:
+            sc.parallelize(range(count), count).foreach(lambda _: None)
+        except Exception:  # its tasks' errors are the next job's to report
+            pass
+
+    thread = threading.Thread(target=start, name="deepspark-python-workers", daemon=True)
+    thread.start()
+    return thread
 
 
 def on_loopback(master):
@@ -66,19 +90,29 @@ def spark_session(ds, workers):
     conf.set("spark.task.maxFailures", str(max(ds.max_failures, 1)))
     conf.set("spark.stage.maxConsecutiveAttempts", str(max(ds.max_failures, 1)))
     conf.set("spark.python.worker.reuse", "true").set("spark.ui.showConsoleProgress", "false")
+    if master and is_local(master):
+        # The executors run this Python on this process's path (executor_python), where our daemon is: it imports
+        # the backend once and forks the Python workers with it loaded (daemon.py).
+        conf.set("spark.python.daemon.module", DAEMON)
+        conf.set(f"spark.executorEnv.{DAEMON_BACKEND}", ds.backend)
     own_jvm = not submitted and SparkContext._gateway is None  # pyspark keeps one JVM per process
     if own_jvm:
-        conf.set("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{LOG4J}")
+        options = f"-Dlog4j2.configurationFile=file:{LOG4J}"
+        conf.set("spark.driver.extraJavaOptions", f"{options} {LOCAL_JVM}" if master and is_local(master) else options)
     python = executor_python(ds, master, conf)
     saved = os.environ.get("PYSPARK_PYTHON")
     os.environ["PYSPARK_PYTHON"] = python  # read once, by SparkContext: what the executors run
     try:
-        SparkContext(conf=conf, gateway=quiet_gateway(conf) if own_jvm else None)
+        sc = SparkContext(conf=conf, gateway=quiet_gateway(conf) if own_jvm else None)
     finally:
         if saved is None:
             del os.environ["PYSPARK_PYTHON"]
         else:
             os.environ["PYSPARK_PYTHON"] = saved
+    if master and is_local(master):
+        # Its Python workers start (the first job's scheduling, the daemon and its imports) while the SQL session
+        # starts and the job plans its shards and starts the center; its tasks then take them up.
+        start_python_workers(sc, workers)
     spark = SparkSession.builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark, True

@@ -16,6 +16,7 @@ import numpy as np
 
 import deepspark
 from deepspark import local, schedule
+from deepspark.backends import backend_module
 from deepspark.config import Solver
 from deepspark.data import DataError, check_datum, checked_records, decode_datum, encode_datum, lmdb_io
 from deepspark.errors import DeepSparkError, SourceMap
@@ -87,6 +88,29 @@ class Summary:
     peak_rss_mb: float = 0.0  # and at the end of its training
     ready_at: float = 0.0  # when its spill was done (time.time())
     restored_history: int = None  # the iteration of the solver history it started from (a resumed job's), if any
+    # Its start-up, in the order it runs (the spill's seconds above): when its Python worker process was forked
+    # and when its task began there (time.time(), 0 where unknown), then each step's seconds, and when its first
+    # step was done. The driver's start-up line and bench/startup.py read them.
+    forked_at: float = 0.0
+    task_at: float = 0.0
+    import_seconds: float = 0.0  # this task's import of the backend (TensorFlow): 0 when the process had it
+    build_seconds: float = 0.0  # the model and feeders built, the import apart
+    connect_seconds: float = 0.0  # joining the center: connect, pull x̃ and any solver history
+    first_step_seconds: float = 0.0  # the first step, which traces the backend's step function
+    first_step_at: float = 0.0
+
+    def startup(self, since):
+        """Its start-up from `since` (time.time(): the driver's Solving line) to its first step done, in parts
+        that add up to it: {part: seconds}; empty when it did not report one (a job without a first step here).
+        A Python worker already running at `since` (Spark reused it, or forked it earlier) has no fork part."""
+        if not self.first_step_at:
+            return {}
+        forked = min(max(self.forked_at, since), self.task_at)
+        parts = {"fork": forked - since, "task start": self.task_at - forked, "spill": self.spill_seconds,
+                 "import": self.import_seconds, "build": self.build_seconds, "connect": self.connect_seconds,
+                 "first step": self.first_step_seconds}
+        parts["other"] = self.first_step_at - since - sum(parts.values())
+        return parts
 
     @classmethod
     def here(cls, worker, **fields):
@@ -106,6 +130,18 @@ def peak_rss_mb():
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def process_started_at():
+    """When this process started, as time.time() (Linux: its start in /proc, against the uptime, to 10 ms);
+    0 where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks after boot
+            booted = time.time() - float(uptime.read().split()[0])
+        return booted + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def reset_peak_rss():
@@ -250,13 +286,15 @@ def set_threads(threads):
 
 
 @dataclasses.dataclass(frozen=True)
-class Spilled:
-    """What a worker's spill step did, named as its Summary names it."""
+class Prepared:
+    """What a worker's spill and build did, named as its Summary names it."""
 
     records: int
     spill_seconds: float
     spill_rss_mb: float  # the task's peak RSS when the spill was done
     ready_at: float  # when it was done (time.time())
+    import_seconds: float = 0.0
+    build_seconds: float = 0.0
 
 
 class Diverged(WorkerError):
@@ -280,12 +318,15 @@ def check_finite(worker, client, trainer, loss):
 
 
 def build(worker, payload, task):
-    """Spill the shard and build the worker's Trainer: (trainer, shard path, Spilled)."""
+    """Spill the shard and build the worker's Trainer: (trainer, shard path, Prepared)."""
     set_threads(task.threads)
     reset_peak_rss()
     shard_path, records, spill_seconds = spill(payload, task.job_id, worker)
-    spilled = Spilled(records, spill_seconds, peak_rss_mb(), time.time())
+    ready_at, spill_rss = time.time(), peak_rss_mb()
     try:
+        began = time.monotonic()
+        backend_module(task.param.deepspark_param.backend)  # its import (TensorFlow's) timed apart from the build
+        imported = time.monotonic()
         # The log goes to the executor's stderr, which Spark keeps in the executor's log.
         trainer = local.trainer(task.solver_for(shard_path), Log(progress=False), seed_offset=worker,
                                 threads=task.threads, evaluate=False)
@@ -293,7 +334,9 @@ def build(worker, payload, task):
     except BaseException:
         shutil.rmtree(shard_path, ignore_errors=True)
         raise
-    return trainer, shard_path, spilled
+    prepared = Prepared(records, spill_seconds, spill_rss, ready_at, import_seconds=imported - began,
+                        build_seconds=time.monotonic() - imported)
+    return trainer, shard_path, prepared
 
 
 def join_center(worker, task, model, timeout):
@@ -331,18 +374,23 @@ def send_history(client, model, asked=False):
 def run(worker, items, task, train, timeout):
     """One worker's whole life in a Spark task: spill, build, join the center (waiting at most `timeout`
     seconds on it), `train(trainer, client, params)` -> (loss, extra Summary fields), leave; its Summary."""
-    trainer, shard_path, spilled = build(worker, payload_of(items), task)
+    task_at = time.time()
+    trainer, shard_path, prepared = build(worker, payload_of(items), task)
     model = trainer.model
     try:
+        joining = time.monotonic()
         client, params, restored = join_center(worker, task, model, timeout)
+        connect_seconds = time.monotonic() - joining
         trainer.on_step = functools.partial(check_finite, worker, client)
         start_iter, started = model.iter, time.monotonic()
         loss, extra = train(trainer, client, params)
+        first_step_at, first_step_seconds = trainer.first_step or (0.0, 0.0)
         summary = Summary.here(worker, train_seconds=time.monotonic() - started, iterations=model.iter - start_iter,
                                final_iteration=model.iter, exchanges=client.exchanges,
                                blocked_seconds=client.blocked_seconds, loss=loss, peak_rss_mb=peak_rss_mb(),
-                               restored_history=restored,
-                               **dataclasses.asdict(spilled), **extra)
+                               restored_history=restored, forked_at=process_started_at(), task_at=task_at,
+                               connect_seconds=connect_seconds, first_step_seconds=first_step_seconds,
+                               first_step_at=first_step_at, **dataclasses.asdict(prepared), **extra)
         client.close()
         return summary
     finally:

@@ -14,6 +14,14 @@ from deepspark.proto import deepspark_pb2 as pb
 TF_OPS = SimpleNamespace(sqrt=tf.sqrt, sign=tf.sign, sum=tf.reduce_sum, where=tf.where)
 
 
+def traced(fn, **options):
+    """tf.function(fn) without AutoGraph. A net's Python runs at trace time only (loops over the layer table,
+    branches on the prototxt's values), so AutoGraph finds nothing to turn into graph control flow, yet it
+    transpiles each function it meets first (~80 for LeNet's step): 2.3 s of the first step's 2.5 s here, in every
+    worker's start-up; the graph and the losses are the same without it (bench/startup.py)."""
+    return tf.function(fn, autograph=False, **options)
+
+
 class Model(base.Model):
     """base.Model on TensorFlow: every pass is one traced tf.function; the rate is a tensor argument.
 
@@ -45,14 +53,14 @@ class Model(base.Model):
         scalar = tf.TensorSpec((), tf.float32)
         flat = tf.TensorSpec((self.param_count,), tf.float32)
         compile_options = dict(jit_compile=jit_compile, reduce_retracing=True)
-        self._step_fn = tf.function(self._step, input_signature=[feed, scalar, scalar], **compile_options)
-        self._accumulate_fn = tf.function(self._accumulate, input_signature=[feed], **compile_options)
-        self._apply_fn = tf.function(self._apply_accumulated, input_signature=[scalar, scalar],
+        self._step_fn = traced(self._step, input_signature=[feed, scalar, scalar], **compile_options)
+        self._accumulate_fn = traced(self._accumulate, input_signature=[feed], **compile_options)
+        self._apply_fn = traced(self._apply_accumulated, input_signature=[scalar, scalar],
                                      **compile_options)
-        self._forward_fn = tf.function(self._forward, input_signature=[feed], **compile_options)
-        self._gradients_fn = tf.function(self._gradients, input_signature=[feed], **compile_options)
-        self._get_flat_fn = tf.function(self._flat, input_signature=[])
-        self._set_flat_fn = tf.function(self._assign_flat, input_signature=[flat])
+        self._forward_fn = traced(self._forward, input_signature=[feed], **compile_options)
+        self._gradients_fn = traced(self._gradients, input_signature=[feed], **compile_options)
+        self._get_flat_fn = traced(self._flat, input_signature=[])
+        self._set_flat_fn = traced(self._assign_flat, input_signature=[flat])
 
     # -- the traced computations -------------------------------------------------
 
@@ -200,7 +208,7 @@ class Model(base.Model):
             _, blobs = compiler.run(graph, module.params, ctx)
             return {name: blobs[name].caffe for name in graph.outputs}
 
-        module.serve = tf.function(serve, input_signature=specs)
+        module.serve = traced(serve, input_signature=specs)
         return module
 
     def layer_passes(self, batch):
@@ -319,7 +327,7 @@ def _layer_pass(layer, params, needs, ctx, blobs, diffs):
     bottoms_wanted, params_wanted = needs
     layouts = {}  # "bottoms", "tops": each blob's nhwc flag, fixed from the first call
     # A partial, not a closure: TensorFlow counts traces per code object and would warn of retracing.
-    compiled = tf.function(functools.partial(_traced_layer, layer, ctx, layouts))
+    compiled = traced(functools.partial(_traced_layer, layer, ctx, layouts))
     taped = []  # (tape, sources, tops) of the last forward, for the backward
     seeds = {}  # top -> its diff when no later layer gave one: loss_weight on a loss top, else zero
 

@@ -1,0 +1,130 @@
+"""What a job itself costs (#14): the workers' start-up in parts, a driver without TensorFlow while its workers train, Python workers forked with the backend loaded; bench/startup.py's page section."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+from conftest import ROOT
+from synthetic import make_job
+
+from deepspark.spark.worker import Summary
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # where a benchmark finds bench/_memory.py, as when run
+_spec = importlib.util.spec_from_file_location("bench_startup", os.path.join(ROOT, "bench", "startup.py"))
+startup = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(startup)
+
+
+def run_script(script):
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_start_up_parts_add_up_and_a_worker_forked_before_solving_has_no_fork_part():
+    at = 1000.0
+    fresh = Summary(0, forked_at=at + 1.0, task_at=at + 1.5, spill_seconds=0.25, import_seconds=0.0,
+                    build_seconds=0.5, connect_seconds=0.05, first_step_seconds=1.0, first_step_at=at + 3.4)
+    parts = fresh.startup(at)
+    assert list(parts) == ["fork", "task start", "spill", "import", "build", "connect", "first step", "other"]
+    assert parts["fork"] == 1.0 and parts["task start"] == 0.5 and abs(sum(parts.values()) - 3.4) < 1e-9
+    assert abs(parts["other"] - 0.1) < 1e-9
+    reused = Summary(0, forked_at=at - 60, task_at=at + 0.2, first_step_seconds=1.0, first_step_at=at + 1.3)
+    assert reused.startup(at)["fork"] == 0 and abs(reused.startup(at)["task start"] - 0.2) < 1e-9
+    assert Summary(0).startup(at) == {}  # no first step here: nothing to say
+
+
+def test_a_job_trains_with_no_tensorflow_in_the_driver_and_its_workers_account_for_their_start_up(tmp_path):
+    solver = make_job(tmp_path, max_iter=40, test_interval=0)
+    script = f"""
+import json, sys
+import deepspark
+from deepspark.spark import job
+
+seen = {{}}
+finish = job.Job.finish
+
+def watched(self, results):  # training is over, the last test not yet run
+    seen["tensorflow"] = "tensorflow" in sys.modules
+    return finish(self, results)
+
+job.Job.finish = watched
+summary = deepspark.train({solver!r}, workers=2)
+print(json.dumps({{**summary, "tensorflow_while_training": seen["tensorflow"]}}))
+"""
+    done = run_script(script)
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    # With no test_interval the driver built no test net, and wrote its scalars without TensorFlow.
+    assert summary["iterations"] == 40 and summary["tensorflow_while_training"] is False
+    from test_spark import tensorboard_tags
+
+    assert {"train/loss", "train/learning_rate", "exchange/latency_ms"} <= tensorboard_tags(tmp_path / "out" /
+                                                                                              "tensorboard")
+    log = (tmp_path / "out" / "train.log").read_text()
+    lines = re.findall(r"Start-up of worker (\d): ([\d.]+)s from Solving to its first step done: (.*)", log)
+    assert sorted(int(w) for w, _, _ in lines) == [0, 1], log[-3000:]
+    for worker, total, text in lines:
+        parts = {name: float(s) for name, s in re.findall(r"([a-z][a-z ]*?) (-?[\d.]+)s", text)}
+        assert list(parts) == ["fork", "task start", "spill", "import", "build", "connect", "first step", "other"]
+        # The measured parts account for the time from Solving to the first step (the rest is a few lines of code),
+        # and the worker, forked by our daemon, found the backend imported: no import of its own.
+        assert abs(parts["other"]) <= 0.05 * float(total) + 0.01, text
+        assert parts["import"] <= 0.02 * float(total), text
+        assert parts["first step"] > 0 and parts["spill"] > 0
+    assert abs(max(float(t) for _, t, _ in lines) - summary["startup_seconds"]) < 0.01
+    for worker in summary["workers"]:
+        assert 0 < worker["forked_at"] <= worker["task_at"] < worker["ready_at"] < worker["first_step_at"]
+
+
+def test_local_python_workers_are_forks_of_a_daemon_that_loaded_the_backend():
+    script = """
+import json, os, sys
+from deepspark.spark.session import spark_session
+from deepspark.proto import deepspark_pb2 as pb
+
+spark, started = spark_session(pb.DeepSparkParameter(), 2)
+
+def look(_):
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as stream:
+        parent = stream.read().split(b"\\0")
+    return [("tensorflow" in sys.modules, os.getppid(), [a.decode() for a in parent])]
+
+seen = spark.sparkContext.parallelize(range(2), 2).mapPartitions(look).collect()
+print(json.dumps({"started": started, "workers": seen, "driver_tensorflow": "tensorflow" in sys.modules}))
+spark.stop()
+"""
+    result = json.loads(run_script(script).stdout.strip().splitlines()[-1])
+    assert result["started"] and result["driver_tensorflow"] is False
+    assert len(result["workers"]) == 2
+    for loaded, parent, argv in result["workers"]:
+        assert loaded, "the task's Python worker had not imported TensorFlow before its task"
+        assert argv[1:3] == ["-m", "deepspark.spark.daemon"], argv
+    assert len({parent for _, parent, _ in result["workers"]}) == 1  # one daemon forked both
+
+
+def record(run, startup_seconds, peak, alone, workers=1, **extra):
+    return {"bench": "startup", "run": run, "workers": workers, "startup_seconds": startup_seconds,
+            "parts": {"first step": startup_seconds} if run == "single" else
+            {"fork": 0.5, "task start": 0.1, "first step": startup_seconds - 0.6},
+            "to_first_step_seconds": 10.0, "images_per_second": 5000, "peak_pss_mb": peak, "alone_peak_mb": alone,
+            "pss_at_peak_mb": {"driver": peak}, "alone_at_peak_mb": {"driver": alone},
+            "processes_at_peak": {"driver": 1}, **extra}
+
+
+def test_the_page_section_tables_the_runs_and_says_whether_each_target_is_met(tmp_path):
+    (tmp_path / "peers.jsonl").write_text(json.dumps({"run": "torchdistributor", "peak_pss_mb": 1300}) + "\n")
+    records = [record("single", 2.0, 600, 650), record("single", 2.2, 600, 650),
+               record("easgd", 3.9, 1000, 1250, workers=2), record("easgd", 4.5, 1000, 1350, workers=2)]
+    section = startup.page_section(records, str(tmp_path))
+    assert section.count("\n| single (1 worker) |") == 2 and section.count("| easgd (2 workers) |") == 2
+    assert "| fork | task start | first step |" in section
+    # medians: 4.2 s against 2.1 s is 2x, met; 1,300 MB alone against TorchDistributor's 1,300 MB, met
+    assert "2x the single process's: met (2.00x" in section
+    assert "TorchDistributor's PSS (1,300 MB, from" in section and ": met (1,300 MB alone, 1,000 MB PSS)" in section
+    slower = startup.page_section(records[:2] + [record("easgd", 4.5, 1400, 1400, workers=2)], str(tmp_path))
+    assert "not met (2.14x" in slower and "not met (1,400 MB alone" in slower
+    assert "Not measured yet" in startup.page_section([], str(tmp_path))
