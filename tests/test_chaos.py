@@ -35,7 +35,7 @@ def unharmed_and_harmed(tmp_path, seed, algorithm):
     solvers = []
     for name in ("unharmed", "harmed"):
         (tmp_path / name).mkdir()
-        solvers.append(make_job(tmp_path / name, max_iter=MAX_ITER[algorithm], test_interval=MAX_ITER[algorithm]))
+        solvers.append(make_job(tmp_path / name, max_iter=MAX_ITER[algorithm], test_interval=0))
     # Four attempts of a task (local[2,4]): three kills of the same EASGD worker take three. A sync kill fails
     # the barrier stage's attempt instead, and Spark's spark.stage.maxConsecutiveAttempts (4 by default)
     # allows three reruns: a fourth kill fails the job whatever max_failures says.

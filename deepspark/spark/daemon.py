@@ -2,8 +2,8 @@
 
 A Python worker that Spark starts for a task is a fork of this daemon, so it
 starts with deepspark (which a task's closure names) and TensorFlow already
-imported, and shares those pages with the daemon and the other workers
-instead of importing them again into memory of its own. Running as
+imported, once for all of them, and shares that import's pages with the
+daemon (copy-on-write) instead of holding its own. Running as
 `python -m deepspark.spark.daemon` has imported deepspark.spark (the jobs and
 the executor's loop) by the time this module runs; the backend is imported
 here. Nothing here may start a thread or TensorFlow's runtime: the workers

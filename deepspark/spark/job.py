@@ -371,7 +371,7 @@ class Scalars:
         if "tensorflow" in sys.modules:
             self.writer = Writer(folder)
             return
-        # A driver that has not loaded TensorFlow (no test nets yet) does not load it for a file of scalars: ~250 MB
+        # A driver that has not loaded TensorFlow (no test nets yet) does not load it for a file of scalars: ~300 MB
         # of its memory all job long (bench/startup.py). tensorboard reads the switch once, as this first writer
         # opens its file; it is taken down after.
         switched = TENSORBOARD_WITHOUT_TF not in sys.modules
@@ -489,9 +489,8 @@ class Job:
                 stack.callback(self.server.stop)
                 if self.ds.exchange_address:
                     self.log.info(f"Workers connect to the exchanger through {self.ds.exchange_address}")
-            # The test nets load TensorFlow into the driver and hold it all job long (~380 MB of its memory,
-            # bench/startup.py): with no test_interval the first test is the last, after training, and they are
-            # built for it then.
+            # The test nets load TensorFlow into the driver and hold it all job long (~300 MB of its memory,
+            # bench/startup.py): a job that tests only after training (no test_interval) builds them then.
             stack.callback(self.close_test_nets)
             if self.param.test_interval:
                 self.test_nets()
@@ -806,7 +805,7 @@ class Job:
             self.snapshot(final)
         weights = checkpoint.snapshot_paths(p.snapshot_prefix, final)[0] if self.snapshotted == final else None
         values = self.last_test_values
-        if self.solver.test_nets and p.test_interval and self.tested != final:  # Caffe: no test_interval, no test
+        if self.solver.test_nets and self.tested != final:
             values = self.test(final)
         log.info("Optimization Done.")
         plot_path = os.path.join(self.output, "progress.png")

@@ -20,11 +20,11 @@ from deepspark.log import echo
 
 LOG4J = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
 # The JVM's collector and first heap in local mode, where it schedules tasks and the Python workers compute: the
-# serial collector from a 16 MB heap holds ~300 MB (a LeNet job's JVM, alone_mb) where G1 holds ~390 MB: G1
-# commits its initial heap, 1/64 of the machine's memory (384 MB here), and ~50 MB of its own tables for the
-# 1 GB maximum (spark.driver.memory's, unchanged).
+# serial collector from a 16 MB heap grows a ~85 MB heap where G1 commits its initial heap, 1/64 of the machine's
+# memory (384 MB here, ~240 MB touched), and ~50 MB of its own tables for the 1 GB maximum (spark.driver.memory's,
+# unchanged): a LeNet job's JVM holds ~280 MB instead of ~320 MB (bench/startup.py).
 LOCAL_JVM = "-XX:+UseSerialGC -Xms16m"
-# The executors' pyspark daemon in local mode (spark.python.daemon.module), and the environment variable that names the
+# The executors' pyspark daemon in local mode (spark.python.daemon.module), and the environment variable naming the
 # backend it imports (daemon.py).
 DAEMON, DAEMON_BACKEND = "deepspark.spark.daemon", "DEEPSPARK_DAEMON_BACKEND"
 # The folder Spark extracts executor_env into, in each executor's working directory (`--archives ENV#environment`).

@@ -55,8 +55,7 @@ class Model(base.Model):
         compile_options = dict(jit_compile=jit_compile, reduce_retracing=True)
         self._step_fn = traced(self._step, input_signature=[feed, scalar, scalar], **compile_options)
         self._accumulate_fn = traced(self._accumulate, input_signature=[feed], **compile_options)
-        self._apply_fn = traced(self._apply_accumulated, input_signature=[scalar, scalar],
-                                     **compile_options)
+        self._apply_fn = traced(self._apply_accumulated, input_signature=[scalar, scalar], **compile_options)
         self._forward_fn = traced(self._forward, input_signature=[feed], **compile_options)
         self._gradients_fn = traced(self._gradients, input_signature=[feed], **compile_options)
         self._get_flat_fn = traced(self._flat, input_signature=[])
