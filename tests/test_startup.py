@@ -54,12 +54,15 @@ def watched(self, results):  # training is over, the last test not yet run
 
 job.Job.finish = watched
 summary = deepspark.train({solver!r}, workers=2)
-print(json.dumps({{**summary, "tensorflow_while_training": seen["tensorflow"]}}))
+print(json.dumps({{**summary, "tensorflow_while_training": seen["tensorflow"],
+                  "tensorflow_after": "tensorflow" in sys.modules}}))
 """
     done = run_script(script)
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    # With no test_interval the driver built no test net, and wrote its scalars without TensorFlow.
+    # With no test_interval the driver trained without TensorFlow (no test net, its scalars written without it),
+    # and built its test net for the last test only, after training.
     assert summary["iterations"] == 40 and summary["tensorflow_while_training"] is False
+    assert summary["tensorflow_after"] is True and summary["test0/accuracy"] >= 0.9
     from test_spark import tensorboard_tags
 
     assert {"train/loss", "train/learning_rate", "exchange/latency_ms"} <= tensorboard_tags(tmp_path / "out" /
