@@ -1,6 +1,7 @@
 """Shared fixtures: the repository root, the Caffe source sdist, the CLI runner."""
 
 import hashlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -12,6 +13,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.environ.get("DEEPSPARK_CACHE", os.path.expanduser("~/.cache/deepspark"))
 SDIST = "brocolli-caffe-9.0.2.tar.gz"
 SDIST_SHA256 = "c6410cc60bdd6db685d441b66be7df05410f8850ac88d6b75d48ef9b2315c08a"
+
+
+def load_script(relative, name):
+    """A script of the repository (bench/NAME.py, a module that is no package's) loaded as module `name`, its folder
+    on sys.path first: where it finds its neighbours (bench/_results.py, ...), as when it runs."""
+    path = os.path.join(ROOT, relative)
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_cli(*args, cwd=ROOT, env=None):

@@ -1,19 +1,14 @@
 """bench/backends.py: its synthetic cifar10_quick set is learnable and loads as a job, the workers' lines parse, its page section tables and compares the backends."""
 
-import importlib.util
 import os
-import sys
 
 import numpy as np
 
 from deepspark.config import load_solver
 from deepspark.data import decode_datum
+from conftest import ROOT, load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))  # where a benchmark finds bench/_results.py, as when run
-_spec = importlib.util.spec_from_file_location("bench_backends", os.path.join(ROOT, "bench", "backends.py"))
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script("bench/backends.py", "bench_backends")
 
 
 def test_a_synthetic_image_says_its_class_by_its_brighter_band():

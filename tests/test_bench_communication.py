@@ -1,15 +1,10 @@
 """bench/communication.py's section of the results page: a row per model and period from its records, the paper's ~10% compared with figures computed from them."""
 
-import importlib.util
 import os
-import sys
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))  # where a benchmark finds its bench/ neighbours, as when run
-_spec = importlib.util.spec_from_file_location("bench_communication", os.path.join(ROOT, "bench", "communication.py"))
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script("bench/communication.py", "bench_communication")
 
 
 def record(model, period, overlap, share, projected=None, floats=431080, per_iteration=0.02):

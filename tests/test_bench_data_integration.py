@@ -1,16 +1,9 @@
 """bench/data_integration.py's summary line and results-page section, from records shaped as its runs write them."""
 
-import importlib.util
-import os
-import sys
 
-from conftest import ROOT
+from conftest import load_script
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))  # where a benchmark finds bench/_results.py, as when run
-_spec = importlib.util.spec_from_file_location("bench_data_integration", os.path.join(ROOT, "bench",
-                                                                                      "data_integration.py"))
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script("bench/data_integration.py", "bench_data_integration")
 
 
 def a_run(source, images, wall, spill, share, ready=1.0):

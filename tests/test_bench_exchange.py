@@ -1,8 +1,5 @@
 """bench/exchange.py's selectors server applies the same EASGD rule as ExchangeServer, partial replies included."""
 
-import importlib.util
-import os
-import sys
 import threading
 
 import numpy as np
@@ -10,12 +7,9 @@ import pytest
 
 from deepspark import rules
 from deepspark.exchange import ExchangeClient
+from conftest import load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))  # where a benchmark finds bench/_results.py, as when run
-_spec = importlib.util.spec_from_file_location("bench_exchange", os.path.join(ROOT, "bench", "exchange.py"))
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script("bench/exchange.py", "bench_exchange")
 
 
 @pytest.mark.parametrize("n", [1000, 4_000_000])  # 16 MB replies go out in several sends

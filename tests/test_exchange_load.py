@@ -1,14 +1,9 @@
 """bench/exchange_load.py at small scale: every client progresses, and connecting and leaving in a loop loses nothing and leaves nothing behind."""
 
-import importlib.util
-import os
-import sys
+from conftest import load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))  # where a benchmark finds bench/_results.py, as when run
-_spec = importlib.util.spec_from_file_location("bench_exchange_load", os.path.join(ROOT, "bench", "exchange_load.py"))
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script("bench/exchange_load.py", "bench_exchange_load")
+
 
 def test_load_and_reconnect_loop():
     # The connection buffers are mappings of their own (transport.mapped): RSS shows what the server keeps, here

@@ -1,15 +1,11 @@
 """bench/_page.py: docs/results.md from the page's benchmark records; a section without data says so."""
 
-import importlib.util
 import json
-import os
 import sys
 
-from conftest import ROOT
+from conftest import load_script
 
-_spec = importlib.util.spec_from_file_location("bench_page", os.path.join(ROOT, "bench", "_page.py"))
-page = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(page)
+page = load_script("bench/_page.py", "bench_page")
 
 SECTIONS = 8  # the page's "## " sections but the targets'
 

@@ -1,20 +1,16 @@
 """bench/_shaper.py, the token-bucket proxy the network benchmarks shape loopback with: it never carries more than
 its bandwidth, adds its latency, shares the driver's link among the workers, and carries the exchange unchanged."""
 
-import importlib.util
-import os
 import socket
 import threading
 import time
 
 import numpy as np
 
-from conftest import ROOT
+from conftest import load_script
 from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer
 
-_spec = importlib.util.spec_from_file_location("bench_shaper", os.path.join(ROOT, "bench", "_shaper.py"))
-shaper = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(shaper)
+shaper = load_script("bench/_shaper.py", "bench_shaper")
 
 MBIT = 1e6 / 8  # bytes per second
 

@@ -1,21 +1,17 @@
 """What a job itself costs (#14): the workers' start-up in parts, a driver without TensorFlow while its workers train, Python workers forked with the backend loaded; bench/startup.py's page section."""
 
-import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 from synthetic import make_job
 
 from deepspark.spark.worker import Summary
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))  # where a benchmark finds bench/_memory.py, as when run
-_spec = importlib.util.spec_from_file_location("bench_startup", os.path.join(ROOT, "bench", "startup.py"))
-startup = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(startup)
+startup = load_script("bench/startup.py", "bench_startup")
 
 
 def run_script(script):
