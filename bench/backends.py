@@ -7,7 +7,7 @@ at period 10 and moving rate 0.45 (models/lenet/deepspark.prototxt's knobs, give
 solver hyperparameters, a fixed number of iterations per worker whatever the backend. Two models:
 
 - models/lenet on Fashion-MNIST (real data: data/fashion_mnist_{train,test}_lmdb, `make data`), 2 epochs
-  (`--quick`: 1); targets 0.85 and 0.88, bench/time_to_accuracy.py's;
+  (`--quick`: 0.5); targets 0.85 and 0.88, bench/time_to_accuracy.py's;
 - models/cifar10_quick on SYNTHETIC data, as no CIFAR-10 can be downloaded here: 3x32x32 uint8 images over uniform
   noise whose class is which band of 3 rows is brighter in one channel (bench/data_scale.py's bands, fainter),
   written with deepspark/data's writers to LMDBs in a temp folder, with their mean image (compute_image_mean) as
@@ -66,7 +66,7 @@ class Model:
 
 MODELS = {
     "lenet": Model("Fashion-MNIST (real)", tta.BATCH, round(2 * tta.TRAIN_IMAGES / (tta.BATCH * tta.WORKERS)),
-                   round(tta.TRAIN_IMAGES / (tta.BATCH * tta.WORKERS)), tta.TARGETS),
+                   round(tta.TRAIN_IMAGES / (2 * tta.BATCH * tta.WORKERS)), tta.TARGETS),
     "cifar10_quick": Model(CIFAR_DATA, 100, 120, 0, CIFAR_TARGETS),
 }
 
@@ -205,7 +205,7 @@ def page_section(records, data_folder):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="LeNet only, 1 epoch")
+    parser.add_argument("--quick", action="store_true", help="LeNet only, half an epoch")
     parser.add_argument("--only", choices=tuple(MODELS))
     parser.add_argument("--out", default=_results.results_path("backends"))
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """The external peers of the time-to-accuracy table (#14): Elephas, Spark's TorchDistributor, and single-process tf.keras and PyTorch loops training models/lenet's LeNet on Fashion-MNIST; JSON lines in time_to_accuracy's schema.
 
-    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/peers.py [--quick] [--epochs 4] [--only NAME,...]
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/peers.py [--quick] [--epochs 2.5] [--only NAME,...]
 
 The peers live in a venv of their own, bench/.venv-peers (tools/peers-env.sh, run first here: a no-op once built),
 since elephas 7.3 pins TensorFlow < 2.20, numpy < 2 and pyspark <= 4.0.0. Each run is a process of that venv on the
@@ -56,7 +56,7 @@ RUNS = {
     "keras single": ("tf.keras", "_peer_keras", {"run": "single"}, "single process, model.fit, batch 64"),
     "torch single": ("PyTorch", "_peer_torch", {"run": "single"}, "single process, a training loop, batch 64"),
 }
-QUICK = ("elephas asynchronous batch", "torchdistributor")
+QUICK = ("torchdistributor",)
 
 
 def solver_numbers():

@@ -37,7 +37,7 @@ from time_to_accuracy import BATCH, command, solver_copy  # noqa: E402  (bench/t
 from deepspark.plot import LINE  # noqa: E402
 
 RUNS = {"single": {"algorithm": "single"}, "easgd": {"algorithm": "easgd", "workers": 2}}
-ITERATIONS, REPEATS = 200, 3
+ITERATIONS, REPEATS = 200, 2
 QUICK_ITERATIONS, QUICK_REPEATS = 150, 1
 STARTUP_TARGET = 2.0  # the workers' start-up within this many times the single process's
 # TorchDistributor's peak PSS on the same LeNet (2 DDP processes), MB: bench/peers.py's record in docs/data/peers.jsonl

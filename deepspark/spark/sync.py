@@ -59,7 +59,8 @@ def train_worker(trainer, client, params):
     loss = math.nan
     while model.iter < trainer.param.max_iter:
         loss = trainer.step()
-        params = model.get_flat(params)
+        with client.blocking():  # the worker's own part of the round, counted as easgd's is
+            params = model.get_flat(params)
         try:
             client.average(params, model.iter, loss)
         except RefusedError as error:
@@ -68,7 +69,8 @@ def train_worker(trainer, client, params):
             raise executor.WorkerError(
                 f"{where}: no average from the driver's exchanger for iteration {model.iter} within "
                 f"{client.timeout:g}s ({error or type(error).__name__})") from None
-        model.set_flat(params)
+        with client.blocking():
+            model.set_flat(params)
         executor.send_history(client, model, asked=True)
     executor.send_history(client, model)  # held for the job's last snapshot
     return loss, {"digest": digest(params)}
