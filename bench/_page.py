@@ -4,190 +4,20 @@
 """
 
 import argparse
-import importlib
-import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGETS = ("0.85", "0.88")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benchmarks that draw their own sections
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benchmarks, each of which draws its own section
 
-
-def load(folder, name):
-    """The records of docs/data/NAME.jsonl (none if it is not there)."""
-    path = os.path.join(folder, f"{name}.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as stream:
-        return [json.loads(line) for line in stream if line.strip()]
-
-
-def cell(value, digits=1, unit=""):
-    if value is None:
-        return "—"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}{unit}"
-    return f"{value:,}{unit}" if isinstance(value, int) else str(value)
-
-
-def table(header, rows):
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def missing(what, command):
-    return f"_Not measured yet: run `{command}` ({what})._"
-
-
-def accuracy_section(records, data, plot):
-    """RQ1/RQ2: the time-to-accuracy table of DeepSpark's runs and the peers', and the plot of all."""
-    runs = [r for r in records if "points" in r or "error" in r]
-    if not runs:
-        return missing("DeepSpark's runs and the peers'", "make bench")
-    rows = []
-    for r in runs:
-        name = r.get("run") + (f" ({r['tests']})" if r.get("tests") == "on the clock" else "")
-        if "error" in r:
-            rows.append([name, "could not run: " + r["error"], *["—"] * 6])
-            continue
-        rows.append([name, *[cell(r.get(f"seconds_to_{t}"), 1, " s") for t in TARGETS],
-                     *[cell(r.get(f"samples_to_{t}")) for t in TARGETS], cell(r.get("accuracy_at_180s"), 4),
-                     cell(r.get("final_accuracy"), 4), cell(r.get("peak_pss_mb"), 0, " MB")])
-    header = ["run", "seconds to 0.85", "seconds to 0.88", "samples to 0.85", "samples to 0.88", "accuracy at 180 s",
-              "final accuracy", "peak PSS"]
-    plotted = draw_accuracy(runs, plot)
-    clocks = sorted({r["clock"] for r in runs if r.get("clock")})
-    return "\n\n".join(filter(None, [
-        table(header, rows),
-        f"![test accuracy against wall-clock seconds]({os.path.basename(plot)})" if plotted else None,
-        f"From `{os.path.relpath(data, ROOT)}/time_to_accuracy.jsonl` (bench/time_to_accuracy.py) and "
-        f"`peers.jsonl` (bench/peers.py). DeepSpark's clock starts at the driver's `Solving` line (Spark's session "
-        "up, shards planned): it holds the workers' start-up and their training"
-        + ("; the peers' clocks, each as its record says:" if clocks else "."),
-        "\n".join(f"- {c}" for c in clocks) or None]))
-
-
-def draw_accuracy(runs, path):
-    """One line per run of test accuracy against seconds; False when nothing can be drawn."""
-    drawn = [r for r in runs if r.get("points")]
-    if not drawn:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(9, 5.5))
-    for r in drawn:
-        seconds, accuracy = zip(*[(s, a) for s, _, a in r["points"]])
-        axes.plot(seconds, accuracy, marker=".", label=r["run"] + (" (tests on the clock)"
-                                                                    if r.get("tests") == "on the clock" else ""))
-    axes.axhline(0.88, color="grey", linewidth=0.6, linestyle="--")
-    axes.set_xlabel("seconds since training started")
-    axes.set_ylabel("test accuracy (10,000 images)")
-    axes.set_ylim(0.6, 0.95)
-    axes.legend(fontsize=7, loc="lower right")
-    axes.set_title("LeNet on Fashion-MNIST, 2 cores")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return True
-
-
-def network_section(records, data):
-    """The emulated commodity network: time per iteration, exchange share, time to 0.88, the planner's error."""
-    runs = [r for r in records if r.get("run")]
-    if not runs:
-        return missing("easgd and sync through bench/_shaper.py", "OPENBLAS_NUM_THREADS=1 python bench/network.py")
-    ceiling = next((r["gbit"] for r in records if r.get("figure") == "proxy ceiling"), None)
-    rows = [[r["model"], r["network"], r["run"], cell(r.get("seconds_per_iteration"), 4, " s"),
-             cell(None if r.get("exchange_share") is None else 100 * r["exchange_share"], 1, "%"),
-             cell(r.get("seconds_to_0.88"), 1, " s") if r["model"] == "lenet" else "—",
-             cell(r.get("projected_seconds_per_iteration"), 4, " s"), cell(r.get("plan_error_percent"), 1, "%"),
-             "yes" if r.get("proxy_bound") else ""] for r in runs]
-    header = ["model", "network", "run", "s / iteration", "exchange share", "seconds to 0.88", "planner: s / iteration",
-              "planner error", "near the proxy's ceiling"]
-    off = [r for r in runs if r.get("plan_error_percent") is not None and abs(r["plan_error_percent"]) > 20]
-    why = "" if not off else (
-        "\n\nWhere the planner is off by more than 20% (" + ", ".join(
-            f"{r['model']} {r['network']} {r['run']}: {r['plan_error_percent']:+.1f}%" for r in off) +
-        "), what it leaves out: here the proxy (a Python thread copying every byte through its token buckets), the "
-        "exchanger (its integrity tags over each vector) and both workers share 2 cores, where the model gives the "
-        "center and each worker a node, and the links their own NICs; a worker's own part of an exchange (reading "
-        "and writing its variables) runs beside its steps on the same core, which the model adds once a cycle.")
-    return (table(header, rows) + f"\n\nFrom `{os.path.relpath(data, ROOT)}/network.jsonl` (bench/network.py); the "
-            f"proxy's own unshaped ceiling here: {cell(ceiling, 2)} Gbit/s. `average` moves its models through Spark, "
-            "not the exchanger: its row is a loopback run with each round's transfers over the link added by the "
-            "model (its record says so)." + why)
-
-
-def plan_section(records, data):
-    """The throughput model against measured runs on this machine."""
-    runs = [r for r in records if "workers" in r]
-    if not runs:
-        return missing("the planner against 1, 2 and 4 workers", "OPENBLAS_NUM_THREADS=1 python bench/plan_check.py")
-    rows = [[str(r["workers"]), str(r["threads_per_worker"]), cell(r["cores_shared_by"], 1),
-             cell(r["projected_images_per_s"], 0), cell(r["measured_images_per_s"], 0), cell(r["error_percent"], 1, "%"),
-             cell(r["projected_exchange_percent"], 2, "%"), cell(r["measured_exchange_percent"], 2, "%")] for r in runs]
-    header = ["workers", "threads each", "oversubscribed by", "projected images/s", "measured images/s", "error",
-              "projected exchange share", "measured exchange share"]
-    costs = {r["threads"]: r for r in records if r.get("figure") == "costs"}
-    why = []
-    for r in runs:
-        if abs(r["error_percent"]) <= 20:
-            continue
-        c = costs.get(r["threads_per_worker"])
-        center = "" if not c else (
-            f" the center's own work, {c['server']:.1f} ms an exchange for each worker's every {r['period']} steps "
-            f"of {c['step']:.1f} ms, is {100 * r['workers'] * c['server'] / (r['period'] * c['step'] * max(1, r['cores_shared_by'])) / 2:.0f}% "
-            "of the 2 cores here, which the model gives a node of its own;")
-        shared = " the model divides the cores by the workers' threads (\"oversubscribed by\"), not counting what two " \
-            "TensorFlow processes time-slicing one core lose to switching and caches;" if r["cores_shared_by"] > 1 else ""
-        why.append(f"- {r['workers']} worker{'s' * (r['workers'] != 1)} ({r['error_percent']:+.1f}%):{center}{shared} "
-                   "the driver's JVM and its watch loop share the cores too, unmodelled.")
-    text = table(header, rows) + f"\n\nFrom `{os.path.relpath(data, ROOT)}/plan_check.jsonl` (bench/plan_check.py): " \
-        "measured images/s are the workers' steady state (their first step, where TensorFlow traces, left out; " \
-        "start-up is the last section's)."
-    if why:
-        text += "\n\nWhere the error is over 20%, what the model leaves out that this machine has:\n\n" + "\n".join(why)
-    return text
-
-
-def divergence_section(records, data):
-    """RQ5: d(α, τ, n), the samples an EASGD run needs to reach a test accuracy over `single`'s, by workers and
-    period, at 0.85 and 0.88 (a run that did not reach it gives a lower bound: its samples over single's)."""
-    single = next((r for r in records if r.get("run") == "single" and r.get("tests") == "off the clock"), None)
-    easgd = [r for r in records if r.get("run", "").startswith("easgd") and r.get("tests") == "off the clock"
-             and r.get("workers") and r.get("points")]
-    if not single or not easgd:
-        return missing("single and easgd at several periods and worker counts", "make bench")
-    periods = sorted({r["period"] for r in easgd})
-    header = ["target", "workers ↓ period →", *[str(p) for p in periods]]
-    rows = []
-    for target in TARGETS:
-        base = single.get(f"samples_to_{target}")
-        if not base:
-            rows.append([target, "—", *[f"single did not reach {target}"] + [""] * (len(periods) - 1)])
-            continue
-        rows.append([target, "1 (single)", *["1.00" if i == 0 else "" for i in range(len(periods))]])
-        for workers in sorted({r["workers"] for r in easgd}):
-            row = [target, str(workers)]
-            for period in periods:
-                run = next((r for r in easgd if r["workers"] == workers and r["period"] == period), None)
-                samples = run and run.get(f"samples_to_{target}")
-                row.append("" if run is None else f"{samples / base:.2f}" if samples else
-                           f"> {run['points'][-1][1] / base:.2f}")
-            rows.append(row)
-    bases = ", ".join(f"{cell(single.get(f'samples_to_{t}'))} to {t}" for t in TARGETS)
-    return "\n\n".join([
-        table(header, rows),
-        f"d = the samples a run needed to reach the target test accuracy / `single`'s ({bases}); \"> x\": not "
-        "reached within its samples (x of single's). The moving rate keeps β = p·α = 0.9 (α = 0.45 and 0.225 for 2 "
-        "and 4 workers); a blank cell was not run. Samples are counted at the snapshots (every ~15,000 samples), so "
-        "d moves in steps of that over single's samples. 4 workers oversubscribe the 2 cores (two a core): the table "
-        f"compares samples, not seconds. From `{os.path.relpath(data, ROOT)}/time_to_accuracy.jsonl`."])
+import backends  # noqa: E402  (bench/backends.py)
+import communication  # noqa: E402  (bench/communication.py)
+import data_integration  # noqa: E402  (bench/data_integration.py)
+import network  # noqa: E402  (bench/network.py)
+import plan_check  # noqa: E402  (bench/plan_check.py)
+import startup as start_up  # noqa: E402  (bench/startup.py)
+import time_to_accuracy  # noqa: E402  (bench/time_to_accuracy.py)
+from _tables import cell, load, missing, table  # noqa: E402  (bench/_tables.py)
 
 
 def _run(records, name, tests="off the clock"):
@@ -323,11 +153,12 @@ def rewrite_readme(block, path=os.path.join(ROOT, "README.md")):
     return True
 
 
-def bench_section(name, records, data, command):
-    """The section bench/NAME.py draws of its own records (its page_section), or what is missing."""
+def section(module, data):
+    """The section bench/MODULE.py draws of the records it wrote into `data` (its page_section), or what is
+    missing."""
+    records = load(data, module.__name__)
     if not records:
-        return missing(f"bench/{name}.py", command)
-    module = importlib.import_module(name)
+        return missing(f"bench/{module.__name__}.py", "make bench")
     return module.page_section(records, data)
 
 
@@ -352,31 +183,30 @@ def main():
     folder = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(folder, exist_ok=True)
     ours, peers = load(args.data, "time_to_accuracy"), load(args.data, "peers")
-    network, startup = load(args.data, "network"), load(args.data, "startup")
-    quick = "make bench"
+    network_records, startup = load(args.data, "network"), load(args.data, "startup")
     sections = [
         "# DeepSpark against its peers, measured here",
         "Every figure below is from a benchmark in `bench/` and the JSON lines it wrote into `docs/data/`, "
         "regenerated by `make bench` (`make bench QUICK=1`: a subset) on a 2-core machine without GPU.",
         timing_line(load(args.data, "timing")),
         "## Targets",
-        targets_section(ours + peers, network, startup),
+        targets_section(ours + peers, network_records, startup),
         "## Time to accuracy (RQ1, RQ2)",
-        accuracy_section(ours + peers, args.data, os.path.join(folder, "time_to_accuracy.png")),
+        time_to_accuracy.page_section(ours + peers, args.data, os.path.join(folder, "time_to_accuracy.png")),
         "## The divergence penalty d(α, τ, n) (RQ5)",
-        divergence_section(ours, args.data),
+        time_to_accuracy.divergence_section(ours, args.data),
         "## Time blocked on the exchange, overlapped and not (RQ3)",
-        bench_section("communication", load(args.data, "communication"), args.data, quick),
+        section(communication, args.data),
         "## A commodity network, emulated (RQ1, RQ3)",
-        network_section(network, args.data),
+        network.page_section(network_records, args.data),
         "## The throughput model against runs here",
-        plan_section(load(args.data, "plan_check"), args.data),
+        section(plan_check, args.data),
         "## The Caffe and TensorFlow backends side by side",
-        bench_section("backends", load(args.data, "backends"), args.data, quick),
+        section(backends, args.data),
         "## Data from a DataFrame, Parquet and LMDB (RQ4)",
-        bench_section("data_integration", load(args.data, "data_integration"), args.data, quick),
+        section(data_integration, args.data),
         "## What the project costs its workers: start-up and memory",
-        bench_section("startup", startup, args.data, quick),
+        section(start_up, args.data),
     ]
     with open(args.out, "w") as stream:
         stream.write("\n\n".join(filter(None, sections)) + "\n")

@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 
 import _results  # noqa: E402  (bench/_results.py)
 import time_to_accuracy as tta  # noqa: E402  (bench/time_to_accuracy.py: the clock, the snapshots, the targets)
-from _page import cell, table  # noqa: E402  (bench/_page.py)
+from _tables import cell, table  # noqa: E402  (bench/_tables.py)
 from network import WORKER  # noqa: E402  (bench/network.py: the workers' summary lines)
 
 BACKENDS = ("caffe", "tensorflow")

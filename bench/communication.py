@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 import _results  # noqa: E402  (bench/_results.py)
 import plan_check  # noqa: E402  (bench/plan_check.py: loopback's bandwidth and latency)
 import time_to_accuracy as tta  # noqa: E402  (bench/time_to_accuracy.py: the LeNet solver)
-from _page import cell, table  # noqa: E402  (bench/_page.py)
+from _tables import cell, table  # noqa: E402  (bench/_tables.py)
 from _wide import wide_job  # noqa: E402  (bench/_wide.py)
 from deepspark import plan  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402

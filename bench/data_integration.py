@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import _results  # noqa: E402  (bench/_results.py)
-from _page import cell, missing, table  # noqa: E402  (bench/_page.py)
+from _tables import cell, missing, table  # noqa: E402  (bench/_tables.py)
 from parquet_vs_lmdb import LMDBS, solver_for  # noqa: E402  (bench/parquet_vs_lmdb.py)
 
 MODEL = os.path.join(ROOT, "models", "lenet")

@@ -22,12 +22,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import _results  # noqa: E402  (bench/_results.py)
+from _tables import cell, missing, table  # noqa: E402  (bench/_tables.py)
 import _shaper  # noqa: E402  (bench/_shaper.py)
 import time_to_accuracy as tta  # noqa: E402  (bench/time_to_accuracy.py: the clock, the snapshots, the tests)
 from _wide import wide_job  # noqa: E402  (bench/_wide.py)
@@ -179,6 +179,34 @@ def main():
                                    round(100 * (model_per_iteration / per_iteration - 1), 1),
                                    "bytes_through_proxy": moved})
                     _results.emit(record, args.out)
+
+
+
+def page_section(records, data):
+    """The emulated commodity network: time per iteration, exchange share, time to 0.88, the planner's error."""
+    runs = [r for r in records if r.get("run")]
+    if not runs:
+        return missing("easgd and sync through bench/_shaper.py", "OPENBLAS_NUM_THREADS=1 python bench/network.py")
+    ceiling = next((r["gbit"] for r in records if r.get("figure") == "proxy ceiling"), None)
+    rows = [[r["model"], r["network"], r["run"], cell(r.get("seconds_per_iteration"), 4, " s"),
+             cell(None if r.get("exchange_share") is None else 100 * r["exchange_share"], 1, "%"),
+             cell(r.get("seconds_to_0.88"), 1, " s") if r["model"] == "lenet" else "—",
+             cell(r.get("projected_seconds_per_iteration"), 4, " s"), cell(r.get("plan_error_percent"), 1, "%"),
+             "yes" if r.get("proxy_bound") else ""] for r in runs]
+    header = ["model", "network", "run", "s / iteration", "exchange share", "seconds to 0.88", "planner: s / iteration",
+              "planner error", "near the proxy's ceiling"]
+    off = [r for r in runs if r.get("plan_error_percent") is not None and abs(r["plan_error_percent"]) > 20]
+    why = "" if not off else (
+        "\n\nWhere the planner is off by more than 20% (" + ", ".join(
+            f"{r['model']} {r['network']} {r['run']}: {r['plan_error_percent']:+.1f}%" for r in off) +
+        "), what it leaves out: here the proxy (a Python thread copying every byte through its token buckets), the "
+        "exchanger (its integrity tags over each vector) and both workers share 2 cores, where the model gives the "
+        "center and each worker a node, and the links their own NICs; a worker's own part of an exchange (reading "
+        "and writing its variables) runs beside its steps on the same core, which the model adds once a cycle.")
+    return (table(header, rows) + f"\n\nFrom `{os.path.relpath(data, ROOT)}/network.jsonl` (bench/network.py); the "
+            f"proxy's own unshaped ceiling here: {cell(ceiling, 2)} Gbit/s. `average` moves its models through Spark, "
+            "not the exchanger: its row is a loopback run with each round's transfers over the link added by the "
+            "model (its record says so)." + why)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import _results  # noqa: E402  (bench/_results.py)
+from _tables import cell, missing, table  # noqa: E402  (bench/_tables.py)
 from deepspark import plan  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
 
@@ -136,6 +137,39 @@ def main():
                            "measured_exchange_percent": round(100 * share, 2)}, args.out)
     _results.emit({"bench": "plan_check", "figure": "largest error", "error_percent": round(100 * max(errors), 1),
                    "target_percent": 20}, args.out)
+
+
+
+def page_section(records, data):
+    """The throughput model against measured runs on this machine."""
+    runs = [r for r in records if "workers" in r]
+    if not runs:
+        return missing("the planner against 1, 2 and 4 workers", "OPENBLAS_NUM_THREADS=1 python bench/plan_check.py")
+    rows = [[str(r["workers"]), str(r["threads_per_worker"]), cell(r["cores_shared_by"], 1),
+             cell(r["projected_images_per_s"], 0), cell(r["measured_images_per_s"], 0), cell(r["error_percent"], 1, "%"),
+             cell(r["projected_exchange_percent"], 2, "%"), cell(r["measured_exchange_percent"], 2, "%")] for r in runs]
+    header = ["workers", "threads each", "oversubscribed by", "projected images/s", "measured images/s", "error",
+              "projected exchange share", "measured exchange share"]
+    costs = {r["threads"]: r for r in records if r.get("figure") == "costs"}
+    why = []
+    for r in runs:
+        if abs(r["error_percent"]) <= 20:
+            continue
+        c = costs.get(r["threads_per_worker"])
+        center = "" if not c else (
+            f" the center's own work, {c['server']:.1f} ms an exchange for each worker's every {r['period']} steps "
+            f"of {c['step']:.1f} ms, is {100 * r['workers'] * c['server'] / (r['period'] * c['step'] * max(1, r['cores_shared_by'])) / 2:.0f}% "
+            "of the 2 cores here, which the model gives a node of its own;")
+        shared = " the model divides the cores by the workers' threads (\"oversubscribed by\"), not counting what two " \
+            "TensorFlow processes time-slicing one core lose to switching and caches;" if r["cores_shared_by"] > 1 else ""
+        why.append(f"- {r['workers']} worker{'s' * (r['workers'] != 1)} ({r['error_percent']:+.1f}%):{center}{shared} "
+                   "the driver's JVM and its watch loop share the cores too, unmodelled.")
+    text = table(header, rows) + f"\n\nFrom `{os.path.relpath(data, ROOT)}/plan_check.jsonl` (bench/plan_check.py): " \
+        "measured images/s are the workers' steady state (their first step, where TensorFlow traces, left out; " \
+        "start-up is the last section's)."
+    if why:
+        text += "\n\nWhere the error is over 20%, what the model leaves out that this machine has:\n\n" + "\n".join(why)
+    return text
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ sys.path.insert(0, ROOT)
 
 import _memory  # noqa: E402  (bench/_memory.py)
 import _results  # noqa: E402  (bench/_results.py)
+from _tables import cell, missing, table  # noqa: E402  (bench/_tables.py)
 from time_to_accuracy import BATCH, command, solver_copy  # noqa: E402  (bench/time_to_accuracy.py: the same runs)
 from deepspark.plot import LINE  # noqa: E402
 
@@ -163,13 +164,10 @@ def page_section(records, data_folder):
     runs = [r for r in records if r.get("bench") == "startup" and r.get("run")]
     source = f"`{os.path.relpath(os.path.join(data_folder, 'startup.jsonl'), ROOT)}` (bench/startup.py)"
     if not runs:
-        return ("_Not measured yet: run `OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/startup.py` "
-                "(start-up and peak memory of single and easgd)._")
+        return missing("start-up and peak memory of single and easgd",
+                       "OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/startup.py")
     parts = list(dict.fromkeys([*max((r["parts"] for r in runs), key=len), *(p for r in runs for p in r["parts"])]))
     roles = [role for role in ROLES if any(r["pss_at_peak_mb"].get(role, 0) >= 1 for r in runs)]
-
-    def cell(value, digits=2, unit=""):
-        return "—" if value is None else f"{value:,.{digits}f}{unit}"
 
     header = ["run", "start-up (from Solving)", *parts, "process start to first step", "images/s", "peak PSS",
               "peak alone", *[f"{role} at the peak (alone)" for role in roles]]
@@ -182,14 +180,12 @@ def page_section(records, data_folder):
                      cell(r["peak_pss_mb"], 0, " MB"), cell(r.get("alone_peak_mb"), 0, " MB"),
                      *[cell((r.get("alone_at_peak_mb") or r["pss_at_peak_mb"]).get(role), 0, " MB")
                        + (f" ({count[role]})" if count.get(role, 1) > 1 else "") for role in roles]])
-    table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                      + ["| " + " | ".join(row) + " |" for row in rows])
     torch_mb, torch_from = torch_peak_mb(data_folder)
     v = verdict(runs, torch_mb)
     said = {True: "met", False: "not met", None: "not measured"}
     alone = v["easgd_alone_peak_mb"]
     line = (f"From {source}. Start-up target, the workers' within {STARTUP_TARGET:g}x the single process's: "
-            f"{said[v['startup_met']]} ({cell(v['startup_ratio'])}x, medians of the runs). Memory target, easgd's peak "
+            f"{said[v['startup_met']]} ({cell(v['startup_ratio'], 2)}x, medians of the runs). Memory target, easgd's peak "
             f"at or under TorchDistributor's PSS ({torch_mb:,} MB, from {torch_from}): {said[v['memory_met']]} "
             + (f"({alone:,.0f} MB alone, {cell(v['easgd_peak_pss_mb'], 0, ' MB')} PSS)" if alone is not None else
                f"({cell(v['easgd_peak_pss_mb'], 0, ' MB')} PSS)")
@@ -197,7 +193,7 @@ def page_section(records, data_folder):
             "run's own processes (what they hold together, whatever else runs: TensorFlow's libraries are shared "
             "with any other TensorFlow process). A part is the slowest worker's; a process count in brackets sums "
             "that many processes.")
-    return table + "\n\n" + line
+    return table(header, rows) + "\n\n" + line
 
 
 def main():

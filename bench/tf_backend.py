@@ -8,7 +8,6 @@ interleaved so machine noise hits both alike. Prints one JSON line per figure.
 """
 
 import argparse
-import os
 import resource
 import statistics
 import time

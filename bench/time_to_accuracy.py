@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 
 import _memory  # noqa: E402  (bench/_memory.py)
 import _results  # noqa: E402  (bench/_results.py)
+from _tables import cell, missing, table  # noqa: E402  (bench/_tables.py)
 from deepspark.plot import LINE  # noqa: E402
 
 SOLVER = os.path.join(ROOT, "models", "lenet", "solver.prototxt")
@@ -33,6 +34,7 @@ NET = os.path.join(ROOT, "models", "lenet", "train_val.prototxt")
 TRAIN_IMAGES, BATCH, WORKERS = 60_000, 64, 2
 MILESTONE_SAMPLES = 15_000
 TARGETS = (0.85, 0.88)
+LABELS = tuple(str(t) for t in TARGETS)  # as the records' keys name them: seconds_to_0.88
 AT_SECONDS = 180
 
 # name: DeepSparkParameter knobs. The moving rate is the zoo's (0.45 for 2 workers: β = p·α = 0.9, the EASGD paper's);
@@ -208,6 +210,99 @@ def main():
         for i, (name, on_clock) in enumerate(plans):
             record = run(name, RUNS[name], epochs, on_clock, os.path.join(scratch, str(i)))
             _results.emit({**record, "epochs": epochs}, args.out)
+
+
+
+# ---- the page's sections (bench/_page.py) ----------------------------------------------------------------
+
+def page_section(records, data, plot):
+    """RQ1/RQ2: the time-to-accuracy table of DeepSpark's runs and the peers', and the plot of all."""
+    runs = [r for r in records if "points" in r or "error" in r]
+    if not runs:
+        return missing("DeepSpark's runs and the peers'", "make bench")
+    rows = []
+    for r in runs:
+        name = r.get("run") + (f" ({r['tests']})" if r.get("tests") == "on the clock" else "")
+        if "error" in r:
+            rows.append([name, "could not run: " + r["error"], *["—"] * 6])
+            continue
+        rows.append([name, *[cell(r.get(f"seconds_to_{t}"), 1, " s") for t in LABELS],
+                     *[cell(r.get(f"samples_to_{t}")) for t in LABELS], cell(r.get("accuracy_at_180s"), 4),
+                     cell(r.get("final_accuracy"), 4), cell(r.get("peak_pss_mb"), 0, " MB")])
+    header = ["run", "seconds to 0.85", "seconds to 0.88", "samples to 0.85", "samples to 0.88", "accuracy at 180 s",
+              "final accuracy", "peak PSS"]
+    plotted = draw_accuracy(runs, plot)
+    clocks = sorted({r["clock"] for r in runs if r.get("clock")})
+    return "\n\n".join(filter(None, [
+        table(header, rows),
+        f"![test accuracy against wall-clock seconds]({os.path.basename(plot)})" if plotted else None,
+        f"From `{os.path.relpath(data, ROOT)}/time_to_accuracy.jsonl` (bench/time_to_accuracy.py) and "
+        f"`peers.jsonl` (bench/peers.py). DeepSpark's clock starts at the driver's `Solving` line (Spark's session "
+        "up, shards planned): it holds the workers' start-up and their training"
+        + ("; the peers' clocks, each as its record says:" if clocks else "."),
+        "\n".join(f"- {c}" for c in clocks) or None]))
+
+
+def draw_accuracy(runs, path):
+    """One line per run of test accuracy against seconds; False when nothing can be drawn."""
+    drawn = [r for r in runs if r.get("points")]
+    if not drawn:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(9, 5.5))
+    for r in drawn:
+        seconds, accuracy = zip(*[(s, a) for s, _, a in r["points"]])
+        axes.plot(seconds, accuracy, marker=".", label=r["run"] + (" (tests on the clock)"
+                                                                    if r.get("tests") == "on the clock" else ""))
+    axes.axhline(0.88, color="grey", linewidth=0.6, linestyle="--")
+    axes.set_xlabel("seconds since training started")
+    axes.set_ylabel("test accuracy (10,000 images)")
+    axes.set_ylim(0.6, 0.95)
+    axes.legend(fontsize=7, loc="lower right")
+    axes.set_title("LeNet on Fashion-MNIST, 2 cores")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def divergence_section(records, data):
+    """RQ5: d(α, τ, n), the samples an EASGD run needs to reach a test accuracy over `single`'s, by workers and
+    period, at 0.85 and 0.88 (a run that did not reach it gives a lower bound: its samples over single's)."""
+    single = next((r for r in records if r.get("run") == "single" and r.get("tests") == "off the clock"), None)
+    easgd = [r for r in records if r.get("run", "").startswith("easgd") and r.get("tests") == "off the clock"
+             and r.get("workers") and r.get("points")]
+    if not single or not easgd:
+        return missing("single and easgd at several periods and worker counts", "make bench")
+    periods = sorted({r["period"] for r in easgd})
+    header = ["target", "workers ↓ period →", *[str(p) for p in periods]]
+    rows = []
+    for target in LABELS:
+        base = single.get(f"samples_to_{target}")
+        if not base:
+            rows.append([target, "—", *[f"single did not reach {target}"] + [""] * (len(periods) - 1)])
+            continue
+        rows.append([target, "1 (single)", *["1.00" if i == 0 else "" for i in range(len(periods))]])
+        for workers in sorted({r["workers"] for r in easgd}):
+            row = [target, str(workers)]
+            for period in periods:
+                run = next((r for r in easgd if r["workers"] == workers and r["period"] == period), None)
+                samples = run and run.get(f"samples_to_{target}")
+                row.append("" if run is None else f"{samples / base:.2f}" if samples else
+                           f"> {run['points'][-1][1] / base:.2f}")
+            rows.append(row)
+    bases = ", ".join(f"{cell(single.get(f'samples_to_{t}'))} to {t}" for t in LABELS)
+    return "\n\n".join([
+        table(header, rows),
+        f"d = the samples a run needed to reach the target test accuracy / `single`'s ({bases}); \"> x\": not "
+        "reached within its samples (x of single's). The moving rate keeps β = p·α = 0.9 (α = 0.45 and 0.225 for 2 "
+        "and 4 workers); a blank cell was not run. Samples are counted at the snapshots (every ~15,000 samples), so "
+        "d moves in steps of that over single's samples. 4 workers oversubscribe the 2 cores (two a core): the table "
+        f"compares samples, not seconds. From `{os.path.relpath(data, ROOT)}/time_to_accuracy.jsonl`."])
 
 
 if __name__ == "__main__":
