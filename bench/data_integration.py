@@ -58,8 +58,7 @@ def solver(path, iterations, folder):
     assert batch == BATCH, f"{path}'s train batch is {batch}, not {BATCH}"
     p = loaded.param
     p.test_interval, p.snapshot, p.snapshot_after_train = 0, 0, False
-    # test_interval 0 alone leaves the job's final test (10,000 images on the driver after the workers end);
-    # no test_iter, no test net.
+    # No test_interval, no test (Caffe's rule); no test_iter, no test net built either.
     del p.test_iter[:]
     return override(loaded, iterations=iterations, output=folder, workers=WORKERS, algorithm="easgd")
 

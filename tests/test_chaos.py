@@ -35,7 +35,7 @@ def unharmed_and_harmed(tmp_path, seed, algorithm):
     solvers = []
     for name in ("unharmed", "harmed"):
         (tmp_path / name).mkdir()
-        solvers.append(make_job(tmp_path / name, max_iter=MAX_ITER[algorithm], test_interval=0))
+        solvers.append(make_job(tmp_path / name, max_iter=MAX_ITER[algorithm], test_interval=MAX_ITER[algorithm]))
     # Four attempts of a task (local[2,4]): three kills of the same EASGD worker take three. A sync kill fails
     # the barrier stage's attempt instead, and Spark's spark.stage.maxConsecutiveAttempts (4 by default)
     # allows three reruns: a fourth kill fails the job whatever max_failures says.
@@ -132,7 +132,7 @@ def test_a_spark_worker_jvm_killed_for_good_never_hangs_the_job(tmp_path):
         # Two workers, one per Spark Worker (1 core each); one Worker JVM is killed for good: its executor
         # and Python worker go with it, and the lost shard runs on the other executor once its slot frees.
         (tmp_path / "two").mkdir()
-        solver = make_job(tmp_path / "two", max_iter=CLUSTER_MAX_ITER, test_interval=0,
+        solver = make_job(tmp_path / "two", max_iter=CLUSTER_MAX_ITER, test_interval=CLUSTER_MAX_ITER,
                           connect_timeout=CLUSTER_CONNECT_TIMEOUT)
         status, log, kill, _ = lose_a_spark_worker(solver, cluster_dir, 1, CLUSTER_MAX_ITER, "--workers", "2",
                                                    "--master", master)
@@ -153,7 +153,7 @@ def test_a_spark_worker_jvm_killed_for_good_never_hangs_the_job(tmp_path):
         # One worker on the last Spark Worker, which is killed for good too: its shard has nowhere to go. The
         # job fails with one line naming what was lost, connect_timeout after no worker trains; never hangs.
         (tmp_path / "one").mkdir()
-        solver = make_job(tmp_path / "one", max_iter=CLUSTER_MAX_ITER, test_interval=0,
+        solver = make_job(tmp_path / "one", max_iter=CLUSTER_MAX_ITER, test_interval=CLUSTER_MAX_ITER,
                           connect_timeout=CLUSTER_CONNECT_TIMEOUT)
         status, log, kill, seconds = lose_a_spark_worker(solver, cluster_dir, 2, CLUSTER_MAX_ITER, "--workers", "1",
                                                          "--master", master)

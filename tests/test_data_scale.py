@@ -47,7 +47,7 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 '''
 SOLVER = '''net: "%s"
 test_iter: 5
-test_interval: 0
+test_interval: 20
 base_lr: 0.05
 momentum: 0.9
 lr_policy: "fixed"

@@ -139,7 +139,7 @@ def display_losses(text):
 
 
 def test_killed_driver_resumes_from_its_snapshot_with_every_workers_momentum(tmp_path):
-    solver = make_job(tmp_path, max_iter=600, test_interval=0, snapshot=100)
+    solver = make_job(tmp_path, max_iter=600, test_interval=600, snapshot=100)
     driver = start_training(solver, "--workers", "2")
     try:
         lines = read_until(driver, r"Snapshotting solver state to binary proto file \S+tiny_iter_\d+\.solverstate")

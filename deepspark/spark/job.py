@@ -490,7 +490,7 @@ class Job:
                 if self.ds.exchange_address:
                     self.log.info(f"Workers connect to the exchanger through {self.ds.exchange_address}")
             # The test nets load TensorFlow into the driver and hold it all job long (~300 MB of its memory,
-            # bench/startup.py): a job that tests only after training (no test_interval) builds them then.
+            # bench/startup.py): a job without test_interval never tests, and never builds them.
             stack.callback(self.close_test_nets)
             if self.param.test_interval:
                 self.test_nets()
@@ -805,7 +805,9 @@ class Job:
             self.snapshot(final)
         weights = checkpoint.snapshot_paths(p.snapshot_prefix, final)[0] if self.snapshotted == final else None
         values = self.last_test_values
-        if self.solver.test_nets and self.tested != final:
+        # Caffe's Solver::Solve: the last iteration is tested when it is a test_interval multiple (no
+        # test_interval, no test), as Trainer.solve does.
+        if self.solver.test_nets and p.test_interval and final % p.test_interval == 0 and self.tested != final:
             values = self.test(final)
         log.info("Optimization Done.")
         plot_path = os.path.join(self.output, "progress.png")
