@@ -40,6 +40,9 @@ class ExchangeServer:
     idle_timeout  seconds an authenticated worker may stay silent before it is dropped (set it
                   above the longest expected period; a dropped worker rejoins from x̃)
     handshake_timeout  seconds a new connection has to complete the handshake
+    max_handshakes  connections in their handshake at once; one more is closed as it is accepted,
+                  unanswered (and noted in `refused`), so that strangers that connect and stay silent
+                  hold at most this many threads, each for handshake_timeout
     integrity     tag every frame after the handshake and refuse one whose tag fails (the
                   center untouched); the workers' clients must say the same
     history_sets  the workers' solver history is this many model-sized vectors (Caffe's SolverState
@@ -51,8 +54,8 @@ class ExchangeServer:
     """
 
     def __init__(self, center, secret, handler, host="127.0.0.1", port=0, *, shapes=None,
-                 resume_iteration=0, idle_timeout=3600.0, handshake_timeout=10.0, integrity=True,
-                 history_sets=0, histories=None):
+                 resume_iteration=0, idle_timeout=3600.0, handshake_timeout=10.0, max_handshakes=64,
+                 integrity=True, history_sets=0, histories=None):
         center = np.asarray(center)
         if not np.issubdtype(center.dtype, np.floating) or center.size == 0:
             raise ValueError("center must be a non-empty float array")
@@ -68,6 +71,8 @@ class ExchangeServer:
         self.resume_iteration = int(resume_iteration)
         self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
+        self.max_handshakes = int(max_handshakes)
+        self._handshaking = 0  # connections accepted and not yet through their handshake (under _books)
         self.integrity = bool(integrity)  # tag every frame after the handshake (transport.Connection.seal)
         self._history_floats = int(history_sets) * self._center.size
         self._histories = {}  # worker id -> Held
@@ -214,6 +219,7 @@ class ExchangeServer:
     # ---- connections --------------------------------------------------------
 
     def _accept_loop(self):
+        turning_away = False  # the last connection was closed unanswered (max_handshakes were in progress)
         while not self._stopping.is_set():
             try:
                 sock, peer = self._listener.accept()
@@ -221,19 +227,33 @@ class ExchangeServer:
                 continue
             except OSError:
                 break
-            tune(sock)
-            t = threading.Thread(target=self._serve, args=(sock, peer),
-                                 name="exchange-%s:%d" % peer[:2], daemon=True)
             with self._books:
-                self._conns.add((sock, t))
-            t.start()
+                full = self._handshaking >= self.max_handshakes
+                if not full:
+                    self._handshaking += 1
+                    t = threading.Thread(target=self._serve, args=(sock, peer),
+                                         name="exchange-%s:%d" % peer[:2], daemon=True)
+                    self._conns.add((sock, t))
+            if full:
+                sock.close()
+                reason = "%d connections were in their handshake: closed unanswered" % self.max_handshakes
+                if not turning_away:  # once while full, not once a connection: a flood would flood the log
+                    log.warning("refused %s:%d and any more until a handshake ends: %s", peer[0], peer[1], reason)
+                self._note_refused("%s:%d" % peer[:2], reason)
+            else:
+                tune(sock)
+                t.start()
+            turning_away = full
 
     def _serve(self, sock, peer):
         conn = Connection(sock, "%s:%d" % peer[:2])
         entry = (sock, threading.current_thread())
+        handshaking = True
         try:
             sock.settimeout(self.handshake_timeout)
             self._handshake(conn)
+            self._handshake_over()
+            handshaking = False
             sock.settimeout(self.idle_timeout)
             conn.allocate(self._center.size, self.handler.scratch)
             self._loop(conn)
@@ -249,6 +269,8 @@ class ExchangeServer:
                 log.info("worker %s (%s) disconnected: %s", conn.worker_id, conn.peer, e)
         finally:
             sock.close()
+            if handshaking:
+                self._handshake_over()
             wid = conn.worker_id
             with self._books:
                 self._conns.discard(entry)
@@ -291,13 +313,20 @@ class ExchangeServer:
                   tag_after=True)
         self.record(conn.worker_id, restored_history=held.iteration)
 
+    def _handshake_over(self):
+        with self._books:
+            self._handshaking -= 1
+
+    def _note_refused(self, peer, reason):
+        with self._books:
+            self.refused.append((peer, reason))
+            del self.refused[:-100]
+
     def _refuse(self, conn, code, reason):
         wid = conn.worker_id
         who = "worker %d (%s)" % (wid, conn.peer) if wid is not None else conn.peer
         log.warning("refused %s: %s: %s", who, P.ERROR_NAMES[code], reason)
-        with self._books:
-            self.refused.append((conn.peer, reason))
-            del self.refused[:-100]
+        self._note_refused(conn.peer, reason)
         try:
             conn.sock.settimeout(1.0)
             conn.send_frame_bytes(P.encode_error(code, reason, wid or 0))
