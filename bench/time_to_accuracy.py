@@ -240,7 +240,13 @@ def page_section(records, data, plot):
         f"`peers.jsonl` (bench/peers.py). DeepSpark's clock starts at the driver's `Solving` line (Spark's session "
         "up, shards planned): it holds the workers' start-up and their training"
         + ("; the peers' clocks, each as its record says:" if clocks else "."),
-        "\n".join(f"- {c}" for c in clocks) or None]))
+        "\n".join(f"- {c}" for c in clocks) or None,
+        "Samples to an accuracy compare the readings of the data as well as the algorithms: DeepSpark reads its "
+        "LMDB in order, as Caffe's Data layer does (each worker its contiguous shard), where the peers reshuffle the "
+        "training set every epoch (Keras's `fit(shuffle=True)`, the PyTorch loop's permutation, DistributedSampler); "
+        "and `easgd` and `sync` take a batch of 64 on each worker, twice single's samples a step at single's "
+        "learning rate, where TorchDistributor splits one batch of 64 between its two processes."
+        if clocks else None]))
 
 
 def draw_accuracy(runs, path):
