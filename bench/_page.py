@@ -66,9 +66,11 @@ def targets(accuracy, network, startup):
         e, others = _seconds(easgd_1g), [_seconds(sync_1g), _seconds(average_1g)]
         met = e is not None and all(o is None or e < o for o in others)
         first = min(((s, n) for s, n in zip(others, ("sync", "average")) if s is not None), default=None)
+        at_85 = "; to 0.85: " + ", ".join(f"{n} {cell(r and r.get('seconds_to_0.85'), 1, ' s')}" for n, r in (
+            ("easgd", easgd_1g), ("sync", sync_1g), ("average", average_1g)))  # the lower target, when 0.88 is not
         rows.append(("emulated 1 Gbit/s: easgd (period 10) reaches 0.88 before sync and average",
                      f"easgd {_reach(easgd_1g)}; sync {_reach(sync_1g)}; average {_reach(average_1g)}", met,
-                     "easgd did not reach 0.88 within its run" if e is None else
+                     "easgd did not reach 0.88 within its run" + at_85 if e is None else
                      f"{first[1]} reached it first" if first and not met else ""))
     single, easgd = _run(accuracy, "single"), _run(accuracy, "easgd period 10")
     elephas = [r for r in accuracy if r.get("run", "").startswith("elephas") and "error" not in r]
