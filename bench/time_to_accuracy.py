@@ -246,7 +246,23 @@ def page_section(records, data, plot):
         "training set every epoch (Keras's `fit(shuffle=True)`, the PyTorch loop's permutation, DistributedSampler); "
         "and `easgd` and `sync` take a batch of 64 on each worker, twice single's samples a step at single's "
         "learning rate, where TorchDistributor splits one batch of 64 between its two processes."
-        if clocks else None]))
+        if clocks else None,
+        noise_line(runs)]))
+
+
+def noise_line(runs):
+    """How long the runs were, and how far one run's test accuracy fell between two of its snapshots: a time to a
+    target is the first snapshot at or above it, and the curves are not monotone."""
+    epochs = sorted({round(r["epochs"], 1) for r in runs if r.get("epochs")})
+    converged = [r for r in runs if len(r.get("points") or []) > 1 and r["points"][-1][2] >= TARGETS[0]]
+    falls = [(max(a - b for (_, _, a), (_, _, b) in zip(r["points"], r["points"][1:])), r["run"]) for r in converged]
+    said = f"Runs train {' or '.join(f'{e:g}' for e in epochs)} epochs of samples." if epochs else None
+    fall, run = max(falls, default=(0.0, None))
+    if fall <= 0:
+        return said
+    return ((said + " " if said else "") + f"Test accuracy is not monotone: among the runs that end above {TARGETS[0]}, one ({run}) fell by "
+            f"{100 * fall:.1f} points between two snapshots; a time to a target is the first snapshot at or above it, "
+            "and a run can end below a target it reached.")
 
 
 def draw_accuracy(runs, path):

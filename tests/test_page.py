@@ -58,3 +58,14 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
     assert "| single | 30.0 s | 45,000 | 20.0 s | 650 MB |" in written
     assert "old" not in written and written.endswith("<!-- compare:end -->\n\nrest\n")
     assert "easgd 4 workers" not in written  # the README shows the runs of the comparison, not RQ5's
+
+
+def test_the_accuracy_section_names_the_largest_fall_of_a_run_that_ends_above_the_first_target():
+    noise_line = page.time_to_accuracy.noise_line
+    runs = [run("a", [[1.0, 1, 0.86], [2.0, 2, 0.85], [3.0, 3, 0.87]], 1, epochs=2.5),
+            run("b", [[1.0, 1, 0.90], [2.0, 2, 0.70]], 1, epochs=3)]  # ends below 0.85: a run that diverged
+    assert noise_line(runs) == (
+        "Runs train 2.5 or 3 epochs of samples. Test accuracy is not monotone: among the runs that end above 0.85, "
+        "one (a) fell by 1.0 points between two snapshots; a time to a target is the first snapshot at or above it, "
+        "and a run can end below a target it reached.")
+    assert noise_line([run("c", [[1.0, 1, 0.80], [2.0, 2, 0.90]], 1, epochs=2.5)]) == "Runs train 2.5 epochs of samples."
