@@ -113,8 +113,11 @@ def projected(costs, gbit, knobs):
     """What the throughput model says of this run: seconds per iteration of a worker and its exchange share."""
     ds = pb.DeepSparkParameter(algorithm=pb.DeepSparkParameter.Algorithm.Value(knobs["algorithm"].upper()),
                                period=knobs.get("period", 10))
-    p = plan.project(costs, plan.Network.of(gbit, LATENCY_MS), ds, 2)
-    return p.cycle / (ds.period if ds.algorithm == pb.DeepSparkParameter.EASGD else 1), p.exchange_share
+    workers = 2
+    p = plan.project(costs, plan.Network.of(gbit, LATENCY_MS), ds, workers)
+    # A worker steps one batch an iteration: whatever a cycle holds (period steps for easgd and average, one for
+    # sync), its seconds per iteration are the workers' batches over the projected images/s.
+    return workers * costs.batch / p.images_per_second, p.exchange_share
 
 
 def main():
