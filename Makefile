@@ -64,17 +64,19 @@ peers-env:
 	@bash tools/peers-env.sh
 
 # The benchmarks behind docs/results.md (#14), each writing docs/data/NAME.jsonl afresh, then the page from them
-# (and the README's comparison); docs/data/timing.jsonl says how long each took. One BLAS thread, so that numpy's
-# own threads do not blur the figures. QUICK=1: each bench's --quick subset.
+# (and the README's comparison); docs/data/timing.jsonl says how long each took (timing_quick.jsonl for QUICK=1,
+# so that the page can say both). One BLAS thread, so that numpy's own threads do not blur the figures. QUICK=1:
+# each bench's --quick subset.
 PAGE_BENCHES := startup plan_check communication time_to_accuracy peers network backends data_integration
 QUICK ?=
+TIMING = docs/data/timing$(if $(QUICK),_quick).jsonl
 bench: setup peers-env
 	@mkdir -p docs/data
-	@rm -f docs/data/timing.jsonl
+	@rm -f $(TIMING)
 	@for b in $(PAGE_BENCHES); do echo "== bench/$$b.py"; rm -f docs/data/$$b.jsonl; began=$$(date +%s); \
 	    OPENBLAS_NUM_THREADS=1 $(BIN)/python bench/$$b.py $(if $(QUICK),--quick) --out docs/data/$$b.jsonl || exit 1; \
 	    echo "{\"bench\": \"$$b\", \"seconds\": $$(( $$(date +%s) - began )), \"quick\": $(if $(QUICK),true,false)}" \
-	        >> docs/data/timing.jsonl; done
+	        >> $(TIMING); done
 	@$(BIN)/python bench/_page.py
 
 # Every benchmark in bench/ (the README's "Measured here" figures; some take long: data_scale writes GBs), JSON
