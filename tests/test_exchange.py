@@ -392,6 +392,7 @@ def test_strangers_that_stay_silent_hold_at_most_max_handshakes_connections():
                 with raw(srv) as turned_away:
                     assert turned_away.recv(1) == b""  # closed at once, unanswered (a timeout would raise)
             assert srv.open_connections == 2 and threading.active_count() == threads + 2
+            wait_for(lambda: len(srv.refused) == 3)
             assert [why for _, why in srv.refused] == ["2 connections were in their handshake: closed unanswered"] * 3
             # A worker turned away retries (ExchangeClient.connect's backoff) and gets in once a slot frees.
             client = ExchangeClient(srv.address, SECRET, 1, shapes=SHAPES, timeout=10.0, retries=100, max_backoff=0.2)

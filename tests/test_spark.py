@@ -170,14 +170,16 @@ def test_killed_driver_resumes_from_its_snapshot_with_every_workers_momentum(tmp
     assert os.path.exists(tmp_path / "out" / "tiny_iter_600.caffemodel")
     assert final_accuracy(log) >= 0.9
     # The resumed run's loss at its first display does not jump above the interrupted run's own noise there
-    # (the range its displays took from the one before the snapshot to the kill, widened by that range), as a
-    # resume that lost the workers' state would. One-sided: this tiny job's loss is ~1e-4 and still falling,
-    # and the driver displays once per look (0.5 s, ~250 iterations here), so below the range is not a jump.
+    # (the range its displays took from the one before the snapshot to the kill, widened by that range or by half
+    # its top, whichever is more: with one or two displays in it the range is no measure of a loss that moves by
+    # a few percent from batch to batch), as a resume that lost the workers' state would.
+    # One-sided: this tiny job's loss is ~1e-4 and still falling, and the driver displays once per look (0.5 s,
+    # ~250 iterations here), so below the range is not a jump.
     before, after = display_losses("".join(lines)), display_losses(log)
     first = min(i for i in after if i > snapshot_iter)
     window = [loss for i, loss in sorted(before.items()) if i >= snapshot_iter - 20]
     low, high = min(window), max(window)
-    assert after[first] <= high + (high - low), (first, after[first], sorted(before.items()))
+    assert after[first] <= high + max(high - low, high / 2), (first, after[first], sorted(before.items()))
 
 
 @pytest.fixture(scope="module")

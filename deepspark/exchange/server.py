@@ -235,11 +235,11 @@ class ExchangeServer:
                                          name="exchange-%s:%d" % peer[:2], daemon=True)
                     self._conns.add((sock, t))
             if full:
-                sock.close()
                 reason = "%d connections were in their handshake: closed unanswered" % self.max_handshakes
                 if not turning_away:  # once while full, not once a connection: a flood would flood the log
                     log.warning("refused %s:%d and any more until a handshake ends: %s", peer[0], peer[1], reason)
-                self._note_refused("%s:%d" % peer[:2], reason)
+                self._note_refused("%s:%d" % peer[:2], reason)  # noted before the peer sees the close
+                sock.close()
             else:
                 tune(sock)
                 t.start()
