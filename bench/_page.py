@@ -5,7 +5,6 @@
 
 import argparse
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,9 +114,8 @@ def targets(accuracy, network, startup):
                      if where and where.get("pss_at_peak_mb") else "the last section says where it goes"))
     start = next((r for r in startup if r.get("figure") == "targets"), None)
     if start:
-        launched = {name: statistics.median(values) for name in ("single", "easgd") if (values := [
-            r["to_first_step_seconds"] for r in startup if r.get("run") == name and r.get("to_first_step_seconds")])}
-        whole = launched.get("easgd", 0) / launched["single"] if launched.get("single") else None
+        launched = {name: start_up.median(startup, name, "to_first_step_seconds") for name in ("single", "easgd")}
+        whole = launched["easgd"] / launched["single"] if launched["single"] and launched["easgd"] else None
         rows.append(("worker start-up within 2x the single process's",
                      f"from Solving to the first step {cell(start.get('easgd_startup_seconds'), 1, ' s')} against "
                      f"{cell(start.get('single_startup_seconds'), 1, ' s')}: {cell(start.get('startup_ratio'), 2, 'x')}"

@@ -141,15 +141,17 @@ def torch_peak_mb(folder):
     return TORCH_PEAK_MB, "bench/startup.py's TORCH_PEAK_MB"
 
 
+def median(records, run, key):
+    """The median of `key` over the records of run `run` that have it; None if none has."""
+    values = [r[key] for r in records if r.get("run") == run and r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
 def verdict(records, torch_mb):
     """The targets against the runs' medians: {startup_ratio, startup_met, peak_pss_mb, memory_met, ...}."""
-    def median(run, key):
-        values = [r[key] for r in records if r.get("run") == run and r.get(key) is not None]
-        return statistics.median(values) if values else None
-
-    single, easgd = median("single", "startup_seconds"), median("easgd", "startup_seconds")
+    single, easgd = median(records, "single", "startup_seconds"), median(records, "easgd", "startup_seconds")
     ratio = easgd / single if single and easgd is not None else None
-    pss, alone = median("easgd", "peak_pss_mb"), median("easgd", "alone_peak_mb")
+    pss, alone = median(records, "easgd", "peak_pss_mb"), median(records, "easgd", "alone_peak_mb")
     peak = alone if alone is not None else pss  # the larger, and the one other processes on the machine do not lower
     return {"bench": "startup", "figure": "targets", "single_startup_seconds": single, "easgd_startup_seconds": easgd,
             "startup_ratio": None if ratio is None else round(ratio, 2), "startup_target": STARTUP_TARGET,

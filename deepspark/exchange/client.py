@@ -258,14 +258,11 @@ class ExchangeClient:
         Returns "applied", or "reset" when `params` were replaced by the center.
         """
         params = _check_params(params)
-        t0 = time.perf_counter()
-        if self._pending:
-            self.wait(params)
-        self._ensure(params.size)
-        try:
+        with self.blocking():
+            if self._pending:
+                self.wait(params)
+            self._ensure(params.size)
             return self._round_trip(params, params, iteration, loss)
-        finally:
-            self.blocked_seconds += time.perf_counter() - t0
 
     def average(self, params, iteration=0, loss=math.nan):
         """One synchronous round with a server whose handler is RoundsHandler(N), in place on `params`:
@@ -276,9 +273,8 @@ class ExchangeClient:
         silent server (socket.timeout after `timeout` seconds) ends the worker.
         """
         params = _check_params(params)
-        t0 = time.perf_counter()
-        self._ensure(params.size)
-        try:
+        with self.blocking():
+            self._ensure(params.size)
             self._conn.send(P.AVERAGE, byte_view(params), iteration, loss)
             h = self._read_header(4 * params.size)
             if h.type != P.CENTER:
@@ -287,8 +283,6 @@ class ExchangeClient:
             self.server_iteration = h.iteration
             self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
             self.exchanges += 1
-        finally:
-            self.blocked_seconds += time.perf_counter() - t0
 
     def pull(self, out=None):
         """A copy of the center x̃ (a rejoining worker starts from it)."""
@@ -382,21 +376,20 @@ class ExchangeClient:
         to the current params). A previous exchange still in flight is waited for first.
         """
         params = _check_params(params)
-        t0 = time.perf_counter()
-        if self._pending:
-            self._wait_apply(params)
-        self._ensure(params.size)
-        np.copyto(self._conn.buf, params)  # the snapshot; d later arrives in the same buffer
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._background, daemon=True,
-                                                name="exchange-worker-%d" % self.worker_id)
-                self._thread.start()
-            self._job = (iteration, loss)
-            self._pending = True
-            self._result = None
-            self._cond.notify_all()
-        self.blocked_seconds += time.perf_counter() - t0
+        with self.blocking():
+            if self._pending:
+                self._wait_apply(params)
+            self._ensure(params.size)
+            np.copyto(self._conn.buf, params)  # the snapshot; d later arrives in the same buffer
+            with self._cond:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._background, daemon=True,
+                                                    name="exchange-worker-%d" % self.worker_id)
+                    self._thread.start()
+                self._job = (iteration, loss)
+                self._pending = True
+                self._result = None
+                self._cond.notify_all()
 
     def poll(self, params):
         """Apply the in-flight exchange's result to `params` if it has arrived; True when applied."""
@@ -422,9 +415,8 @@ class ExchangeClient:
 
     def _blocked(self, apply, params):
         """apply(params), its time counted as blocked on the exchange; True."""
-        t0 = time.perf_counter()
-        apply(_check_params(params))
-        self.blocked_seconds += time.perf_counter() - t0
+        with self.blocking():
+            apply(_check_params(params))
         return True
 
     def _wait_apply(self, params):
