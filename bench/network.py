@@ -7,10 +7,12 @@ Two models: models/lenet on Fashion-MNIST (real data; 431,080 parameters), and "
 GoogLeNet's parameter count (6,998,552: inner products on 32x32 synthetic images) whose step is cheap beside its
 exchange. The jobs are `deepspark train` with 2 workers on local[2]; the exchanger listens on a fixed port and the
 workers are told the proxy's (--exchange-port, --exchange-address), so every byte of the exchange crosses the
-emulated links: each worker's own and the driver's, shared (bench/_shaper.py). LeNet runs (at 1 Gbit/s: LENET_NETWORKS
-says why) stop after --seconds or --epochs, snapshot every ~15,000 samples and are tested afterwards (bench/time_to_accuracy.py's way);
-wide runs train the iterations the planner projects for WIDE_SECONDS (WIDE_FLOOR to 200). The proxy's own ceiling (unshaped) is measured first: a setting near it
-is bounded by the proxy, not the emulated link, and the record says so.
+emulated links: each worker's own and the driver's, shared (bench/_shaper.py). LeNet runs to accuracy at 1 Gbit/s
+(LENET_NETWORKS says why): they stop after --seconds or --epochs, snapshot every ~15,000 samples and are tested
+afterwards (bench/time_to_accuracy.py's way). Every other run measures time per iteration: it trains the iterations
+the planner projects for PER_ITERATION_SECONDS (ITERATIONS_FLOOR to ITERATIONS_CAP). The proxy's own ceiling
+(unshaped) is measured first: a setting near it is bounded by the proxy, not the emulated link, and the record says
+so.
 """
 
 import argparse
@@ -35,9 +37,10 @@ from deepspark import plan  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
 
 NETWORKS = {"10G": 10.0, "1G": 1.0, "100M": 0.1}  # Gbit/s
-# LeNet's runs train to accuracy, a minute or more each: at 1 Gbit/s, the commodity link of the targets. At 10 Gbit/s
-# its 1.7 MB exchange (1.4 ms) is lost in a 160 ms cycle and the loopback runs of time_to_accuracy stand for it; at
-# 100 Mbit/s sync's 280 ms per iteration would not reach 0.88 in any cap the whole page can afford.
+# LeNet trains to accuracy, a minute or more a run, at 1 Gbit/s, the commodity link of the targets; at 10 Gbit/s and
+# 100 Mbit/s it runs per iteration only. At 10 Gbit/s its 1.7 MB exchange (1.4 ms) is lost in a 160 ms cycle and the
+# loopback runs of time_to_accuracy stand for it; at 100 Mbit/s sync's 280 ms per iteration would not reach 0.88 in
+# any cap the whole page can afford.
 LENET_NETWORKS = ("1G",)
 LATENCY_MS = 0.1  # one way, a LAN's
 RUNS = {"easgd period 1": {"algorithm": "easgd", "period": 1}, "easgd period 10": {"algorithm": "easgd", "period": 10},
@@ -48,8 +51,9 @@ RUNS = {"easgd period 1": {"algorithm": "easgd", "period": 1}, "easgd period 10"
 MODELLED = {"average period 10": {"algorithm": "average", "period": 10}}
 WORKER = re.compile(r"Worker (\d+) on .*?: (\d+) iterations, (\d+) exchanges, .*? trained ([\d.]+)s, blocked on exchange "
                     r"([\d.]+)s")
-WIDE_SECONDS, WIDE_FLOOR = 8, 5  # a wide run's length as the planner projects it: iterations = WIDE_SECONDS / its
-# s per iteration, at least WIDE_FLOOR (sync at 100 Mbit/s: 9 s an iteration)
+# A per-iteration run's length as the planner projects it: iterations = PER_ITERATION_SECONDS / its s per iteration,
+# at least ITERATIONS_FLOOR (the wide net's sync at 100 Mbit/s: 9 s an iteration), at most ITERATIONS_CAP.
+PER_ITERATION_SECONDS, ITERATIONS_FLOOR, ITERATIONS_CAP = 8, 5, 300
 
 
 def free_port():
@@ -139,11 +143,10 @@ def main():
                 continue
             net, source, param, shape = plan.training_net(solver)
             costs = plan.measure(net, source, param, pb.PlanParameter(cores=1), shape)
-            networks = {k: v for k, v in NETWORKS.items()
-                        if (model != "lenet" or k in LENET_NETWORKS) and not (args.quick and k != "1G")}
-            runs = {**RUNS, **(MODELLED if model == "lenet" else {})}
+            networks = {k: v for k, v in NETWORKS.items() if not (args.quick and k != "1G")}
             for network, gbit in networks.items():
-                for name, knobs in runs.items():
+                to_accuracy = model == "lenet" and network in LENET_NETWORKS
+                for name, knobs in {**RUNS, **(MODELLED if to_accuracy else {})}.items():
                     if args.quick and name not in quick_runs:
                         continue
                     folder = os.path.join(scratch, f"{model}-{network}-{name.replace(' ', '-')}")
@@ -153,7 +156,7 @@ def main():
                               "proxy_bound": not modelled and gbit * 1e9 / 8 > 0.5 * ceiling,
                               **({"emulated": "on loopback, each round's transfers over the link added by the "
                                               "model (plan.average_transfers)"} if modelled else {})}
-                    if model == "lenet":
+                    if to_accuracy:
                         per = tta.samples_per_iteration(knobs)
                         every = max(1, round(tta.MILESTONE_SAMPLES / per))
                         err, moved = train(tta.solver_copy(folder, every, False), knobs, None if modelled else gbit,
@@ -165,11 +168,13 @@ def main():
                         record.update({k: v for k, v in tta.figures(name, points, 0, 0, False).items()
                                        if k.startswith(("seconds_to", "samples_to", "final", "points"))})
                     model_per_iteration, model_share = projected(costs, gbit, knobs)
-                    if model != "lenet":
-                        iterations = int(min(200, max(WIDE_FLOOR, WIDE_SECONDS / model_per_iteration)))
-                        err, moved = train(solver, knobs, gbit, folder, iterations)
+                    if not to_accuracy:
+                        iterations = int(min(ITERATIONS_CAP, max(ITERATIONS_FLOOR,
+                                                                 PER_ITERATION_SECONDS / model_per_iteration)))
+                        err, moved = train(tta.solver_copy(folder, iterations, False, solver) if model == "lenet"
+                                           else solver, knobs, gbit, folder, iterations)
                     per_iteration, share = worker_figures(err)
-                    if per_iteration is None and model == "lenet":  # stopped at its cap: from the displays
+                    if per_iteration is None and to_accuracy:  # stopped at its cap: from the displays
                         per_iteration = display_seconds_per_iteration(lines)
                     if modelled and per_iteration:  # the link's share of each round, as with_transfers adds it
                         extra = plan.average_transfers(costs, plan.Network.of(gbit, LATENCY_MS), 2) / knobs["period"]
@@ -193,7 +198,7 @@ def page_section(records, data):
     ceiling = next((r["gbit"] for r in records if r.get("figure") == "proxy ceiling"), None)
     rows = [[r["model"], r["network"], r["run"], cell(r.get("seconds_per_iteration"), 4, " s"),
              cell(None if r.get("exchange_share") is None else 100 * r["exchange_share"], 1, "%"),
-             cell(r.get("seconds_to_0.88"), 1, " s") if r["model"] == "lenet" else "—",
+             cell(r.get("seconds_to_0.88"), 1, " s") if "points" in r else "per iteration only",
              cell(r.get("projected_seconds_per_iteration"), 4, " s"), cell(r.get("plan_error_percent"), 1, "%"),
              "yes" if r.get("proxy_bound") else ""] for r in runs]
     header = ["model", "network", "run", "s / iteration", "exchange share", "seconds to 0.88", "planner: s / iteration",
@@ -205,8 +210,26 @@ def page_section(records, data):
         "), what it leaves out: here the proxy (a Python thread copying every byte through its token buckets), the "
         "exchanger (its integrity tags over each vector) and both workers share 2 cores, where the model gives the "
         "center and each worker a node, and the links their own NICs; a worker's own part of an exchange (reading "
-        "and writing its variables) runs beside its steps on the same core, which the model adds once a cycle.")
-    return (table(header, rows) + f"\n\nFrom `{os.path.relpath(data, ROOT)}/network.jsonl` (bench/network.py); the "
+        "and writing its variables) runs beside its steps on the same core, which the model adds once a cycle. Where "
+        "the link is most of an exchange (easgd at 100 Mbit/s), the model lets the center's link take one worker's "
+        "request while it sends another's reply (full duplex, workers out of step); two workers that start together "
+        "stay in step and share each direction in turn, up to twice the time an exchange. And a run of a few "
+        "periods (the wide net at 100 Mbit/s trains one or two) holds a worker's last exchange and the solver "
+        "history it sends as it leaves, which the model's steady state leaves out.")
+    saved = []  # sync's time per iteration over easgd period 10's, per model and link
+    for model in dict.fromkeys(r["model"] for r in runs):
+        for network in NETWORKS:
+            pair = {r["run"]: r.get("seconds_per_iteration") for r in runs
+                    if r["model"] == model and r["network"] == network}
+            if pair.get("sync") and pair.get("easgd period 10"):
+                saved.append(f"{model} at {network} {pair['sync'] / pair['easgd period 10']:.1f}x")
+    saved_line = "" if not saved else (
+        "\n\nWhat easgd (period 10) saves a worker against sync, sync's time per iteration over easgd's: "
+        + ", ".join(saved) + ". A LeNet row marked \"per iteration only\" trained no further than its time per "
+        "iteration needs (LENET_NETWORKS in bench/network.py says why): at 10 Gbit/s the loopback runs of the first "
+        "section stand for its time to accuracy.")
+    return (table(header, rows) + saved_line + f"\n\nFrom `{os.path.relpath(data, ROOT)}/network.jsonl` "
+            "(bench/network.py); the "
             f"proxy's own unshaped ceiling here: {cell(ceiling, 2)} Gbit/s. `average` moves its models through Spark, "
             "not the exchanger: its row is a loopback run with each round's transfers over the link added by the "
             "model (its record says so)." + why)
