@@ -34,6 +34,7 @@ sys.path.insert(0, ROOT)
 import _memory  # noqa: E402  (bench/_memory.py)
 import _results  # noqa: E402  (bench/_results.py)
 from _tables import cell, missing, table  # noqa: E402  (bench/_tables.py)
+from network import WORKER  # noqa: E402  (bench/network.py: the workers' summary lines)
 from time_to_accuracy import BATCH, command, solver_copy  # noqa: E402  (bench/time_to_accuracy.py: the same runs)
 from deepspark.plot import LINE  # noqa: E402
 
@@ -47,7 +48,6 @@ TORCH_PEAK_MB = 1323
 ROLES = ("driver", "JVM", "pyspark daemon", "Python worker", "other")
 
 STARTUP_LINE = re.compile(r"Start-up of worker (\d+): ([\d.]+)s from Solving to its first step done: (.*)$")
-WORKER_LINE = re.compile(r"Worker (\d+) on .*: (\d+) iterations, .* trained ([\d.]+)s")
 
 
 def log_lines(path):
@@ -89,8 +89,8 @@ def easgd_figures(lines):
         if (m := STARTUP_LINE.search(message)):
             parts = {name: float(seconds) for name, seconds in re.findall(r"([a-z][a-z ]*?) (-?[\d.]+)s", m.group(3))}
             workers[int(m.group(1))] = (float(m.group(2)), parts)
-        elif (m := WORKER_LINE.search(message)):
-            trained[int(m.group(1))] = (int(m.group(2)), float(m.group(3)))
+        elif (m := WORKER.search(message)):
+            trained[int(m.group(1))] = (int(m.group(2)), float(m.group(4)))
     slowest = max(workers.values(), key=lambda w: w[0])
     steps = sum(n - 1 for n, _ in trained.values())
     seconds = max(t - workers[w][1]["first step"] for w, (_, t) in trained.items())

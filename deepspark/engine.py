@@ -198,6 +198,12 @@ class Evaluator:
             model.close()
 
 
+def due_for_test(param, iteration):
+    """Caffe's Solver tests `iteration` when it is a test_interval multiple (no test_interval, no test): its loop
+    skips iteration 0 unless test_initialization; the end of Solve tests the last iteration on this rule alone."""
+    return bool(param.test_interval) and iteration % param.test_interval == 0
+
+
 class Trainer:
     """One training process: a model, the batches of its shard, Caffe's display/test/snapshot cadence.
 
@@ -303,7 +309,7 @@ class Trainer:
         log.info(f"Learning Rate Policy: {p.lr_policy or 'fixed'}")
         started, last_time, last_iter, results = time.monotonic(), time.monotonic(), self.iter, []
         while self.iter < p.max_iter:
-            if p.test_interval and self.iter % p.test_interval == 0 and (self.iter > 0 or p.test_initialization):
+            if due_for_test(p, self.iter) and (self.iter > 0 or p.test_initialization):
                 results = self.test_all()
             rate = self.model.learning_rate()
             iteration = self.iter
@@ -324,7 +330,7 @@ class Trainer:
             self.snapshot()
         if p.display and self.iter % p.display == 0:
             log.info(f"Iteration {self.iter}, loss = {self.smoothed_loss:.6g}")
-        if p.test_interval and self.iter % p.test_interval == 0:
+        if due_for_test(p, self.iter):
             results = self.test_all()
         log.info("Optimization Done.")
         return results

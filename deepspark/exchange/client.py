@@ -258,9 +258,8 @@ class ExchangeClient:
         Returns "applied", or "reset" when `params` were replaced by the center.
         """
         params = _check_params(params)
+        self.wait(params)  # an overlapped exchange still in flight first (wait counts its own blocked time)
         with self.blocking():
-            if self._pending:
-                self.wait(params)
             self._ensure(params.size)
             return self._round_trip(params, params, iteration, loss)
 

@@ -39,30 +39,23 @@ def train_worker(trainer, client, params):
     ds = param.deepspark_param
     schedule = rules.ExchangeSchedule(ds.period, adaptive=ds.adaptive_period)
     loss = math.nan
-    # Reading the parameters out for an exchange and writing its result back are the worker's own part of it:
-    # counted as blocked on it (client.blocking), as the wire's part is.
     while model.iter < param.max_iter:
         loss = trainer.step()
         if client.pending and client.ready:
-            with client.blocking():
-                params = model.get_flat(params)
+            params = executor.read_params(client, model, params)
             client.poll(params)
-            with client.blocking():
-                model.set_flat(params)
+            executor.write_params(client, model, params)
         if schedule.step(loss):
-            with client.blocking():
-                params = model.get_flat(params)
+            params = executor.read_params(client, model, params)
             if client.pending:  # the previous difference first, so the snapshot includes it
                 client.wait(params)
-                with client.blocking():
-                    model.set_flat(params)
+                executor.write_params(client, model, params)
             executor.send_history(client, model, asked=True)
             if ds.overlap:
                 client.exchange_async(params, model.iter, loss)
             else:
                 client.exchange(params, model.iter, loss)
-                with client.blocking():
-                    model.set_flat(params)
+                executor.write_params(client, model, params)
         elif not client.pending:
             client.report(model.iter, loss)
     params = model.get_flat(params)

@@ -805,9 +805,7 @@ class Job:
             self.snapshot(final)
         weights = checkpoint.snapshot_paths(p.snapshot_prefix, final)[0] if self.snapshotted == final else None
         values = self.last_test_values
-        # Caffe's Solver::Solve: the last iteration is tested when it is a test_interval multiple (no
-        # test_interval, no test), as Trainer.solve does.
-        if self.solver.test_nets and p.test_interval and final % p.test_interval == 0 and self.tested != final:
+        if self.solver.test_nets and engine.due_for_test(p, final) and self.tested != final:  # Caffe's last test
             values = self.test(final)
         log.info("Optimization Done.")
         plot_path = os.path.join(self.output, "progress.png")

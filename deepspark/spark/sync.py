@@ -59,8 +59,7 @@ def train_worker(trainer, client, params):
     loss = math.nan
     while model.iter < trainer.param.max_iter:
         loss = trainer.step()
-        with client.blocking():  # the worker's own part of the round, counted as easgd's is
-            params = model.get_flat(params)
+        params = executor.read_params(client, model, params)
         try:
             client.average(params, model.iter, loss)
         except RefusedError as error:
@@ -69,8 +68,7 @@ def train_worker(trainer, client, params):
             raise executor.WorkerError(
                 f"{where}: no average from the driver's exchanger for iteration {model.iter} within "
                 f"{client.timeout:g}s ({error or type(error).__name__})") from None
-        with client.blocking():
-            model.set_flat(params)
+        executor.write_params(client, model, params)
         executor.send_history(client, model, asked=True)
     executor.send_history(client, model)  # held for the job's last snapshot
     return loss, {"digest": digest(params)}

@@ -363,6 +363,19 @@ def join_center(worker, task, model, timeout):
     return client, params, None if held is None else held[0]
 
 
+def read_params(client, model, params):
+    """The model's parameters read out into `params` for an exchange; the time counts as blocked on it: the
+    worker's own part of an exchange, which its steps wait on as they wait on the wire."""
+    with client.blocking():
+        return model.get_flat(params)
+
+
+def write_params(client, model, params):
+    """An exchange's result in `params` written back into the model, counted as blocked on it."""
+    with client.blocking():
+        model.set_flat(params)
+
+
 def send_history(client, model, asked=False):
     """Send the worker's solver history to the exchanger, which holds it for the job's snapshots (asked: only
     if the driver asked for it, in the reply to the last exchange). Between exchanges, never while one is in
