@@ -129,7 +129,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="the wide model only, at 1 Gbit/s, easgd period 10 and "
                                                                  "sync")
     parser.add_argument("--seconds", type=float, default=60.0, help="the cap on a LeNet run's wall time")
-    parser.add_argument("--epochs", type=float, default=tta.EPOCHS, help="and on its samples")
+    parser.add_argument("--epochs", type=float, default=tta.TARGET_EPOCHS,
+                        help="and on its samples (the 1 Gbit/s target's runs: as long as the loopback one's)")
     parser.add_argument("--only", choices=("lenet", "wide"))
     parser.add_argument("--out", default=_results.results_path("network"))
     args = parser.parse_args()
