@@ -35,8 +35,10 @@ def _reach(record):
         return "not run"
     if _seconds(record) is not None:
         return cell(_seconds(record), 1, " s")
-    last = (record.get("points") or [[None, None]])[-1]
-    return f"not in its {cell(last[0], 0, ' s')} ({cell(last[1])} samples)"
+    points = record.get("points") or [[None, None, None]]
+    best = max((p[2] for p in points if p[2] is not None), default=None)
+    return (f"not in its {cell(points[-1][0], 0, ' s')} ({cell(points[-1][1])} samples"
+            + (f"; best test {cell(best, 4)})" if best is not None else ")"))
 
 
 def _rate(record):

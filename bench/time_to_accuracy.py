@@ -243,7 +243,8 @@ def page_section(records, data, plot):
         table(header, rows),
         f"![test accuracy against wall-clock seconds]({os.path.basename(plot)})" if plotted else None,
         f"From `{os.path.relpath(data, ROOT)}/time_to_accuracy.jsonl` (bench/time_to_accuracy.py) and "
-        f"`peers.jsonl` (bench/peers.py). DeepSpark's clock starts at the driver's `Solving` line (Spark's session "
+        f"`peers.jsonl` (bench/peers.py). Accuracy at {AT_SECONDS} s is the last test at or before it: a run that "
+        "ended sooner holds its last. DeepSpark's clock starts at the driver's `Solving` line (Spark's session "
         "up, shards planned): it holds the workers' start-up and their training"
         + ("; the peers' clocks, each as its record says:" if clocks else "."),
         "\n".join(f"- {c}" for c in clocks) or None,
@@ -269,8 +270,9 @@ def noise_line(runs):
     most = max(epochs, key=lambda e: len(epochs[e]), default=None)
     said = None if most is None else f"Runs train {most:g} epochs of samples" + "".join(
         f"; {', '.join(names)}: {e:g}" for e, names in sorted(epochs.items()) if e != most) + (
-        " (Elephas trains whole epochs; the run the loopback target names is given the samples "
-        "easgd needs past single's, TARGET_EPOCHS in bench/time_to_accuracy.py)." if len(epochs) > 1 else ".")
+        " (Elephas trains whole epochs; the run the loopback target names is given more samples than the rest, as "
+        "easgd needs more than single's to 0.88: TARGET_EPOCHS in bench/time_to_accuracy.py)."
+        if len(epochs) > 1 else ".")
     fall, run = max(falls, default=(0.0, None))
     if fall <= 0:
         return said
@@ -290,15 +292,17 @@ def draw_accuracy(runs, path):
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(9, 5.5))
-    for r in drawn:
+    colours = plt.get_cmap("tab20").colors  # one a run (tab10's cycle repeats past ten)
+    for i, r in enumerate(drawn):
         seconds, accuracy = zip(*[(s, a) for s, _, a in r["points"]])
-        axes.plot(seconds, accuracy, marker=".", label=r["run"] + (" (tests on the clock)"
-                                                                    if r.get("tests") == "on the clock" else ""))
+        axes.plot(seconds, accuracy, marker=".", color=colours[i % len(colours)],
+                  linestyle="--" if r.get("clock") else "-",  # the peers' (their records name their clocks)
+                  label=r["run"] + (" (tests on the clock)" if r.get("tests") == "on the clock" else ""))
     axes.axhline(0.88, color="grey", linewidth=0.6, linestyle="--")
     axes.set_xlabel("seconds since training started")
     axes.set_ylabel("test accuracy (10,000 images)")
     axes.set_ylim(0.6, 0.95)
-    axes.legend(fontsize=7, loc="lower right")
+    axes.legend(fontsize=7, loc="lower right", title="DeepSpark solid, peers dashed", title_fontsize=7)
     axes.set_title("LeNet on Fashion-MNIST, 2 cores")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
