@@ -39,7 +39,7 @@ from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
 NETWORKS = {"10G": 10.0, "1G": 1.0, "100M": 0.1}  # Gbit/s
 # LeNet trains to accuracy, a minute or more a run, at 1 Gbit/s, the commodity link of the targets; at 10 Gbit/s and
 # 100 Mbit/s it runs per iteration only. At 10 Gbit/s its 1.7 MB exchange (1.4 ms) is lost in a 160 ms cycle and the
-# loopback runs of time_to_accuracy stand for it; at 100 Mbit/s sync's 280 ms per iteration would not reach 0.88 in
+# loopback runs of time_to_accuracy stand for it; at 100 Mbit/s sync's ~0.6 s an iteration would not reach 0.88 in
 # any cap the whole page can afford.
 LENET_NETWORKS = ("1G",)
 LATENCY_MS = 0.1  # one way, a LAN's
