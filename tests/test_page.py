@@ -32,6 +32,8 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
         run("single", [[10.0, 15000, 0.84], [20.0, 30000, 0.86], [30.0, 45000, 0.881]], 650, workers=1, period=None),
         run("easgd period 10", [[20.5, 15040, 0.83], [31.0, 30080, 0.871], [40.2, 45120, 0.884]], 1890),
         run("easgd 4 workers period 10", [[25.0, 15360, 0.80], [45.0, 61440, 0.86]], 2100, workers=4),
+        run("easgd period 10, learning rate x2", [[20.0, 30080, 0.86], [35.0, 45120, 0.885]], 1890,
+            learning_rate_times=2),
         {"bench": "time_to_accuracy", "run": "elephas synchronous batch", "error": "no such mode"}])
     write(data, "peers", [run("torchdistributor", [[15.0, 15000, 0.85], [22.0, 30000, 0.872], [30.0, 60000, 0.87]], 1300,
                               workers=None)])
@@ -48,6 +50,10 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
     assert "| 0.85 | 4 | 2.05 |" in text and "| 0.88 | 2 | 1.00 |" in text and "| 0.88 | 4 | > 1.37 |" in text
     # The targets, computed: 40.2 s against 30.0 s is 1.34x, not within 1.3x; 1,890 MB is above TorchDistributor's.
     assert "easgd 40.2 s, single 30.0 s: 1.34x | **no** | easgd needed 1.00x single's samples to 0.85" in text
+    # The run at the scaled learning rate has rows of its own (35.0 s: 1.17x), and stays out of the d table.
+    assert ("| loopback, tests off the clock: easgd (period 10, base_lr x2: linear scaling to its global batch of 2 x "
+            "64) within 1.3x of single's time to 0.88 | easgd 35.0 s, single 30.0 s: 1.17x | yes |  |") in text
+    assert "not in the table), easgd at period 10 needed d = 1.00 to 0.85, 1.00 to 0.88." in text
     assert "| easgd 1,890 MB, Elephas's lowest —, TorchDistributor 1,300 MB | **no** |" in text
     # The sections with no records say so, each once.
     assert text.count("_Not measured yet") == SECTIONS - 2
