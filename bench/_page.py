@@ -51,11 +51,8 @@ def _rate(record):
 
 def _samples_ratio(run, base, target):
     """The run's samples to `target` over base's, or a lower bound ("> x") when it did not reach it."""
-    b = base.get(f"samples_to_{target}")
-    if not b:
-        return "—"
-    n = run.get(f"samples_to_{target}")
-    return f"{n / b:.2f}x" if n else f"> {run['points'][-1][1] / b:.2f}x"
+    d = time_to_accuracy.d_value(run, base, target)
+    return "—" if d is None else d + "x"
 
 
 def _loopback_rows(accuracy, single, easgd, how, elephas):

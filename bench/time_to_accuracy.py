@@ -319,6 +319,15 @@ def draw_accuracy(runs, path):
     return True
 
 
+def d_value(run, single, target):
+    """d at `target`: the samples `run` needed over `single`'s, "> x" (its samples so far over single's) when it
+    stopped short; None when single did not reach it."""
+    base, samples = single.get(f"samples_to_{target}"), run.get(f"samples_to_{target}")
+    if not base:
+        return None
+    return f"{samples / base:.2f}" if samples else f"> {run['points'][-1][1] / base:.2f}"
+
+
 def divergence_section(records, data):
     """RQ5: d(α, τ, n), the samples an EASGD run needs to reach a test accuracy over `single`'s, by workers and
     period, at 0.85 and 0.88 (a run that did not reach it gives a lower bound: its samples over single's)."""
@@ -341,18 +350,14 @@ def divergence_section(records, data):
             row = [target, str(workers)]
             for period in periods:
                 run = next((r for r in easgd if r["workers"] == workers and r["period"] == period), None)
-                samples = run and run.get(f"samples_to_{target}")
-                row.append("" if run is None else f"{samples / base:.2f}" if samples else
-                           f"> {run['points'][-1][1] / base:.2f}")
+                row.append("" if run is None else d_value(run, single, target))
             rows.append(row)
     bases = ", ".join(f"{cell(single.get(f'samples_to_{t}'))} to {t}" for t in LABELS)
     scaled = next((r for r in records if r.get("run") == SCALED and r.get("points")), None)
     scaled_line = None if scaled is None else (
         f"With its learning rate scaled to its global batch (`{SCALED}`, not in the table), easgd at period 10 "
-        "needed d = " + ", ".join(
-            (f"{scaled[f'samples_to_{t}'] / single[f'samples_to_{t}']:.2f}" if scaled.get(f"samples_to_{t}") else
-             f"> {scaled['points'][-1][1] / single[f'samples_to_{t}']:.2f}") + f" to {t}"
-            for t in LABELS if single.get(f"samples_to_{t}")) + ".")
+        "needed d = " + ", ".join(f"{d_value(scaled, single, t)} to {t}" for t in LABELS
+                                  if d_value(scaled, single, t)) + ".")
     return "\n\n".join(filter(None, [
         table(header, rows),
         f"d = the samples a run needed to reach the target test accuracy / `single`'s ({bases}); \"> x\": not "
