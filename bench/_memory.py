@@ -4,6 +4,8 @@ import os
 import threading
 import time
 
+from deepspark.spark.daemon import WAITER_MARK
+
 # Seconds between two samples: a Spark job's processes live for seconds at least.
 SAMPLE_SECONDS = 0.25
 
@@ -75,8 +77,11 @@ def role(pid, root):
     if name.startswith("python"):
         # The daemon runs `-m pyspark.daemon` (or the module spark.python.daemon.module names) and its forks keep
         # that command line: the daemon is the one whose parent is not a daemon. Without a daemon, a worker runs
-        # `-m pyspark.worker`.
+        # `-m pyspark.worker`. Ours (deepspark/spark/daemon.py) is a zygote's fork (`--zygote` in its command line,
+        # the driver's child), and the process the JVM launched waits for it: the three are the daemon.
         parent = _parent(pid)
+        if WAITER_MARK.encode() in argv or (_is_zygote(pid) and not _is_zygote(_parent(parent))):
+            return "pyspark daemon"  # the waiter, the zygote or its fork the daemon; the daemon's forks are workers
         if _is_daemon(pid) and not (parent is not None and _is_daemon(parent)):
             return "pyspark daemon"
         return "Python worker"
@@ -89,6 +94,16 @@ def _parent(pid):
             return int(stream.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _is_zygote(pid):
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as stream:
+            return b"--zygote" in stream.read().split(b"\0")
+    except OSError:
+        return False
 
 
 def _is_daemon(pid):

@@ -9,7 +9,8 @@ exchange. The jobs are `deepspark train` with 2 workers on local[2]; the exchang
 workers are told the proxy's (--exchange-port, --exchange-address), so every byte of the exchange crosses the
 emulated links: each worker's own and the driver's, shared (bench/_shaper.py). LeNet runs to accuracy at 1 Gbit/s
 (LENET_NETWORKS says why): they stop after --seconds or --epochs, snapshot every ~15,000 samples and are tested
-afterwards (bench/time_to_accuracy.py's way). Every other run measures time per iteration: it trains the iterations
+afterwards (bench/time_to_accuracy.py's way), and its easgd period 10, sync and average run again at base_lr x2
+(SCALED). Every other run measures time per iteration: it trains the iterations
 the planner projects for PER_ITERATION_SECONDS (ITERATIONS_FLOOR to ITERATIONS_CAP). The proxy's own ceiling
 (unshaped) is measured first: a setting near it is bounded by the proxy, not the emulated link, and the record says
 so.
@@ -49,6 +50,13 @@ RUNS = {"easgd period 1": {"algorithm": "easgd", "period": 1}, "easgd period 10"
 # way: it runs on loopback, and each round's transfers over the emulated link are added to its clock by the
 # model (plan.average_transfers: 2·N·S / bandwidth + 2·latency a round). The record says so.
 MODELLED = {"average period 10": {"algorithm": "average", "period": 10}}
+# At 1 Gbit/s the target's three runs again at base_lr x2 (time_to_accuracy.LEARNING_RATE_TIMES's linear rule for a
+# global batch of 2 x 64 a step), so that easgd is compared with sync and average at the scaled rate as at single's.
+SCALED_TIMES = 2
+SCALED_SUFFIX = f", learning rate x{SCALED_TIMES}"
+SCALED = {name + SCALED_SUFFIX: knobs for name, knobs in
+          (("easgd period 10", RUNS["easgd period 10"]), ("sync", RUNS["sync"]),
+           ("average period 10", MODELLED["average period 10"]))}
 WORKER = re.compile(r"Worker (\d+) on .*?: (\d+) iterations, (\d+) exchanges, .*? trained ([\d.]+)s, blocked on exchange "
                     r"([\d.]+)s")
 # A per-iteration run's length as the planner projects it: iterations = PER_ITERATION_SECONDS / its s per iteration,
@@ -147,20 +155,24 @@ def main():
             networks = {k: v for k, v in NETWORKS.items() if not (args.quick and k != "1G")}
             for network, gbit in networks.items():
                 to_accuracy = model == "lenet" and network in LENET_NETWORKS
-                for name, knobs in {**RUNS, **(MODELLED if to_accuracy else {})}.items():
+                for name, knobs in {**RUNS, **(MODELLED if to_accuracy else {}),
+                                    **(SCALED if to_accuracy else {})}.items():
                     if args.quick and name not in quick_runs:
                         continue
-                    folder = os.path.join(scratch, f"{model}-{network}-{name.replace(' ', '-')}")
-                    modelled = name in MODELLED
+                    folder = os.path.join(scratch, f"{model}-{network}-{name.replace(' ', '-').replace(',', '')}")
+                    modelled = knobs["algorithm"] == "average"
+                    times = SCALED_TIMES if name in SCALED else 1
                     record = {"bench": "network", "model": model, "network": network, "gbit": gbit,
                               "latency_ms": LATENCY_MS, "run": name,
+                              **({"learning_rate_times": times} if times != 1 else {}),
                               "proxy_bound": not modelled and gbit * 1e9 / 8 > 0.5 * ceiling,
                               **({"emulated": "on loopback, each round's transfers over the link added by the "
                                               "model (plan.average_transfers)"} if modelled else {})}
                     if to_accuracy:
                         per = tta.samples_per_iteration(knobs)
                         every = max(1, round(tta.MILESTONE_SAMPLES / per))
-                        err, moved = train(tta.solver_copy(folder, every, False), knobs, None if modelled else gbit,
+                        err, moved = train(tta.solver_copy(folder, every, False, learning_rate_times=times), knobs,
+                                           None if modelled else gbit,
                                            folder, round(args.epochs * tta.TRAIN_IMAGES / per), args.seconds)
                         lines = tta.stamped(os.path.join(folder, "train.log"))
                         points = [(s, n, tta.accuracy(path)) for s, n, path in tta.snapshot_points(lines, per)]

@@ -9,7 +9,8 @@ runs from the Solving line (time_to_accuracy's clock starts there) to the end of
 N" lines give (fork: Spark schedules the task and forks a Python worker for it, 0 when one was ready; task start: the
 task reaches that worker, its closure unpickled; spill; import of TensorFlow; build; connect to the exchanger; first
 step, which traces the step). Each run also says when its process reached Solving and the first step, from its
-start. The target: the workers' start-up within 2x the single process's (medians). Peak memory is the tree's PSS
+start. The target: the workers' start-up within 2x the single process's (medians), each from its process's start to
+its first step (the single process's Solving line comes after its import and build). Peak memory is the tree's PSS
 sampled every 0.25 s (bench/_memory.py, as time_to_accuracy and the peers measure it), and its PSS "alone", counting
 a page only among the run's own processes (what they hold together, which other processes on the machine that map
 the same libraries do not lower), each broken down by process at its peak: the driver, its JVM, the pyspark daemon,
@@ -41,7 +42,7 @@ from deepspark.plot import LINE  # noqa: E402
 RUNS = {"single": {"algorithm": "single"}, "easgd": {"algorithm": "easgd", "workers": 2}}
 ITERATIONS, REPEATS = 200, 2
 QUICK_ITERATIONS, QUICK_REPEATS = 150, 1
-STARTUP_TARGET = 2.0  # the workers' start-up within this many times the single process's
+STARTUP_TARGET = 2.0  # the workers' start-up within this many times the single process's, process start to first step
 # TorchDistributor's peak PSS on the same LeNet (2 DDP processes), MB: bench/peers.py's record in docs/data/peers.jsonl
 # of the first `make bench`, used when that file is not there.
 TORCH_PEAK_MB = 1323
@@ -150,10 +151,15 @@ def median(records, run, key):
 def verdict(records, torch_mb):
     """The targets against the runs' medians: {startup_ratio, startup_met, peak_pss_mb, memory_met, ...}."""
     single, easgd = median(records, "single", "startup_seconds"), median(records, "easgd", "startup_seconds")
-    ratio = easgd / single if single and easgd is not None else None
+    # The target's measure is each process's start to its first step: the single process's Solving line comes
+    # after its TensorFlow import and build, a Spark job's before its workers', so from Solving one would compare
+    # the workers' import and build with nothing.
+    launched = {run: median(records, run, "to_first_step_seconds") for run in ("single", "easgd")}
+    ratio = launched["easgd"] / launched["single"] if launched["single"] and launched["easgd"] is not None else None
     pss, alone = median(records, "easgd", "peak_pss_mb"), median(records, "easgd", "alone_peak_mb")
     peak = alone if alone is not None else pss  # the larger, and the one other processes on the machine do not lower
     return {"bench": "startup", "figure": "targets", "single_startup_seconds": single, "easgd_startup_seconds": easgd,
+            "single_to_first_step_seconds": launched["single"], "easgd_to_first_step_seconds": launched["easgd"],
             "startup_ratio": None if ratio is None else round(ratio, 2), "startup_target": STARTUP_TARGET,
             "startup_met": None if ratio is None else ratio <= STARTUP_TARGET, "easgd_peak_pss_mb": pss,
             "easgd_alone_peak_mb": alone, "torchdistributor_peak_pss_mb": torch_mb,
@@ -186,8 +192,10 @@ def page_section(records, data_folder):
     v = verdict(runs, torch_mb)
     said = {True: "met", False: "not met", None: "not measured"}
     alone = v["easgd_alone_peak_mb"]
-    line = (f"From {source}. Start-up target, the workers' within {STARTUP_TARGET:g}x the single process's: "
-            f"{said[v['startup_met']]} ({cell(v['startup_ratio'], 2)}x, medians of the runs). Memory target, easgd's peak "
+    line = (f"From {source}. Start-up target, the workers' within {STARTUP_TARGET:g}x the single process's, each "
+            f"from its process's start to its first step: {said[v['startup_met']]} ({cell(v['startup_ratio'], 2)}x, "
+            "medians of the runs; from Solving the single process has only its first step left, its import and build "
+            "done before its Solving line). Memory target, easgd's peak "
             f"at or under TorchDistributor's PSS ({torch_mb:,} MB, from {torch_from}): {said[v['memory_met']]} "
             + (f"({alone:,.0f} MB alone, {cell(v['easgd_peak_pss_mb'], 0, ' MB')} PSS)" if alone is not None else
                f"({cell(v['easgd_peak_pss_mb'], 0, ' MB')} PSS)")

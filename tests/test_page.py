@@ -37,6 +37,13 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
         {"bench": "time_to_accuracy", "run": "elephas synchronous batch", "error": "no such mode"}])
     write(data, "peers", [run("torchdistributor", [[15.0, 15000, 0.85], [22.0, 30000, 0.872], [30.0, 60000, 0.87]], 1300,
                               workers=None)])
+    lenet_1g = {"bench": "network", "model": "lenet", "network": "1G", "gbit": 1.0, "seconds_per_iteration": 0.03}
+    write(data, "network", [
+        {**lenet_1g, **run("easgd period 10", [[20.0, 30080, 0.86], [45.0, 90240, 0.875]], 0)},
+        {**lenet_1g, **run("sync", [[30.0, 30080, 0.84]], 0)},
+        {**lenet_1g, **run("easgd period 10, learning rate x2", [[20.0, 30080, 0.87], [30.0, 60160, 0.881]], 0)},
+        {**lenet_1g, **run("sync, learning rate x2", [[40.0, 30080, 0.86]], 0)},
+        {**lenet_1g, **run("average period 10, learning rate x2", [[25.0, 30080, 0.87], [42.0, 60160, 0.882]], 0)}])
     readme = tmp_path / "README.md"
     readme.write_text("# x\n\n<!-- compare:begin (bench/_page.py writes this) -->\nold\n<!-- compare:end -->\n\nrest\n")
     out = tmp_path / "docs" / "results.md"
@@ -55,8 +62,14 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
             "64) within 1.3x of single's time to 0.88 | easgd 35.0 s, single 30.0 s: 1.17x | yes |  |") in text
     assert "not in the table), easgd at period 10 needed d = 1.00 to 0.85, 1.00 to 0.88." in text
     assert "| easgd 1,890 MB, Elephas's lowest —, TorchDistributor 1,300 MB | **no** |" in text
+    # The 1 Gbit/s target at single's learning rate and again with all three at base_lr x2, each from its runs.
+    assert ("| emulated 1 Gbit/s: easgd (period 10) reaches 0.88 before sync and average | easgd not in its 45 s "
+            "(90,240 samples; best test 0.8750); sync not in its 30 s (30,080 samples; best test 0.8400); average not "
+            "run | **no** | easgd did not reach 0.88 within its run; to 0.85: easgd 20.0 s, sync —, average — |") in text
+    assert ("| emulated 1 Gbit/s, base_lr x2 for all three: easgd (period 10) reaches 0.88 before sync and average | "
+            "easgd 30.0 s; sync not in its 40 s (30,080 samples; best test 0.8600); average 42.0 s | yes |  |") in text
     # The sections with no records say so, each once.
-    assert text.count("_Not measured yet") == SECTIONS - 2
+    assert text.count("_Not measured yet") == SECTIONS - 3
     assert text.count("\n## ") == SECTIONS + 1
     # The README's comparison between its markers, the rest of it as it was.
     written = readme.read_text()

@@ -3,12 +3,15 @@
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 
 from conftest import ROOT, load_script
 from synthetic import make_job
 
+from deepspark.spark import daemon
 from deepspark.spark.worker import Summary
 
 startup = load_script("bench/startup.py", "bench_startup")
@@ -74,7 +77,7 @@ print(json.dumps({{**summary, "tensorflow_while_training": seen["tensorflow"],
         # and the worker, forked by our daemon, found the backend imported: no import of its own.
         assert abs(parts["other"]) <= 0.05 * float(total) + 0.01, text
         assert parts["import"] <= 0.02 * float(total), text
-        assert parts["first step"] > 0 and parts["spill"] > 0
+        assert parts["first step"] > 0 and parts["spill"] >= 0  # a small shard spills within the log's 0.01 s
     assert abs(max(float(t) for _, t, _ in lines) - summary["startup_seconds"]) < 0.01
     for worker in summary["workers"]:
         assert 0 < worker["forked_at"] <= worker["task_at"] < worker["ready_at"] < worker["first_step_at"]
@@ -106,24 +109,99 @@ spark.stop()
     assert len({parent for _, parent, _ in result["workers"]}) == 1  # one daemon forked both
 
 
+def test_the_daemon_is_the_zygotes_fork_the_jvm_launched_a_waiter_and_the_jvm_maps_the_class_archive():
+    # make setup wrote the archive (tools/jvm-archive.py): the driver's JVM starts from it.
+    script = """
+import json, os, sys
+from deepspark.spark.session import ZYGOTES, jvm_archive, spark_context, stop_context
+from deepspark.proto import deepspark_pb2 as pb
+
+sc, started = spark_context(pb.DeepSparkParameter(), 2)
+zygote = ZYGOTES[sc]
+
+def argv(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as stream:
+        return [a.decode() for a in stream.read().split(b"\\0") if a]
+
+def look(_):
+    daemon = os.getppid()
+    with open(f"/proc/{daemon}/stat") as stream:
+        return [(daemon, int(stream.read().rsplit(")", 1)[1].split()[1]), "tensorflow" in sys.modules)]
+
+seen = sc.parallelize(range(2), 2).mapPartitions(look).collect()
+jvm = sc._gateway.proc.pid
+def parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stream:
+            return int(stream.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+children = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent(int(p)) == jvm]
+with open(f"/proc/{jvm}/maps") as stream:
+    mapped = jvm_archive() in stream.read()
+print(json.dumps({"zygote": zygote.pid, "zygote_argv": argv(zygote.pid), "workers": seen,
+                  "jvm_children": [argv(c) for c in children], "archive_mapped": mapped}))
+stop_context(sc)
+print(json.dumps({"zygote_exit": zygote.wait(timeout=60)}))
+"""
+    lines = run_script(script).stdout.strip().splitlines()
+    result, ended = json.loads(lines[-2]), json.loads(lines[-1])
+    assert result["zygote_argv"][1:4] == ["-m", "deepspark.spark.daemon", "--zygote"]
+    assert len(result["workers"]) == 2 and all(loaded for _, _, loaded in result["workers"])
+    daemons = {(daemon, parent) for daemon, parent, _ in result["workers"]}
+    assert len(daemons) == 1 and daemons.pop()[1] == result["zygote"]  # one daemon, the zygote's fork
+    # What the JVM launched handed its streams over and became a waiter (a few MB), not a second daemon.
+    waiters = [a for a in result["jvm_children"] if "deepspark-daemon-waiter" in a]
+    assert len(waiters) == 1 and not any("deepspark.spark.daemon" in a for a in result["jvm_children"])
+    assert result["archive_mapped"], "the driver's JVM did not map make setup's class archive"
+    assert ended["zygote_exit"] == 0  # its daemon stopped with the SparkContext, and so did it
+
+
+def test_a_daemon_without_a_zygote_runs_alone_and_a_zygote_given_up_on_forks_nothing(tmp_path):
+    assert daemon.hand_over(str(tmp_path / "none")) is None  # no zygote there: the daemon imports and runs itself
+    path = str(tmp_path / "socket")
+    # A zygote of a backend it does not import (caffe) answers at once; a hand-over that never says "go" (a daemon
+    # that gave up waiting) leaves no fork behind: the zygote exits.
+    zygote = subprocess.Popen([sys.executable, "-m", "deepspark.spark.daemon", "--zygote", path],
+                              stdin=subprocess.PIPE, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": ROOT, "DEEPSPARK_DAEMON_BACKEND": "caffe"})
+    deadline = time.time() + 60
+    while not os.path.exists(path) and time.time() < deadline:
+        time.sleep(0.05)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as link:
+        link.settimeout(60)
+        link.connect(path)
+        read, write = os.pipe()
+        payload = json.dumps({"environ": {}, "cwd": "/", "argv": ["x"]}).encode()
+        socket.send_fds(link, [daemon.HEADER.pack(len(payload))], [read, write, write])
+        link.sendall(payload)
+        assert link.makefile("rb").readline() == b"ready\n"
+    assert zygote.wait(timeout=60) == 0
+    os.close(write)
+    assert os.read(read, 4) == b""  # nothing wrote to the pipes it was handed
+    os.close(read)
+
+
 def record(run, startup_seconds, peak, alone, workers=1, **extra):
     return {"bench": "startup", "run": run, "workers": workers, "startup_seconds": startup_seconds,
             "parts": {"first step": startup_seconds} if run == "single" else
             {"fork": 0.5, "task start": 0.1, "first step": startup_seconds - 0.6},
-            "to_first_step_seconds": 10.0, "images_per_second": 5000, "peak_pss_mb": peak, "alone_peak_mb": alone,
+            "to_first_step_seconds": startup_seconds + (2.0 if run == "single" else 0.0), "images_per_second": 5000, "peak_pss_mb": peak, "alone_peak_mb": alone,
             "pss_at_peak_mb": {"driver": peak}, "alone_at_peak_mb": {"driver": alone},
             "processes_at_peak": {"driver": 1}, **extra}
 
 
 def test_the_page_section_tables_the_runs_and_says_whether_each_target_is_met(tmp_path):
     (tmp_path / "peers.jsonl").write_text(json.dumps({"run": "torchdistributor", "peak_pss_mb": 1300}) + "\n")
-    records = [record("single", 2.0, 600, 650), record("single", 2.2, 600, 650),
+    records = [record("single", 0.0, 600, 650), record("single", 0.2, 600, 650),
                record("easgd", 3.9, 1000, 1250, workers=2), record("easgd", 4.5, 1000, 1350, workers=2)]
     section = startup.page_section(records, str(tmp_path))
     assert section.count("\n| single (1 worker) |") == 2 and section.count("| easgd (2 workers) |") == 2
     assert "| fork | task start | first step |" in section
-    # medians: 4.2 s against 2.1 s is 2x, met; 1,300 MB alone against TorchDistributor's 1,300 MB, met
-    assert "2x the single process's: met (2.00x" in section
+    # medians from process start to the first step (the single runs' Solving 2 s after it): 4.2 s against 2.1 s is
+    # 2x, met; 1,300 MB alone against TorchDistributor's 1,300 MB, met
+    assert "2x the single process's, each from its process's start to its first step: met (2.00x" in section
     assert "TorchDistributor's PSS (1,300 MB, from" in section and ": met (1,300 MB alone, 1,000 MB PSS)" in section
     slower = startup.page_section(records[:2] + [record("easgd", 4.5, 1400, 1400, workers=2)], str(tmp_path))
     assert "not met (2.14x" in slower and "not met (1,400 MB alone" in slower

@@ -25,7 +25,7 @@ from deepspark.graph import Graph, layer_included
 from deepspark.log import Log
 from deepspark.plot import plot_history
 from deepspark.proto import deepspark_pb2 as pb
-from deepspark.spark.session import is_local, on_loopback, spark_session, worker_threads
+from deepspark.spark.session import is_local, on_loopback, spark_context, sql_session, stop_context, worker_threads
 from deepspark.spark.worker import Range, Task, row_datum
 
 # Seconds the driver waits for the Spark job's thread once it has cancelled the job.
@@ -423,6 +423,7 @@ class Job:
         self.tested, self.snapshotted, self.last_test_values = None, None, {}
         self.resume_histories = {}  # a --snapshot's workers' solver histories, for the exchanger to hand back
         self.evaluator = None  # the driver's test nets: test_nets() builds them
+        self.own_sc = None  # the SparkContext run() started, until stop_session stops it
 
     # -- what an algorithm says ------------------------------------------------
 
@@ -469,13 +470,13 @@ class Job:
             self.started = time.monotonic()
             own = False
             if data is not None:
-                self.spark = data.sparkSession  # the caller's session: theirs to stop
+                self.sc = data.sparkSession.sparkContext  # the caller's session: theirs to stop
             else:
                 train_source(self.solver)  # a missing LMDB is said before Spark starts
-                self.spark, own = spark_session(self.ds, self.workers)
+                self.sc, own = spark_context(self.ds, self.workers)
                 if own:
+                    self.own_sc = self.sc
                     stack.callback(self.stop_session)
-            self.sc = self.spark.sparkContext
             warn_if_the_secret_is_readable(self.sc, self.log)
             self.shards = self.load_shards()
             self.next_test = next_multiple(self.start_iter, self.param.test_interval, self.param.test_initialization)
@@ -509,10 +510,10 @@ class Job:
             return self.finish(results)
 
     def stop_session(self):
-        """Stop the SparkSession this job started, once."""
-        if self.spark is not None:
-            self.spark.stop()
-            self.spark = None
+        """Stop the SparkContext this job started (and Spark SQL's session on it, if it read Parquet), once."""
+        if self.own_sc is not None:
+            stop_context(self.own_sc)
+            self.own_sc = None
 
     def test_nets(self):
         """The driver's test nets (an engine.Evaluator), built at the first call."""
@@ -532,7 +533,7 @@ class Job:
         streamed = "each task streams its partition into its local LMDB; the driver holds no records"
         source = None if data is not None else train_source(self.solver)
         if source is not None and is_parquet(source):
-            shards, shape, total = parquet_shards(self.spark, source, workers)
+            shards, shape, total = parquet_shards(sql_session(self.sc), source, workers)
             log.info(f"Planned {workers} shards of the {total} records of the Parquet dataset {source} ({streamed})")
         elif data is not None:
             shards, shape, total = dataframe_shards(data, workers)

@@ -35,7 +35,7 @@ from deepspark.graph import Graph, fmt, layer_included, tap_name, with_batch_siz
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.job import failed, parquet_records
-from deepspark.spark.session import spark_session, worker_threads
+from deepspark.spark.session import spark_session, stop_context, worker_threads
 from deepspark.spark.worker import set_threads
 
 # Records per partition of a dataset that score or extract-features read (more partitions than cores
@@ -350,7 +350,7 @@ def on_spark(path, weights, source, backend, batch_size, ds, blobs=None):
         yield sc, forward, graph, source, records, total
     finally:
         if started:
-            session.stop()
+            stop_context(session.sparkContext)
 
 
 def score(path, weights, source=None, backend=None, batch_size=0, ds=None, log=None):

@@ -1,4 +1,5 @@
-"""The job's SparkSession: the caller's when one is running, else one this job starts, quiet.
+"""The job's SparkContext (or SparkSession, where it reads a DataFrame): the caller's when one is running, else one
+this job starts, quiet.
 
 A JVM that DeepSpark starts itself logs errors only (log4j2.properties beside this
 module, given before the JVM starts), and its stderr (where Spark's Python workers
@@ -6,11 +7,16 @@ print in local mode too) reaches the console through log.echo: above the progres
 line, never inside it, without the start-up banners no setting turns off.
 """
 
+import contextlib
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import threading
+import weakref
 
+import pyspark
 from pyspark import SparkConf, SparkContext
 from pyspark.java_gateway import launch_gateway
 from pyspark.sql import SparkSession
@@ -24,9 +30,14 @@ LOG4J = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.propert
 # memory (384 MB here, ~240 MB touched), and ~50 MB of its own tables for the 1 GB maximum (spark.driver.memory's,
 # unchanged): a LeNet job's JVM holds ~280 MB instead of ~320 MB (bench/startup.py).
 LOCAL_JVM = "-XX:+UseSerialGC -Xms16m"
-# The executors' pyspark daemon in local mode (spark.python.daemon.module), and the environment variable naming the
-# backend it imports (daemon.py).
-DAEMON, DAEMON_BACKEND = "deepspark.spark.daemon", "DEEPSPARK_DAEMON_BACKEND"
+# The executors' pyspark daemon in local mode (spark.python.daemon.module), and the environment variables naming the
+# backend it imports and the socket of its zygote, which imports it while the JVM starts (daemon.py).
+DAEMON, DAEMON_BACKEND, ZYGOTE = "deepspark.spark.daemon", "DEEPSPARK_DAEMON_BACKEND", "DEEPSPARK_DAEMON_ZYGOTE"
+# The backends the daemon imports before it forks: TensorFlow takes its thread counts when a model starts its runtime,
+# in the worker after the fork. pycaffe is not: its BLAS reads the worker's thread count as it loads
+# (worker.set_threads sets it first), which an import in the daemon would read from the daemon's environment instead.
+PRELOADED = ("tensorflow",)
+ZYGOTES = weakref.WeakKeyDictionary()  # SparkContext -> the zygote process start_zygote started for it
 # The folder Spark extracts executor_env into, in each executor's working directory (`--archives ENV#environment`).
 ENV_ALIAS = "environment"
 
@@ -71,11 +82,20 @@ def on_loopback(master):
 
 
 def spark_session(ds, workers):
-    """(the SparkSession, whether this call started it). A running one (the caller's) is used as it is
+    """(the SparkSession, whether this call started its SparkContext): spark_context's, with Spark SQL's session
+    on it."""
+    sc, started = spark_context(ds, workers)
+    return sql_session(sc), started
+
+
+def spark_context(ds, workers):
+    """(the SparkContext, whether this call started it). A running one (the caller's) is used as it is
     and left running; else one starts on ds.master (`local[N,F]` by default, bound to 127.0.0.1 on a
-    loopback master), or on spark-submit's master as it configured it."""
+    loopback master), or on spark-submit's master as it configured it. Spark SQL's session is not started here:
+    a job reading no DataFrame does without it (~2 s of the JVM's start-up, on the cores the workers' start-up
+    needs, bench/startup.py); sql_session starts it when a job needs it."""
     if SparkContext._active_spark_context is not None:
-        return SparkSession.builder.getOrCreate(), False
+        return SparkContext._active_spark_context, False
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # under spark-submit the JVM is up with its master
     master = ds.master or (None if submitted else f"local[{workers},{max(ds.max_failures, 1)}]")
     conf = SparkConf().setAppName("deepspark")
@@ -92,30 +112,98 @@ def spark_session(ds, workers):
     conf.set("spark.python.worker.reuse", "true").set("spark.ui.showConsoleProgress", "false")
     if master and is_local(master):
         # The executors run this Python on this process's path (executor_python), where our daemon is: it imports
-        # the backend once and forks the Python workers with it loaded (daemon.py).
+        # the backend once and forks the Python workers with it loaded (daemon.py); its zygote, started below before
+        # the JVM, imports it while the JVM starts.
         conf.set("spark.python.daemon.module", DAEMON)
         conf.set(f"spark.executorEnv.{DAEMON_BACKEND}", ds.backend)
     own_jvm = not submitted and SparkContext._gateway is None  # pyspark keeps one JVM per process
     if own_jvm:
-        options = f"-Dlog4j2.configurationFile=file:{LOG4J}"
-        conf.set("spark.driver.extraJavaOptions", f"{options} {LOCAL_JVM}" if master and is_local(master) else options)
+        conf.set("spark.driver.extraJavaOptions", jvm_options(master))
     python = executor_python(ds, master, conf)
+    zygote = start_zygote(python, conf, ds.backend) if master and is_local(master) else None
     saved = os.environ.get("PYSPARK_PYTHON")
     os.environ["PYSPARK_PYTHON"] = python  # read once, by SparkContext: what the executors run
     try:
         sc = SparkContext(conf=conf, gateway=quiet_gateway(conf) if own_jvm else None)
+    except BaseException:
+        close_zygote(zygote)
+        raise
     finally:
         if saved is None:
             del os.environ["PYSPARK_PYTHON"]
         else:
             os.environ["PYSPARK_PYTHON"] = saved
+    if zygote is not None:
+        ZYGOTES[sc] = zygote
     if master and is_local(master):
-        # Its Python workers start (the first job's scheduling, the daemon and its imports) while the SQL session
-        # starts and the job plans its shards and starts the center; its tasks then take them up.
+        # Its Python workers start (the first job's scheduling, the daemon from its zygote) while the job plans its
+        # shards and starts the center; its tasks then take them up.
         start_python_workers(sc, workers)
-    spark = SparkSession.builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark, True
+    sc.setLogLevel("ERROR")
+    return sc, True
+
+
+def sql_session(sc):
+    """Spark SQL's session on `sc` (the running one, or one started on it)."""
+    return SparkSession.builder.getOrCreate()  # its SparkContext is the running one, sc
+
+
+def stop_context(sc):
+    """Stop `sc`, and Spark SQL's session on it if one was started (its stop stops `sc` too, and forgets the
+    session, so that the next job's getOrCreate starts a new one)."""
+    session = SparkSession._instantiatedSession
+    if session is not None and session.sparkContext is sc:
+        session.stop()
+    else:
+        sc.stop()
+    close_zygote(ZYGOTES.pop(sc, None))
+
+
+def start_zygote(python, conf, backend):
+    """The zygote of the executors' daemon (daemon.py), started before the JVM so that the backend's import runs
+    while the JVM and its SparkContext start: `python` on the executors' path, listening in a folder of its own,
+    named to the daemon through conf. None for a backend the daemon does not import (PRELOADED)."""
+    if backend not in PRELOADED:
+        return None
+    path = os.path.join(tempfile.mkdtemp(prefix="deepspark-zygote-"), "socket")  # the folder: this user's alone
+    env = {**os.environ, "PYTHONPATH": conf.get("spark.executorEnv.PYTHONPATH", ""), DAEMON_BACKEND: backend}
+    # Its stdin is the driver's hold on it: closed (close_zygote, or the driver's exit), a zygote not yet handed a
+    # daemon exits. It prints nothing: the daemon it forks writes to the JVM's pipes.
+    process = subprocess.Popen([python, "-m", DAEMON, "--zygote", path], stdin=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    conf.set(f"spark.executorEnv.{ZYGOTE}", path)
+    return process
+
+
+def close_zygote(process):
+    """Let go of a zygote: one still waiting for its daemon exits; one that forked it exits with it (the JVM stops
+    the daemon with its SparkContext)."""
+    if process is None:
+        return
+    process.stdin.close()
+    path = process.args[-1]
+    with contextlib.suppress(OSError):  # the zygote unlinks it as it takes its daemon
+        os.unlink(path)
+    os.rmdir(os.path.dirname(path))
+
+
+def jvm_options(master, archive=None):
+    """The Java options of a JVM this process starts for `master`: our log4j, LOCAL_JVM's in local mode, and the
+    class archive to start from, `archive` or jvm_archive()'s when there is one."""
+    options = [f"-Dlog4j2.configurationFile=file:{LOG4J}", *([LOCAL_JVM] if master and is_local(master) else [])]
+    archive = archive or jvm_archive()
+    if os.path.isfile(archive):
+        options += [f"-XX:SharedArchiveFile={archive}", "-Xlog:cds=off"]
+    return " ".join(options)
+
+
+def jvm_archive():
+    """Where `make setup` (tools/jvm-archive.py) writes the classes a Spark driver's JVM loads as it starts, for
+    this pyspark: the JDK's class-data sharing maps them from it instead of loading each from Spark's jars, ~0.8 s
+    less to a SparkContext here and less of the JVM's own memory (bench/startup.py). A JVM that cannot use it
+    (another JDK, another classpath) starts without it, silently (-Xlog:cds=off)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "deepspark", f"spark-{pyspark.__version__}-classes.jsa")
 
 
 def executor_python(ds, master, conf):
