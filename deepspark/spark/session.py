@@ -8,6 +8,7 @@ line, never inside it, without the start-up banners no setting turns off.
 """
 
 import contextlib
+import hashlib
 import os
 import re
 import subprocess
@@ -193,17 +194,22 @@ def jvm_options(master, archive=None):
     options = [f"-Dlog4j2.configurationFile=file:{LOG4J}", *([LOCAL_JVM] if master and is_local(master) else [])]
     archive = archive or jvm_archive()
     if os.path.isfile(archive):
-        options += [f"-XX:SharedArchiveFile={archive}", "-Xlog:cds=off"]
+        options += [f"-XX:SharedArchiveFile={archive}", "-Xlog:cds*=off"]
     return " ".join(options)
 
 
 def jvm_archive():
     """Where `make setup` (tools/jvm-archive.py) writes the classes a Spark driver's JVM loads as it starts, for
-    this pyspark: the JDK's class-data sharing maps them from it instead of loading each from Spark's jars, ~0.8 s
-    less to a SparkContext here and less of the JVM's own memory (bench/startup.py). A JVM that cannot use it
-    (another JDK, another classpath) starts without it, silently (-Xlog:cds=off)."""
+    this pyspark (its version, its jars' folder and when that was written: the archive holds the jars' paths and
+    times, and a reinstalled pyspark gets an archive of its own): the JDK's class-data sharing maps
+    them from it instead of loading each from Spark's jars, ~0.8 s less to a SparkContext here and less of the
+    JVM's own memory (bench/startup.py). A JVM that cannot use it (another JDK) starts without it, silently
+    (-Xlog:cds*=off)."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "deepspark", f"spark-{pyspark.__version__}-classes.jsa")
+    jars = os.path.join(os.path.dirname(os.path.abspath(pyspark.__file__)), "jars")
+    written = os.stat(jars).st_mtime_ns if os.path.isdir(jars) else 0
+    where = hashlib.sha256(f"{jars} {written}".encode()).hexdigest()[:12]
+    return os.path.join(cache, "deepspark", f"spark-{pyspark.__version__}-{where}-classes.jsa")
 
 
 def executor_python(ds, master, conf):
