@@ -202,7 +202,11 @@ def page_section(records, data_folder):
             + ". PSS splits a page among every process that maps it, on the machine; alone splits it only among the "
             "run's own processes (what they hold together, whatever else runs: TensorFlow's libraries are shared "
             "with any other TensorFlow process). A part is the slowest worker's; a process count in brackets sums "
-            "that many processes.")
+            "that many processes. The pyspark daemon's are three: its zygote, which the driver starts before the JVM "
+            "so that TensorFlow's import runs while the JVM starts; the daemon the zygote forks, whose forks are the "
+            "Python workers; and the process the JVM launched, which handed its pipes to the zygote and waits "
+            "(deepspark/spark/daemon.py). The JVM maps the classes it starts with from the archive `make setup` "
+            "writes (tools/jvm-archive.py).")
     return table(header, rows) + "\n\n" + line
 
 

@@ -252,7 +252,7 @@ def page_section(records, data, plot):
         f"![test accuracy against wall-clock seconds]({os.path.basename(plot)})" if plotted else None,
         f"From `{os.path.relpath(data, ROOT)}/time_to_accuracy.jsonl` (bench/time_to_accuracy.py) and "
         f"`peers.jsonl` (bench/peers.py). Accuracy at {AT_SECONDS} s is the last test at or before it: a run that "
-        "ended sooner holds its last. DeepSpark's clock starts at the driver's `Solving` line (Spark's session "
+        "ended sooner holds its last. DeepSpark's clock starts at the driver's `Solving` line (its SparkContext "
         "up, shards planned): it holds the workers' start-up and their training"
         + ("; the peers' clocks, each as its record says:" if clocks else "."),
         "\n".join(f"- {c}" for c in clocks) or None,
