@@ -66,10 +66,8 @@ def role(pid, root):
     pyspark daemon (the JVM's Python child, which forks the workers) or a Python worker."""
     if pid == root:
         return "driver"
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as stream:
-            argv = stream.read().split(b"\0")
-    except OSError:
+    argv = _argv(pid)
+    if not argv:
         return "other"
     name = os.path.basename(argv[0].decode(errors="replace"))
     if name == "java":
@@ -96,22 +94,23 @@ def _parent(pid):
         return None
 
 
-def _is_zygote(pid):
+def _argv(pid):
+    """A process's command line as bytes; [] when it is gone (or `pid` is None)."""
     if pid is None:
-        return False
+        return []
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as stream:
-            return b"--zygote" in stream.read().split(b"\0")
+            return stream.read().split(b"\0")
     except OSError:
-        return False
+        return []
+
+
+def _is_zygote(pid):
+    return b"--zygote" in _argv(pid)
 
 
 def _is_daemon(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as stream:
-            argv = stream.read().split(b"\0")
-    except OSError:
-        return False
+    argv = _argv(pid)
     if b"-m" not in argv or not os.path.basename(argv[0].decode(errors="replace")).startswith("python"):
         return False
     module = argv[argv.index(b"-m") + 1] if argv.index(b"-m") + 1 < len(argv) else b""

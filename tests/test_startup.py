@@ -187,7 +187,8 @@ def record(run, startup_seconds, peak, alone, workers=1, **extra):
     return {"bench": "startup", "run": run, "workers": workers, "startup_seconds": startup_seconds,
             "parts": {"first step": startup_seconds} if run == "single" else
             {"fork": 0.5, "task start": 0.1, "first step": startup_seconds - 0.6},
-            "to_first_step_seconds": startup_seconds + (2.0 if run == "single" else 0.0), "images_per_second": 5000, "peak_pss_mb": peak, "alone_peak_mb": alone,
+            "to_first_step_seconds": startup_seconds + (2.0 if run == "single" else 0.0), "images_per_second": 5000,
+            "peak_pss_mb": peak, "alone_peak_mb": alone,
             "pss_at_peak_mb": {"driver": peak}, "alone_at_peak_mb": {"driver": alone},
             "processes_at_peak": {"driver": 1}, **extra}
 

@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 from pyspark import SparkConf, SparkContext  # noqa: E402
 from pyspark.java_gateway import launch_gateway  # noqa: E402
 
-from deepspark.spark.session import jvm_archive, jvm_options  # noqa: E402
+from deepspark.spark.session import QUIET_CDS, jvm_archive, jvm_options  # noqa: E402
 
 
 def main():
@@ -34,7 +34,7 @@ def main():
     conf = (SparkConf().setMaster(master).setAppName("deepspark-jvm-archive").set("spark.ui.enabled", "false")
             .set("spark.driver.host", "127.0.0.1").set("spark.driver.bindAddress", "127.0.0.1")
             .set("spark.driver.extraJavaOptions",
-                 f"{jvm_options(master, archive='-')} -XX:ArchiveClassesAtExit={partial} -Xlog:cds*=off"))
+                 f"{jvm_options(master, archived=False)} -XX:ArchiveClassesAtExit={partial} {QUIET_CDS}"))
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     gateway = launch_gateway(conf, popen_kwargs={"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL})
     sc = SparkContext(conf=conf, gateway=gateway)

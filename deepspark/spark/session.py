@@ -41,6 +41,8 @@ PRELOADED = ("tensorflow",)
 ZYGOTES = weakref.WeakKeyDictionary()  # SparkContext -> the zygote process start_zygote started for it
 # The folder Spark extracts executor_env into, in each executor's working directory (`--archives ENV#environment`).
 ENV_ALIAS = "environment"
+# The JVM's class-data sharing says nothing: an archive it cannot map (another JDK) is left unused in silence.
+QUIET_CDS = "-Xlog:cds*=off"
 
 # Lines a JVM prints at start whatever log4j says: the JDK's incubator warning (Spark 4 adds
 # jdk.incubator.vector) and Spark's notes about its default profile (when log4j2 is not ours).
@@ -188,13 +190,12 @@ def close_zygote(process):
     os.rmdir(os.path.dirname(path))
 
 
-def jvm_options(master, archive=None):
-    """The Java options of a JVM this process starts for `master`: our log4j, LOCAL_JVM's in local mode, and the
-    class archive to start from, `archive` or jvm_archive()'s when there is one."""
+def jvm_options(master, archived=True):
+    """The Java options of a JVM this process starts for `master`: our log4j, LOCAL_JVM's in local mode, and, when
+    `archived` and jvm_archive() is there, the class archive to start from."""
     options = [f"-Dlog4j2.configurationFile=file:{LOG4J}", *([LOCAL_JVM] if master and is_local(master) else [])]
-    archive = archive or jvm_archive()
-    if os.path.isfile(archive):
-        options += [f"-XX:SharedArchiveFile={archive}", "-Xlog:cds*=off"]
+    if archived and os.path.isfile(jvm_archive()):
+        options += [f"-XX:SharedArchiveFile={jvm_archive()}", QUIET_CDS]
     return " ".join(options)
 
 
@@ -204,7 +205,7 @@ def jvm_archive():
     times, and a reinstalled pyspark gets an archive of its own): the JDK's class-data sharing maps
     them from it instead of loading each from Spark's jars, ~0.8 s less to a SparkContext here and less of the
     JVM's own memory (bench/startup.py). A JVM that cannot use it (another JDK) starts without it, silently
-    (-Xlog:cds*=off)."""
+    (QUIET_CDS)."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     jars = os.path.join(os.path.dirname(os.path.abspath(pyspark.__file__)), "jars")
     written = os.stat(jars).st_mtime_ns if os.path.isdir(jars) else 0
