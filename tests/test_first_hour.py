@@ -261,7 +261,9 @@ log = Log(progress=True)
 log.progress("w0: it 1/2 loss - ex 0")
 def shout(i):
     import sys
-    print(f"worker line {{i}}", file=sys.stderr, flush=True)
+    # One write a line: Spark runs its Python workers unbuffered (PYTHONUNBUFFERED), where print writes the text
+    # and its newline apart, and two workers that print at once interleave on the shared pipe.
+    sys.stderr.write(f"worker line {{i}}\\n")
 spark.sparkContext.parallelize(range(4), 2).foreach(shout)
 time.sleep(1)
 log.progress("w0: it 2/2 loss - ex 0")
