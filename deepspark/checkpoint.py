@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 
+from deepspark import upgrade
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -121,9 +122,11 @@ def parse_caffemodel(data, path="<weights>"):
 
 
 def caffemodel_layers(net, path):
-    """read_caffemodel of a parsed NetParameter."""
+    """read_caffemodel of a parsed NetParameter; an old (V0/V1) model upgraded as Caffe reads one."""
+    if upgrade.needs_upgrade(net):
+        net = upgrade.upgrade_net(net, lambda i=None: (path, None, None), lambda: (path, None, None))[0]
     if not net.layer:
-        raise ConfigError("this .caffemodel has no layers (V1 'layers' models need Caffe's upgrade tool)", path)
+        raise ConfigError("this .caffemodel has no layers", path)
     try:
         return [(layer.name, [blob_to_array(b) for b in layer.blobs]) for layer in net.layer]
     except ValueError as error:

@@ -180,6 +180,20 @@ def cmd_describe(args):
     return 0
 
 
+def cmd_upgrade_net(args):
+    for note in local.upgrade_net(args.input, args.output):
+        print(f"warning: {note}", file=sys.stderr)
+    print(f"Wrote upgraded NetParameter text proto to {args.output}")
+    return 0
+
+
+def cmd_upgrade_solver(args):
+    for note in local.upgrade_solver(args.input, args.output):
+        print(f"warning: {note}", file=sys.stderr)
+    print(f"Wrote upgraded SolverParameter text proto to {args.output}")
+    return 0
+
+
 def cmd_convert_mnist(args):
     convert.convert_mnist(args.images, args.labels, args.out)
     return 0
@@ -295,6 +309,18 @@ def parser():
     describe.add_argument("--data-shape", type=data_shape, help="C,H,W of the Data layers when their LMDB is absent")
     describe.add_argument("--batch-size", type=positive, help="override the batch size")
     describe.set_defaults(run=cmd_describe)
+
+    upgrade_net = verbs.add_parser("upgrade-net", help="Caffe's upgrade_net_proto_text: an old net (V0/V1 "
+                                                       "layers, input fields) as today's prototxt")
+    upgrade_net.add_argument("input", help="the old net .prototxt")
+    upgrade_net.add_argument("output", help="the upgraded .prototxt to write")
+    upgrade_net.set_defaults(run=cmd_upgrade_net)
+
+    upgrade_solver = verbs.add_parser("upgrade-solver", help="Caffe's upgrade_solver_proto_text: an old solver's "
+                                                             "solver_type enum as its type string")
+    upgrade_solver.add_argument("input", help="the old solver .prototxt")
+    upgrade_solver.add_argument("output", help="the upgraded .prototxt to write")
+    upgrade_solver.set_defaults(run=cmd_upgrade_solver)
 
     mnist = verbs.add_parser("convert-mnist", help="MNIST-format IDX files (gzipped or not) to an LMDB "
                                                    "(or Parquet: OUT ending in .parquet)")

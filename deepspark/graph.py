@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from deepspark.errors import SourceMap
+from deepspark.upgrade import input_layer
 from deepspark.proto import deepspark_pb2 as pb
 
 
@@ -554,25 +555,6 @@ def make_state(net_param, phase=None, stages=None, level=None):
     return state
 
 
-def upgrade_inputs(net_param):
-    """Caffe's deprecated `input:`/`input_shape:`/`input_dim:` as an Input layer named 'input'."""
-    if not net_param.input:
-        return None
-    layer = pb.LayerParameter(name="input", type="Input", top=list(net_param.input))
-    if net_param.input_shape:
-        for shape in net_param.input_shape:
-            layer.input_param.shape.add().CopyFrom(shape)
-    elif net_param.input_dim:
-        dims = list(net_param.input_dim)
-        if len(dims) != 4 * len(net_param.input):
-            raise ShapeError("input_dim needs 4 values per input")
-        for i in range(len(net_param.input)):
-            layer.input_param.shape.add().dim.extend(dims[4 * i:4 * i + 4])
-    else:
-        raise ShapeError("input blobs need input_shape or input_dim")
-    return layer
-
-
 @dataclass
 class Layer:
     """One layer of the net in this phase, with its shapes."""
@@ -673,14 +655,12 @@ class Graph:
     def _build(self):
         for i, lp in enumerate(self.net_param.layer):
             if lp.type not in REGISTRY:
-                raise self._error(f"layer '{lp.name}': unknown layer type '{lp.type}'; supported types: "
-                                  f"{', '.join(supported_types())}", i, "type")
+                raise self._error(f"layer '{lp.name}': unknown layer type '{lp.type}' (not a type BVLC Caffe "
+                                  "registers)", i, "type")
             if lp.include and lp.exclude:
                 raise self._error(f"layer '{lp.name}': give include rules or exclude rules, not both", i)
-        try:
-            upgraded = upgrade_inputs(self.net_param)
-        except ShapeError as error:
-            raise self._error(str(error), None) from None
+        # A net built in code may still carry `input:` fields (config upgrades a file's as it reads it).
+        upgraded = input_layer(self.net_param, lambda: self.source.where(None))
         entries = [(None, upgraded)] if upgraded else []
         entries += [(i, lp) for i, lp in enumerate(self.net_param.layer) if layer_included(lp, self.state)]
         for index, lp in entries:  # a name may repeat: Caffe's Net::Init does not refuse it

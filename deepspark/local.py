@@ -3,7 +3,9 @@
 import os
 import time
 
-from deepspark import checkpoint, engine
+from google.protobuf import text_format
+
+from deepspark import checkpoint, config, engine, upgrade
 from deepspark.backends import create_model, device
 from deepspark.config import load_net, net_path, random_seed
 from deepspark.data import DataFeeder, missing_source, source_shape
@@ -171,6 +173,29 @@ def timing(path, iterations, backend, phase=pb.TRAIN, log=None):
         return engine.benchmark(passes, loss, iterations, log)
     finally:
         model.close()
+
+
+def upgrade_net(path, out):
+    """Caffe's upgrade_net_proto_text: the net at `path` upgraded as Caffe reads it, written as text to `out`
+    (a temporary name, then renamed). Returns what Caffe would log: [notes], or ["already in the latest
+    format"] for a net that needs no upgrade (written as it is, as Caffe's tool writes it)."""
+    text, net = config.read_net_text(path)
+    if not upgrade.needs_upgrade(net):
+        notes = [f"{path}: already in the latest proto format"]
+    else:
+        net, source = config.parse_net(text, path)
+        notes = source.notes
+    checkpoint.atomic_write(out, text_format.MessageToString(net).encode())
+    return notes
+
+
+def upgrade_solver(path, out):
+    """Caffe's upgrade_solver_proto_text: `solver_type` as `type`, written as text to `out`; [notes]."""
+    text, param = config.read_solver_text(path)
+    changed = upgrade.upgrade_solver(param, lambda: (path, *config.field_position(text, "solver_type")))
+    notes = [] if changed else [f"{path}: already in the latest proto format"]
+    checkpoint.atomic_write(out, text_format.MessageToString(param).encode())
+    return notes
 
 
 def describe(path, phase=pb.TRAIN, data_shape=None, batch_size=None):

@@ -190,17 +190,19 @@ def test_unknown_field_names_field_and_line():
     assert message.startswith("net.prototxt:4:3: ") and "unknown field 'colour' in LayerParameter" in message
 
 
-def test_unknown_layer_type_lists_supported_types():
+def test_unknown_layer_type_is_named_in_one_line():
     message = error_of(input_layer((1, 2)) + '\nlayer {\n  name: "w"\n  type: "Wobble"\n  bottom: "data"\n'
                        '  top: "w"\n}\n')
     assert message.startswith("net.prototxt:5:3: layer 'w': unknown layer type 'Wobble'")
-    assert "Convolution" in message and "\n" not in message
+    assert "Convolution" not in message and "\n" not in message  # the type and its place, not the registry
 
 
 def test_unsupported_layer_with_its_own_param_message():
-    message = error_of('layer {\n  name: "img"\n  type: "ImageData"\n  top: "data"\n'
-                       '  image_data_param { source: "x" }\n}\n')
-    assert message.startswith("net.prototxt:5:3: layer type 'ImageData' is not supported")
+    # A fork's layer (SSD's PriorBox) whose parameter message BVLC Caffe has not: one line at the field.
+    message = error_of('layer {\n  name: "prior"\n  type: "PriorBox"\n  top: "p"\n'
+                       '  prior_box_param { min_size: 30 }\n}\n')
+    assert message.startswith("net.prototxt:5:3: layer type 'PriorBox' is not supported")
+    assert "\n" not in message and "Convolution" not in message
 
 
 def test_bottom_not_produced_is_named_with_phase():
@@ -223,6 +225,10 @@ def test_impossible_shapes_name_the_layer():
     assert "layer 'cat' (Concat): Concat inputs must match except on axis 1" in error_of(mismatch)
 
 
-def test_v1_layers_format_gets_a_clear_error():
-    message = error_of('name: "old"\nlayers {\n  name: "a"\n  type: RELU\n}\n')
-    assert message.startswith("net.prototxt:2:1: this net uses Caffe's old V1 'layers { }' format")
+def test_v1_layers_format_is_upgraded_as_caffe_reads_it():
+    net, source = parse_net('name: "old"\nlayers {\n  name: "a"\n  type: RELU\n  bottom: "x"\n'
+                                   '  top: "x"\n}\n', "net.prototxt")
+    assert [(layer.name, layer.type) for layer in net.layer] == [("a", "ReLU")] and not net.layers
+    assert source.where(0, "type") == ("net.prototxt", 4, 3)
+    message = error_of('name: "old"\nlayers {\n  name: "a"\n  type: RELU\n  bottom: "x"\n  top: "y"\n}\n')
+    assert message.startswith("net.prototxt:5:3: layer 'a': bottom 'x' is not produced")
