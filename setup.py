@@ -22,6 +22,7 @@ setup(
         "matplotlib>=3.8",
         "tensorboard>=2.16",  # the training job's scalars
         "pyarrow>=14",  # Parquet datasets (deepspark.data.parquet)
+        "h5py>=3.10",  # HDF5Data and HDF5Output layers, snapshot_format: HDF5
     ],
     extras_require={
         "tensorflow": ["tensorflow-cpu>=2.16"],

@@ -198,6 +198,11 @@ class Evaluator:
             model.close()
 
 
+def hdf5_snapshots(param):
+    """Whether the solver's snapshots are HDF5 (snapshot_format: HDF5) rather than binary protos."""
+    return param.snapshot_format == param.HDF5
+
+
 def due_for_test(param, iteration):
     """Caffe's Solver tests `iteration` when it is a test_interval multiple (no test_interval, no test): its loop
     skips iteration 0 unless test_initialization; the end of Solve tests the last iteration on this rule alone."""
@@ -293,12 +298,12 @@ class Trainer:
 
     def snapshot(self):
         prefix = self.param.snapshot_prefix or "snapshot"
-        model_path, state_path = checkpoint.snapshot_paths(prefix, self.iter)
-        self.log.info(f"Snapshotting to binary proto file {model_path}")
+        model_path, state_path = checkpoint.snapshot_paths(prefix, self.iter, hdf5_snapshots(self.param))
+        self.log.info(f"Snapshotting to {checkpoint.snapshot_words(model_path)} {model_path}")
         checkpoint.save_caffemodel(model_path, self.model.graph, self.model.get_params())
         state = self.model.get_state()
         state.learned_net = model_path
-        self.log.info(f"Snapshotting solver state to binary proto file {state_path}")
+        self.log.info(f"Snapshotting solver state to {checkpoint.snapshot_words(state_path)} {state_path}")
         checkpoint.save_solverstate(state_path, state)
         return model_path, state_path
 

@@ -4,6 +4,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 
+from deepspark import pylayer
 from deepspark.errors import SourceMap
 from deepspark.upgrade import input_layer
 from deepspark.proto import deepspark_pb2 as pb
@@ -35,6 +36,7 @@ class LayerSpec:
     with no bottoms; fed: its tops come from a batch (DummyData makes its own);
     labelled: its second bottom is a label; learned: False where the blobs are
     statistics that Caffe keeps out of the solver (BatchNorm).
+    bottoms: how many bottoms it needs at least (a data layer none).
     """
 
     type: str
@@ -45,10 +47,15 @@ class LayerSpec:
     fed: bool = False
     labelled: bool = False
     learned: bool = True
+    bottoms: int = 1
 
     def blob_count(self, lp):
         """How many parameter blobs a layer of this type has, known before its shapes are."""
         return len(self.fillers(lp))
+
+    @property
+    def min_bottoms(self):
+        return 0 if self.data else self.bottoms
 
 
 REGISTRY = {}  # layer type -> LayerSpec
@@ -510,6 +517,68 @@ def _data(lp, bottoms, ctx):
     return [(batch,) + crop_shape(lp.transform_param, source_shape), (batch,)][:len(lp.top)], []
 
 
+# The data layers that read files of their own kind: their rows or images come from the shared data
+# pipeline (deepspark/data/) as a Data layer's records do, and reach both backends as fed tops.
+
+@layer_type("HDF5Data", data=True, fed=True)
+def _hdf5_data(lp, bottoms, ctx):
+    batch = ctx.batch_size or lp.hdf5_data_param.batch_size
+    if not batch:
+        raise ShapeError("HDF5Data needs hdf5_data_param.batch_size")
+    if not lp.top:
+        raise ShapeError("HDF5Data needs a top per dataset it reads")
+    rows = ctx.data_shape(lp)  # {top: the shape of one row}, from the first listed file
+    return [None if rows is None else (batch,) + tuple(rows[top]) for top in lp.top], []
+
+
+@layer_type("ImageData", data=True, fed=True)
+def _image_data(lp, bottoms, ctx):
+    if len(lp.top) not in (1, 2):
+        raise ShapeError("ImageData has one or two tops (data, label)")
+    batch = ctx.batch_size or lp.image_data_param.batch_size
+    source_shape = ctx.data_shape(lp)
+    data = None if source_shape is None else (batch,) + crop_shape(lp.transform_param, source_shape)
+    return [data, (batch,)][:len(lp.top)], []
+
+
+@layer_type("WindowData", data=True, fed=True)
+def _window_data(lp, bottoms, ctx):
+    if len(lp.top) != 2:
+        raise ShapeError("WindowData has two tops (data, label)")
+    crop = lp.transform_param.crop_size
+    if not crop:
+        raise ShapeError("WindowData needs transform_param.crop_size (the size windows are warped to)")
+    batch = ctx.batch_size or lp.window_data_param.batch_size
+    return [(batch, 3, crop, crop), (batch,)], []  # windows of colour images, warped square
+
+
+@layer_type("HDF5Output", bottoms=2)
+def _hdf5_output(lp, bottoms, ctx):
+    if len(bottoms) != 2 or lp.top:
+        raise ShapeError("HDF5Output takes two bottoms (data, label) and has no tops")
+    if not lp.hdf5_output_param.file_name:
+        raise ShapeError("HDF5Output needs hdf5_output_param.file_name")
+    if bottoms[0][:1] != bottoms[1][:1]:
+        raise ShapeError(f"HDF5Output's data {fmt(bottoms[0])} and label {fmt(bottoms[1])} differ in batch size")
+    return [], []
+
+
+# A Python layer: the user's module, set up on zero arrays of its bottoms' shapes (pylayer.Runner).
+
+_python_shapes = {}  # (layer, bottom shapes, folder, phase) -> its top shapes: setup runs once per process
+
+
+@layer_type("Python", bottoms=0)
+def _python(lp, bottoms, ctx):
+    key = (lp.SerializeToString(), tuple(bottoms), ctx.folder, ctx.phase)
+    if key not in _python_shapes:
+        try:
+            _python_shapes[key] = pylayer.Runner(lp, bottoms, ctx.folder, ctx.phase).top_shapes
+        except pylayer.PythonLayerError as error:
+            raise ShapeError(str(error)) from None
+    return list(_python_shapes[key]), []
+
+
 def _types(flag):
     return frozenset(kind for kind, row in REGISTRY.items() if getattr(row, flag))
 
@@ -605,11 +674,14 @@ class Param:
 
 
 class BuildContext:
-    """What shape inference needs from outside the prototxt: the data shapes and a batch size."""
+    """What shape inference needs from outside the prototxt: the data shapes, a batch size, the phase, and the
+    prototxt's folder (where a Python layer's module is looked for first)."""
 
-    def __init__(self, data_shape=None, batch_size=None):
+    def __init__(self, data_shape=None, batch_size=None, phase=pb.TRAIN, folder=None):
         self._data_shape = data_shape
         self.batch_size = batch_size
+        self.phase = phase
+        self.folder = folder
         self.warnings = []
         self.unknown = {}  # layer name -> why its data shape is unknown
 
@@ -621,6 +693,8 @@ class BuildContext:
             self.warnings.append(shape)
             self.unknown[layer_param.name] = shape
             return None
+        if isinstance(shape, dict):  # per top (HDF5Data's datasets)
+            return {top: tuple(dims) for top, dims in shape.items()}
         return tuple(shape) if shape is not None else None
 
 
@@ -633,7 +707,7 @@ class Graph:
         self.source = source or SourceMap("<net>")
         self.state = make_state(net_param, phase, stages, level)
         self.phase = self.state.phase
-        self.context = BuildContext(data_shape, batch_size)
+        self.context = BuildContext(data_shape, batch_size, self.phase, pylayer.source_folder(self.source.filename))
         self.layers = []
         self.blobs = {}  # name -> shape (the latest version of in-place blobs)
         self.producers = {}  # name -> layer name
@@ -682,8 +756,9 @@ class Graph:
                                   f"'{self.producers[top]}' (only in-place use may reuse a blob name)",
                                   index, "top")
         row = REGISTRY[lp.type]
-        if not row.data and not layer.bottoms:
-            raise self._error(f"layer '{lp.name}' ({lp.type}) needs a bottom", index)
+        if len(layer.bottoms) < row.min_bottoms:
+            needed = "a bottom" if row.min_bottoms == 1 else f"{row.min_bottoms} bottoms"
+            raise self._error(f"layer '{lp.name}' ({lp.type}) needs {needed}", index)
         if any(shape is None for shape in layer.bottom_shapes):
             tops, params = [None] * len(layer.tops), [None] * row.blob_count(lp)
         else:
@@ -779,7 +854,10 @@ class Graph:
                  for row in rows]
         total = self.param_count
         if total is None:
-            lines.append(f"total parameters: {self.known_param_count} (known so far; some shapes are unknown)")
+            unknown = sum(size is None for size in (p.size for p in self.params))
+            known = f"; the others hold {self.known_param_count}" if self.known_param_count else ""
+            lines.append(f"total parameters: unknown ({unknown} parameter blob{'s' * (unknown != 1)} of unknown "
+                         f"shape{known})")
         else:
             lines.append(f"total parameters: {total}")
         return "\n".join(line.rstrip() for line in lines)

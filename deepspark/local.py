@@ -8,7 +8,7 @@ from google.protobuf import text_format
 from deepspark import checkpoint, config, engine, upgrade
 from deepspark.backends import create_model, device
 from deepspark.config import load_net, net_path, random_seed
-from deepspark.data import DataFeeder, missing_source, source_shape
+from deepspark.data import SOURCE_PARAMS, feeder_for, missing_source, source_shape
 from deepspark.errors import ConfigError
 from deepspark.graph import DATA_TYPES, FED_TYPES, Graph, layer_included
 from deepspark.log import Log
@@ -16,29 +16,35 @@ from deepspark.proto import deepspark_pb2 as pb
 
 
 def check_sources(net, source_map, phase):
-    """A one-line error naming the first Data layer of `net` in `phase` whose source is not there."""
+    """A one-line error naming the first data layer of `net` in `phase` whose source is not there."""
     state = pb.NetState(phase=phase)
     for index, layer in enumerate(net.layer):
-        if layer.type == "Data" and layer_included(layer, state):
+        if layer.type in SOURCE_PARAMS and layer_included(layer, state):
             missing = missing_source(layer)
             if missing:
                 raise ConfigError(missing, *source_map.where(index))
 
 
 def feeders_for(model, phase, seed=None, shard=0, num_shards=1):
-    """One DataFeeder per Data layer of a model's net; a fed layer with no data source is an error."""
+    """One feeder per data layer of a model's net that reads a source (Data, HDF5Data, ImageData); a fed
+    layer with no data source is an error."""
     feeders = []
     for layer in model.graph.layers:
-        if layer.type in FED_TYPES and layer.type != "Data":
+        where = model.graph.source.where(layer.index)
+        if layer.type in FED_TYPES and layer.type not in SOURCE_PARAMS:
             raise ConfigError(f"layer '{layer.name}' ({layer.type}) has no data to train or test on; "
-                              "use a Data layer reading an LMDB or a Parquet dataset",
-                              *model.graph.source.where(layer.index))
-        if layer.type == "Data":
+                              "use a Data layer reading an LMDB or a Parquet dataset", *where)
+        if layer.type in SOURCE_PARAMS:
             missing = missing_source(layer.param)
             if missing:
-                raise ConfigError(missing, *model.graph.source.where(layer.index))
-            feeders.append(DataFeeder(layer.param, phase, shard=shard, num_shards=num_shards,
-                                      seed=seed, batch_size=model.graph.context.batch_size))
+                raise ConfigError(missing, *where)
+            try:
+                feeders.append(feeder_for(layer.param, phase, shard=shard, num_shards=num_shards, seed=seed,
+                                          batch_size=model.graph.context.batch_size))
+            except ConfigError as error:
+                if error.filename is None:  # about the layer itself: point at it
+                    raise ConfigError(error.message, *where) from None
+                raise
     return feeders
 
 

@@ -120,8 +120,9 @@ def _match_ext(filename, encode_type):
     return aliases.get(ext, ext) == aliases.get(encode_type, encode_type)
 
 
-def _read_image_datum(path, label, color, resize, encode_type):
-    """Caffe's ReadImageToDatum: a Datum of the image at path (raw pixels, or encoded bytes)."""
+def read_image(path, color, resize=None):
+    """Caffe's ReadImageToCVMat: (the file's bytes, whether it is a colour image, uint8 CHW pixels in Caffe's
+    channel order: colour as BGR, or one gray channel), resized to (height, width) when `resize` is given."""
     from PIL import Image, ImageOps
     with open(path, "rb") as f:
         raw = f.read()
@@ -132,7 +133,12 @@ def _read_image_datum(path, label, color, resize, encode_type):
         if resize:
             image = image.convert("RGB" if color else "L").resize(
                 (resize[1], resize[0]), Image.BILINEAR)
-        array = image_to_array(image, color)
+        return raw, own_color, image_to_array(image, color)
+
+
+def _read_image_datum(path, label, color, resize, encode_type):
+    """Caffe's ReadImageToDatum: a Datum of the image at path (raw pixels, or encoded bytes)."""
+    raw, own_color, array = read_image(path, color, resize)
     if not encode_type:
         return make_datum(array, label)
     # Like Caffe, an encoded Datum carries no channels/height/width.

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 
 from deepspark.errors import ConfigError
-from deepspark.data import lmdb_io, parquet
+from deepspark.data import hdf5, images, lmdb_io, parquet
 from deepspark.data.datum import DataError, decode_datum, decode_datums
 from deepspark.data.transform import Transformer, _phase
 from deepspark.proto import deepspark_pb2 as pb
@@ -313,11 +313,25 @@ def _merged_transform(layer_param):
     return tp
 
 
-def feeder_for(layer_param, phase=pb.TRAIN, **kwargs):
-    """A batch source for a data layer: DataFeeder for Data; other types are the backends' own."""
+# What keeps WindowData off a training run, said once.
+WINDOW_DATA_UNTRAINED = ("WindowData (R-CNN's window sampler: foreground and background windows drawn per batch "
+                         "from whole images, cropped with context and warped) is read and described, not trained "
+                         "on: crop and warp the windows into an LMDB once, and train from a Data layer")
+
+
+def feeder_for(layer_param, phase=pb.TRAIN, shard=0, num_shards=1, seed=None, batch_size=None, **kwargs):
+    """The batch source of a data layer that reads its own source: Data (LMDB, Parquet), HDF5Data (.h5 files
+    from a list), ImageData (images from a list). kwargs: DataFeeder's own (shuffle, prefetch, ...)."""
+    where = dict(shard=shard, num_shards=num_shards, seed=seed, batch_size=batch_size)
     if layer_param.type == "Data":
-        return DataFeeder(layer_param, phase, **kwargs)
-    raise ConfigError(f"layer {layer_param.name!r}: the data pipeline reads Data layers (LMDB, Parquet); "
+        return DataFeeder(layer_param, phase, **where, **kwargs)
+    if layer_param.type == "HDF5Data":
+        return hdf5.HDF5Feeder(layer_param, **where)
+    if layer_param.type == "ImageData":
+        return images.ImageFeeder(layer_param, phase, mean=kwargs.get("mean"), **where)
+    if layer_param.type == "WindowData":
+        raise ConfigError(f"layer {layer_param.name!r}: {WINDOW_DATA_UNTRAINED}")
+    raise ConfigError(f"layer {layer_param.name!r}: the data pipeline reads Data, HDF5Data and ImageData layers; "
                       f"{layer_param.type} is handled by the backend")
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from deepspark import checkpoint, fillers
 from deepspark.backends import base
-from deepspark.backends.caffe import compiler, runtime
+from deepspark.backends.caffe import compiler, python_layer, runtime
 from deepspark.graph import fmt
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -49,6 +49,7 @@ class Model(base.Model):
         if self.seed is not None:
             caffe.set_random_seed(self.seed)
         net = compiler.to_caffe(ours, caffe.proto.caffe_pb2.NetParameter)
+        python_layer.prepare(self.graph)
         if self.train:
             solver = compiler.to_caffe(compiler.solver_param(self.solver_param, self.iter_size),
                                        caffe.proto.caffe_pb2.SolverParameter)
