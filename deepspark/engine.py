@@ -85,10 +85,11 @@ def score(model, feeders, iterations, log=None):
 
 
 def log_outputs(log, net, means, prefix):
-    """One line per output value, with Caffe's `(* weight = weighted loss)` for loss outputs."""
+    """One line per output value, with Caffe's `(* weight = weighted loss)` for loss outputs; outputs in
+    Caffe's order, by name (Net::Init collects them in a std::set)."""
     weights = {top: w for layer in net.layers for top, w in zip(layer.tops, layer.loss_weights)}
     index = 0
-    for name, mean in means.items():
+    for name, mean in sorted(means.items()):
         for value in np.ravel(mean):
             suffix = f" (* {weights[name]:g} = {weights[name] * value:g} loss)" if weights.get(name) else ""
             log.info(prefix.format(index=index) + f"{name} = {value:g}{suffix}")
@@ -307,6 +308,15 @@ class Trainer:
         checkpoint.save_solverstate(state_path, state)
         return model_path, state_path
 
+    def log_train_outputs(self, loss):
+        """Caffe's display of the train net's outputs after a step: `Train net output #k: name = v`, with
+        `(* w = v' loss)` for a loss; the step's loss alone where a backend cannot tell them."""
+        outputs = self.model.train_outputs()
+        if outputs is None:
+            self.log.info(f"    Train net output #0: loss = {loss:.6g}")
+        else:
+            log_outputs(self.log, self.model.graph, outputs, "    Train net output #{index}: ")
+
     def solve(self):
         """Caffe's Solver::Solve: test every test_interval, display, snapshot; returns the last test results."""
         p, log = self.param, self.log
@@ -323,7 +333,7 @@ class Trainer:
                 now = time.monotonic()
                 speed = (iteration - last_iter) / (now - last_time) if now > last_time and iteration > last_iter else 0
                 log.info(f"Iteration {iteration} ({speed:.4g} iter/s), loss = {self.smoothed_loss:.6g}")
-                log.info(f"    Train net output #0: loss = {loss:.6g}")
+                self.log_train_outputs(loss)
                 log.info(f"Iteration {iteration}, lr = {rate:.6g}")
                 last_time, last_iter = now, iteration
             log.progress(progress_bar(self.iter, p.max_iter, started=started,

@@ -166,6 +166,12 @@ class Model(base.Model):
         self._caffe_current_step = self.current_step
         return float(np.mean(self._pass_losses))
 
+    def train_outputs(self):
+        if self._solver is None or not self.iter:
+            return None
+        blobs = self._net.blobs  # as the last forward of the last step left them
+        return {name: np.array(blobs[name].data, np.float32) for name in self.graph.outputs}
+
     def forward(self, batch):
         self._load(batch)
         self._net.forward()

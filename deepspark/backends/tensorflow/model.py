@@ -114,18 +114,21 @@ class Model(base.Model):
                                              momentum=tf.constant(param.momentum, tf.float32),
                                              use_nesterov=self.solver_type == "Nesterov")
 
+    def _outputs(self, blobs):
+        return {name: blobs[name].caffe for name in self.graph.outputs}
+
     def _step(self, inputs, rate, iteration):
-        loss, _, grads, updates = self._pass(inputs, True)
+        loss, blobs, grads, updates = self._pass(inputs, True)
         self._apply_running(updates)
         self._solve(grads, rate, iteration)
-        return loss
+        return loss, self._outputs(blobs)
 
     def _accumulate(self, inputs):
-        loss, _, grads, updates = self._pass(inputs, True)
+        loss, blobs, grads, updates = self._pass(inputs, True)
         self._apply_running(updates)
         for total, grad in zip(self._accumulated, grads):
             total.assign_add(grad)
-        return loss
+        return loss, self._outputs(blobs)
 
     def _apply_accumulated(self, rate, iteration):
         self._solve([total.read_value() for total in self._accumulated], rate, iteration)
@@ -177,12 +180,18 @@ class Model(base.Model):
         rate = tf.constant(self.next_rate(), tf.float32)
         iteration = tf.constant(float(self.iter), tf.float32)
         if self.iter_size == 1:
-            loss = self._step_fn(self.feed(batches[0]), rate, iteration)
+            loss, self._train_outputs = self._step_fn(self.feed(batches[0]), rate, iteration)
         else:
-            loss = tf.add_n([self._accumulate_fn(self.feed(b)) for b in batches]) / self.iter_size
+            passes = [self._accumulate_fn(self.feed(b)) for b in batches]
+            loss = tf.add_n([pass_loss for pass_loss, _ in passes]) / self.iter_size
+            self._train_outputs = passes[-1][1]
             self._apply_fn(rate, iteration)
         self.iter += 1
         return float(loss)
+
+    def train_outputs(self):
+        outputs = getattr(self, "_train_outputs", None)
+        return None if outputs is None else {name: value.numpy() for name, value in outputs.items()}
 
     def forward(self, batch):
         return {name: value.numpy() for name, value in self._forward_fn(self.feed(batch)).items()}
