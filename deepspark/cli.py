@@ -132,7 +132,7 @@ def cmd_time(args):
 
 
 def cmd_compare(args):
-    result = compare.run(args.model, weights=args.weights, solver_path=args.solver,
+    result = compare.run(args.model, weights=args.weights, solver_path=args.solver, data_shape=args.data_shape,
                          **fields_of(args, pb.CompareParameter))
     return 0 if result["ok"] else 1
 
@@ -173,7 +173,7 @@ def split_list(text):
 
 
 def cmd_describe(args):
-    table, warnings = local.describe(args.net, args.phase, args.data_shape, args.batch_size)
+    table, warnings = local.describe(args.net, args.phase, args.data_shape, args.batch_size, args.stage)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(table)
@@ -268,7 +268,10 @@ def parser():
     comparison = verbs.add_parser("compare", help="run one net on several backends and compare")
     comparison.add_argument("--model", required=True, help="net .prototxt (or model folder)")
     comparison.add_argument("--weights", help="weights .caffemodel (default: the first backend's fillers)")
-    comparison.add_argument("--solver", help="also train --iterations from the same weights and batches")
+    comparison.add_argument("--solver", help="also train --iterations from the same weights and batches; its first "
+                                             "test_state's stages choose the TEST net's layers")
+    comparison.add_argument("--data-shape", type=data_shape, help="C,H,W of the data layers whose source is absent "
+                                                                  "(as describe takes it)")
     add_fields(comparison, pb.CompareParameter)
     comparison.set_defaults(run=cmd_compare)
 
@@ -308,6 +311,8 @@ def parser():
     describe.add_argument("--phase", type=phase, default=pb.TRAIN, help="TRAIN or TEST (default TRAIN)")
     describe.add_argument("--data-shape", type=data_shape, help="C,H,W of the Data layers when their LMDB is absent")
     describe.add_argument("--batch-size", type=positive, help="override the batch size")
+    describe.add_argument("--stage", action="append", help="a NetState stage that chooses layers, as Caffe's --stage "
+                                                           "(repeat it for several)")
     describe.set_defaults(run=cmd_describe)
 
     upgrade_net = verbs.add_parser("upgrade-net", help="Caffe's upgrade_net_proto_text: an old net (V0/V1 "

@@ -204,10 +204,12 @@ def upgrade_solver(path, out):
     return notes
 
 
-def describe(path, phase=pb.TRAIN, data_shape=None, batch_size=None):
-    """(the `describe` table of a net, its warnings): layers, top shapes, parameter shapes, total."""
+def describe(path, phase=pb.TRAIN, data_shape=None, batch_size=None, stages=None):
+    """(the `describe` table of a net, its warnings): layers, top shapes, parameter shapes, total. stages: the
+    NetState stages that choose layers (Caffe's --stage), as a solver's test_state gives them."""
     net, source = load_net(net_path(path))
-    net_graph = Graph(net, phase, source=source, batch_size=batch_size,
+    net_graph = Graph(net, phase, stages=stages, source=source, batch_size=batch_size,
                       data_shape=lambda layer: source_shape(layer, data_shape))
     warnings = [f"{warning}, or give --data-shape C,H,W" for warning in dict.fromkeys(net_graph.warnings)]
+    warnings += source.notes
     return net_graph.describe(), warnings
