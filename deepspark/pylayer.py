@@ -146,6 +146,15 @@ def import_module(name, folder=None):
         return module
 
 
+def module_file(name, folder=None):
+    """The file of the user's module `name` (its package's __init__.py for a package), as import_module finds it."""
+    spec = _find(name, folder)
+    if spec is None:
+        where = f"{folder} and " if folder else ""
+        raise PythonLayerError(f"cannot find module '{name}' (looked in {where}sys.path, which PYTHONPATH extends)")
+    return spec.origin
+
+
 def _find(name, folder):
     """The import spec of `name` on search_path(folder), its parent packages imported as usual."""
     parent, _, leaf = name.rpartition(".")

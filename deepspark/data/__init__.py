@@ -9,8 +9,9 @@ from deepspark.data.feeder import DataFeeder, feeder_for
 from deepspark.data.lmdb_io import shard_range
 from deepspark.data.parquet import is_parquet, is_uri, reader
 from deepspark.data.transform import Transformer
+from deepspark.proto import deepspark_pb2 as pb
 
-__all__ = ["SOURCE_PARAMS", "DataError", "DataFeeder", "Transformer", "check_datum", "checked_records", "count",
+__all__ = ["SOURCE_PARAMS", "absolute_sources", "DataError", "DataFeeder", "Transformer", "check_datum", "checked_records", "count",
            "decode_datum", "encode_datum", "feeder_for", "is_parquet", "load_mean", "missing_source", "peek_shape",
            "shard_range", "source_of", "source_shape"]
 
@@ -96,6 +97,22 @@ def _data_shape(layer_param, data_shape=None):
     if crop_h and crop_w and len(tp.mean_value) > 1:
         return (len(tp.mean_value), crop_h, crop_w)
     return unread or missing_source(layer_param)
+
+
+def absolute_sources(net):
+    """A copy of `net` whose list-reading data layers name their lists (and an ImageData layer its image folder)
+    by absolute paths, as the driver sees them: an executor's working directory is not the driver's."""
+    out = pb.NetParameter()
+    out.CopyFrom(net)
+    for layer in out.layer:
+        if layer.type in ("HDF5Data", "ImageData") and source_of(layer):
+            param = getattr(layer, SOURCE_PARAMS[layer.type])
+            param.source = os.path.abspath(param.source)
+            if layer.type == "ImageData" and not os.path.isabs(param.root_folder):
+                # Caffe joins root_folder and the listed path as strings: keep a trailing separator's meaning.
+                param.root_folder = os.path.join(os.getcwd(), param.root_folder) if param.root_folder else \
+                    os.getcwd() + os.sep
+    return out
 
 
 def missing_source(layer_param):

@@ -6,7 +6,9 @@ import itertools
 import os
 import re
 import secrets
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -14,9 +16,10 @@ import uuid
 
 import numpy as np
 
-from deepspark import checkpoint, engine, fillers, local, schedule
+from deepspark import checkpoint, engine, fillers, local, pylayer, schedule
 from deepspark.config import host_port, random_seed
-from deepspark.data import checked_records, decode_datum, lmdb_io, source_shape
+from deepspark.data import absolute_sources, checked_records, decode_datum, lmdb_io, source_shape
+from deepspark.data.feeder import WINDOW_DATA_UNTRAINED
 from deepspark.data.parquet import COLUMNS, DATUM, is_parquet, null_row
 from deepspark.errors import ConfigError, DeepSparkError
 from deepspark.exchange import ExchangeServer
@@ -26,7 +29,7 @@ from deepspark.log import Log
 from deepspark.plot import plot_history
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.session import is_local, on_loopback, spark_context, sql_session, stop_context, worker_threads
-from deepspark.spark.worker import Range, Task, row_datum
+from deepspark.spark.worker import Listed, Range, Task, row_datum
 
 # Seconds the driver waits for the Spark job's thread once it has cancelled the job.
 CANCEL_SECONDS = 30
@@ -104,16 +107,48 @@ def warn_if_the_secret_is_readable(sc, log):
 
 
 def train_source(solver):
-    """The LMDB or Parquet dataset the train net's one Data layer reads in the TRAIN phase; a one-line
-    error if there is not exactly one, or it is not there."""
+    """The LMDB or Parquet dataset the train net's one Data layer reads in the TRAIN phase, or None for a net
+    that reads its data through its own layers (HDF5Data, ImageData, a Python data layer, DummyData: each
+    executor reads its share itself); a one-line error if there is not exactly one Data layer or none, or its
+    source is not there."""
     train = pb.NetState(phase=pb.TRAIN)
-    sources = {layer.data_param.source for layer in solver.train_net.layer
-               if layer.type == "Data" and layer_included(layer, train)}
+    included = [(i, layer) for i, layer in enumerate(solver.train_net.layer) if layer_included(layer, train)]
+    sources = {layer.data_param.source for _, layer in included if layer.type == "Data"}
+    windows = [i for i, layer in included if layer.type == "WindowData"]
+    if windows:
+        raise ConfigError(f"layer '{solver.train_net.layer[windows[0]].name}': {WINDOW_DATA_UNTRAINED}",
+                          *solver.train_map.where(windows[0]))
+    if not sources and any(reads_its_own_data(layer) for _, layer in included):
+        local.check_sources(solver.train_net, solver.train_map, pb.TRAIN)
+        return None
     if len(sources) != 1:
         raise ConfigError("the Spark job needs exactly one Data layer (an LMDB or a Parquet dataset) in the TRAIN "
                           "phase of the train net", solver.path)
     local.check_sources(solver.train_net, solver.train_map, pb.TRAIN)
     return sources.pop()
+
+
+def reads_its_own_data(layer):
+    """A data layer that is not an LMDB's: it reads its own list, or makes its data (a Python layer without
+    bottoms, DummyData)."""
+    return layer.type in ("HDF5Data", "ImageData", "DummyData") or (layer.type == "Python" and not layer.bottom)
+
+
+def ship_python_layers(sc, solver):
+    """Each module a Python layer of the train net names, to every executor with the job (sc.addPyFile): found
+    where the layer finds it, beside the net's prototxt or on sys.path."""
+    folder = pylayer.source_folder(solver.train_map.filename)
+    for module in dict.fromkeys(layer.python_param.module for layer in solver.train_net.layer
+                                if layer.type == "Python"):
+        try:
+            path = pylayer.module_file(module, folder)
+        except pylayer.PythonLayerError as error:
+            raise ConfigError(str(error), solver.train_map.filename) from None
+        if os.path.basename(path) == "__init__.py":  # a package goes as a zip of its folder
+            package = os.path.dirname(path)
+            zipped = os.path.join(tempfile.mkdtemp(prefix="deepspark-pylayer-"), os.path.basename(package))
+            path = shutil.make_archive(zipped, "zip", os.path.dirname(package), os.path.basename(package))
+        sc.addPyFile(path)
 
 
 def shard_of(index, total, shards):
@@ -478,6 +513,7 @@ class Job:
                     self.own_sc = self.sc
                     stack.callback(self.stop_session)
             warn_if_the_secret_is_readable(self.sc, self.log)
+            ship_python_layers(self.sc, self.solver)
             self.shards = self.load_shards()
             self.next_test = next_multiple(self.start_iter, self.param.test_interval, self.param.test_initialization)
             self.next_snapshot = next_multiple(self.start_iter, self.param.snapshot)
@@ -498,7 +534,8 @@ class Job:
             self.scalars = Scalars(os.path.join(self.output, "tensorboard"), self.log)
             stack.callback(self.scalars.close)
             self.task = task = Task(job_id=uuid.uuid4().hex[:12], solver=self.param.SerializeToString(),
-                        train_net=self.solver.train_net.SerializeToString(), solver_path=self.solver.path,
+                        train_net=absolute_sources(self.solver.train_net).SerializeToString(),
+                        solver_path=self.solver.path,
                         address=self.exchange_address(), secret=secret,
                         threads=self.threads())
             self.log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
@@ -532,7 +569,12 @@ class Job:
         data, options, log, workers = self.options.data, self.options, self.log, self.workers
         streamed = "each task streams its partition into its local LMDB; the driver holds no records"
         source = None if data is not None else train_source(self.solver)
-        if source is not None and is_parquet(source):
+        if data is None and source is None:
+            payloads, total = [Listed(worker, workers) for worker in range(workers)], None
+            shards, shape = self.sc.parallelize(payloads, workers), None
+            log.info(f"Sharded the train net's own data sources into {workers} shards (each executor reads its "
+                     "share of them itself; nothing is spilled)")
+        elif source is not None and is_parquet(source):
             shards, shape, total = parquet_shards(sql_session(self.sc), source, workers)
             log.info(f"Planned {workers} shards of the {total} records of the Parquet dataset {source} ({streamed})")
         elif data is not None:

@@ -58,10 +58,10 @@ class Task:
         return pb.SolverParameter.FromString(self.solver)
 
     def solver_for(self, shard_path):
-        """The job's solver with the train net's Data layers reading the local shard."""
+        """The job's solver with the train net's Data layers reading the local shard (None: as they are)."""
         net = pb.NetParameter.FromString(self.train_net)
         for layer in net.layer:
-            if layer.type == "Data":
+            if layer.type == "Data" and shard_path is not None:
                 layer.data_param.source = shard_path
         return Solver(self.param, self.solver_path, net, SourceMap(self.solver_path), [])
 
@@ -179,6 +179,16 @@ class Range:
     total: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """A shard of a net that reads its data through its own layers (HDF5Data and ImageData lists, a Python
+    data layer, DummyData): shard `shard` of `shards`, which the executor's feeders read themselves, nothing
+    spilled (its partition's one item)."""
+
+    shard: int
+    shards: int
+
+
 def not_visible(worker, source):
     """The one line for an LMDB that this executor cannot see, naming the ways on."""
     return (f"worker {worker} on {socket.gethostname()}: the LMDB {source} is not visible here; put it on storage "
@@ -237,7 +247,7 @@ def payload_of(items):
     first = next(items, None)
     if first is None:
         return iter(())
-    if isinstance(first, Range):
+    if isinstance(first, (Range, Listed)):
         drain(items)  # to its end, which PySpark must see to reuse this Python worker
         return first
     return itertools.chain([first], items)
@@ -321,18 +331,21 @@ def build(worker, payload, task):
     """Spill the shard and build the worker's Trainer: (trainer, shard path, Prepared)."""
     set_threads(task.threads)
     reset_peak_rss()
-    shard_path, records, spill_seconds = spill(payload, task.job_id, worker)
+    if isinstance(payload, Listed):  # the net's own layers read this worker's share: nothing to spill
+        shard_path, records, spill_seconds, shard, shards = None, 0, 0.0, payload.shard, payload.shards
+    else:
+        (shard_path, records, spill_seconds), shard, shards = spill(payload, task.job_id, worker), 0, 1
     ready_at, spill_rss = time.time(), peak_rss_mb()
     try:
         began = time.monotonic()
         backend_module(task.param.deepspark_param.backend)  # its import (TensorFlow's) timed apart from the build
         imported = time.monotonic()
         # The log goes to the executor's stderr, which Spark keeps in the executor's log.
-        trainer = local.trainer(task.solver_for(shard_path), Log(progress=False), seed_offset=worker,
-                                threads=task.threads, evaluate=False)
+        trainer = local.trainer(task.solver_for(shard_path), Log(progress=False), shard=shard, num_shards=shards,
+                                seed_offset=worker, threads=task.threads, evaluate=False)
         trainer.on_step = functools.partial(check_finite, worker, None)  # until it joins the center
     except BaseException:
-        shutil.rmtree(shard_path, ignore_errors=True)
+        remove_shard(shard_path)
         raise
     prepared = Prepared(records, spill_seconds, spill_rss, ready_at, import_seconds=imported - began,
                         build_seconds=time.monotonic() - imported)
@@ -408,4 +421,10 @@ def run(worker, items, task, train, timeout):
         return summary
     finally:
         trainer.close()
+        remove_shard(shard_path)
+
+
+def remove_shard(shard_path):
+    """Delete a worker's spilled shard (None: it spilled none)."""
+    if shard_path:
         shutil.rmtree(shard_path, ignore_errors=True)
