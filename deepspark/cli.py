@@ -234,6 +234,19 @@ def forward_job(verbs, name, help_text, data):
     return verb
 
 
+def upgrade_verbs(verbs):
+    """upgrade-net and upgrade-solver: Caffe's upgrade tools, each an old file in and today's out."""
+    for name, what, tool, help_text in (
+            ("upgrade-net", "net", "upgrade_net_proto_text", "an old net (V0/V1 layers, input fields) as today's "
+                                                              "prototxt"),
+            ("upgrade-solver", "solver", "upgrade_solver_proto_text", "an old solver's solver_type enum as its "
+                                                                        "type string")):
+        verb = verbs.add_parser(name, help=f"Caffe's {tool}: {help_text}")
+        verb.add_argument("input", help=f"the old {what} .prototxt")
+        verb.add_argument("output", help="the upgraded .prototxt to write")
+        verb.set_defaults(run=cmd_upgrade_net if what == "net" else cmd_upgrade_solver)
+
+
 def parser():
     top = Parser(
         prog="deepspark", description="Train Caffe-defined networks on Spark with asynchronous EASGD.")
@@ -315,18 +328,7 @@ def parser():
                                                            "(repeat it for several)")
     describe.set_defaults(run=cmd_describe)
 
-    upgrade_net = verbs.add_parser("upgrade-net", help="Caffe's upgrade_net_proto_text: an old net (V0/V1 "
-                                                       "layers, input fields) as today's prototxt")
-    upgrade_net.add_argument("input", help="the old net .prototxt")
-    upgrade_net.add_argument("output", help="the upgraded .prototxt to write")
-    upgrade_net.set_defaults(run=cmd_upgrade_net)
-
-    upgrade_solver = verbs.add_parser("upgrade-solver", help="Caffe's upgrade_solver_proto_text: an old solver's "
-                                                             "solver_type enum as its type string")
-    upgrade_solver.add_argument("input", help="the old solver .prototxt")
-    upgrade_solver.add_argument("output", help="the upgraded .prototxt to write")
-    upgrade_solver.set_defaults(run=cmd_upgrade_solver)
-
+    upgrade_verbs(verbs)
     mnist = verbs.add_parser("convert-mnist", help="MNIST-format IDX files (gzipped or not) to an LMDB "
                                                    "(or Parquet: OUT ending in .parquet)")
     mnist.add_argument("images")

@@ -192,3 +192,12 @@ def test_a_bad_python_layer_is_one_line_at_the_layer(tmp_path, module, layer, ex
     assert status == 1 and err.count("\n") == 1, err
     assert err.startswith(f"deepspark describe: error: {path}:2:1: layer 'data' (Python): "
                           + expected.format(folder=tmp_path)), err
+
+
+def test_export_refuses_a_python_layer_in_one_line(tmp_path):
+    path = beside(tmp_path, REGRESSION, PYLOSS, name="deploy.prototxt")
+    status, _, err = run_cli("export", "--model", path, "--weights", str(tmp_path / "w.caffemodel"),
+                             "--output", str(tmp_path / "saved"))
+    assert status == 1 and err.strip() == (f"deepspark export: error: {path}:8:1: layer 'loss' is a Python layer: a "
+                                           "SavedModel carries no Python code, so export cannot hold it")
+    assert not (tmp_path / "saved").exists()

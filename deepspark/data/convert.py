@@ -86,15 +86,20 @@ def convert_mnist(images, labels, out, overwrite=False):
 # ---------------------------------------------------------------------------
 # Image folders (Caffe's convert_imageset)
 
-def read_list_file(listfile):
-    """[(filename, label, line_number)] of a `FILENAME LABEL` list file."""
+def read_list_text(listfile, what="list file"):
+    """The text of a list file (convert-imageset's, an ImageData or HDF5Data layer's source); one line if not."""
     try:
         with open(listfile, encoding="utf-8") as f:
-            text = f.read()
+            return f.read()
     except OSError as e:
-        raise DataError(f"cannot read the list file ({e.strerror})", listfile) from None
+        raise DataError(f"cannot read the {what} ({e.strerror})", listfile) from None
     except UnicodeDecodeError:
-        raise DataError("the list file is not UTF-8 text", listfile) from None
+        raise DataError(f"the {what} is not UTF-8 text", listfile) from None
+
+
+def read_list_file(listfile):
+    """[(filename, label, line_number)] of a `FILENAME LABEL` list file."""
+    text = read_list_text(listfile)
     entries = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()

@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from deepspark.config import resolve
+from deepspark.data.convert import read_list_text
 from deepspark.data.datum import DataError
 from deepspark.data.lmdb_io import shard_range
 from deepspark.errors import ConfigError
@@ -29,11 +30,7 @@ def _h5py():
 
 def read_list(source):
     """[(path, line)] of the .h5 files an HDF5Data source list names, resolved (cwd, then the list's folder)."""
-    try:
-        with open(source, encoding="utf-8") as stream:
-            text = stream.read()
-    except OSError as error:
-        raise DataError(f"cannot read the HDF5 list file ({error.strerror})", source) from None
+    text = read_list_text(source, "HDF5 list file")
     base = os.path.dirname(os.path.abspath(source))
     files = [(resolve(token, base), number) for number, line in enumerate(text.splitlines(), 1)
              for token in line.split()]
