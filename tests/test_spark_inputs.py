@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 
+import h5py
 import pytest
 
 from conftest import ROOT
@@ -42,7 +43,8 @@ def test_hdf5_images_and_a_python_layer_train_on_two_workers(tmp_path):
     shutil.copy(os.path.join(PYCAFFE, "layers", "pyloss.py"), linreg / "net")
     (linreg / "solver.prototxt").write_text(SOLVER.format(nets='net: "net/linreg.prototxt"', iterations=20,
                                                           prefix=linreg / "out" / "linreg").replace("test_iter: 5\n",
-                                                                                                      ""))
+                                                                                                      "")
+                                        + "snapshot_format: HDF5\n")
     for folder in (hdf5, images, linreg):
         (folder / "out").mkdir()
     runs = start_runs([str(hdf5 / "solver.prototxt"), str(images / "solver.prototxt"), str(linreg / "solver.prototxt")],
@@ -59,4 +61,9 @@ def test_hdf5_images_and_a_python_layer_train_on_two_workers(tmp_path):
     accuracy = [float(a) for a in re.findall(r"Test net output #0: accuracy = ([\d.]+)", logs["hdf5"])]
     assert len(accuracy) == 2 and accuracy[-1] > 0.8 and accuracy[-1] > accuracy[0], accuracy
     assert "Test net output #0: accuracy = " in logs["images"]
-    assert summaries[2]["iterations"] == 20 and os.path.exists(linreg / "out" / "linreg_iter_20.caffemodel")
+    # snapshot_format: HDF5 on Spark too: the center in Caffe's layout, the workers' histories beside Caffe's
+    assert summaries[2]["iterations"] == 20 and summaries[2]["weights"].endswith("linreg_iter_20.caffemodel.h5")
+    with h5py.File(linreg / "out" / "linreg_iter_20.caffemodel.h5") as h5:
+        assert h5["data/ipx/0"].shape == (10, 6) and h5["data/ipy/1"].shape == (10,)
+    with h5py.File(linreg / "out" / "linreg_iter_20.solverstate.h5") as h5:
+        assert int(h5["iter"][()]) == 20 and sorted(h5["deepspark_worker_state"]) == ["0", "1"]

@@ -780,14 +780,15 @@ class Job:
     def snapshot(self, iteration, observed=None):
         self.snapshotted = iteration
         self._note_observed("Snapshotting", iteration, observed)
-        model_path, state_path = checkpoint.snapshot_paths(self.param.snapshot_prefix, iteration)
+        model_path, state_path = checkpoint.snapshot_paths(self.param.snapshot_prefix, iteration,
+                                                           engine.hdf5_snapshots(self.param))
         center = self.center_arrays()
         # x̃ first, as read: its line is when it was taken (time-to-accuracy reads it), not after the wait for
         # the workers' histories, which only the solver state holds.
-        self.log.info(f"Snapshotting to binary proto file {model_path}")
+        self.log.info(f"Snapshotting to {checkpoint.snapshot_words(model_path)} {model_path}")
         checkpoint.save_caffemodel(model_path, self.graph, center)
         workers = self.worker_states()
-        self.log.info(f"Snapshotting solver state to binary proto file {state_path}"
+        self.log.info(f"Snapshotting solver state to {checkpoint.snapshot_words(state_path)} {state_path}"
                       + (f" (with the solver history of {len(workers)} workers)" if workers else ""))
         # The center's own solver state: x̃ moves by elastic differences, not by a solver of its own, so
         # its history is zeros, one blob per parameter and history set, as Caffe's restore expects; each
@@ -846,7 +847,8 @@ class Job:
                      f"then the spill), {100 * ready / max(train, 1e-9):.2f}% of training time")
         if p.snapshot_after_train and self.snapshotted != final:
             self.snapshot(final)
-        weights = checkpoint.snapshot_paths(p.snapshot_prefix, final)[0] if self.snapshotted == final else None
+        weights = (checkpoint.snapshot_paths(p.snapshot_prefix, final, engine.hdf5_snapshots(p))[0]
+                   if self.snapshotted == final else None)
         values = self.last_test_values
         if self.solver.test_nets and engine.due_for_test(p, final) and self.tested != final:  # Caffe's last test
             values = self.test(final)
