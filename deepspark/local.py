@@ -8,7 +8,8 @@ from google.protobuf import text_format
 from deepspark import checkpoint, config, engine, upgrade
 from deepspark.backends import create_model, device
 from deepspark.config import load_net, net_path, random_seed
-from deepspark.data import SOURCE_PARAMS, feeder_for, missing_source, source_shape
+from deepspark.data import SOURCE_PARAMS, check_listed, feeder_for, missing_source, source_shape
+from deepspark.data.feeder import WINDOW_DATA_UNTRAINED
 from deepspark.errors import ConfigError
 from deepspark.graph import DATA_TYPES, FED_TYPES, Graph, layer_included
 from deepspark.log import Log
@@ -16,13 +17,17 @@ from deepspark.proto import deepspark_pb2 as pb
 
 
 def check_sources(net, source_map, phase):
-    """A one-line error naming the first data layer of `net` in `phase` whose source is not there."""
+    """A one-line error naming the first data layer of `net` in `phase` whose source is not there, or whose
+    list names a file that is not (checked before a backend starts: they are cheap, a backend is not)."""
     state = pb.NetState(phase=phase)
     for index, layer in enumerate(net.layer):
         if layer.type in SOURCE_PARAMS and layer_included(layer, state):
             missing = missing_source(layer)
             if missing:
                 raise ConfigError(missing, *source_map.where(index))
+            if layer.type == "WindowData":
+                raise ConfigError(f"layer '{layer.name}': {WINDOW_DATA_UNTRAINED}", *source_map.where(index))
+            check_listed(layer)
 
 
 def feeders_for(model, phase, seed=None, shard=0, num_shards=1):

@@ -1,5 +1,6 @@
 """HDF5Data, ImageData, WindowData and HDF5Output through the shared data pipeline; snapshot_format: HDF5."""
 
+import contextlib
 import gzip
 import os
 import shutil
@@ -31,6 +32,14 @@ snapshot_prefix: "{prefix}"
 random_seed: 1
 solver_mode: CPU
 """
+
+
+def train_here(solver, backend, cwd=None, **options):
+    """`deepspark train --algorithm single --backend BACKEND` in this process (in `cwd`): TensorFlow and pycaffe
+    load once for the module's tests, not once per run; returns its summary."""
+    with contextlib.chdir(cwd or os.getcwd()):
+        return local.train(config.override(config.load_solver(str(solver)), algorithm="single", backend=backend),
+                           **options)
 
 
 def two_classes(n, seed):
@@ -66,9 +75,7 @@ def test_the_hdf5_classification_example_trains_from_its_list(tmp_path, net, bac
     solver = tmp_path / "examples" / "hdf5_classification" / "solver.prototxt"
     solver.write_text(SOLVER.format(nets=f'net: "examples/hdf5_classification/{net}"', iterations=40,
                                     prefix="examples/hdf5_classification/logreg"))
-    status, _, err = run_cli("train", "--solver", "examples/hdf5_classification/solver.prototxt", "--algorithm",
-                             "single", "--backend", backend, cwd=str(tmp_path))
-    assert status == 0, err
+    train_here("examples/hdf5_classification/solver.prototxt", backend, tmp_path)
     log = (tmp_path / "examples" / "hdf5_classification" / "train.log").read_text()
     accuracy = [float(line.split("= ")[1]) for line in log.splitlines() if "Test net output #0: accuracy" in line]
     assert len(accuracy) == 2 and accuracy[-1] > 0.8 and accuracy[-1] > accuracy[0], accuracy
@@ -221,8 +228,7 @@ def test_image_data_trains_from_a_folder_of_pngs(tmp_path, backend):
     net.write_text(IMAGE_NET.format(root=tmp_path, transform="", extra="is_color: false shuffle: true"))
     solver = tmp_path / "solver.prototxt"
     solver.write_text(SOLVER.format(nets=f'net: "{net}"', iterations=4, prefix=tmp_path / "images"))
-    status, _, err = run_cli("train", "--solver", str(solver), "--algorithm", "single", "--backend", backend)
-    assert status == 0, err
+    train_here(solver, backend)
     log = (tmp_path / "train.log").read_text()
     assert log.count("Train net output #0: loss = ") == 4 and "Test net output #0: accuracy = " in log
 
@@ -268,9 +274,7 @@ def test_hdf5_snapshots_have_caffes_layout_and_resume(tmp_path, backend):
     solver.write_text(SOLVER.format(nets='net: "nonlinear_train_val.prototxt"', iterations=4, prefix="snap/net")
                       .replace("lr_policy", "snapshot: 2\nsnapshot_format: HDF5\nlr_policy"))
     (tmp_path / "snap").mkdir()
-    status, _, err = run_cli("train", "--solver", "solver.prototxt", "--algorithm", "single", "--backend", backend,
-                             cwd=str(tmp_path))
-    assert status == 0, err
+    train_here("solver.prototxt", backend, tmp_path)
     log = (tmp_path / "snap" / "train.log").read_text()
     assert "Snapshotting to HDF5 file snap/net_iter_2.caffemodel.h5" in log
     assert "Snapshotting solver state to HDF5 file snap/net_iter_4.solverstate.h5" in log
@@ -286,9 +290,7 @@ def test_hdf5_snapshots_have_caffes_layout_and_resume(tmp_path, backend):
     state = checkpoint.read_solverstate(str(tmp_path / "snap" / "net_iter_2.solverstate.h5"))
     checkpoint.save_solverstate(str(tmp_path / "copy.solverstate"), state)  # the same state as a binary proto
     assert checkpoint.read_solverstate(str(tmp_path / "copy.solverstate")) == state and state.iter == 2
-    status, _, err = run_cli("train", "--solver", "solver.prototxt", "--algorithm", "single", "--backend", backend,
-                             "--snapshot", "snap/net_iter_2.solverstate.h5", cwd=str(tmp_path))
-    assert status == 0, err
+    train_here("solver.prototxt", backend, tmp_path, snapshot="snap/net_iter_2.solverstate.h5")
     log = (tmp_path / "snap" / "train.log").read_text().split("Restoring previous solver status from "
                                                                "snap/net_iter_2.solverstate.h5")[1]
     assert "Finetuning from snap/net_iter_2.caffemodel.h5" in log  # the state's learned_net, as Caffe restores

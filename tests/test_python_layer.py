@@ -13,6 +13,7 @@ from conftest import ROOT, run_cli
 from deepspark import config, graph
 from deepspark.backends import create_model
 from deepspark.proto import deepspark_pb2 as pb
+from test_data_layers import train_here
 
 PYCAFFE = os.path.join(ROOT, "tests", "data", "bvlc", "examples", "pycaffe")
 PYLOSS = os.path.join(PYCAFFE, "layers", "pyloss.py")
@@ -105,14 +106,13 @@ def test_the_bridge_gives_pycaffes_forward_and_backward(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
-def test_linreg_with_its_pyloss_module_trains(tmp_path, backend):
+def test_linreg_with_its_pyloss_module_trains(tmp_path, monkeypatch, backend):
     """BVLC's examples/pycaffe/linreg.prototxt as it is, its module from PYTHONPATH as BVLC's readme says."""
     solver = tmp_path / "solver.prototxt"
     solver.write_text(SOLVER.format(net=os.path.join(PYCAFFE, "linreg.prototxt"), iterations=3)
                       + f'snapshot_prefix: "{tmp_path}/linreg"\n')
-    status, _, err = run_cli("train", "--solver", str(solver), "--algorithm", "single", "--backend", backend,
-                             env={"PYTHONPATH": f"{ROOT}:{os.path.join(PYCAFFE, 'layers')}"})
-    assert status == 0, err
+    monkeypatch.syspath_prepend(os.path.join(PYCAFFE, "layers"))  # BVLC's readme: PYTHONPATH=examples/pycaffe/layers
+    train_here(solver, backend)
     log = (tmp_path / "train.log").read_text()
     lines = [line for line in log.splitlines() if "Train net output #0: loss = " in line]
     assert len(lines) == 3 and all("(* 1 = " in line for line in lines)
@@ -154,8 +154,7 @@ def test_a_python_data_layer_feeds_the_net(tmp_path, backend):
     solver = tmp_path / "solver.prototxt"
     solver.write_text(SOLVER.format(net=net_path, iterations=40)
                       + f'snapshot_prefix: "{tmp_path}/data"\n')
-    status, _, err = run_cli("train", "--solver", str(solver), "--algorithm", "single", "--backend", backend)
-    assert status == 0, err
+    train_here(solver, backend)
     log = (tmp_path / "train.log").read_text()
     accuracy = [float(line.split("= ")[1]) for line in log.splitlines() if "Train net output #0: accuracy" in line]
     losses = [float(line.split("= ")[1].split()[0]) for line in log.splitlines()
@@ -173,8 +172,7 @@ def test_an_fcn_style_net_with_a_python_data_layer_and_crop_trains(tmp_path, bac
     solver.write_text(SOLVER.format(net=net_path, iterations=3) + f'snapshot_prefix: "{tmp_path}/fcn"\n')
     status, out, err = run_cli("describe", net_path)
     assert status == 0 and "score  Crop" in out and "score 2x3x16x16" in out, err
-    status, _, err = run_cli("train", "--solver", str(solver), "--algorithm", "single", "--backend", backend)
-    assert status == 0, err
+    train_here(solver, backend)
     log = (tmp_path / "train.log").read_text()
     assert log.count("Train net output #0: loss = ") == 3
 

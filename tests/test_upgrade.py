@@ -11,6 +11,7 @@ from google.protobuf import text_format
 from conftest import ROOT, run_cli
 from deepspark import config
 from deepspark.proto import deepspark_pb2 as pb
+from test_data_layers import train_here
 
 V1_LENET = os.path.join(ROOT, "tests", "data", "bvlc", "v1", "lenet_train_test.prototxt")
 TRAIN_LMDB = os.path.join(ROOT, "data", "fashion_mnist_train_lmdb")
@@ -199,9 +200,7 @@ def test_v1_lenet_and_an_old_solver_train_unchanged(tmp_path, backend):
                       'base_lr: 0.01\nmomentum: 0.9\nweight_decay: 0.0005\nlr_policy: "inv"\ngamma: 0.0001\n'
                       'power: 0.75\ndisplay: 1\nmax_iter: 2\nsnapshot_prefix: "examples/mnist/lenet"\n'
                       "solver_type: NESTEROV\nsolver_mode: CPU\n")
-    status, _, err = run_cli("train", "--solver", "examples/mnist/lenet_solver.prototxt", "--algorithm", "single",
-                             "--backend", backend, cwd=str(tmp_path))
-    assert status == 0, err
+    train_here("examples/mnist/lenet_solver.prototxt", backend, tmp_path)
     log = (tmp_path / "examples" / "mnist" / "train.log").read_text()
     assert "Iteration 1" in log and "Test net output #0: accuracy = " in log
     assert os.path.exists(tmp_path / "examples" / "mnist" / "lenet_iter_2.caffemodel")

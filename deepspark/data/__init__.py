@@ -11,7 +11,7 @@ from deepspark.data.parquet import is_parquet, is_uri, reader
 from deepspark.data.transform import Transformer
 from deepspark.proto import deepspark_pb2 as pb
 
-__all__ = ["SOURCE_PARAMS", "absolute_sources", "DataError", "DataFeeder", "Transformer", "check_datum", "checked_records", "count",
+__all__ = ["SOURCE_PARAMS", "absolute_sources", "check_listed", "DataError", "DataFeeder", "Transformer", "check_datum", "checked_records", "count",
            "decode_datum", "encode_datum", "feeder_for", "is_parquet", "load_mean", "missing_source", "peek_shape",
            "shard_range", "source_of", "source_shape"]
 
@@ -113,6 +113,17 @@ def absolute_sources(net):
                 param.root_folder = os.path.join(os.getcwd(), param.root_folder) if param.root_folder else \
                     os.getcwd() + os.sep
     return out
+
+
+def check_listed(layer_param):
+    """A one-line error at the list's line for the first file an HDF5Data or ImageData layer's list names
+    that is not there (or, for HDF5, lacks a dataset the layer's tops name)."""
+    if layer_param.type == "HDF5Data":
+        source = layer_param.hdf5_data_param.source
+        for path, line in hdf5.read_list(source):
+            hdf5.file_rows(path, line, source, list(layer_param.top))
+    elif layer_param.type == "ImageData":
+        images.listed_images(layer_param)
 
 
 def missing_source(layer_param):
