@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import rules
 from . import protocol as P
-from .transport import Connection, apply_floats, byte_view, recv_applying, tune
+from .transport import Connection, apply_floats, byte_view, tune
 
 log = logging.getLogger("deepspark.exchange.client")
 
@@ -227,17 +227,13 @@ class ExchangeClient:
         self.server_iteration = h.iteration
         self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
         if apply_to is None:
-            conn.read_payload(conn.view)
+            conn.receive(conn.view)
         else:
-            view = conn.view
-
             def apply(start, end):
-                conn.absorb(view[4 * start:4 * end])
                 rules.apply_to_worker(apply_to[start:end], buf[start:end])
             # x −= d slice by slice while the rest of d is still arriving; a d that fails its check
             # (ProtocolError) makes the round trip rejoin and reset x from the center.
-            recv_applying(conn.sock, view, apply, self._apply_step)
-            conn.verify()
+            conn.receive(conn.view, apply, self._apply_step)
         self.exchanges += 1
         return APPLIED
 
@@ -246,7 +242,7 @@ class ExchangeClient:
         h = self._read_header(4 * out.size)
         if h.type != P.CENTER:
             raise P.ProtocolError("expected CENTER, got %s" % P.TYPE_NAMES[h.type])
-        self._conn.read_payload(byte_view(out))
+        self._conn.receive(byte_view(out))
         self.server_iteration = h.iteration
         return out
 
@@ -278,7 +274,7 @@ class ExchangeClient:
             h = self._read_header(4 * params.size)
             if h.type != P.CENTER:
                 raise P.ProtocolError("expected CENTER, got %s" % P.TYPE_NAMES[h.type])
-            self._conn.read_payload(byte_view(params))
+            self._conn.receive(byte_view(params))
             self.server_iteration = h.iteration
             self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
             self.exchanges += 1
@@ -351,7 +347,7 @@ class ExchangeClient:
             raise P.ProtocolError("expected HISTORY, got %s" % P.TYPE_NAMES[h.type])
         if not h.length:
             return None
-        self._conn.read_payload(byte_view(out))
+        self._conn.receive(byte_view(out))
         if not rules.all_finite(out):
             raise P.ProtocolError("the server sent a solver history holding NaN or Inf")
         return h.iteration, int(h.value)

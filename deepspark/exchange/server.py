@@ -5,25 +5,15 @@ import math
 import socket
 import threading
 import time
-from typing import NamedTuple
 
 import numpy as np
 
 from .. import rules
 from . import protocol as P
-from .transport import Connection, PeerClosed, byte_view, mapped, send_frame, tune
+from .history import HistoryHandler
+from .transport import Connection, PeerClosed, byte_view, send_frame, tune
 
 log = logging.getLogger("deepspark.exchange.server")
-
-
-class Held(NamedTuple):
-    """A worker's solver history as the server holds it: Caffe's history blobs as one float32 vector, the
-    worker's iteration and current_step when it was taken, and the request it answered (0: none)."""
-
-    vector: np.ndarray
-    iteration: int
-    current_step: int
-    request: int
 
 
 class ExchangeServer:
@@ -47,9 +37,8 @@ class ExchangeServer:
                   center untouched); the workers' clients must say the same
     history_sets  the workers' solver history is this many model-sized vectors (Caffe's SolverState
                   history: 1 for SGD, 2 for Adam); 0 keeps none. The server then holds one history
-                  per worker: what it last sent (HISTORY, unprompted or asked for by
-                  request_histories), or what `histories` gives at the start (a resumed job's), and
-                  hands it to a worker that asks (GET_HISTORY) as it joins
+                  per worker (history.HistoryHandler) for the driver's snapshots, and hands it back
+                  to a worker that asks as it joins
     histories     {worker id: (iteration, current_step, float32 vector)} to hold from the start
     """
 
@@ -74,11 +63,7 @@ class ExchangeServer:
         self.max_handshakes = int(max_handshakes)
         self._handshaking = 0  # connections accepted and not yet through their handshake (under _books)
         self.integrity = bool(integrity)  # tag every frame after the handshake (transport.Connection.seal)
-        self._history_floats = int(history_sets) * self._center.size
-        self._histories = {}  # worker id -> Held
-        self._history_round = 0  # request_histories' count: a worker is asked until it has sent one since
-        for wid, (iteration, step, vector) in (histories or {}).items():
-            self._histories[int(wid)] = Held(self._checked_history(vector), int(iteration), int(step), 0)
+        self.history = HistoryHandler(int(history_sets) * self._center.size, histories)
         self._host, self._port = host, port
         self._books = threading.Lock()  # bookkeeping only, never held during the update
         self._workers = {}
@@ -90,6 +75,7 @@ class ExchangeServer:
         self._stopping = threading.Event()
         self.handler = handler
         handler.attach(self, self._center)
+        self.history.attach(self)
 
     # ---- public ----------------------------------------------------------
 
@@ -149,27 +135,13 @@ class ExchangeServer:
             return out
 
     def request_histories(self):
-        """Ask every worker for its solver history: the replies to its model frames carry F_SEND_HISTORY
-        until it has sent one. Returns the request's number, for histories(since=)."""
-        if not self._history_floats:
-            raise RuntimeError("this server keeps no solver history (history_sets=0)")
-        with self._books:
-            self._history_round += 1
-            return self._history_round
+        """Ask every worker for its solver history (HistoryHandler.request); the request's number."""
+        return self.history.request()
 
     def histories(self, since=0):
-        """{worker id: Held} of the workers' solver histories held now, sent in answer to request `since`
-        or later (0: any); the vectors are the server's own, replaced (never changed) by a newer one."""
-        with self._books:
-            return {wid: held for wid, held in self._histories.items() if held.request >= since}
-
-    def reply_flags(self, worker_id):
-        """The header flags of a reply to the worker's model frame: F_SEND_HISTORY while a request is
-        open for it."""
-        if not self._history_floats:
-            return 0
-        held = self._histories.get(worker_id)
-        return P.F_SEND_HISTORY if (held.request if held else 0) < self._history_round else 0
+        """{worker id: history.Held} of the workers' solver histories held now, sent in answer to request
+        `since` or later (0: any)."""
+        return self.history.since(since)
 
     def stop(self):
         self._stopping.set()
@@ -282,37 +254,6 @@ class ExchangeServer:
             if current:  # outside the books: a handler takes its own lock, then the books
                 self.handler.left(wid)
 
-    def _checked_history(self, vector):
-        vector = np.ascontiguousarray(vector, dtype=np.float32).ravel()
-        if vector.size != self._history_floats:
-            raise ValueError("a solver history of %d values; this server's is %d" % (vector.size, self._history_floats))
-        return vector
-
-    def _receive_history(self, conn, h, me):
-        """A worker's HISTORY frame: read into a new vector, held once verified and finite."""
-        if not h.length:
-            raise P.ProtocolError("empty HISTORY from worker %d" % conn.worker_id)
-        # A mapping of its own, as a connection's buffers: model-sized, and freed when the next snapshot's replaces it.
-        vector = mapped(self._history_floats, np.float32)
-        conn.read_payload(byte_view(vector))  # verified before it replaces what is held
-        if not rules.all_finite(vector):
-            raise P.Refusal(P.E_NONFINITE, "worker %d sent a solver history holding NaN or Inf at iteration %d"
-                            % (conn.worker_id, h.iteration))
-        with self._books:
-            self._histories[conn.worker_id] = Held(vector, h.iteration, int(h.value), self._history_round)
-            me["history_iteration"] = h.iteration
-
-    def _send_history(self, conn):
-        """The reply to GET_HISTORY: the history held for this worker, or an empty HISTORY."""
-        with self._books:
-            held = self._histories.get(conn.worker_id)
-        if held is None:
-            conn.send(P.HISTORY)
-            return
-        conn.send(P.HISTORY, byte_view(held.vector), iteration=held.iteration, value=held.current_step,
-                  tag_after=True)
-        self.record(conn.worker_id, restored_history=held.iteration)
-
     def _handshake_over(self):
         with self._books:
             self._handshaking -= 1
@@ -391,7 +332,7 @@ class ExchangeServer:
             }
         log.info("worker %d joined from %s", wid, conn.peer)
         conn.worker_id = wid
-        conn.history_bytes = 4 * self._history_floats
+        conn.history_bytes = 4 * self.history.floats
         return wid
 
     @staticmethod
@@ -402,36 +343,24 @@ class ExchangeServer:
             me["loss"] = h.value
 
     def _loop(self, conn):
-        """Frames from an authenticated worker until it leaves: the handler's frame type, PULL, REPORT, BYE, ERROR."""
-        handler, wid = self.handler, conn.worker_id
+        """Frames from an authenticated worker until it leaves: the handler's, the history's, PULL, REPORT, BYE, ERROR."""
+        handler, history, wid = self.handler, self.history, conn.worker_id
         model_bytes = 4 * self._center.size
-        center_view = byte_view(self._center)
         me = self._workers[wid]
         while True:
             h = conn.read_header(model_bytes)
             if h.worker_id != wid:
                 raise P.ProtocolError("frame from worker %d on worker %d's connection" % (h.worker_id, wid))
             me["last_contact"] = time.monotonic()
-            if h.type == P.REPORT:  # verified with its header (it has no payload)
-                self._note(me, h)
             if h.type == handler.frame:
                 conn.on_verified = lambda: self._note(me, h)
                 handler.serve(conn, h)  # which verifies the frame before the center moves
+            elif h.type in history.frames:
+                history.serve(conn, h)
             elif h.type == P.PULL:
-                with handler.send_lock:
-                    if conn.sealed:
-                        # Lock-free, other workers move x̃ while it is sent: the tag must cover the bytes
-                        # that went out, so a snapshot in this connection's buffer (free: the worker waits) goes.
-                        np.copyto(conn.buf, self._center)
-                        conn.send(P.CENTER, conn.view, iteration=self._exchanges, tag_after=True)
-                    else:
-                        conn.send(P.CENTER, center_view, iteration=self._exchanges)
-            elif h.type == P.REPORT:
-                pass
-            elif h.type == P.HISTORY:
-                self._receive_history(conn, h, me)
-            elif h.type == P.GET_HISTORY:
-                self._send_history(conn)
+                self._send_center(conn)
+            elif h.type == P.REPORT:  # verified with its header (it has no payload)
+                self._note(me, h)
             elif h.type == P.BYE:
                 log.info("worker %d left", wid)
                 return
@@ -445,3 +374,14 @@ class ExchangeServer:
                                       % (P.TYPE_NAMES[h.type], wid, handler.kind))
             else:
                 raise P.ProtocolError("unexpected %s from worker %d" % (P.TYPE_NAMES[h.type], wid))
+
+    def _send_center(self, conn):
+        """The reply to PULL: x̃ as it is."""
+        with self.handler.send_lock:
+            if conn.sealed:
+                # Lock-free, other workers move x̃ while it is sent: the tag must cover the bytes that went
+                # out, so a snapshot in this connection's buffer (free: the worker waits) goes.
+                np.copyto(conn.buf, self._center)
+                conn.send(P.CENTER, conn.view, iteration=self._exchanges, tag_after=True)
+            else:
+                conn.send(P.CENTER, byte_view(self._center), iteration=self._exchanges)

@@ -10,8 +10,8 @@ from deepspark.spark.job import Job
 
 def handler(ds):
     """The exchanger's EASGD rule with the job's moving rate, its decay and floor, and the server factor."""
-    return EasgdHandler(ds.moving_rate, server_factor=ds.server_factor, decay_rate=ds.moving_rate_gamma,
-                        decay_step=ds.moving_rate_step, rate_floor=ds.moving_rate_limit)
+    return EasgdHandler(ds.moving_rate, server_factor=ds.server_factor, moving_rate_gamma=ds.moving_rate_gamma,
+                        moving_rate_step=ds.moving_rate_step, moving_rate_limit=ds.moving_rate_limit)
 
 
 class EasgdJob(Job):
