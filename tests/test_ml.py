@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from deepspark import local
+from deepspark import nets
 from deepspark.data import decode_datum, lmdb_io, reader
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
@@ -85,7 +85,7 @@ def test_transform_score_and_caffes_test_agree_on_the_10000_test_images(fitted, 
     rows = model.transform(datum_frame(spark, TEST)).select("datum", "prediction").collect()
     assert len(rows) == 10000
     transformed = accuracy(rows)
-    tested = local.test(os.path.join(LENET, "train_val.prototxt"), weights, 100, backend)
+    tested = nets.test(os.path.join(LENET, "train_val.prototxt"), weights, 100, backend)
     scored = scoring.score(LENET, weights, backend=backend)
     assert round(transformed, 4) == round(float(tested["accuracy"]), 4) == round(float(scored["accuracy"]), 4)
     assert abs(float(scored["loss"]) - float(tested["loss"])) < 1e-5

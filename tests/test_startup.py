@@ -12,7 +12,7 @@ from conftest import ROOT, load_script
 from synthetic import make_job
 
 from deepspark.spark import daemon
-from deepspark.spark.worker import Summary
+from deepspark.spark.executor import Summary
 
 startup = load_script("bench/startup.py", "bench_startup")
 

@@ -4,7 +4,7 @@ import math
 
 from deepspark import rules
 from deepspark.exchange import EasgdHandler
-from deepspark.spark import worker as executor
+from deepspark.spark import executor
 from deepspark.spark.job import Job
 
 
@@ -19,7 +19,7 @@ class EasgdJob(Job):
 
     title = "async EASGD"
 
-    def start_exchanger(self, center, host, secret):
+    def hold_center(self, center, host, secret):
         ds = self.ds
         server = self.exchange_server(center, host, secret, handler(ds))
         self.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; "

@@ -36,7 +36,7 @@ LOCAL_JVM = "-XX:+UseSerialGC -Xms16m"
 DAEMON, DAEMON_BACKEND, ZYGOTE = "deepspark.spark.daemon", "DEEPSPARK_DAEMON_BACKEND", "DEEPSPARK_DAEMON_ZYGOTE"
 # The backends the daemon imports before it forks: TensorFlow takes its thread counts when a model starts its runtime,
 # in the worker after the fork. pycaffe is not: its BLAS reads the worker's thread count as it loads
-# (worker.set_threads sets it first), which an import in the daemon would read from the daemon's environment instead.
+# (executor.set_threads sets it first), which an import in the daemon would read from the daemon's environment instead.
 PRELOADED = ("tensorflow",)
 ZYGOTES = weakref.WeakKeyDictionary()  # SparkContext -> the zygote process start_zygote started for it
 # The folder Spark extracts executor_env into, in each executor's working directory (`--archives ENV#environment`).
