@@ -73,7 +73,8 @@ def accuracy(rows):
     return float(np.mean([decode_datum(datum)[1] == prediction for datum, prediction in rows]))
 
 
-@pytest.mark.parametrize("backend", ["tensorflow", "caffe"])
+@pytest.mark.spark
+@pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
 def test_transform_score_and_caffes_test_agree_on_the_10000_test_images(fitted, backend):
     pipeline_model, _ = fitted
     model = pipeline_model.stages[0]
@@ -103,6 +104,7 @@ def python_workers(spark):
     return dict(spark.sparkContext.parallelize(range(16), 16).map(probe).collect())
 
 
+@pytest.mark.spark
 def test_the_net_is_built_once_per_python_worker_not_per_batch_partition_or_job(fitted):
     model = fitted[0].stages[0].copy()
     model.setBatchSize(16).setInputCol("datum")  # 2,000 images in 8 partitions: 128 batches
@@ -118,6 +120,7 @@ def test_the_net_is_built_once_per_python_worker_not_per_batch_partition_or_job(
     assert model.counters[0].value == 0 and again == first  # the same workers kept their net
 
 
+@pytest.mark.spark
 def test_transform_adds_named_blobs_as_vectors_and_bad_input_is_one_line(fitted):
     model = fitted[0].stages[0].copy()
     spark = session()
@@ -154,6 +157,8 @@ print(",".join(repr(float(v)) for v in net.forward()["prob"].ravel()))
 """
 
 
+@pytest.mark.spark
+@pytest.mark.caffe
 def test_a_fitted_pipeline_saves_and_loads_in_a_new_session_to_identical_outputs_and_caffe_loads_it(
         fitted, tmp_path):
     pipeline_model, _ = fitted
@@ -212,6 +217,8 @@ for blob, parts in want.items():
 """
 
 
+@pytest.mark.spark
+@pytest.mark.caffe
 def test_extract_features_writes_datums_caffes_data_layer_reads_with_pycaffes_values(fitted, tmp_path):
     weights = fitted[0].stages[0].summary["weights"]
     subset = str(tmp_path / "test250_lmdb")
