@@ -51,7 +51,7 @@ class PeerClosed(ConnectionError):
 
 def tune(sock):
     # Small frames (headers, PULL, REPORT) must not wait for Nagle; the kernel's
-    # own buffer autotuning beats fixed SO_SNDBUF/SO_RCVBUF sizes on loopback (measured).
+    # own buffer autotuning beats fixed SO_SNDBUF/SO_RCVBUF sizes on loopback (bench/exchange.py).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
