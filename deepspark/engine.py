@@ -340,7 +340,7 @@ class Trainer:
             # After the first step the backend is built and traced, and its hundreds of thousands of
             # objects live as long as the trainer: taken out of the cyclic collector's generations,
             # they are no longer walked by every full collection (which, with TensorFlow loaded, also
-            # slowed PySpark's task launch in such a worker; bench/startup.py).
+            # slowed PySpark's task launch in such a worker: docs/architecture.md has the figures).
             gc.freeze()
             self._heap_frozen = True
         return loss
