@@ -272,6 +272,17 @@ def test_the_params_are_the_schemas_fields_with_their_comments_and_defaults():
     assert not estimator.isSet("period")  # left to the solver's prototxt
 
 
+def test_every_field_type_the_flags_take_has_a_param_type_too():
+    """A schema field of a type the CLI's flags take (int64 and uint64 among them) is a Param too: a new field of
+    such a type in DeepSparkParameter or ScoreParameter must not break `import deepspark.ml`."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    from deepspark import cli, ml
+
+    assert {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64} <= set(cli._TYPES)
+    assert set(cli._TYPES) | {FieldDescriptor.TYPE_BOOL} <= set(ml._CONVERTERS)
+
+
 def test_score_and_extract_features_refuse_bad_input_in_one_line_before_spark_starts(tmp_path, capsys):
     from deepspark import cli
 
