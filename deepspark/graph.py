@@ -783,10 +783,6 @@ class Graph:
         layers = [layer for layer in self.layers if layer.type in FED_TYPES] if layers is None else layers
         return {top: tuple(shape) for layer in layers for top, shape in zip(layer.tops, layer.top_shapes)}
 
-    def split_blobs(self):
-        """Blobs consumed by more than one layer: where Caffe inserts its implicit Split layers."""
-        return {blob: layers for blob, layers in self.consumers.items() if len(layers) > 1}
-
     def describe(self):
         """`describe` rows: name, type, top shapes, parameter shapes; then the totals line."""
         rows = [("name", "type", "tops", "parameters")]
