@@ -384,3 +384,26 @@ def test_a_gradient_through_a_bottom_caffe_refuses_is_one_line(backend):
     create_model(backend, net, phase=pb.TEST).close()  # a forward pass is fine
     net.layer[1].propagate_down.append(False)
     create_model(backend, net, SOLVER).close()  # and so is training without that diff
+
+
+def test_lstm_trains_alike_on_both_backends_with_the_state_carried_between_steps():
+    """Three SGD steps on sequences that go on from batch to batch (cont all 1): the same losses and weights."""
+    text = ('layer { name: "in" type: "Input" top: "seq" top: "cont" top: "label" input_param { shape { dim: 3 '
+            'dim: 2 dim: 4 } shape { dim: 3 dim: 2 } shape { dim: 3 dim: 2 } } }\n'
+            + L("lstm", "LSTM", ["seq", "cont"], f"recurrent_param {{ num_output: 5 {UNIFORM} }}")
+            + L("score", "InnerProduct", ["lstm"], f"inner_product_param {{ num_output: 3 axis: 2 {UNIFORM} }}")
+            + L("loss", "SoftmaxWithLoss", ["score", "label"], "softmax_param { axis: 2 }"))
+    net = parse_net(text)[0]
+    solver = pb.SolverParameter(type="SGD", base_lr=0.5, momentum=0.9, lr_policy="fixed")
+    batches = [{"seq": normal(3, 2, 4), "cont": np.ones((3, 2), np.float32),
+                "label": RNG.integers(0, 3, (3, 2)).astype(np.float32)} for _ in range(3)]
+    results = {}
+    for backend in ("caffe", "tensorflow"):
+        model = create_model(backend, net, solver, seed=9)
+        try:
+            results[backend] = [model.step(batch) for batch in batches], model.get_params()
+        finally:
+            model.close()
+    close(results["tensorflow"][0], results["caffe"][0], "losses")
+    for got, want in zip(results["tensorflow"][1], results["caffe"][1]):
+        close(got, want, "weights after three steps")
