@@ -349,19 +349,14 @@ def conv_geometry(param, spatial):
     return kernel, pad, stride, dilation
 
 
-@layer_type("Convolution", "Deconvolution", fillers=lambda lp: _weight_and_bias(lp.convolution_param))
-def _convolution(lp, bottoms, ctx):
-    param, shape = lp.convolution_param, bottoms[0]
+def _conv_output(lp, shape):
+    """(channel axis, kernel, output size of each spatial axis) of a Convolution, Deconvolution or Im2col layer."""
+    param = lp.convolution_param
     axis = canonical_axis(param.axis, len(shape))
     spatial = len(shape) - axis - 1
     if spatial < 1:
         raise ShapeError(f"{lp.type} needs spatial axes after axis {axis}, got {fmt(shape)}")
     kernel, pad, stride, dilation = conv_geometry(param, spatial)
-    channels, outputs, group = shape[axis], param.num_output, param.group
-    if not outputs:
-        raise ShapeError(f"{lp.type} needs num_output")
-    if group < 1 or channels % group or outputs % group:
-        raise ShapeError(f"group {group} must divide both input channels {channels} and num_output {outputs}")
     out = []
     for size, k, p, s, d in zip(shape[axis + 1:], kernel, pad, stride, dilation):
         extent = d * (k - 1) + 1
@@ -375,6 +370,18 @@ def _convolution(lp, bottoms, ctx):
         if o <= 0:
             raise ShapeError(f"output size {o} from input {fmt(shape)} is not positive")
         out.append(o)
+    return axis, kernel, out
+
+
+@layer_type("Convolution", "Deconvolution", fillers=lambda lp: _weight_and_bias(lp.convolution_param))
+def _convolution(lp, bottoms, ctx):
+    param, shape = lp.convolution_param, bottoms[0]
+    axis, kernel, out = _conv_output(lp, shape)
+    channels, outputs, group = shape[axis], param.num_output, param.group
+    if not outputs:
+        raise ShapeError(f"{lp.type} needs num_output")
+    if group < 1 or channels % group or outputs % group:
+        raise ShapeError(f"group {group} must divide both input channels {channels} and num_output {outputs}")
     if lp.type == "Deconvolution":
         weights = (channels, outputs // group) + tuple(kernel)
     else:
@@ -660,17 +667,8 @@ def _batch_reindex(lp, bottoms, ctx):
 @layer_type("Im2col")
 def _im2col(lp, bottoms, ctx):
     _exactly(lp, bottoms, 1, 1)
-    param, shape = lp.convolution_param, bottoms[0]
-    axis = canonical_axis(param.axis, len(shape))
-    spatial = len(shape) - axis - 1
-    if spatial < 1:
-        raise ShapeError(f"Im2col needs spatial axes after axis {axis}, got {fmt(shape)}")
-    kernel, pad, stride, dilation = conv_geometry(param, spatial)
-    out = []
-    for size, k, p, s, d in zip(shape[axis + 1:], kernel, pad, stride, dilation):
-        if size + 2 * p < d * (k - 1) + 1:
-            raise ShapeError(f"kernel extent {d * (k - 1) + 1} is larger than the padded input {size}+2*{p}")
-        out.append((size + 2 * p - d * (k - 1) - 1) // s + 1)
+    shape = bottoms[0]
+    axis, kernel, out = _conv_output(lp, shape)
     return [shape[:axis] + (shape[axis] * math.prod(kernel),) + tuple(out)], []
 
 
