@@ -146,6 +146,22 @@ def test_filter_keeps_the_selected_items():
     assert not np.any(diffs["x"][0][1])  # a dropped item takes no diff
 
 
+def test_losses_over_filtered_items_count_the_items_the_data_kept():
+    """A Filter's tops are as long as the data says: each loss's normaliser is that count, not the batch's."""
+    x, y = normal(5, 3), normal(5, 3)
+    fed = {"label": np.array([0, 1, 2, 1, 0], np.float32), "select": np.array([[1], [0], [1], [1], [0]], np.float32)}
+    keep_label = "propagate_down: true propagate_down: false"
+    layers = (L("filter", "Filter", ["x", "y", "label", "select"], "", ["fx", "fy", "flabel"])
+              + L("softmax", "SoftmaxWithLoss", ["fx", "flabel"], keep_label)
+              + L("hinge", "HingeLoss", ["fy", "flabel"], keep_label)
+              + L("euclid", "EuclideanLoss", ["fx", "fy"])
+              + L("contrast", "ContrastiveLoss", ["fx", "fy", "flabel"], "propagate_down: true propagate_down: true "
+                  "propagate_down: false"))
+    values, _ = check_backends(layers, {"x": x, "y": y}, fed, tops=["softmax", "hinge", "euclid", "contrast"])
+    kept = [0, 2, 3]
+    assert values["euclid"] == pytest.approx(((x[kept] - y[kept]) ** 2).sum() / 6, rel=1e-5)
+
+
 def test_batch_reindex_sums_the_diffs_of_repeated_picks():
     x = normal(4, 3)
     index = np.array([2, 0, 2, 3, 1], np.float32)

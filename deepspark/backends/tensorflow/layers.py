@@ -530,11 +530,18 @@ def prelu(layer, bottoms, params, ctx):
 
 # -- losses and scores ------------------------------------------------------------
 
+def items(tensor):
+    """The length of a tensor's first axis as a float: the static one, or the data's where only the data says
+    (the tops of a Filter layer)."""
+    known = tensor.shape[0]
+    return float(known) if known is not None else tf.cast(tf.shape(tensor)[0], tf.float32)
+
+
 def _class_rows(layer, blob, axis):
     """Scores as (outer*inner, classes) rows, Caffe's class axis last."""
     shape = layer.bottom_shapes[0]
-    outer, classes = math.prod(shape[:axis]), shape[axis]
-    x = tf.reshape(blob.caffe, (outer, classes, -1))
+    classes = shape[axis]
+    x = tf.reshape(blob.caffe, (-1, classes, math.prod(shape[axis + 1:])))
     return tf.reshape(_permute(x, (0, 2, 1)), (-1, classes))
 
 
@@ -548,11 +555,11 @@ def loss_normalizer(loss_param, outer, inner, valid):
     if not loss_param.HasField("normalization") and loss_param.HasField("normalize"):
         mode = pb.LossParameter.VALID if loss_param.normalize else pb.LossParameter.BATCH_SIZE
     if mode == pb.LossParameter.FULL:
-        value = float(outer * inner)
+        value = outer * inner
     elif mode == pb.LossParameter.VALID:
         value = valid
     elif mode == pb.LossParameter.BATCH_SIZE:
-        value = float(outer)
+        value = outer
     else:
         value = 1.0
     return tf.maximum(tf.cast(value, tf.float32), 1.0)
@@ -572,8 +579,9 @@ def softmax_loss(layer, bottoms, params, ctx):
         count = tf.reduce_sum(tf.cast(valid, tf.float32))
     else:
         nll = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-        count = float(nll.shape[0])
-    outer, inner = math.prod(shape[:axis]), math.prod(shape[axis + 1:])
+        count = items(nll)
+    inner = math.prod(shape[axis + 1:])
+    outer = items(logits) / inner
     loss = tf.reduce_sum(nll) / loss_normalizer(loss_param, outer, inner, count)
     tops = [Blob(loss)]
     if len(layer.tops) > 1:
@@ -585,17 +593,17 @@ def softmax_loss(layer, bottoms, params, ctx):
 def euclidean_loss(layer, bottoms, params, ctx):
     """sum((a - b)^2) / (2 N)."""
     a = bottoms[0].caffe
-    b = tf.reshape(bottoms[1].caffe, layer.bottom_shapes[0])
-    return [Blob(tf.reduce_sum(tf.square(a - b)) / (2.0 * layer.bottom_shapes[0][0]))]
+    b = tf.reshape(bottoms[1].caffe, batch_free(layer.bottom_shapes[0]))
+    return [Blob(tf.reduce_sum(tf.square(a - b)) / (2.0 * items(a)))]
 
 
 @layer("SigmoidCrossEntropyLoss")
 def sigmoid_cross_entropy_loss(layer, bottoms, params, ctx):
     """Caffe's SigmoidCrossEntropyLoss: the summed cross-entropy over N (the batch)."""
     logits = bottoms[0].caffe
-    targets = tf.reshape(bottoms[1].caffe, layer.bottom_shapes[0])
+    targets = tf.reshape(bottoms[1].caffe, batch_free(layer.bottom_shapes[0]))
     entropy = tf.nn.sigmoid_cross_entropy_with_logits(labels=targets, logits=logits)
-    return [Blob(tf.reduce_sum(entropy) / float(layer.bottom_shapes[0][0]))]
+    return [Blob(tf.reduce_sum(entropy) / items(logits))]
 
 
 @layer("Accuracy")
@@ -773,21 +781,21 @@ LOG_THRESHOLD = 1e-20  # Caffe's kLOG_THRESHOLD: the least probability its logs 
 
 def _rows(layer, blob):
     """A blob as Caffe's N x (count / N) rows."""
-    return tf.reshape(blob.caffe, (layer.bottom_shapes[0][0], -1))
+    return tf.reshape(blob.caffe, (-1, count(layer.bottom_shapes[0], 1)))
 
 
 def _weighted_log_loss(probabilities, weights):
     """-sum(weights * log(max(p, 1e-20))) / N, with Caffe's diff -weights / max(p, 1e-20) / N (the
     clipped entries too, where the gradient of the clipped forward would be 0)."""
-    items = float(probabilities.shape[0])
+    n = items(probabilities)
 
     @tf.custom_gradient
     def loss(p):
         clipped = tf.maximum(p, LOG_THRESHOLD)
 
         def grad(upstream):
-            return upstream * (-weights / clipped / items)
-        return -tf.reduce_sum(weights * tf.math.log(clipped)) / items, grad
+            return upstream * (-weights / clipped / n)
+        return -tf.reduce_sum(weights * tf.math.log(clipped)) / n, grad
     return loss(probabilities)
 
 
@@ -816,7 +824,7 @@ def hinge_loss(layer, bottoms, params, ctx):
     margins = tf.maximum(0.0, 1.0 + sign * x)  # 0 first: at a tie the diff is 0, as Caffe's sign(0)
     if layer.param.hinge_loss_param.norm == pb.HingeLossParameter.L2:
         margins = tf.square(margins)
-    return [Blob(tf.reduce_sum(margins) / float(x.shape[0]))]
+    return [Blob(tf.reduce_sum(margins) / items(x))]
 
 
 @layer("ContrastiveLoss")
@@ -824,10 +832,11 @@ def contrastive_loss(layer, bottoms, params, ctx):
     """sum over pairs of d^2 (similar) or max(margin - d, 0)^2 (max(margin - d^2, 0) legacy), over 2N; the
     diff of a dissimilar pair divides by d + 1e-4, as Caffe's Backward does."""
     param = layer.param.contrastive_loss_param
-    items = layer.bottom_shapes[0][0]
-    similar = tf.not_equal(tf.cast(tf.reshape(bottoms[2].caffe, (-1,))[:items], tf.int32), 0)
     a = _rows(layer, bottoms[0])
-    b = tf.reshape(tf.reshape(bottoms[1].caffe, (-1,))[:a.shape[0] * a.shape[1]], a.shape)  # Caffe: count(a) values
+    n, size = tf.shape(a)[0], tf.size(a)
+    similar = tf.not_equal(tf.cast(tf.reshape(bottoms[2].caffe, (-1,))[:n], tf.int32), 0)
+    b = tf.reshape(tf.reshape(bottoms[1].caffe, (-1,))[:size], tf.shape(a))  # Caffe reads count(a) values of b
+    pairs = items(a)
 
     @tf.custom_gradient
     def loss(a, b):
@@ -842,10 +851,10 @@ def contrastive_loss(layer, bottoms, params, ctx):
             apart, scale = tf.square(tf.maximum(short, 0.0)), -short / (distance + 1e-4)
 
         def grad(upstream):
-            alpha = upstream / items
+            alpha = upstream / pairs
             coefficient = tf.where(similar, alpha, tf.where(short > 0, alpha * scale, 0.0))
             return coefficient[:, None] * diff, -coefficient[:, None] * diff
-        return tf.reduce_sum(tf.where(similar, squared, apart)) / items / 2.0, grad
+        return tf.reduce_sum(tf.where(similar, squared, apart)) / pairs / 2.0, grad
     return [Blob(loss(a, b))]
 
 
