@@ -175,6 +175,7 @@ class Model(base.Model):
         return {name: np.array(blobs[name].data, np.float32) for name in self.graph.outputs}
 
     def gradients(self, batch):
+        self.graph.check_backward()  # a TEST net too: pycaffe's backward would abort
         self._load(batch)
         self._net.clear_param_diffs()
         self._net.forward()
@@ -191,6 +192,7 @@ class Model(base.Model):
         layer Caffe's Net needs no backward for (a deploy net, an Accuracy
         layer) is skipped by Net::BackwardFromTo, as in net.backward().
         """
+        self.graph.check_backward()  # a TEST net too: pycaffe's backward would abort
         self._load(batch)
         net = self._net
         return [base.LayerPass(name, functools.partial(net._forward, i, i), functools.partial(net._backward, i, i))
