@@ -63,11 +63,16 @@ class LayerSpec:
 
     def refused(self, bottoms):
         """The positions among `bottoms` (a count) that take no diff in Caffe's Backward."""
-        return {b % bottoms for b in self.no_backward if -bottoms <= b < bottoms}
+        return _positions(self.no_backward, bottoms)
 
     def forced(self, bottoms):
         """The positions among `bottoms` (a count) that force_backward gives a diff."""
-        return [b for b in range(bottoms) if b not in {u % bottoms for u in self.unforced if -bottoms <= u < bottoms}]
+        return [b for b in range(bottoms) if b not in _positions(self.unforced, bottoms)]
+
+
+def _positions(indices, count):
+    """Positions `indices` (negative: from the last) among `count` bottoms, those that exist."""
+    return {i % count for i in indices if -count <= i < count}
 
 
 REGISTRY = {}  # layer type -> LayerSpec
@@ -98,8 +103,11 @@ def check_table(table, backend):
     to one place and not the other fails at once, not when a net first uses it.
     """
     missing, extra = sorted(set(REGISTRY) - set(table)), sorted(set(table) - set(REGISTRY))
-    problems = ([f"registered in graph.py but missing from the {backend} table: {', '.join(missing)}"] * bool(missing)
-                + [f"in the {backend} table but not registered in graph.py: {', '.join(extra)}"] * bool(extra))
+    problems = []
+    if missing:
+        problems.append(f"registered in graph.py but missing from the {backend} table: {', '.join(missing)}")
+    if extra:
+        problems.append(f"in the {backend} table but not registered in graph.py: {', '.join(extra)}")
     if problems:
         raise RuntimeError(f"the {backend} layer table and graph.REGISTRY differ: {'; '.join(problems)}")
 

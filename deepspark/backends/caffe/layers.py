@@ -5,7 +5,8 @@ Graph and the model's data_layers choice (keep_data: Caffe reads the Data
 layers' LMDB itself), and returns the LayerParameter for Caffe. Most types
 are Caffe's own layer, passed through; a layer whose tops come from a batch
 becomes an Input layer of the same name, tops and shapes. Adding a layer
-type means its registration here.
+type means its registration here (docs/layers.md); the table is checked
+against graph.REGISTRY as this module is imported.
 """
 
 from deepspark.backends.base import infogain_matrix

@@ -4,7 +4,8 @@ A layer function takes (layer, bottoms, params, ctx): the graph.Layer (its
 LayerParameter and shapes), its bottom Blobs, its parameter blobs as tensors
 in Caffe's shapes (or in the axis order its registration asks for), and the
 compiler's Context; it returns its top Blobs. Adding a layer means one
-function and its @layer registration here.
+function and its @layer registration here (docs/layers.md); the table is
+checked against graph.REGISTRY as this module is imported.
 
 Convolutions, pooling and LRN compute in NHWC (TensorFlow's fast layout on
 CPU) and hand NHWC blobs on; layers that only care about the channel axis keep
