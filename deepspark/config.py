@@ -77,7 +77,7 @@ def _parse_error(error, text, message, filename):
             unsupported = _unsupported_type_at(text, line)
             if unsupported:
                 detail = (f"layer type '{unsupported}' is not supported (its '{field}' is "
-                          f"unknown); supported types: {', '.join(graph.supported_types())}")
+                          "unknown; docs/layers.md lists the supported types)")
     detail = detail.replace("deepspark.", "")
     return ConfigError(detail, filename, line if line > 0 else None, col if col > 0 else None)
 

@@ -11,6 +11,7 @@ from synthetic import make_job
 
 from deepspark import engine, nets
 from deepspark.backends.base import LayerPass
+from deepspark.graph import backward_needs
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -104,8 +105,6 @@ def test_the_tensorflow_backward_differentiates_what_caffes_net_does(tmp_path, f
 
     frozen: lr_mult 0 on the convolution, so nothing below `ip` needs a diff.
     """
-    from deepspark.backends.tensorflow.model import _backward_needs  # deferred: imports TensorFlow
-
     make_job(tmp_path)
     path = tmp_path / "net.prototxt"
     if frozen:
@@ -114,7 +113,7 @@ def test_the_tensorflow_backward_differentiates_what_caffes_net_does(tmp_path, f
     for phase in (pb.TRAIN, pb.TEST):
         model = nets.test_model(str(path), "caffe", phase)
         try:
-            wanted = {layer.bottoms[b] for layer, (bottoms, _) in zip(model.graph.layers, _backward_needs(model.graph))
+            wanted = {layer.bottoms[b] for layer, (bottoms, _) in zip(model.graph.layers, backward_needs(model.graph))
                       for b in bottoms}
             model.gradients(engine.SyntheticBatches(model).next_batch())
             blobs = model._net.blobs
