@@ -28,6 +28,12 @@ tf = pytest.importorskip("tensorflow")
 
 SOLVER = pb.SolverParameter(type="SGD", base_lr=0.01)
 RNG = np.random.default_rng(24)
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Each test's random inputs seeded afresh, so that none depends on which tests ran before it in its process."""
+    RNG.bit_generator.state = np.random.default_rng(24).bit_generator.state
 UNIFORM = 'weight_filler { type: "uniform" min: -0.6 max: 0.6 } bias_filler { type: "uniform" min: -0.4 max: 0.4 }'
 
 
