@@ -10,11 +10,12 @@ DATA    := data
 FASHION := /usr/share/datasets/fashion-mnist
 PYTEST_ARGS ?=
 
-.PHONY: help setup system venv caffe data jvm-archive test demo bench bench-all peers-env proto pack-env clean
+.PHONY: help setup system venv caffe data jvm-archive test test-fast demo bench bench-all peers-env proto pack-env clean
 
 help:
 	@echo "make demo    LeNet on Fashion-MNIST: 2 Spark workers, async EASGD, local[2]"
 	@echo "make test    the test suite (sets up venv, Debian packages, pycaffe, data)"
+	@echo "make test-fast  every test that needs no JVM and no pycaffe (no Spark, no Caffe build), in minutes"
 	@echo "make bench   docs/results.md: DeepSpark against its peers (QUICK=1: a subset); make bench-all: every bench"
 	@echo "make caffe   build pycaffe into $(VENV) (cached in ~/.cache/deepspark)"
 	@echo "make proto   regenerate deepspark/proto from proto/deepspark.proto"
@@ -60,6 +61,12 @@ $(DATA)/fashion_mnist_test_lmdb: | $(STAMPS)/venv $(STAMPS)/system
 TEST_PROCESSES ?= 2
 test: setup
 	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadscope --durations=15 $(PYTEST_ARGS)
+
+# The fast tier: every test not marked `spark` or `caffe` (conftest.py's --fast). A JVM or pycaffe in one of them
+# fails it, so that the markers stay complete; it needs no pycaffe build and no JVM class archive. Two processes,
+# each module whole to one, as `make test` runs them.
+test-fast: system venv data
+	$(BIN)/python -m pytest --fast -n $(TEST_PROCESSES) --dist loadscope --durations=15 $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/python tools/demo.py

@@ -122,11 +122,11 @@ def cifar_job(folder):
 
 def net_accuracy(net, iterations, weights):
     """The test accuracy of a snapshot on `net`'s TEST phase over `iterations` batches, on the TensorFlow backend."""
-    from deepspark import local
+    from deepspark import nets
     from deepspark.log import Log
 
     with open(os.devnull, "w") as quiet:
-        means = local.test(net, weights, iterations, "tensorflow", log=Log(stream=quiet, progress=False))
+        means = nets.test(net, weights, iterations, "tensorflow", log=Log(stream=quiet, progress=False))
     return float(means["accuracy"])
 
 

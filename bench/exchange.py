@@ -19,6 +19,7 @@ import _results  # noqa: E402  (bench/_results.py)
 from deepspark import rules  # noqa: E402
 from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer  # noqa: E402
 from deepspark.exchange import protocol as P  # noqa: E402
+from deepspark.exchange.server import Session  # noqa: E402
 from deepspark.exchange.transport import Connection, tune  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -291,7 +292,7 @@ class SelectorsServer:
             tune(sock)
             # The handshake blocks (bounded): it is short, and the bench's workers join before they time.
             sock.settimeout(self._handshaker.handshake_timeout)
-            self._handshaker._handshake(conn)
+            Session(self._handshaker, conn).handshake()
             sock.setblocking(False)
         except BaseException:
             sock.close()

@@ -40,7 +40,7 @@ os.chdir(ROOT)  # the zoo's LMDB paths are relative to the repository
 import numpy as np  # noqa: E402
 
 import _results  # noqa: E402  (bench/_results.py)
-from deepspark import engine, local  # noqa: E402
+from deepspark import engine, nets  # noqa: E402
 from deepspark.backends.caffe import runtime  # noqa: E402
 from deepspark.log import Log  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
@@ -83,7 +83,7 @@ def medians(rounds):
 
 
 def first_batch(model):
-    feeders = local.feeders_for(model, model.phase)
+    feeders = nets.feeders_for(model, model.phase)
     try:
         return engine.next_batch(feeders)
     finally:
@@ -92,7 +92,7 @@ def first_batch(model):
 
 def bench_caffe(rounds, iterations):
     caffe = runtime.caffe()
-    model = local.test_model(NET, "caffe", pb.TRAIN)
+    model = nets.test_model(NET, "caffe", pb.TRAIN)
     batch = first_batch(model)
     theirs = caffe.Net(NET, caffe.TRAIN)
     for name, blobs in model._net.params.items():  # the same weights
@@ -136,7 +136,7 @@ def bench_caffe(rounds, iterations):
 
 
 def bench_tensorflow(batch, rounds, iterations):
-    model = local.test_model(NET, "tensorflow", pb.TRAIN)
+    model = nets.test_model(NET, "tensorflow", pb.TRAIN)
     passes, loss = model.layer_passes(batch)
     model.forward(batch), model.gradients(batch)  # trace the compiled passes
     layers_f, layers_fb, whole_f, whole_fb = [], [], [], []

@@ -145,16 +145,16 @@ _TEST_MODELS = {}  # (net, backend): its test model, built once per process (a b
 
 def accuracy(weights, net=NET, backend="tensorflow", iterations=100):
     """The test accuracy of a snapshot on the 10,000 test images (off the clock, after the run): Caffe's `test`
-    (deepspark.local.test) on a test model built once and given each snapshot's weights."""
-    from deepspark import checkpoint, engine, local
+    (deepspark.nets.test) on a test model built once and given each snapshot's weights."""
+    from deepspark import checkpoint, engine, nets
     from deepspark.proto import deepspark_pb2 as pb
 
     if (net, backend) not in _TEST_MODELS:
-        _TEST_MODELS[net, backend] = local.test_model(net, backend)
+        _TEST_MODELS[net, backend] = nets.test_model(net, backend)
     model = _TEST_MODELS[net, backend]
     model.set_params(checkpoint.weights_for(model.graph, checkpoint.read_caffemodel(weights), model.get_params(),
                                             weights))
-    feeders = local.feeders_for(model, pb.TEST)
+    feeders = nets.feeders_for(model, pb.TEST)
     try:
         return float(engine.score(model, feeders, iterations)["accuracy"])
     finally:

@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 
 # TensorFlow prints its C++ start-up notices (oneDNN, CPU features, absl) unless told before it loads, and
 # more than our backend load it (tensorboard's writer does); every DeepSpark process, driver or worker,
-# imports this package first. A user's own setting wins. oneDNN itself stays on (ENVIRONMENT.md).
+# imports this package first. A user's own setting wins. oneDNN itself stays on (see log.NATIVE_BANNER).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 

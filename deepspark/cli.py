@@ -12,7 +12,7 @@ import sys
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from deepspark import compare, config, export, local, plan
+from deepspark import compare, config, export, nets, plan
 from deepspark.backends import BACKENDS
 from deepspark.data import convert
 from deepspark.errors import DeepSparkError
@@ -122,12 +122,12 @@ def cmd_train(args):
 
 
 def cmd_test(args):
-    local.test(args.model, args.weights, args.iterations, args.backend)
+    nets.test(args.model, args.weights, args.iterations, args.backend)
     return 0
 
 
 def cmd_time(args):
-    local.timing(args.model, args.iterations, args.backend, args.phase)
+    nets.timing(args.model, args.iterations, args.backend, args.phase)
     return 0
 
 
@@ -173,7 +173,7 @@ def split_list(text):
 
 
 def cmd_describe(args):
-    table, warnings = local.describe(args.net, args.phase, args.data_shape, args.batch_size, args.stage)
+    table, warnings = nets.describe(args.net, args.phase, args.data_shape, args.batch_size, args.stage)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(table)
@@ -181,14 +181,14 @@ def cmd_describe(args):
 
 
 def cmd_upgrade_net(args):
-    for note in local.upgrade_net(args.input, args.output):
+    for note in nets.upgrade_net(args.input, args.output):
         print(f"warning: {note}", file=sys.stderr)
     print(f"Wrote upgraded NetParameter text proto to {args.output}")
     return 0
 
 
 def cmd_upgrade_solver(args):
-    for note in local.upgrade_solver(args.input, args.output):
+    for note in nets.upgrade_solver(args.input, args.output):
         print(f"warning: {note}", file=sys.stderr)
     print(f"Wrote upgraded SolverParameter text proto to {args.output}")
     return 0
@@ -252,7 +252,13 @@ def parser():
         prog="deepspark", description="Train Caffe-defined networks on Spark with asynchronous EASGD.")
     verbs = top.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
+    for add in (add_training_verbs, add_net_verbs, upgrade_verbs, add_data_verbs):
+        add(verbs)
+    return top
 
+
+def add_training_verbs(verbs):
+    """train, test, time, compare, plan."""
     train = verbs.add_parser("train", help="train a net from a solver prototxt")
     train.add_argument("--solver", required=True, help="solver .prototxt")
     train.add_argument("--deepspark", help=f"DeepSparkParameter .prototxt over the solver's deepspark_param block "
@@ -299,6 +305,9 @@ def parser():
     add_fields(planner, pb.PlanParameter)
     planner.set_defaults(run=cmd_plan)
 
+
+def add_net_verbs(verbs):
+    """export, score, extract-features, describe: what runs a trained net, or describes one."""
     saved = verbs.add_parser("export", help="a deploy net and its .caffemodel as a TensorFlow SavedModel (Caffe's "
                                             "numerics, N x C x H x W input; served without DeepSpark)")
     saved.add_argument("--model", required=True, help="deploy .prototxt (or model folder)")
@@ -328,7 +337,10 @@ def parser():
                                                            "(repeat it for several)")
     describe.set_defaults(run=cmd_describe)
 
-    upgrade_verbs(verbs)
+
+
+def add_data_verbs(verbs):
+    """Caffe's data tools (convert-mnist, convert-imageset, convert-lmdb, compute-image-mean) and plot."""
     mnist = verbs.add_parser("convert-mnist", help="MNIST-format IDX files (gzipped or not) to an LMDB "
                                                    "(or Parquet: OUT ending in .parquet)")
     mnist.add_argument("images")
@@ -366,7 +378,6 @@ def parser():
     plot.add_argument("log")
     plot.add_argument("-o", "--output", required=True, help="PNG to write")
     plot.set_defaults(run=cmd_plot)
-    return top
 
 
 def main(argv=None):

@@ -67,7 +67,8 @@ def _parse_error(error, text, message, filename):
         if isinstance(message, pb.NetParameter) and owner == "LayerParameter":
             unsupported = _unsupported_type_at(text, line)
             if unsupported:
-                detail = f"layer type '{unsupported}' is not supported (its '{field}' is unknown)"
+                detail = (f"layer type '{unsupported}' is not supported (its '{field}' is "
+                          "unknown; docs/layers.md lists the supported types)")
     detail = detail.replace("deepspark.", "")
     return ConfigError(detail, filename, line if line > 0 else None, col if col > 0 else None)
 

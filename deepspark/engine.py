@@ -2,9 +2,12 @@
 
 The engine knows the backend contract (deepspark.backends.base.Model) and
 anything with `next_batch()` and `close()` as a batch source, but builds
-neither: the one-process verbs (deepspark.local) and the Spark workers build
-the model and its feeders, and hand them in. `benchmark` is Caffe's `time`
-loop, written once over the per-layer passes every backend hands it.
+neither: deepspark.nets builds them (for the one-process verbs, every Spark
+worker and the driver's test nets) and hands them in. `Cadence` is Caffe's
+display/test/snapshot arithmetic, which a Trainer and a Spark job's driver
+share; `write_snapshot` is Caffe's Snapshot, which both write with.
+`benchmark` is Caffe's `time` loop, written once over the per-layer passes
+every backend hands it.
 """
 
 import collections
@@ -14,7 +17,7 @@ import time
 
 import numpy as np
 
-from deepspark import checkpoint, graph
+from deepspark import checkpoint, graph, schedule
 from deepspark.errors import ConfigError
 from deepspark.log import Log, progress_bar
 
@@ -199,15 +202,94 @@ class Evaluator:
             model.close()
 
 
+def next_multiple(iteration, interval, include_current=False):
+    """The first multiple of `interval` after `iteration` (or at it, with include_current); inf for 0."""
+    if not interval:
+        return float("inf")
+    if include_current and iteration % interval == 0:
+        return iteration
+    return (iteration // interval + 1) * interval
+
+
+def last_multiple(iteration, interval, start):
+    """The last multiple of `interval` at or before `iteration`, never before the run's start."""
+    return max(iteration - iteration % interval, start)
+
+
+class Cadence:
+    """Caffe's Solver cadence: which iterations display, test and snapshot, and the learning rate shown.
+
+    A Trainer sees every iteration and asks of each (`displays`, `tests`, `snapshots`). The
+    driver of a Spark job sees the slowest worker's iteration now and then, past multiples
+    perhaps, and asks what has come due since it last asked (`*_due`, from `start` on).
+    """
+
+    def __init__(self, param, start=0):
+        self.param, self.start = param, start
+        self.next_display = next_multiple(start, param.display)
+        self.next_test = next_multiple(start, param.test_interval, param.test_initialization)
+        self.next_snapshot = next_multiple(start, param.snapshot)
+
+    def displays(self, iteration):
+        return bool(self.param.display) and iteration % self.param.display == 0
+
+    def tests(self, iteration):
+        """Caffe's Solver tests `iteration` when it is a test_interval multiple (no test_interval, no test); its
+        loop skips iteration 0 unless test_initialization, the end of Solve tests the last on this rule alone."""
+        return bool(self.param.test_interval) and iteration % self.param.test_interval == 0
+
+    def snapshots(self, iteration):
+        return bool(self.param.snapshot) and iteration % self.param.snapshot == 0
+
+    def learning_rate(self, iteration):
+        """The learning rate a worker uses at `iteration` (multistep's counter derived, not carried)."""
+        param = self.param
+        return schedule.learning_rate(param, iteration, sum(iteration >= v for v in param.stepvalue))[0]
+
+    def display_due(self, iteration):
+        """A display multiple has come due by the watched `iteration` (and the next one is set)."""
+        if iteration < self.next_display:
+            return False
+        self.next_display = next_multiple(iteration, self.param.display)
+        return True
+
+    def test_due(self, iteration):
+        """The test_interval multiple a test due by the watched `iteration` carries, or None."""
+        if iteration < self.next_test:
+            return None
+        self.next_test = next_multiple(iteration, self.param.test_interval)
+        return last_multiple(iteration, self.param.test_interval, self.start)
+
+    def snapshot_due(self, iteration):
+        """The snapshot multiple a snapshot due by the watched `iteration` carries, or None."""
+        if iteration < self.next_snapshot:
+            return None
+        self.next_snapshot = next_multiple(iteration, self.param.snapshot)
+        return last_multiple(iteration, self.param.snapshot, self.start)
+
+    def steps_from(self, iteration, period):
+        """Steps from `iteration` to the end of a round of at most `period`: rounds end at max_iter and at the
+        next test and snapshot multiples, so that those fall on their iterations."""
+        return int(min(period, self.param.max_iter - iteration, self.next_test - iteration,
+                       self.next_snapshot - iteration))
+
+
 def hdf5_snapshots(param):
     """Whether the solver's snapshots are HDF5 (snapshot_format: HDF5) rather than binary protos."""
     return param.snapshot_format == param.HDF5
 
 
-def due_for_test(param, iteration):
-    """Caffe's Solver tests `iteration` when it is a test_interval multiple (no test_interval, no test): its loop
-    skips iteration 0 unless test_initialization; the end of Solve tests the last iteration on this rule alone."""
-    return bool(param.test_interval) and iteration % param.test_interval == 0
+def write_snapshot(log, prefix, iteration, net, arrays, solver_state, hdf5=False):
+    """Caffe's Snapshot: `<prefix>_iter_N.caffemodel` of `arrays` (in `net`'s parameter order), then the
+    .solverstate that names it (with hdf5, each an HDF5 file ending in .h5), each logged as Caffe logs it.
+    solver_state(model path) gives (the SolverState, what its line adds). Returns both paths."""
+    model_path, state_path = checkpoint.snapshot_paths(prefix, iteration, hdf5)
+    log.info(f"Snapshotting to {checkpoint.snapshot_words(model_path)} {model_path}")
+    checkpoint.save_caffemodel(model_path, net, arrays)
+    state, note = solver_state(model_path)
+    log.info(f"Snapshotting solver state to {checkpoint.snapshot_words(state_path)} {state_path}{note}")
+    checkpoint.save_solverstate(state_path, state)
+    return model_path, state_path
 
 
 class Trainer:
@@ -263,8 +345,8 @@ class Trainer:
         if not self._heap_frozen:
             # After the first step the backend is built and traced, and its hundreds of thousands of
             # objects live as long as the trainer: taken out of the cyclic collector's generations,
-            # they are no longer walked by every full collection (with TensorFlow loaded one took
-            # ~0.15 s, and PySpark's task launch in such a worker 0.2 s instead of 0.06 s).
+            # they are no longer walked by every full collection (which, with TensorFlow loaded, also
+            # slowed PySpark's task launch in such a worker: docs/architecture.md has the figures).
             gc.freeze()
             self._heap_frozen = True
         return loss
@@ -298,15 +380,13 @@ class Trainer:
         return []
 
     def snapshot(self):
-        prefix = self.param.snapshot_prefix or "snapshot"
-        model_path, state_path = checkpoint.snapshot_paths(prefix, self.iter, hdf5_snapshots(self.param))
-        self.log.info(f"Snapshotting to {checkpoint.snapshot_words(model_path)} {model_path}")
-        checkpoint.save_caffemodel(model_path, self.model.graph, self.model.get_params())
-        state = self.model.get_state()
-        state.learned_net = model_path
-        self.log.info(f"Snapshotting solver state to {checkpoint.snapshot_words(state_path)} {state_path}")
-        checkpoint.save_solverstate(state_path, state)
-        return model_path, state_path
+        def state_of(model_path):
+            state = self.model.get_state()
+            state.learned_net = model_path
+            return state, ""
+
+        return write_snapshot(self.log, self.param.snapshot_prefix or "snapshot", self.iter, self.model.graph,
+                              self.model.get_params(), state_of, hdf5_snapshots(self.param))
 
     def log_train_outputs(self, loss):
         """Caffe's display of the train net's outputs after a step: `Train net output #k: name = v`, with
@@ -319,17 +399,17 @@ class Trainer:
 
     def solve(self):
         """Caffe's Solver::Solve: test every test_interval, display, snapshot; returns the last test results."""
-        p, log = self.param, self.log
+        p, log, cadence = self.param, self.log, Cadence(self.param)
         log.info(f"Solving {self.model.graph.name}")
         log.info(f"Learning Rate Policy: {p.lr_policy or 'fixed'}")
         started, last_time, last_iter, results = time.monotonic(), time.monotonic(), self.iter, []
         while self.iter < p.max_iter:
-            if due_for_test(p, self.iter) and (self.iter > 0 or p.test_initialization):
+            if cadence.tests(self.iter) and (self.iter > 0 or p.test_initialization):
                 results = self.test_all()
             rate = self.model.learning_rate()
             iteration = self.iter
             loss = self.step()
-            if p.display and iteration % p.display == 0:
+            if cadence.displays(iteration):
                 now = time.monotonic()
                 speed = (iteration - last_iter) / (now - last_time) if now > last_time and iteration > last_iter else 0
                 log.info(f"Iteration {iteration} ({speed:.4g} iter/s), loss = {self.smoothed_loss:.6g}")
@@ -338,14 +418,14 @@ class Trainer:
                 last_time, last_iter = now, iteration
             log.progress(progress_bar(self.iter, p.max_iter, started=started,
                                       extra=f"loss {self.smoothed_loss:.4f}"))
-            if p.snapshot and self.iter % p.snapshot == 0:
+            if cadence.snapshots(self.iter):
                 self.snapshot()
         log.end_progress()
-        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+        if p.snapshot_after_train and not cadence.snapshots(self.iter):
             self.snapshot()
-        if p.display and self.iter % p.display == 0:
+        if cadence.displays(self.iter):
             log.info(f"Iteration {self.iter}, loss = {self.smoothed_loss:.6g}")
-        if due_for_test(p, self.iter):
+        if cadence.tests(self.iter):
             results = self.test_all()
         log.info("Optimization Done.")
         return results

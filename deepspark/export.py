@@ -8,7 +8,7 @@ what the deploy net's Input layer takes: the training's transform_param (its
 scale, mean and crop) is the caller's to apply, as with pycaffe's Net.
 """
 
-from deepspark import checkpoint, local
+from deepspark import checkpoint, nets
 from deepspark.backends import create_model
 from deepspark.data import lmdb_io
 from deepspark.errors import ConfigError
@@ -21,7 +21,7 @@ def export(model_path, weights, output, overwrite=False):
     """Write the SavedModel of the deploy net at `model_path` (a file or a model folder) with the parameters
     of the .caffemodel `weights` to the folder `output` (under a temporary name, renamed when complete);
     returns ({input: shape}, [output names])."""
-    net, source = local.deploy_net(model_path, "export")
+    net, source = nets.deploy_net(model_path, "export")
     python = [i for i, layer in enumerate(net.layer) if layer.type == "Python"]
     if python:
         raise ConfigError(f"layer '{net.layer[python[0]].name}' is a Python layer: a SavedModel carries no Python "

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from deepspark import pylayer
 from deepspark.errors import SourceMap
-from deepspark.upgrade import input_layer
 from deepspark.proto import deepspark_pb2 as pb
+from deepspark.upgrade import input_layer
 
 
 class ShapeError(ValueError):
@@ -16,8 +16,8 @@ class ShapeError(ValueError):
 
 # ---------------------------------------------------------------------------
 # The layer registry: one row per layer type, as Caffe keeps one class per type.
-# Backends keep their own table of what each type computes (backends/*/layers.py);
-# tests/test_layer_registry.py keeps those tables and this one to the same types.
+# Backends keep their own table of what each type computes (backends/*/layers.py),
+# each checked against this one when it is imported (check_table).
 
 
 def _no_blobs(lp):
@@ -37,6 +37,10 @@ class LayerSpec:
     labelled: its second bottom is a label; learned: False where the blobs are
     statistics that Caffe keeps out of the solver (BatchNorm).
     bottoms: how many bottoms it needs at least (a data layer none).
+    no_backward: the bottoms (by position; negative from the last) Caffe's
+    Backward refuses a diff for, with a glog abort: labels, indices, sequence
+    markers, a Threshold's input. TensorFlow gives them none either.
+    unforced: the bottoms force_backward leaves alone (Caffe's AllowForceBackward).
     """
 
     type: str
@@ -48,6 +52,8 @@ class LayerSpec:
     labelled: bool = False
     learned: bool = True
     bottoms: int = 1
+    no_backward: tuple = ()
+    unforced: tuple = ()
 
     def blob_count(self, lp):
         """How many parameter blobs a layer of this type has, known before its shapes are."""
@@ -56,6 +62,19 @@ class LayerSpec:
     @property
     def min_bottoms(self):
         return 0 if self.data else self.bottoms
+
+    def refused(self, bottoms):
+        """The positions among `bottoms` (a count) that take no diff in Caffe's Backward."""
+        return _positions(self.no_backward, bottoms)
+
+    def forced(self, bottoms):
+        """The positions among `bottoms` (a count) that force_backward gives a diff."""
+        return [b for b in range(bottoms) if b not in _positions(self.unforced, bottoms)]
+
+
+def _positions(indices, count):
+    """Positions `indices` (negative: from the last) among `count` bottoms, those that exist."""
+    return {i % count for i in indices if -count <= i < count}
 
 
 REGISTRY = {}  # layer type -> LayerSpec
@@ -77,6 +96,22 @@ def spec(kind):
 
 def supported_types():
     return sorted(REGISTRY)
+
+
+def check_table(table, backend):
+    """Raise a RuntimeError naming the types if a backend's layer table and the registry differ.
+
+    Each backend's layers.py calls it as it is imported, so that a type added
+    to one place and not the other fails at once, not when a net first uses it.
+    """
+    missing, extra = sorted(set(REGISTRY) - set(table)), sorted(set(table) - set(REGISTRY))
+    problems = []
+    if missing:
+        problems.append(f"registered in graph.py but missing from the {backend} table: {', '.join(missing)}")
+    if extra:
+        problems.append(f"in the {backend} table but not registered in graph.py: {', '.join(extra)}")
+    if problems:
+        raise RuntimeError(f"the {backend} layer table and graph.REGISTRY differ: {'; '.join(problems)}")
 
 
 def _constant_filler(value):
@@ -324,19 +359,14 @@ def conv_geometry(param, spatial):
     return kernel, pad, stride, dilation
 
 
-@layer_type("Convolution", "Deconvolution", fillers=lambda lp: _weight_and_bias(lp.convolution_param))
-def _convolution(lp, bottoms, ctx):
-    param, shape = lp.convolution_param, bottoms[0]
+def _conv_output(lp, shape):
+    """(channel axis, kernel, output size of each spatial axis) of a Convolution, Deconvolution or Im2col layer."""
+    param = lp.convolution_param
     axis = canonical_axis(param.axis, len(shape))
     spatial = len(shape) - axis - 1
     if spatial < 1:
         raise ShapeError(f"{lp.type} needs spatial axes after axis {axis}, got {fmt(shape)}")
     kernel, pad, stride, dilation = conv_geometry(param, spatial)
-    channels, outputs, group = shape[axis], param.num_output, param.group
-    if not outputs:
-        raise ShapeError(f"{lp.type} needs num_output")
-    if group < 1 or channels % group or outputs % group:
-        raise ShapeError(f"group {group} must divide both input channels {channels} and num_output {outputs}")
     out = []
     for size, k, p, s, d in zip(shape[axis + 1:], kernel, pad, stride, dilation):
         extent = d * (k - 1) + 1
@@ -350,6 +380,18 @@ def _convolution(lp, bottoms, ctx):
         if o <= 0:
             raise ShapeError(f"output size {o} from input {fmt(shape)} is not positive")
         out.append(o)
+    return axis, kernel, out
+
+
+@layer_type("Convolution", "Deconvolution", fillers=lambda lp: _weight_and_bias(lp.convolution_param))
+def _convolution(lp, bottoms, ctx):
+    param, shape = lp.convolution_param, bottoms[0]
+    axis, kernel, out = _conv_output(lp, shape)
+    channels, outputs, group = shape[axis], param.num_output, param.group
+    if not outputs:
+        raise ShapeError(f"{lp.type} needs num_output")
+    if group < 1 or channels % group or outputs % group:
+        raise ShapeError(f"group {group} must divide both input channels {channels} and num_output {outputs}")
     if lp.type == "Deconvolution":
         weights = (channels, outputs // group) + tuple(kernel)
     else:
@@ -412,7 +454,7 @@ def _loss(lp, bottoms, ctx):
     return [()] + [bottoms[0]] * (len(lp.top) - 1), []
 
 
-@layer_type("SoftmaxWithLoss", loss=True, labelled=True)
+@layer_type("SoftmaxWithLoss", loss=True, labelled=True, no_backward=(1,), unforced=(1,))
 def _softmax_loss(lp, bottoms, ctx):
     shape = bottoms[0]
     axis = canonical_axis(lp.softmax_param.axis, len(shape))
@@ -422,8 +464,8 @@ def _softmax_loss(lp, bottoms, ctx):
     return _loss(lp, bottoms, ctx)
 
 
-@layer_type("SigmoidCrossEntropyLoss", loss=True, labelled=True)
-@layer_type("EuclideanLoss", loss=True)
+@layer_type("SigmoidCrossEntropyLoss", loss=True, labelled=True, no_backward=(1,), unforced=(1,))
+@layer_type("EuclideanLoss", loss=True, unforced=(1,))
 def _pairwise_loss(lp, bottoms, ctx):
     if len(bottoms) != 2 or count(bottoms[0]) != count(bottoms[1]):
         raise ShapeError(f"{lp.type} needs two inputs of the same size, got "
@@ -431,7 +473,7 @@ def _pairwise_loss(lp, bottoms, ctx):
     return _loss(lp, bottoms, ctx)
 
 
-@layer_type("Accuracy", labelled=True)
+@layer_type("Accuracy", labelled=True, no_backward=(0, 1))
 def _accuracy(lp, bottoms, ctx):
     shape = bottoms[0]
     axis = canonical_axis(lp.accuracy_param.axis, len(shape))
@@ -442,7 +484,7 @@ def _accuracy(lp, bottoms, ctx):
     return [()] + [(shape[axis],)] * (len(lp.top) - 1), []
 
 
-@layer_type("ArgMax")
+@layer_type("ArgMax", no_backward=(0,))
 def _argmax(lp, bottoms, ctx):
     shape, param = bottoms[0], lp.argmax_param
     if param.HasField("axis"):
@@ -458,6 +500,249 @@ def _argmax(lp, bottoms, ctx):
         top[0], top[2] = shape[0], param.top_k
         top[1] = 2 if param.out_max_val else 1
     return [tuple(top)], []
+
+
+# ---------------------------------------------------------------------------
+# The rest of BVLC Caffe's compute layers (Clip and Swish: BVLC's later additions)
+
+def _exactly(lp, bottoms, count, tops=None):
+    """A ShapeError unless the layer has `count` bottoms (and `tops` tops), as Caffe's CHECKs demand."""
+    if len(bottoms) != count:
+        raise ShapeError(f"{lp.type} takes {count} bottoms, got {len(bottoms)}")
+    if tops is not None and len(lp.top) != tops:
+        raise ShapeError(f"{lp.type} makes {tops} top{'s' * (tops != 1)}, got {len(lp.top)}")
+
+
+def legacy(shape, axis):
+    """Caffe's LegacyShape: axis `axis` of a blob of at most 4 axes, 1 past its last (num, channels, height, width)."""
+    if len(shape) > 4:
+        raise ShapeError(f"a {len(shape)}-axis blob {fmt(shape)} where Caffe reads num/channels/height/width")
+    return shape[axis] if axis < len(shape) else 1
+
+
+def _one_per_item(shape, labels, what):
+    """A ShapeError unless `labels` holds one value per item of `shape` (N x 1 x 1 x 1)."""
+    if any(legacy(labels, axis) != 1 for axis in (1, 2, 3)) or labels[:1] != shape[:1]:
+        raise ShapeError(f"{what} needs one per item: input {fmt(shape)}, {what} {fmt(labels)}")
+
+
+layer_type("Threshold", no_backward=(0,))(_same)
+layer_type("Clip", "Swish")(_same)
+
+
+def crop_offsets(param, rank):
+    """Caffe's Crop offset of every axis of a `rank`-axis input: 0 before crop_param.axis, then the offsets."""
+    axis = canonical_axis(param.axis, rank)
+    offsets = list(param.offset)
+    if len(offsets) > 1 and axis + len(offsets) != rank:
+        raise ShapeError(f"Crop gives {len(offsets)} offsets for the {rank - axis} axes from axis {axis}")
+    return [0] * axis + [offsets[0] if len(offsets) == 1 else offsets[i] if offsets else 0
+                         for i in range(rank - axis)]
+
+
+@layer_type("Crop", bottoms=2)
+def _crop(lp, bottoms, ctx):
+    _exactly(lp, bottoms, 2, 1)
+    shape, reference = bottoms
+    offsets = crop_offsets(lp.crop_param, len(shape))
+    axis = canonical_axis(lp.crop_param.axis, len(shape))
+    if len(reference) < len(shape):
+        raise ShapeError(f"Crop's reference {fmt(reference)} has fewer axes than its input {fmt(shape)}")
+    top = list(shape)
+    for i in range(axis, len(shape)):
+        if shape[i] - offsets[i] < reference[i]:
+            raise ShapeError(f"the crop of axis {i} to {reference[i]} at offset {offsets[i]} is out of bounds "
+                             f"of {fmt(shape)}")
+        top[i] = reference[i]
+    return [tuple(top)], []
+
+
+@layer_type("ContrastiveLoss", loss=True, bottoms=3, unforced=(2,))
+def _contrastive_loss(lp, bottoms, ctx):
+    _exactly(lp, bottoms, 3, 1)
+    a, b, similar = bottoms
+    if (legacy(a, 1) != legacy(b, 1) or any(legacy(s, axis) != 1 for s in (a, b) for axis in (2, 3))
+            or count(b) < count(a)):
+        raise ShapeError(f"ContrastiveLoss needs two N x C feature blobs, got {fmt(a)} and {fmt(b)}")
+    _one_per_item(a, similar, "similarity label")
+    return [()], []
+
+
+@layer_type("InfogainLoss", loss=True, labelled=True, bottoms=2, no_backward=(1, 2), unforced=(1,))
+def _infogain_loss(lp, bottoms, ctx):
+    if len(bottoms) not in (2, 3) or len(lp.top) != 1:
+        raise ShapeError("InfogainLoss takes 2 or 3 bottoms (predictions, labels, the infogain matrix) and 1 top")
+    shape = bottoms[0]
+    _one_per_item(shape, bottoms[1], "label")
+    dim = count(shape, 1)
+    if len(bottoms) == 3 and tuple(legacy(bottoms[2], axis) for axis in range(4)) != (1, 1, dim, dim):
+        raise ShapeError(f"the infogain matrix must be 1x1x{dim}x{dim} for {fmt(shape)}, got {fmt(bottoms[2])}")
+    if len(bottoms) == 2 and not lp.infogain_loss_param.source:
+        raise ShapeError("InfogainLoss needs infogain_loss_param.source, or the matrix as a third bottom")
+    return [()], []
+
+
+@layer_type("HingeLoss", loss=True, labelled=True, bottoms=2, no_backward=(1,), unforced=(1,))
+@layer_type("MultinomialLogisticLoss", loss=True, labelled=True, bottoms=2, no_backward=(1,), unforced=(1,))
+def _class_loss(lp, bottoms, ctx):
+    _exactly(lp, bottoms, 2, 1)
+    if bottoms[0][:1] != bottoms[1][:1] or (lp.type == "MultinomialLogisticLoss" and count(bottoms[1], 1) != 1):
+        raise ShapeError(f"{lp.type} needs one label per item: input {fmt(bottoms[0])}, labels {fmt(bottoms[1])}")
+    return [()], []
+
+
+@layer_type("Embed", fillers=lambda lp: _weight_and_bias(lp.embed_param), no_backward=(0,))
+def _embed(lp, bottoms, ctx):
+    _exactly(lp, bottoms, 1, 1)
+    param = lp.embed_param
+    if not param.num_output or not param.input_dim:
+        raise ShapeError("Embed needs num_output and input_dim")
+    params = [(param.input_dim, param.num_output)] + [(param.num_output,)] * param.bias_term
+    return [bottoms[0] + (param.num_output,)], params
+
+
+@layer_type("Reduction")
+def _reduction(lp, bottoms, ctx):
+    _exactly(lp, bottoms, 1, 1)
+    return [bottoms[0][:canonical_axis(lp.reduction_param.axis, len(bottoms[0]))]], []
+
+
+@layer_type("MVN")
+def _mvn(lp, bottoms, ctx):
+    _exactly(lp, bottoms, 1, 1)
+    legacy(bottoms[0], 0)
+    return [bottoms[0]], []
+
+
+@layer_type("Tile")
+def _tile(lp, bottoms, ctx):
+    _exactly(lp, bottoms, 1, 1)
+    param, top = lp.tile_param, list(bottoms[0])
+    if not param.HasField("tiles") or param.tiles <= 0:
+        raise ShapeError("Tile needs a positive tile_param.tiles")
+    axis = canonical_axis(param.axis, len(top))
+    top[axis] *= param.tiles
+    return [tuple(top)], []
+
+
+def spp_levels(param, shape):
+    """(PoolingParameter, pooled N x C x H x W) of each level of Caffe's SPP pyramid over `shape`."""
+    if len(shape) != 4:
+        raise ShapeError(f"SPP needs a 4-axis input, got {fmt(shape)}")
+    if param.pyramid_height < 1:
+        raise ShapeError("SPP needs pyramid_height of at least 1")
+    levels = []
+    for level in range(param.pyramid_height):
+        bins = 2 ** level
+        kernel = [-(-size // bins) for size in shape[2:]]
+        pad = [(k * bins - size + 1) // 2 for k, size in zip(kernel, shape[2:])]
+        pool = pb.PoolingParameter(pool=param.pool, kernel_h=kernel[0], kernel_w=kernel[1], pad_h=pad[0],
+                                   pad_w=pad[1], stride_h=kernel[0], stride_w=kernel[1])
+        geometry = pool_geometry(pool, *shape[2:])
+        out = [pooled_size(shape[2 + i], geometry[0][i], geometry[1][i], geometry[2][i]) for i in range(2)]
+        levels.append((pool, shape[:2] + tuple(out)))
+    return levels
+
+
+@layer_type("SPP")
+def _spp(lp, bottoms, ctx):
+    _exactly(lp, bottoms, 1, 1)
+    levels = spp_levels(lp.spp_param, bottoms[0])
+    if len(levels) == 1:
+        return [levels[0][1]], []
+    return [(bottoms[0][0], sum(count(shape, 1) for _, shape in levels))], []
+
+
+@layer_type("Filter", bottoms=2, no_backward=(-1,))
+def _filter(lp, bottoms, ctx):
+    """The tops' first axis holds the selected items, as many as the selector's non-zeros: known only from
+    the data, so the shapes given here are Caffe's before its first forward pass (every item)."""
+    *blobs, selector = bottoms
+    if len(lp.top) != len(blobs):
+        raise ShapeError(f"Filter makes one top per bottom before the selector ({len(blobs)}), got {len(lp.top)}")
+    if any(d != 1 for d in selector[1:]) or any(shape[:1] != selector[:1] for shape in blobs):
+        raise ShapeError(f"Filter's selector must be N x 1 x ... for inputs of N items, got {fmt(selector)} for "
+                         f"{', '.join(fmt(s) for s in blobs)}")
+    return blobs, []
+
+
+@layer_type("BatchReindex", bottoms=2, no_backward=(1,))
+def _batch_reindex(lp, bottoms, ctx):
+    _exactly(lp, bottoms, 2, 1)
+    if len(bottoms[1]) != 1:
+        raise ShapeError(f"BatchReindex's indices must be one axis, got {fmt(bottoms[1])}")
+    return [bottoms[1] + bottoms[0][1:]], []
+
+
+@layer_type("Im2col")
+def _im2col(lp, bottoms, ctx):
+    _exactly(lp, bottoms, 1, 1)
+    shape = bottoms[0]
+    axis, kernel, out = _conv_output(lp, shape)
+    return [shape[:axis] + (shape[axis] * math.prod(kernel),) + tuple(out)], []
+
+
+@layer_type("Parameter", fillers=lambda lp: [_constant_filler(0.0)], bottoms=0)
+def _parameter(lp, bottoms, ctx):
+    _exactly(lp, bottoms, 0, 1)
+    shape = tuple(lp.parameter_param.shape.dim)
+    return [shape], [shape]
+
+
+RECURRENT_STATES = {"LSTM": 2, "RNN": 1}  # hidden state blobs carried between passes: (h, c), (h)
+
+
+def recurrent_inputs(lp):
+    """(how many hidden-state bottoms and tops expose_hidden adds, whether a static input follows `cont`)."""
+    exposed = RECURRENT_STATES[lp.type] if lp.recurrent_param.expose_hidden else 0
+    return exposed, len(lp.bottom) > 2 + exposed
+
+
+def _recurrent_fillers(lp):
+    """Caffe's unrolled net's blobs: W_x, b, [W_static,] W_h (LSTM), and W_o, b_o after them (RNN)."""
+    weight, bias = lp.recurrent_param.weight_filler, lp.recurrent_param.bias_filler
+    static = recurrent_inputs(lp)[1]
+    return [weight, bias] + [weight] * static + [weight] + [weight, bias] * (lp.type == "RNN")
+
+
+@layer_type("LSTM", "RNN", fillers=_recurrent_fillers, bottoms=2, no_backward=(1,), unforced=(1,))
+def _recurrent(lp, bottoms, ctx):
+    """Caffe's Recurrent layers: x (T x N x ...), cont (T x N), [static (N x ...)], [exposed h_0 (, c_0)]."""
+    param = lp.recurrent_param
+    exposed, static = recurrent_inputs(lp)
+    if len(bottoms) not in (2 + exposed, 3 + exposed) or len(lp.top) != 1 + exposed:
+        raise ShapeError(f"{lp.type} takes x, cont{', a static input' if static else ''}"
+                         f"{' and the exposed hidden states' * bool(exposed)}, and makes {1 + exposed} top(s)")
+    x, cont = bottoms[:2]
+    if len(x) < 2 or cont != x[:2]:
+        raise ShapeError(f"{lp.type} needs x of T x N x ... and cont of T x N, got {fmt(x)} and {fmt(cont)}")
+    if not param.num_output:
+        raise ShapeError(f"{lp.type} needs recurrent_param.num_output")
+    steps, streams, hidden = x[0], x[1], param.num_output
+    gates = 4 * hidden if lp.type == "LSTM" else hidden
+    params = [(gates, count(x, 2)), (gates,)]
+    if static:
+        if not bottoms[2] or bottoms[2][0] != streams:
+            raise ShapeError(f"{lp.type}'s static input must be N x ..., N = {streams}, got {fmt(bottoms[2])}")
+        params.append((gates, count(bottoms[2], 1)))
+    params.append((gates, hidden))
+    if lp.type == "RNN":
+        params += [(hidden, hidden), (hidden,)]
+    state = (1, streams, hidden)
+    for shape in bottoms[2 + static:]:
+        if shape != state:
+            raise ShapeError(f"{lp.type}'s exposed hidden state must be {fmt(state)}, got {fmt(shape)}")
+    return [(steps, streams, hidden)] + [state] * exposed, params
+
+
+@layer_type("LSTMUnit", bottoms=3, no_backward=(2,), unforced=(2,))
+def _lstm_unit(lp, bottoms, ctx):
+    _exactly(lp, bottoms, 3, 2)
+    cell, gates, cont = bottoms
+    if (len(cell) != 3 or cell[0] != 1 or gates != (1, cell[1], 4 * cell[2]) or cont != (1, cell[1])):
+        raise ShapeError(f"LSTMUnit needs c_prev 1 x N x D, gates 1 x N x 4D and cont 1 x N, got "
+                         f"{', '.join(fmt(s) for s in bottoms)}")
+    return [cell, cell], []
 
 
 # Data layers: their shapes come from the prototxt or from the data itself.
@@ -729,8 +1014,8 @@ class Graph:
     def _build(self):
         for i, lp in enumerate(self.net_param.layer):
             if lp.type not in REGISTRY:
-                raise self._error(f"layer '{lp.name}': unknown layer type '{lp.type}' (not a type BVLC Caffe "
-                                  "registers)", i, "type")
+                raise self._error(f"layer '{lp.name}': unknown layer type '{lp.type}' (docs/layers.md lists the "
+                                  "supported types)", i, "type")
             if lp.include and lp.exclude:
                 raise self._error(f"layer '{lp.name}': give include rules or exclude rules, not both", i)
         # A net built in code may still carry `input:` fields (config upgrades a file's as it reads it).
@@ -838,9 +1123,17 @@ class Graph:
         layers = [layer for layer in self.layers if layer.type in FED_TYPES] if layers is None else layers
         return {top: tuple(shape) for layer in layers for top, shape in zip(layer.tops, layer.top_shapes)}
 
-    def split_blobs(self):
-        """Blobs consumed by more than one layer: where Caffe inserts its implicit Split layers."""
-        return {blob: layers for blob, layers in self.consumers.items() if len(layers) > 1}
+    def check_backward(self):
+        """A ConfigError if Caffe's backward pass would abort on this net: a diff that back-propagation needs
+        through a bottom its layer takes none for (a label, an index, a sequence marker, a Threshold's input)."""
+        for layer, (bottoms, _) in zip(self.layers, backward_needs(self)):
+            refused = sorted(REGISTRY[layer.type].refused(len(layer.bottoms)) & set(bottoms))
+            if refused:
+                fix = ("drop force_backward" if self.net_param.force_backward
+                       else "give the layer propagate_down: false for it")
+                raise self._error(f"layer '{layer.name}' ({layer.type}) takes no gradient to its bottom "
+                                  f"'{layer.bottoms[refused[0]]}', which back-propagation reaches here (Caffe "
+                                  f"aborts there); {fix}", layer.index)
 
     def describe(self):
         """`describe` rows: name, type, top shapes, parameter shapes; then the totals line."""
@@ -862,6 +1155,46 @@ class Graph:
             lines.append(f"total parameters: {total}")
         return "\n".join(line.rstrip() for line in lines)
 
+
+
+def backward_needs(graph):
+    """Per layer, (bottom positions, blob positions) whose diffs Caffe's Net computes in its backward.
+
+    Net::Init's rules: a blob needs a diff when a layer that wrote it needs a
+    backward, and a layer needs one when a bottom needs a diff or a blob has a
+    nonzero lr_mult; propagate_down overrides a bottom; a layer under no loss,
+    or whose tops all skip back-propagation, computes none; force_backward
+    gives every layer all of its blobs and the bottoms its type allows
+    (Caffe's AllowForceBackward: the registry row's `unforced` are left out).
+    """
+    layers = graph.layers
+    wants, needed, rows = set(), [], []  # blob names that need a diff; per layer: does it need a backward
+    for layer in layers:
+        down = list(layer.param.propagate_down)
+        bottoms = [b for b, name in enumerate(layer.bottoms) if (down[b] if down else name in wants)]
+        params = [b for b in range(len(layer.blob_params)) if layer.param_spec(b)[0] != 0]
+        need = any(name in wants for name in layer.bottoms) or bool(params)
+        if need:
+            wants.update(layer.tops)
+        needed.append(need)
+        rows.append((bottoms, params))
+    under_loss, read, kept = set(), set(), set()  # a blob read, but with no reader wanting its diff, skips
+    for position in reversed(range(len(layers))):  # (Caffe decides this per Split top; here per blob)
+        layer, (bottoms, params) = layers[position], rows[position]
+        contributes = any(layer.loss_weights) or any(top in under_loss for top in layer.tops)
+        if not contributes or all(top in read and top not in kept for top in layer.tops):
+            needed[position], bottoms = False, []
+        for b, name in enumerate(layer.bottoms):
+            if contributes:
+                under_loss.add(name)
+            read.add(name)
+            if b in bottoms:
+                kept.add(name)
+        rows[position] = (bottoms, params) if needed[position] else ([], [])
+    if graph.net_param.force_backward:
+        return [(sorted(set(bottoms) | set(REGISTRY[layer.type].forced(len(layer.bottoms)))),
+                 list(range(len(layer.blob_params)))) for layer, (bottoms, _) in zip(layers, rows)]
+    return rows
 
 
 # -- rewrites of a net for a forward pass (compare, the scoring path) ------------------------------

@@ -18,7 +18,6 @@ solver's prototxt (or the deepspark.prototxt beside it) says, as `deepspark
 train` does with a flag not given.
 """
 
-import hashlib
 import os
 
 from google.protobuf import text_format
@@ -31,7 +30,7 @@ from pyspark.ml.util import DefaultParamsReadable, DefaultParamsReader, DefaultP
 from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 from pyspark.sql import types as T
 
-from deepspark import checkpoint, config, local, spark
+from deepspark import checkpoint, config, nets, spark
 from deepspark.data import datum, load_mean
 from deepspark.errors import ConfigError
 from deepspark.graph import DATA_TYPES, Graph, tap_name, with_batch_size, with_taps
@@ -40,7 +39,8 @@ from deepspark.spark.scoring import Forward, rows_with_outputs
 
 _CONVERTERS = {FieldDescriptor.TYPE_BOOL: TypeConverters.toBoolean, FieldDescriptor.TYPE_STRING: TypeConverters.toString,
                FieldDescriptor.TYPE_FLOAT: TypeConverters.toFloat, FieldDescriptor.TYPE_DOUBLE: TypeConverters.toFloat,
-               FieldDescriptor.TYPE_UINT32: TypeConverters.toInt, FieldDescriptor.TYPE_INT32: TypeConverters.toInt}
+               FieldDescriptor.TYPE_UINT32: TypeConverters.toInt, FieldDescriptor.TYPE_INT32: TypeConverters.toInt,
+               FieldDescriptor.TYPE_UINT64: TypeConverters.toInt, FieldDescriptor.TYPE_INT64: TypeConverters.toInt}
 
 # DeepSparkParameter fields that say where a job runs and how its data gets there: the DataFrame's session
 # and its rows decide both for fit.
@@ -237,7 +237,7 @@ class DeepSparkModel(Model, _Stage, MLWritable, MLReadable):
         """A Model of files a user has: a deploy .prototxt (or a model folder) and a .caffemodel;
         transform: Caffe's transform_param (prototxt text, or a TransformationParameter) to apply before
         the net; params: Model Params by name (backend="caffe", outputBlobs="ip1")."""
-        net, _ = local.deploy_net(deploy, "DeepSparkModel")
+        net, _ = nets.deploy_net(deploy, "DeepSparkModel")
         weights = checkpoint.read_bytes(caffemodel, "the weights")
         text = transform if isinstance(transform, (str, type(None))) else text_format.MessageToString(
             transform, as_one_line=True)
@@ -340,15 +340,10 @@ class DeepSparkModel(Model, _Stage, MLWritable, MLReadable):
         net = with_batch_size(self.deploy, size)
         net = with_taps(net, Graph(net, pb.TEST), [o.split("@")[0] for o in outputs])
         top, shape = self.input_top()
-        backend = self.getOrDefault("backend")
-        key = hashlib.sha256(net.SerializeToString() + self.weights + backend.encode()
-                             + self.getOrDefault("transformParam").encode()
-                             + (b"" if self.mean is None else self.mean.tobytes())).hexdigest()
         self.counters = (sc.accumulator(0), sc.accumulator(0.0))
-        return Forward(key=key, net=net.SerializeToString(), backend=backend, weights=(self.weights, self.mean),
-                       transform=parse_transform(self.getOrDefault("transformParam")).SerializeToString(),
-                       image=top, label="", shape=shape, raw_shape=None, batch_size=size,
-                       outputs=tuple(dict.fromkeys(outputs)), threads=1).shipped(sc, self.counters)
+        return Forward.of(net, self.getOrDefault("backend"), self.weights, self.mean,
+                          parse_transform(self.getOrDefault("transformParam")), image=top, label="", shape=shape,
+                          raw_shape=None, batch_size=size, outputs=dict.fromkeys(outputs)).shipped(sc, self.counters)
 
 
 def parse_transform(text):

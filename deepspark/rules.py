@@ -29,14 +29,6 @@ def apply_to_center(center, d, server_factor=1.0, scratch=None):
     return center
 
 
-def easgd_step(x, center, moving_rate, server_factor=1.0):
-    """One elastic exchange on both sides, in place; returns d."""
-    d = elastic_difference(x, center, moving_rate)
-    apply_to_worker(x, d)
-    apply_to_center(center, d, server_factor)
-    return d
-
-
 def all_finite(a, scratch=None):
     """True when `a` holds no NaN or ±Inf; `scratch` is a bool array shaped like `a`."""
     # One BLAS read pass: any NaN or ±Inf makes a·a non-finite. Only an overflow of
@@ -47,14 +39,15 @@ def all_finite(a, scratch=None):
     return bool(np.isfinite(a, out=scratch).all())
 
 
-def decayed(value, rate, step, floor, count):
-    """value · rate^⌊count / step⌋, never below `floor`: DeepSpark's moving-rate schedule after `count` exchanges.
+def decayed(moving_rate, moving_rate_gamma, moving_rate_step, moving_rate_limit, exchanges):
+    """α · γ^⌊exchanges / step⌋, never below the limit: DeepSpark's moving-rate schedule after `exchanges`
+    (DeepSparkParameter's moving_rate, moving_rate_gamma, moving_rate_step, moving_rate_limit).
 
-    step ≤ 0 or rate == 1 leaves `value` unchanged.
+    step ≤ 0 or γ == 1 leaves α unchanged.
     """
-    if step <= 0 or rate == 1.0:
-        return value
-    return max(value * rate ** (count // step), floor)
+    if moving_rate_step <= 0 or moving_rate_gamma == 1.0:
+        return moving_rate
+    return max(moving_rate * moving_rate_gamma ** (exchanges // moving_rate_step), moving_rate_limit)
 
 
 # ---- when to exchange --------------------------------------------------------
@@ -80,12 +73,10 @@ class ExchangeSchedule:
         self.iteration = 0
         self.first_period_loss = None
         self.loss_since_exchange = 0.0
-        self.iterations_since_exchange = 0
 
     def step(self, loss=0.0):
         """Record one local iteration with its loss; True when it is time to exchange."""
         self.iteration += 1
-        self.iterations_since_exchange += 1
         if math.isfinite(loss):
             self.loss_since_exchange += loss
         if not self.adaptive or self.first_period_loss is None:
@@ -96,7 +87,6 @@ class ExchangeSchedule:
             due = adaptive_due(self.loss_since_exchange, self.first_period_loss)
         if due:
             self.loss_since_exchange = 0.0
-            self.iterations_since_exchange = 0
         return due
 
 
@@ -133,13 +123,3 @@ def outer_step(center, mean, velocity, learning_rate, momentum):
     velocity += g
     center -= learning_rate * (g + momentum * velocity)
     return center
-
-
-def averaging_step(workers, period, iteration, out=None):
-    """Baseline round: when due, every worker's parameters become their mean (in place); returns whether it ran."""
-    if not periodic_due(iteration, period):
-        return False
-    mean = average_models(workers, out=out)
-    for w in workers:
-        np.copyto(w, mean)
-    return True

@@ -17,7 +17,7 @@ from test_data import leftovers
 from deepspark.cli import main
 from deepspark.data import DataError, encode_datum, lmdb_io
 from deepspark.proto import deepspark_pb2 as pb
-from deepspark.spark import worker
+from deepspark.spark import executor, shards
 
 # make_job's train LMDB holds 200 records of 1x8x8 and two workers split it 0-99, 100-199: record 150 is in
 # the middle of worker 1's shard, far from either end of the LMDB.
@@ -190,23 +190,23 @@ def test_the_spill_names_the_lmdb_and_key_and_leaves_no_shard(case, tmp_path, mo
     _, train = bad_job(tmp_path, value)
     monkeypatch.setenv("SPARK_LOCAL_DIRS", str(tmp_path / "local"))
     with pytest.raises(DataError) as error:
-        worker.spill(worker.Range(train, 100, 200, 200), "job0", 1)
+        executor.spill(shards.Range(train, 100, 200, 200), "job0", 1)
     assert re.fullmatch(f"{re.escape(train)}: {said}", str(error.value))
-    assert os.listdir(worker.job_dir("job0")) == []  # neither the shard nor its temp name
+    assert os.listdir(executor.job_dir("job0")) == []  # neither the shard nor its temp name
     # Worker 0's shard is good: its spill is the records as they are, under their LMDB keys.
-    path, count, _ = worker.spill(worker.Range(train, 0, 100, 200), "job0", 0)
+    path, count, _ = executor.spill(shards.Range(train, 0, 100, 200), "job0", 0)
     assert count == 100 and list(lmdb_io.read_records(path)) == list(lmdb_io.read_records(train, 0, 100))
 
 
 def test_a_dataframe_row_that_is_no_datum_is_named_by_its_row():
     good = encode_datum(np.zeros((1, 8, 8), np.uint8), 1)
-    assert worker.row_datum(5, {"datum": bytearray(good)}, (1, 8, 8)) == good
+    assert shards.row_datum(5, {"datum": bytearray(good)}, (1, 8, 8)) == good
     with pytest.raises(DataError, match=r"^DataFrame row 5: its 'datum' is null; every row needs its Datum bytes$"):
-        worker.row_datum(5, {"datum": None}, (1, 8, 8))
+        shards.row_datum(5, {"datum": None}, (1, 8, 8))
     with pytest.raises(DataError, match=r"^DataFrame row 5: corrupt Datum \(Error parsing message"):
-        worker.row_datum(5, {"datum": RECORDS["not a Datum"][0]}, (1, 8, 8))
+        shards.row_datum(5, {"datum": RECORDS["not a Datum"][0]}, (1, 8, 8))
     with pytest.raises(DataError, match=rf"^DataFrame row 5 is 1x9x9 uint8 but {re.escape(FIRST_IS)}$"):
-        worker.row_datum(5, {"datum": RECORDS["another size"][0]}, (1, 8, 8))
+        shards.row_datum(5, {"datum": RECORDS["another size"][0]}, (1, 8, 8))
 
 
 # -- real Spark (local[2]) -------------------------------------------------------------------------
@@ -234,7 +234,8 @@ import numpy as np
 from deepspark.data import encode_datum
 from deepspark.errors import DeepSparkError
 from deepspark.proto import deepspark_pb2 as pb
-from deepspark.spark.job import dataframe_shards, failed, parquet_records
+from deepspark.spark.failures import failed
+from deepspark.spark.shards import dataframe_shards, parquet_records
 from deepspark.spark.session import spark_session
 
 spark, _ = spark_session(pb.DeepSparkParameter(max_failures=1), 2)

@@ -5,9 +5,9 @@ import threading
 import numpy as np
 import pytest
 
-from deepspark import rules
 from deepspark.exchange import ExchangeClient
 from conftest import load_script
+import reference
 
 bench = load_script("bench/exchange.py", "bench_exchange")
 
@@ -25,7 +25,7 @@ def test_selectors_server_is_easgd(n):
     try:
         for w in (0, 1, 1, 0):
             clients[w].exchange(xs[w], iteration=1)
-            rules.easgd_step(want_xs[w], want_center, bench.ALPHA)
+            reference.easgd_step(want_xs[w], want_center, bench.ALPHA)
     finally:
         for c in clients:
             c.close()

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from conftest import ROOT
-from deepspark import compare, config, graph, local
+from deepspark import compare, config, graph, nets
 from deepspark.proto import deepspark_pb2 as pb
 from test_data_layers import hdf5_example
 
@@ -34,7 +34,7 @@ def data_shape(relative):
 
 
 def unsupported(path):
-    """The layer types of a net that this build has no row for (the compute layers of issue #24's other half)."""
+    """The layer types of a net that the registry has no row for."""
     net, _ = config.load_net(path)
     return sorted({layer.type for layer in net.layer} - set(graph.REGISTRY))
 
@@ -50,25 +50,22 @@ def in_example_tree(tmp_path, monkeypatch):
 
 
 def sweep_nets(caffe_source=None):
-    nets = [(relative, os.path.join(BVLC, relative)) for relative in EXAMPLES]
+    found = [(relative, os.path.join(BVLC, relative)) for relative in EXAMPLES]
     if caffe_source:
-        nets += [(os.path.join("models", os.path.relpath(p, os.path.join(caffe_source, "models"))), p)
-                 for p in sorted(glob.glob(os.path.join(caffe_source, "models", "*", "*.prototxt")))
-                 if "solver" not in os.path.basename(p)]
-    return nets
+        found += [(os.path.join("models", os.path.relpath(p, os.path.join(caffe_source, "models"))), p)
+                  for p in sorted(glob.glob(os.path.join(caffe_source, "models", "*", "*.prototxt")))
+                  if "solver" not in os.path.basename(p)]
+    return found
 
 
 def test_every_bvlc_net_describes(caffe_source, in_example_tree):
-    nets = sweep_nets(caffe_source)
-    assert len(nets) == len(EXAMPLES) + 9 and len(EXAMPLES) == 9
+    found = sweep_nets(caffe_source)
+    assert len(found) == len(EXAMPLES) + 9 and len(EXAMPLES) == 9
     described = {}
-    for relative, path in nets:
-        missing = unsupported(path)
-        if missing:
-            continue  # needs the other half's layer types; reported by the test below
+    for relative, path in found:
         for phase in (pb.TRAIN, pb.TEST):
             stages = [SOLVERS[relative][1]] if relative in SOLVERS and phase == pb.TEST else None
-            table, _ = local.describe(path, phase, data_shape(relative), stages=stages)
+            table, _ = nets.describe(path, phase, data_shape(relative), stages=stages)
             assert table.splitlines()[0].split() == ["name", "type", "tops", "parameters"], relative
         described[relative] = table.splitlines()[-1]
     # the ones whose data is here or given: a real total
@@ -78,27 +75,13 @@ def test_every_bvlc_net_describes(caffe_source, in_example_tree):
     assert described["examples/mnist/lenet.prototxt"] == "total parameters: 431080"
 
 
-def test_which_bvlc_nets_need_layer_types_this_build_lacks(caffe_source):
-    """The nets a build without the compute layers of issue #24 cannot run yet, by the types they need."""
+def test_every_bvlc_net_has_only_registered_layer_types(caffe_source):
     lacking = {relative: unsupported(path) for relative, path in sweep_nets(caffe_source) if unsupported(path)}
-    assert set(lacking) <= {"examples/siamese/mnist_siamese_train_test.prototxt"}, lacking
-    for types in lacking.values():
-        assert types == ["ContrastiveLoss"]
+    assert not lacking
 
 
-def comparable(caffe_source=None):
-    out = []
-    for relative, path in sweep_nets(caffe_source):
-        marks = [pytest.mark.caffe]
-        missing = unsupported(path)
-        if missing:
-            marks.append(pytest.mark.skip(reason=f"needs {', '.join(missing)} (issue #24's compute layers): "
-                                                 "runs once both halves are merged"))
-        out.append(pytest.param(relative, path, marks=marks, id=relative))
-    return out
-
-
-@pytest.mark.parametrize("relative,path", comparable())
+@pytest.mark.caffe
+@pytest.mark.parametrize("relative,path", [pytest.param(relative, path, id=relative) for relative, path in sweep_nets()])
 def test_small_bvlc_examples_agree_across_backends(in_example_tree, relative, path):
     run_compare(relative, path)
 
@@ -107,7 +90,7 @@ def test_small_bvlc_examples_agree_across_backends(in_example_tree, relative, pa
 def test_small_bvlc_models_agree_across_backends(caffe_source, in_example_tree):
     compared = 0
     for relative, path in sweep_nets(caffe_source):
-        if not relative.startswith("models") or unsupported(path):
+        if not relative.startswith("models"):
             continue
         compared += run_compare(relative, path)
     assert compared >= 1  # GoogLeNet's deploy net; AlexNet, CaffeNet, R-CNN and Flickr Style are over 30M
@@ -116,7 +99,7 @@ def test_small_bvlc_models_agree_across_backends(caffe_source, in_example_tree):
 def run_compare(relative, path):
     """compare on one net (batch 1, with its solver where its test net needs its stages); 1 if compared."""
     solver, stage = SOLVERS.get(relative, (None, None))
-    table, _ = local.describe(path, pb.TEST, data_shape(relative), batch_size=1, stages=[stage] if stage else None)
+    table, _ = nets.describe(path, pb.TEST, data_shape(relative), batch_size=1, stages=[stage] if stage else None)
     total = table.splitlines()[-1].split()[-1]
     if not total.isdigit() or int(total) >= COMPARE_LIMIT or (relative.startswith("models") and "deploy" not in relative):
         return 0  # over the limit (a models/ train_val is its deploy net's architecture again)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from deepspark import checkpoint, config, local
+from deepspark import checkpoint, config, nets
 from deepspark.data import feeder_for
 from deepspark.data.datum import array_to_image
 from deepspark.errors import ConfigError
@@ -38,7 +38,7 @@ def train_here(solver, backend, cwd=None, **options):
     """`deepspark train --algorithm single --backend BACKEND` in this process (in `cwd`): TensorFlow and pycaffe
     load once for the module's tests, not once per run; returns its summary."""
     with contextlib.chdir(cwd or os.getcwd()):
-        return local.train(config.override(config.load_solver(str(solver)), algorithm="single", backend=backend),
+        return nets.train(config.override(config.load_solver(str(solver)), algorithm="single", backend=backend),
                            **options)
 
 
@@ -155,9 +155,9 @@ def test_hdf5_output_writes_its_bottoms_as_caffe_does(tmp_path, backend):
         f'hdf5_output_param {{ file_name: "{out}" }} }}\n')
     path = tmp_path / "net.prototxt"
     path.write_text(text)
-    model = local.test_model(str(path), backend)
+    model = nets.test_model(str(path), backend)
     try:
-        (feeder,) = local.feeders_for(model, pb.TEST)
+        (feeder,) = nets.feeders_for(model, pb.TEST)
         for _ in range(2):  # Caffe's own layer aborts on its second forward; this one writes each
             batch = feeder.next_batch()
             outputs = model.forward(batch)

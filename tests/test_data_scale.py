@@ -182,7 +182,7 @@ import json, os, sys
 import numpy as np
 from deepspark.data import decode_datum, encode_datum
 from deepspark.proto import deepspark_pb2 as pb
-from deepspark.spark.job import dataframe_shards, parquet_shards
+from deepspark.spark.shards import dataframe_shards, parquet_shards
 from deepspark.errors import DeepSparkError
 from deepspark.spark.session import spark_session
 spark, _ = spark_session(pb.DeepSparkParameter(), 2)
@@ -226,7 +226,7 @@ print(json.dumps({"total": total, "first": [[[i, int(decode_datum(d)[0][0, 0, 0]
 
 def test_shard_of_inverts_shard_range():
     from deepspark.data.lmdb_io import shard_range
-    from deepspark.spark.job import shard_of
+    from deepspark.spark.shards import shard_of
 
     for total in (1, 2, 3, 7, 10, 103, 1000):
         for shards in range(1, min(total, 9) + 1):
@@ -235,8 +235,9 @@ def test_shard_of_inverts_shard_range():
 
 
 def test_an_lmdb_an_executor_cannot_see_is_one_line_naming_the_ways_on(tmp_path, monkeypatch):
-    from deepspark.spark.job import first_line
-    from deepspark.spark.worker import Range, WorkerError, spill
+    from deepspark.spark.executor import WorkerError, spill
+    from deepspark.spark.failures import first_line
+    from deepspark.spark.shards import Range
 
     monkeypatch.setenv("SPARK_LOCAL_DIRS", str(tmp_path))  # where the spill would go
     with pytest.raises(WorkerError) as raised:

@@ -14,6 +14,8 @@ from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer, Non
 from deepspark.exchange import protocol as P
 from deepspark.exchange.transport import PIPELINE_BYTES, RECV_SLICE, SLICE_FLOATS, slice_floats
 
+import reference
+
 SECRET = b"per-job-secret"
 N = 1000
 SHAPES = ((10, 10), (900,))
@@ -118,7 +120,7 @@ def test_exchange_arithmetic_is_the_rule(consistent):
         host, port = srv.address
         x = np.random.default_rng(0).standard_normal(N).astype(np.float32)
         x_rule, c_rule = x.copy(), center.copy()
-        rules.easgd_step(x_rule, c_rule, 0.25)
+        reference.easgd_step(x_rule, c_rule, 0.25)
         with ExchangeClient("%s:%d" % (host, port), SECRET, 0, chunk=5) as client:
             assert client.exchange(x, iteration=3, loss=0.5) == "applied"
             assert bits(x) == bits(x_rule)
@@ -141,7 +143,7 @@ def test_default_slicing_of_a_model_bigger_than_one_slice(consistent):
         with ExchangeClient(srv.address, SECRET, 0, on_nonfinite="raise") as client:
             x = np.random.default_rng(2).standard_normal(n).astype(np.float32)
             x_rule, c_rule = x.copy(), center.copy()
-            rules.easgd_step(x_rule, c_rule, 0.25)
+            reference.easgd_step(x_rule, c_rule, 0.25)
             assert client.exchange(x) == "applied"
             assert bits(x) == bits(x_rule)
             wait_for(lambda: bits(srv.pull()) == bits(c_rule))
@@ -165,7 +167,7 @@ def test_slices_follow_chunk_and_size():
 def test_server_factor_and_moving_rate_decay():
     center = np.zeros(4, dtype=np.float32)
     srv = ExchangeServer(center, SECRET, EasgdHandler(0.5, server_factor=0.5, consistent=True,
-                                                      decay_rate=0.5, decay_step=1, rate_floor=0.25)).start()
+                                                      moving_rate_gamma=0.5, moving_rate_step=1, moving_rate_limit=0.25)).start()
     try:
         with ExchangeClient(srv.address, SECRET, 0) as client:
             x = np.full(4, 8.0, dtype=np.float32)
@@ -188,7 +190,8 @@ def test_moving_rate_decays_to_its_floor_and_the_center_moves_by_it(consistent):
     alpha, gamma, step, floor = 0.8, 0.5, 2, 0.15
     rng = np.random.default_rng(3)
     center = rng.standard_normal(N).astype(np.float32)
-    handler = EasgdHandler(alpha, decay_rate=gamma, decay_step=step, rate_floor=floor, consistent=consistent)
+    handler = EasgdHandler(alpha, moving_rate_gamma=gamma, moving_rate_step=step, moving_rate_limit=floor,
+                           consistent=consistent)
     with ExchangeServer(center, SECRET, handler) as srv, ExchangeClient(srv.address, SECRET, 0) as client:
         c_rule = center.copy()
         for k in range(9):
@@ -196,7 +199,7 @@ def test_moving_rate_decays_to_its_floor_and_the_center_moves_by_it(consistent):
             assert srv.handler.moving_rate == rate
             x = rng.standard_normal(N).astype(np.float32)
             x_rule = x.copy()
-            rules.easgd_step(x_rule, c_rule, rate)
+            reference.easgd_step(x_rule, c_rule, rate)
             assert client.exchange(x) == "applied"
             assert bits(x) == bits(x_rule)
             wait_for(lambda: bits(srv.pull()) == bits(c_rule))  # lock-free: the add may follow the reply

@@ -130,7 +130,8 @@ def test_in_place_layers_and_implicit_splits():
             + layer("sum", "Eltwise", ["a", "b"], "eltwise_param { coeff: 1 coeff: -1 }"))
     g = graph(text)
     assert g.layer("relu").in_place
-    assert g.split_blobs() == {"data": ["relu", "a", "b"]}
+    # where Caffe inserts its implicit Split layers: blobs more than one layer consumes
+    assert {blob: layers for blob, layers in g.consumers.items() if len(layers) > 1} == {"data": ["relu", "a", "b"]}
     assert g.outputs == ["sum"]
 
 
@@ -190,19 +191,19 @@ def test_unknown_field_names_field_and_line():
     assert message.startswith("net.prototxt:4:3: ") and "unknown field 'colour' in LayerParameter" in message
 
 
-def test_unknown_layer_type_is_named_in_one_line():
+def test_unknown_layer_type_is_one_line_naming_it_where_it_is_used():
     message = error_of(input_layer((1, 2)) + '\nlayer {\n  name: "w"\n  type: "Wobble"\n  bottom: "data"\n'
                        '  top: "w"\n}\n')
-    assert message.startswith("net.prototxt:5:3: layer 'w': unknown layer type 'Wobble'")
-    assert "Convolution" not in message and "\n" not in message  # the type and its place, not the registry
+    assert message == ("net.prototxt:5:3: layer 'w': unknown layer type 'Wobble' (docs/layers.md lists the "
+                       "supported types)")
 
 
 def test_unsupported_layer_with_its_own_param_message():
-    # A fork's layer (SSD's PriorBox) whose parameter message BVLC Caffe has not: one line at the field.
-    message = error_of('layer {\n  name: "prior"\n  type: "PriorBox"\n  top: "p"\n'
-                       '  prior_box_param { min_size: 30 }\n}\n')
-    assert message.startswith("net.prototxt:5:3: layer type 'PriorBox' is not supported")
-    assert "\n" not in message and "Convolution" not in message
+    """A type of a Caffe fork (SSD's Normalize) whose parameter message Caffe's schema lacks."""
+    message = error_of('layer {\n  name: "norm"\n  type: "Normalize"\n  bottom: "x"\n  top: "y"\n'
+                       '  norm_param { across_spatial: false }\n}\n')
+    assert message.startswith("net.prototxt:6:3: layer type 'Normalize' is not supported")
+    assert "Convolution" not in message and "\n" not in message
 
 
 def test_bottom_not_produced_is_named_with_phase():
@@ -232,3 +233,70 @@ def test_v1_layers_format_is_upgraded_as_caffe_reads_it():
     assert source.where(0, "type") == ("net.prototxt", 4, 3)
     message = error_of('name: "old"\nlayers {\n  name: "a"\n  type: RELU\n  bottom: "x"\n  top: "y"\n}\n')
     assert message.startswith("net.prototxt:5:3: layer 'a': bottom 'x' is not produced")
+
+
+# -- the rest of BVLC Caffe's layers: shapes, blobs and describe ---------------------------------------
+
+ZOO_NET = """name: "zoo"
+layer { name: "in" type: "Input" top: "x" top: "ref" top: "seq" top: "cont" top: "label" top: "index"
+  input_param { shape { dim: 2 dim: 3 dim: 8 dim: 9 } shape { dim: 2 dim: 3 dim: 5 dim: 5 }
+                shape { dim: 4 dim: 2 dim: 6 } shape { dim: 4 dim: 2 } shape { dim: 2 } shape { dim: 3 } } }
+layer { name: "crop" type: "Crop" bottom: "x" bottom: "ref" top: "crop" crop_param { axis: 2 offset: 1 offset: 3 } }
+layer { name: "cols" type: "Im2col" bottom: "crop" top: "cols" convolution_param { kernel_size: 3 stride: 2 } }
+layer { name: "spp" type: "SPP" bottom: "x" top: "spp" spp_param { pyramid_height: 3 } }
+layer { name: "tile" type: "Tile" bottom: "spp" top: "tile" tile_param { tiles: 2 } }
+layer { name: "sum" type: "Reduction" bottom: "x" top: "sum" reduction_param { axis: 1 } }
+layer { name: "mvn" type: "MVN" bottom: "x" top: "mvn" }
+layer { name: "step" type: "Threshold" bottom: "mvn" top: "step" }
+layer { name: "pick" type: "BatchReindex" bottom: "x" bottom: "index" top: "pick" }
+layer { name: "keep" type: "Filter" bottom: "x" bottom: "label" top: "keep" }
+layer { name: "embed" type: "Embed" bottom: "cont" top: "embed" embed_param { num_output: 5 input_dim: 10 } }
+layer { name: "lstm" type: "LSTM" bottom: "seq" bottom: "cont" top: "lstm" recurrent_param { num_output: 7 } }
+layer { name: "rnn" type: "RNN" bottom: "seq" bottom: "cont" top: "rnn" recurrent_param { num_output: 7 } }
+layer { name: "p" type: "Parameter" top: "p" parameter_param { shape { dim: 2 dim: 4 } } }
+layer { name: "loss" type: "HingeLoss" bottom: "p" bottom: "label" top: "loss" }
+"""
+
+
+def test_zoo_layer_shapes_and_blobs():
+    net = graph(ZOO_NET)
+    assert net.blobs["crop"] == (2, 3, 5, 5)
+    assert net.blobs["cols"] == (2, 27, 2, 2)
+    assert net.blobs["spp"] == (2, 3 * (1 + 4 + 16))
+    assert net.blobs["tile"] == (2, 126)
+    assert net.blobs["sum"] == (2,)
+    assert net.blobs["pick"] == (3, 3, 8, 9) and net.blobs["keep"] == (2, 3, 8, 9)
+    assert net.blobs["embed"] == (4, 2, 5) and net.blobs["lstm"] == net.blobs["rnn"] == (4, 2, 7)
+    assert net.layer("lstm").param_shapes == [(28, 6), (28,), (28, 7)]
+    assert net.layer("rnn").param_shapes == [(7, 6), (7,), (7, 7), (7, 7), (7,)]
+    assert net.blobs["loss"] == ()
+
+
+def test_describe_lists_the_zoo_layers(tmp_path):
+    from conftest import run_cli
+
+    path = tmp_path / "zoo.prototxt"
+    path.write_text(ZOO_NET)
+    status, out, err = run_cli("describe", str(path))
+    assert status == 0, err
+    rows = {line.split()[0]: line for line in out.splitlines()}
+    assert "LSTM" in rows["lstm"] and "lstm 4x2x7" in rows["lstm"] and "28x6, 28, 28x7" in rows["lstm"]
+    assert rows["spp"].split()[1:3] == ["SPP", "spp"]
+    expected = 5 * 10 + 5 + 28 * 6 + 28 + 28 * 7 + 7 * 6 + 7 + 7 * 7 * 2 + 7 + 2 * 4
+    assert out.splitlines()[-1] == f"total parameters: {expected}"
+
+
+@pytest.mark.parametrize("body, message", [
+    ('layer { name: "c" type: "Crop" bottom: "x" top: "c" }', "needs 2 bottoms"),
+    ('layer { name: "c" type: "Crop" bottom: "x" bottom: "big" top: "c" }', "out of bounds"),
+    ('layer { name: "l" type: "LSTM" bottom: "x" bottom: "x" top: "l" recurrent_param { num_output: 2 } }',
+     "cont of T x N"),
+    ('layer { name: "s" type: "SPP" bottom: "x" top: "s" spp_param { pyramid_height: 4 } }', "pad"),
+    ('layer { name: "t" type: "Tile" bottom: "x" top: "t" }', "tiles"),
+    ('layer { name: "i" type: "InfogainLoss" bottom: "x" bottom: "x" top: "i" }', "one per item"),
+])
+def test_zoo_layer_shape_errors_are_one_line_at_the_layer(body, message):
+    text = ('layer { name: "in" type: "Input" top: "x" top: "big" input_param { shape { dim: 2 dim: 3 dim: 2 dim: 2 } '
+            'shape { dim: 2 dim: 3 dim: 4 dim: 4 } } }\n' + body + "\n")
+    error = error_of(text)
+    assert error.startswith("net.prototxt:2:") and message in error and "\n" not in error

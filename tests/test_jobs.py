@@ -12,7 +12,8 @@ from deepspark.errors import ConfigError
 from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark import easgd
-from deepspark.spark.job import Job, last_multiple, next_multiple
+from deepspark.engine import last_multiple, next_multiple
+from deepspark.spark.job import Job
 
 
 def test_moving_rate_limit_is_the_floor_of_the_servers_decayed_rate():

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from deepspark import checkpoint, compare, engine, fillers, local
+from deepspark import checkpoint, compare, engine, fillers, nets
 from deepspark.backends.caffe import runtime
 from deepspark.config import load_solver, override, parse_net
 from deepspark.errors import ConfigError
@@ -479,7 +479,7 @@ def test_training_on_both_backends_agrees_and_the_snapshot_loads_in_caffe(autoen
     for backend in ("caffe", "tensorflow"):
         solver = load_solver(str(autoencoder / "mnist_autoencoder_solver.prototxt"))
         override(solver, output=str(tmp_path / backend), algorithm="single", backend=backend)
-        results[backend] = local.train(solver)
+        results[backend] = nets.train(solver)
     keys = ["test0/cross_entropy_loss", "test0/l2_error", "test1/cross_entropy_loss", "test1/l2_error"]
     assert all(math.isfinite(results["caffe"][key]) for key in keys), results
     for key in keys:

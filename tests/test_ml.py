@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from deepspark import local
+from deepspark import nets
 from deepspark.data import decode_datum, lmdb_io, reader
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
@@ -73,7 +73,8 @@ def accuracy(rows):
     return float(np.mean([decode_datum(datum)[1] == prediction for datum, prediction in rows]))
 
 
-@pytest.mark.parametrize("backend", ["tensorflow", "caffe"])
+@pytest.mark.spark
+@pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
 def test_transform_score_and_caffes_test_agree_on_the_10000_test_images(fitted, backend):
     pipeline_model, _ = fitted
     model = pipeline_model.stages[0]
@@ -85,7 +86,7 @@ def test_transform_score_and_caffes_test_agree_on_the_10000_test_images(fitted, 
     rows = model.transform(datum_frame(spark, TEST)).select("datum", "prediction").collect()
     assert len(rows) == 10000
     transformed = accuracy(rows)
-    tested = local.test(os.path.join(LENET, "train_val.prototxt"), weights, 100, backend)
+    tested = nets.test(os.path.join(LENET, "train_val.prototxt"), weights, 100, backend)
     scored = scoring.score(LENET, weights, backend=backend)
     assert round(transformed, 4) == round(float(tested["accuracy"]), 4) == round(float(scored["accuracy"]), 4)
     assert abs(float(scored["loss"]) - float(tested["loss"])) < 1e-5
@@ -103,6 +104,7 @@ def python_workers(spark):
     return dict(spark.sparkContext.parallelize(range(16), 16).map(probe).collect())
 
 
+@pytest.mark.spark
 def test_the_net_is_built_once_per_python_worker_not_per_batch_partition_or_job(fitted):
     model = fitted[0].stages[0].copy()
     model.setBatchSize(16).setInputCol("datum")  # 2,000 images in 8 partitions: 128 batches
@@ -118,6 +120,7 @@ def test_the_net_is_built_once_per_python_worker_not_per_batch_partition_or_job(
     assert model.counters[0].value == 0 and again == first  # the same workers kept their net
 
 
+@pytest.mark.spark
 def test_transform_adds_named_blobs_as_vectors_and_bad_input_is_one_line(fitted):
     model = fitted[0].stages[0].copy()
     spark = session()
@@ -154,6 +157,8 @@ print(",".join(repr(float(v)) for v in net.forward()["prob"].ravel()))
 """
 
 
+@pytest.mark.spark
+@pytest.mark.caffe
 def test_a_fitted_pipeline_saves_and_loads_in_a_new_session_to_identical_outputs_and_caffe_loads_it(
         fitted, tmp_path):
     pipeline_model, _ = fitted
@@ -212,6 +217,8 @@ for blob, parts in want.items():
 """
 
 
+@pytest.mark.spark
+@pytest.mark.caffe
 def test_extract_features_writes_datums_caffes_data_layer_reads_with_pycaffes_values(fitted, tmp_path):
     weights = fitted[0].stages[0].summary["weights"]
     subset = str(tmp_path / "test250_lmdb")
@@ -263,6 +270,17 @@ def test_the_params_are_the_schemas_fields_with_their_comments_and_defaults():
     estimator.setMovingRate(0.3).setWorkers(3)
     assert estimator.getMovingRate() == pytest.approx(0.3) and estimator.getWorkers() == 3
     assert not estimator.isSet("period")  # left to the solver's prototxt
+
+
+def test_every_field_type_the_flags_take_has_a_param_type_too():
+    """A schema field of a type the CLI's flags take (int64 and uint64 among them) is a Param too: a new field of
+    such a type in DeepSparkParameter or ScoreParameter must not break `import deepspark.ml`."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    from deepspark import cli, ml
+
+    assert {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64} <= set(cli._TYPES)
+    assert set(cli._TYPES) | {FieldDescriptor.TYPE_BOOL} <= set(ml._CONVERTERS)
 
 
 def test_score_and_extract_features_refuse_bad_input_in_one_line_before_spark_starts(tmp_path, capsys):

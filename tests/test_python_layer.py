@@ -163,8 +163,6 @@ def test_a_python_data_layer_feeds_the_net(tmp_path, backend):
     assert np.mean(losses[-10:]) < np.mean(losses[:10]) and np.mean(accuracy[-10:]) > np.mean(accuracy[:10])
 
 
-@pytest.mark.skipif("Crop" not in graph.REGISTRY, reason="Crop comes with the compute layers of issue #24's other "
-                                                         "half; this test runs once both are merged")
 @pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
 def test_an_fcn_style_net_with_a_python_data_layer_and_crop_trains(tmp_path, backend):
     net_path = beside(tmp_path, FCN_NET, SYNTHETIC)

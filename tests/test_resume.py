@@ -7,15 +7,16 @@ import time
 import numpy as np
 import pytest
 
-from deepspark import checkpoint, local
+from deepspark import checkpoint, nets
 from deepspark.config import load_solver
 from deepspark.errors import ConfigError
 from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer, RoundsHandler
 from deepspark.exchange import protocol as P
 from deepspark.exchange.transport import byte_view
 from deepspark.log import Log
-from deepspark.spark import worker as executor
-from deepspark.spark.job import Job, Options, initial_center
+from deepspark.spark import executor
+from deepspark.spark.center import CenterCadence
+from deepspark.spark.job import initial_center
 from synthetic import make_job
 
 SECRET = b"resume-secret"
@@ -127,7 +128,7 @@ def test_worker_states_round_trip_through_a_solverstate_and_another_net_is_one_l
 def trainer_of(solver, backend):
     solver = load_solver(solver)
     solver.param.deepspark_param.backend = backend
-    return local.trainer(solver, Log(progress=False), evaluate=False)
+    return nets.trainer(solver, Log(progress=False), evaluate=False)
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
@@ -162,24 +163,24 @@ def test_a_worker_joining_a_resumed_job_takes_its_momentum_and_steps_on_exactly(
 
 
 def test_a_snapshot_keeps_each_workers_history_beside_the_centers_zeros(tmp_path):
-    """Job.snapshot on a live exchanger: the request, the workers' answers, one solverstate that Caffe's
-    restore reads (its own history: zeros) and our resume reads (each worker's)."""
+    """A Spark job's snapshot (CenterCadence.snapshot) on a live exchanger: the request, the workers' answers,
+    one solverstate that Caffe's restore reads (its own history: zeros) and our resume reads (each worker's)."""
     solver = load_solver(make_job(tmp_path, max_iter=100, snapshot=10))
-    job = Job(solver, Options())
-    job.log = Log(progress=False)
-    job.graph = initial_center(solver, job.log)[0]
-    shapes = [tuple(p.shape) for p in job.graph.params]
+    log = Log(progress=False)
+    graph = initial_center(solver, log, 1)[0]
+    shapes = [tuple(p.shape) for p in graph.params]
     count = sum(int(np.prod(s)) for s in shapes)
     with ExchangeServer(np.zeros(count, np.float32), SECRET, EasgdHandler(0.5), shapes=shapes,
-                        history_sets=1) as job.server:
-        clients = [ExchangeClient(job.server.address, SECRET, w, shapes=shapes, timeout=10.0, history_sets=1)
+                        history_sets=1) as server:
+        cadence = CenterCadence(solver, graph, 0, server.pull, log, server=server, history_sets=1)
+        clients = [ExchangeClient(server.address, SECRET, w, shapes=shapes, timeout=10.0, history_sets=1)
                    for w in range(2)]
         x = np.zeros(count, np.float32)
         for c in clients:
             c.exchange(x, 1)
         def answer():  # the workers train on: each answers at its next exchange
             it, deadline = 2, time.monotonic() + 30
-            while len(job.server.histories(since=1)) < 2 and time.monotonic() < deadline:
+            while len(server.histories(since=1)) < 2 and time.monotonic() < deadline:
                 for w, c in enumerate(clients):
                     c.exchange(x, it)
                     if c.history_wanted:
@@ -188,7 +189,7 @@ def test_a_snapshot_keeps_each_workers_history_beside_the_centers_zeros(tmp_path
 
         worker = threading.Thread(target=answer)
         worker.start()
-        job.snapshot(10)
+        cadence.snapshot(10)
         worker.join()
         for c in clients:
             c.close()

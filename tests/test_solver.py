@@ -93,12 +93,12 @@ def test_a_trainer_state_lets_a_fresh_trainer_go_on_exactly(tmp_path, backend):
     """What the average job hands from one Python worker to another: history, iter, data position."""
     import numpy as np
 
-    from deepspark import local
+    from deepspark import nets
     from deepspark.config import load_solver
 
     solver = load_solver(make_job(tmp_path, max_iter=40, test_interval=0))
     solver.param.deepspark_param.backend = backend
-    trainers = [local.trainer(solver, evaluate=False, shard=0, num_shards=2) for _ in range(3)]
+    trainers = [nets.trainer(solver, evaluate=False, shard=0, num_shards=2) for _ in range(3)]
     first, other, untouched = trainers
     try:
         for _ in range(13):  # 130 records over a shard of 100: into the second epoch
@@ -123,10 +123,10 @@ def test_a_trainer_state_lets_a_fresh_trainer_go_on_exactly(tmp_path, backend):
 def test_the_trainer_takes_its_built_backend_out_of_the_cyclic_collector(tmp_path):
     import gc
 
-    from deepspark import local
+    from deepspark import nets
     from deepspark.config import load_solver
 
-    trainer = local.trainer(load_solver(make_job(tmp_path, max_iter=5, test_interval=0)), evaluate=False)
+    trainer = nets.trainer(load_solver(make_job(tmp_path, max_iter=5, test_interval=0)), evaluate=False)
     try:
         before = gc.get_freeze_count()
         trainer.step()  # built and traced: TensorFlow's objects are frozen, not walked by each collection

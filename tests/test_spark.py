@@ -211,7 +211,7 @@ def test_an_lmdb_the_executors_cannot_see_fails_at_once_with_the_ways_on(standal
 
 
 def test_a_failed_job_is_reported_by_the_workers_own_error_line():
-    from deepspark.spark.job import first_line
+    from deepspark.spark.failures import first_line
 
     report = """An error occurred while calling z:org.apache.spark.api.python.PythonRDD.collectAndServe.
 org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 0.0 failed 4 times

@@ -58,14 +58,19 @@ def test_average_center_is_the_mean_of_what_the_workers_trained_from_it(tmp_path
     own shard, and the new center is rules.average_models of their parameters (with DiLoCo's outer
     optimizer: rules.outer_step from the start center toward that mean, its momentum from zero)."""
     from deepspark.spark import average
-    from deepspark.spark import worker as executor
-    from deepspark.spark.job import shard_payloads
+    from deepspark.spark import executor
+    from deepspark.spark.shards import shard_payloads
 
     steps = 12
     path = make_job(tmp_path, max_iter=steps, test_interval=0, snapshot=0)
     knobs = {} if outer is None else {"outer_learning_rate": outer[0], "outer_momentum": outer[1]}
     solver = override(load_solver(path), algorithm="average", period=steps, workers=2, iterations=steps, **knobs)
-    job = average.AverageJob(solver)
+    class Recorded(average.AverageJob):
+        def update_center(self, returned):  # the round's parameters, as each worker returned them
+            self.last_round = [(r["worker"], r["params"]) for r in returned]
+            super().update_center(returned)
+
+    job = Recorded(solver)
     job.run()
     start = np.concatenate([a.reshape(-1) for a in job.center0]).astype(np.float32)
     assert [w for w, _ in job.last_round] == [0, 1]

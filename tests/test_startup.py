@@ -8,11 +8,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import ROOT, load_script
 from synthetic import make_job
 
 from deepspark.spark import daemon
-from deepspark.spark.worker import Summary
+from deepspark.spark.executor import Summary
 
 startup = load_script("bench/startup.py", "bench_startup")
 
@@ -37,6 +39,7 @@ def test_start_up_parts_add_up_and_a_worker_forked_before_solving_has_no_fork_pa
     assert Summary(0).startup(at) == {}  # no first step here: nothing to say
 
 
+@pytest.mark.spark
 def test_a_job_trains_with_no_tensorflow_in_the_driver_and_its_workers_account_for_their_start_up(tmp_path):
     solver = make_job(tmp_path, max_iter=40, test_interval=0)
     script = f"""
@@ -83,6 +86,7 @@ print(json.dumps({{**summary, "tensorflow_while_training": seen["tensorflow"],
         assert 0 < worker["forked_at"] <= worker["task_at"] < worker["ready_at"] < worker["first_step_at"]
 
 
+@pytest.mark.spark
 def test_local_python_workers_are_forks_of_a_daemon_that_loaded_the_backend():
     script = """
 import json, os, sys
@@ -109,6 +113,7 @@ spark.stop()
     assert len({parent for _, parent, _ in result["workers"]}) == 1  # one daemon forked both
 
 
+@pytest.mark.spark
 def test_the_daemon_is_the_zygotes_fork_the_jvm_launched_a_waiter_and_the_jvm_maps_the_class_archive():
     # make setup wrote the archive (tools/jvm-archive.py): the driver's JVM starts from it.
     script = """

@@ -9,8 +9,9 @@ import pytest
 from conftest import run_cli
 from synthetic import make_job
 
-from deepspark import engine, local
+from deepspark import engine, nets
 from deepspark.backends.base import LayerPass
+from deepspark.graph import backward_needs
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -86,7 +87,7 @@ def test_both_backends_list_the_nets_layers_and_caffe_its_splits_too(tmp_path):
     names = {}
     for backend in ("tensorflow", "caffe"):
         log = io.StringIO()
-        timing = local.timing(net, 2, backend, pb.TEST, log=Log(stream=log))
+        timing = nets.timing(net, 2, backend, pb.TEST, log=Log(stream=log))
         names[backend] = [row[0] for row in timing.layers]
         steps, layers, totals = read_report(messages(log.getvalue()), 2)
         assert layers == [(name, pytest.approx(f, rel=1e-5, abs=1e-9), pytest.approx(b, rel=1e-5, abs=1e-9))
@@ -104,17 +105,15 @@ def test_the_tensorflow_backward_differentiates_what_caffes_net_does(tmp_path, f
 
     frozen: lr_mult 0 on the convolution, so nothing below `ip` needs a diff.
     """
-    from deepspark.backends.tensorflow.model import _backward_needs  # deferred: imports TensorFlow
-
     make_job(tmp_path)
     path = tmp_path / "net.prototxt"
     if frozen:
         path.write_text(path.read_text().replace('top: "conv"\n', 'top: "conv" param { lr_mult: 0 } '
                                                                    'param { lr_mult: 0 }\n'))
     for phase in (pb.TRAIN, pb.TEST):
-        model = local.test_model(str(path), "caffe", phase)
+        model = nets.test_model(str(path), "caffe", phase)
         try:
-            wanted = {layer.bottoms[b] for layer, (bottoms, _) in zip(model.graph.layers, _backward_needs(model.graph))
+            wanted = {layer.bottoms[b] for layer, (bottoms, _) in zip(model.graph.layers, backward_needs(model.graph))
                       for b in bottoms}
             model.gradients(engine.SyntheticBatches(model).next_batch())
             blobs = model._net.blobs

@@ -89,19 +89,18 @@ def caffe_upgrade(kind, path):
     return done.stdout
 
 
-def pycaffe_has_upgrade():
+@pytest.fixture(scope="module")
+def pycaffe_upgrade():
+    """Skips a test where pycaffe lacks Caffe's upgrade functions (a build older than tools/build-caffe.sh's)."""
     done = subprocess.run([sys.executable, "-c", "import caffe; caffe._caffe.upgrade_net_text"], capture_output=True,
                           env={**os.environ, "GLOG_minloglevel": "2"})
-    return done.returncode == 0
+    if done.returncode != 0:
+        pytest.skip("pycaffe without upgrade_net_text (make caffe builds it)")
 
 
-needs_pycaffe_upgrade = pytest.mark.skipif(not pycaffe_has_upgrade(), reason="pycaffe without upgrade_net_text "
-                                                                             "(make caffe builds it)")
-
-
-@needs_pycaffe_upgrade
+@pytest.mark.caffe
 @pytest.mark.parametrize("name", sorted(OLD_NETS) + ["v1_lenet"])
-def test_upgrade_net_equals_caffes_field_for_field(tmp_path, name):
+def test_upgrade_net_equals_caffes_field_for_field(tmp_path, name, pycaffe_upgrade):
     old = V1_LENET if name == "v1_lenet" else str(tmp_path / f"{name}.prototxt")
     if name != "v1_lenet":
         open(old, "w").write(OLD_NETS[name])
@@ -115,8 +114,8 @@ def test_upgrade_net_equals_caffes_field_for_field(tmp_path, name):
     assert not ours.layers and not ours.input and ours.layer
 
 
-@needs_pycaffe_upgrade
-def test_upgrade_solver_equals_caffes(tmp_path):
+@pytest.mark.caffe
+def test_upgrade_solver_equals_caffes(tmp_path, pycaffe_upgrade):
     old = tmp_path / "solver.prototxt"
     old.write_text('net: "net.prototxt"\nbase_lr: 0.01\nlr_policy: "fixed"\nsolver_type: NESTEROV\nmomentum: 0.9\n'
                    "max_iter: 10\n")
@@ -187,7 +186,7 @@ def test_upgrade_net_unknown_v0_parameter_is_a_warning(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists(TRAIN_LMDB), reason="make data builds the Fashion-MNIST LMDBs")
-@pytest.mark.parametrize("backend", ["tensorflow", "caffe"])
+@pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
 def test_v1_lenet_and_an_old_solver_train_unchanged(tmp_path, backend):
     """Caffe's 2014 lenet_train_test.prototxt (V1 `layers`, `include: { phase: TRAIN }`, blobs_lr), as it is,
     from the folder layout its paths assume, with a solver that says solver_type: NESTEROV."""

@@ -23,7 +23,7 @@ import numpy as np
 from deepspark import checkpoint, schedule
 from deepspark.config import random_seed
 from deepspark.errors import ConfigError
-from deepspark.graph import DATA_TYPES, Graph, fmt
+from deepspark.graph import DATA_TYPES, Graph, ShapeError, count, fmt, legacy
 from deepspark.proto import deepspark_pb2 as pb
 
 
@@ -56,6 +56,8 @@ class Model(abc.ABC):
         self.graph = Graph(net_param, phase, stages=stages, source=source, data_shape=data_shape,
                            batch_size=batch_size)
         self._check_shapes()
+        if self.graph.phase == pb.TRAIN:
+            self.graph.check_backward()  # before pycaffe could abort in its backward pass
         if seed is None:
             seed = random_seed(self.solver_param)
         self.seed = None if seed is None or seed < 0 else int(seed)  # None: unseeded
@@ -285,3 +287,19 @@ def thread_count(threads):
     if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads <= 0:
         raise ValueError(f"threads must be a positive integer or None, not {threads!r}")
     return int(threads)
+
+
+def infogain_matrix(layer, source):
+    """The dim x dim matrix an InfogainLoss layer (a graph.Layer) reads from infogain_loss_param.source, as Caffe
+    reads it (relative to the current directory; a 1 x 1 x dim x dim BlobProto); a ConfigError at the layer
+    (`source`: the net's SourceMap) where Caffe would abort."""
+    path = layer.param.infogain_loss_param.source
+    dim = count(layer.bottom_shapes[0], 1)
+    try:
+        matrix = checkpoint.blob_to_array(checkpoint.read_message(path, pb.BlobProto(), "matrix file"))
+        if tuple(legacy(matrix.shape, axis) for axis in range(4)) != (1, 1, dim, dim):
+            raise ShapeError(f"it is {fmt(matrix.shape)}, the input needs 1x1x{dim}x{dim}")
+    except (ConfigError, ShapeError, ValueError) as error:
+        raise ConfigError(f"layer '{layer.name}' (InfogainLoss): infogain matrix '{path}': "
+                          f"{getattr(error, 'message', error)}", *source.where(layer.index)) from None
+    return matrix.reshape(dim, dim)

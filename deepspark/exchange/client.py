@@ -1,4 +1,4 @@
-"""ExchangeClient: a worker's persistent connection to the exchange server, blocking or overlapped with computation, or in synchronous rounds."""
+"""ExchangeClient: a worker's persistent connection to the exchange server (Link: connect, one round trip, rejoin), blocking or overlapped with computation, or in synchronous rounds."""
 
 import contextlib
 import logging
@@ -10,8 +10,9 @@ import time
 import numpy as np
 
 from .. import rules
+from . import handshake
 from . import protocol as P
-from .transport import Connection, apply_floats, byte_view, recv_applying, tune
+from .transport import Connection, apply_floats, byte_view, tune
 
 log = logging.getLogger("deepspark.exchange.client")
 
@@ -26,8 +27,9 @@ class NonFiniteError(P.RefusedError):
     """The server refused parameters holding NaN or Inf."""
 
 
-class ExchangeClient:
-    """One worker's side of the exchange.
+class Link:
+    """A worker's one connection to the exchange server, kept across reconnects: connect and authenticate
+    with retries, a model frame's round trip, and a rejoin from the center when the connection is lost.
 
     address      (host, port) of the ExchangeServer, or "host:port"
     secret       the per-job secret
@@ -56,11 +58,8 @@ class ExchangeClient:
         if not 0 <= self.worker_id < 2 ** 32:
             raise ValueError("worker_id must fit in 32 bits")
         self._shapes = None if shapes is None else P.normalize_shapes(shapes)
-        self.timeout = timeout
-        self.connect_timeout = connect_timeout
-        self.retries = retries
-        self.backoff = backoff
-        self.max_backoff = max_backoff
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.on_nonfinite = on_nonfinite
         self._chunk = chunk
         self.integrity = bool(integrity)  # as the server's: tag every frame after the handshake
@@ -70,21 +69,9 @@ class ExchangeClient:
         self.history_wanted = False
         self._conn = None  # made at the first connect; its buffer is also the overlapped snapshot
         self._closed = False
-        # overlapped mode
-        self._cond = threading.Condition()
-        self._thread = None
-        self._job = None          # (iteration, loss) waiting for the background thread
-        self._pending = False     # an exchange was started and not yet applied
-        self._result = None       # APPLIED / RESET / an exception, set by the background thread
-        # counters
-        self.exchanges = 0
-        self.resets = 0
-        self.reconnects = 0
-        self.blocked_seconds = 0.0
+        self.exchanges = self.resets = self.reconnects = 0
         self.server_iteration = 0
         self.resume_iteration = 0  # the iteration the server last heard from this worker id
-
-    # ---- connection -----------------------------------------------------
 
     @property
     def size(self):
@@ -127,43 +114,22 @@ class ExchangeClient:
 
     def _open(self):
         conn = self._conn
-        sock = conn.sock = socket.create_connection(self.address, timeout=self.connect_timeout)
-        conn.unseal()  # a new socket: its handshake is untagged
-        tune(sock)
-        wid = self.worker_id
-        nonce = P.new_nonce()
-        conn.send(P.HELLO, nonce)
-        h = self._read_header(None)
-        if h.type != P.CHALLENGE:
-            raise P.ProtocolError("expected CHALLENGE, got %s" % P.TYPE_NAMES[h.type])
-        reply = conn.read_small(h.length)
-        server_nonce, proof = bytes(reply[:P.NONCE_SIZE]), bytes(reply[P.NONCE_SIZE:])
-        server_ok = P.proofs_match(proof, P.server_proof(self._secret, nonce, server_nonce, wid))
-        # Our proof goes out even when the server's failed: it is bound to this
-        # server's nonce, so it is useless elsewhere, and it lets a real server
-        # with a different secret say so (and log it) instead of seeing a hang-up.
-        mine = P.client_proof(self._secret, nonce, server_nonce, wid, self._fingerprint)
-        payload = mine + self._fingerprint
-        conn.send(P.AUTH, payload)
-        h = self._read_header(None)
-        if not server_ok:
-            raise P.RefusedError(P.E_AUTH, "the server at %s:%d does not hold this job's secret" % self.address)
-        if h.type != P.WELCOME:
-            raise P.ProtocolError("expected WELCOME, got %s" % P.TYPE_NAMES[h.type])
-        self.server_iteration = h.iteration
-        self.resume_iteration = h.iteration
-        if self.integrity:
-            c2s, s2c = P.session_keys(self._secret, nonce, server_nonce, wid)
-            conn.seal(send_key=c2s, recv_key=s2c)
-        sock.settimeout(self.timeout)
+        conn.sock = socket.create_connection(self.address, timeout=self.connect_timeout)
+        tune(conn.sock)
+        self.server_iteration = self.resume_iteration = handshake.join(
+            conn, self._secret, self.worker_id, self._fingerprint, self.integrity, "%s:%d" % self.address)
+        conn.sock.settimeout(self.timeout)
 
-    def _read_header(self, model_bytes):
-        """Next header; an ERROR frame becomes RefusedError (NonFiniteError for non-finite)."""
-        h = self._conn.read_header(model_bytes)
-        if h.type == P.ERROR:
-            view = self._conn.read_small(h.length)
-            cls = NonFiniteError if h.flags == P.E_NONFINITE else P.RefusedError
-            raise cls(h.flags, P.decode_error(view))
+    def _request(self, type_, payload=None, iteration=0, value=math.nan, reply=None):
+        """Send a frame and read the header of its reply, which must be a `reply` frame; an ERROR frame
+        becomes RefusedError (NonFiniteError for non-finite parameters)."""
+        self._conn.send(type_, payload, iteration, value)
+        h = self._conn.read_header(len(self._conn.view))
+        error = handshake.refused(self._conn, h)
+        if error is not None:
+            raise NonFiniteError(error.code, error.reason) if error.code == P.E_NONFINITE else error
+        if h.type != reply:
+            raise P.ProtocolError("expected %s, got %s" % (P.TYPE_NAMES[reply], P.TYPE_NAMES[h.type]))
         return h
 
     def _drop(self):
@@ -179,8 +145,6 @@ class ExchangeClient:
             raise ValueError("params hold %d values, this client exchanges %d" % (size, self._conn.buf.size))
         if self._sock is None:
             self.connect(size)
-
-    # ---- one round trip, with rejoin on a lost connection ------------------
 
     def _round_trip(self, send_from, apply_to, iteration, loss):
         """Send x from `send_from`; apply d to `apply_to`, or leave d in the buffer when None.
@@ -220,35 +184,35 @@ class ExchangeClient:
     def _exchange_once(self, send_from, apply_to, iteration, loss):
         conn = self._conn
         buf = conn.buf
-        conn.send(P.EXCHANGE, byte_view(send_from), iteration, loss)
-        h = self._read_header(len(conn.view))
-        if h.type != P.DIFF:
-            raise P.ProtocolError("expected DIFF, got %s" % P.TYPE_NAMES[h.type])
+        h = self._request(P.EXCHANGE, byte_view(send_from), iteration, loss, reply=P.DIFF)
         self.server_iteration = h.iteration
         self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
         if apply_to is None:
-            conn.read_payload(conn.view)
+            conn.receive(conn.view)
         else:
-            view = conn.view
-
             def apply(start, end):
-                conn.absorb(view[4 * start:4 * end])
                 rules.apply_to_worker(apply_to[start:end], buf[start:end])
             # x −= d slice by slice while the rest of d is still arriving; a d that fails its check
             # (ProtocolError) makes the round trip rejoin and reset x from the center.
-            recv_applying(conn.sock, view, apply, self._apply_step)
-            conn.verify()
+            conn.receive(conn.view, apply, self._apply_step)
         self.exchanges += 1
         return APPLIED
 
     def _pull_into(self, out):
-        self._conn.send(P.PULL)
-        h = self._read_header(4 * out.size)
-        if h.type != P.CENTER:
-            raise P.ProtocolError("expected CENTER, got %s" % P.TYPE_NAMES[h.type])
-        self._conn.read_payload(byte_view(out))
+        h = self._request(P.PULL, reply=P.CENTER)
+        self._conn.receive(byte_view(out))
         self.server_iteration = h.iteration
         return out
+
+
+class ExchangeClient(Link):
+    """One worker's side of the exchange (Link's arguments): elastic exchanges blocking or overlapped with the
+    worker's steps, synchronous rounds, progress reports, and the worker's solver history."""
+
+    def __init__(self, address, secret, worker_id, **options):
+        super().__init__(address, secret, worker_id, **options)
+        self.blocked_seconds = 0.0
+        self._overlap = _Overlap()
 
     # ---- blocking API -----------------------------------------------------
 
@@ -274,19 +238,15 @@ class ExchangeClient:
         params = _check_params(params)
         with self.blocking():
             self._ensure(params.size)
-            self._conn.send(P.AVERAGE, byte_view(params), iteration, loss)
-            h = self._read_header(4 * params.size)
-            if h.type != P.CENTER:
-                raise P.ProtocolError("expected CENTER, got %s" % P.TYPE_NAMES[h.type])
-            self._conn.read_payload(byte_view(params))
+            h = self._request(P.AVERAGE, byte_view(params), iteration, loss, reply=P.CENTER)
+            self._conn.receive(byte_view(params))
             self.server_iteration = h.iteration
             self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
             self.exchanges += 1
 
     def pull(self, out=None):
         """A copy of the center x̃ (a rejoining worker starts from it)."""
-        if self._pending:
-            raise RuntimeError("an overlapped exchange is in flight; call wait(params) first")
+        self._idle()
         if out is None:
             if self._conn is None and self._shapes is None:
                 raise ValueError("pull before the first exchange needs out= or shapes=")
@@ -308,25 +268,31 @@ class ExchangeClient:
 
     def report(self, iteration, loss=math.nan):
         """Tell the server the worker's iteration and loss (for the driver's progress display)."""
-        if self._pending or self._sock is None:
+        if self.pending or self._sock is None:
             return  # progress is best-effort; never block training for it
         try:
             self._conn.send(P.REPORT, iteration=iteration, value=loss)
         except OSError:
             self._drop()
 
+    def _idle(self):
+        if self.pending:
+            raise RuntimeError("an overlapped exchange is in flight; call wait(params) first")
+
     # ---- the worker's solver history ---------------------------------------------
+
+    def _check_history(self, vector):
+        if 4 * vector.size != self._conn.history_bytes:
+            raise ValueError("a solver history of %d values; this client's is %d"
+                             % (vector.size, self._conn.history_bytes // 4))
 
     def send_history(self, history, iteration, current_step=0):
         """Send the solver's history (Caffe's history blobs as one float32 vector of history_sets x the
         model's floats) for the server to hold; no reply. Best-effort like report(): on a lost connection
         the next exchange rejoins."""
         history = _check_params(history)
-        if self._pending:
-            raise RuntimeError("an overlapped exchange is in flight; call wait(params) first")
-        if 4 * history.size != self._conn.history_bytes:
-            raise ValueError("a solver history of %d values; this client's is %d"
-                             % (history.size, self._conn.history_bytes // 4))
+        self._idle()
+        self._check_history(history)
         self.history_wanted = False
         if self._sock is None:
             return
@@ -339,19 +305,13 @@ class ExchangeClient:
         """The solver history the server holds for this worker (a resumed job's snapshot, or what it last
         sent) into `out`: (iteration, current_step) when it held one, else None."""
         out = _check_params(out)
-        if self._pending:
-            raise RuntimeError("an overlapped exchange is in flight; call wait(params) first")
+        self._idle()
         self._ensure(self._conn.buf.size if self._conn is not None else None)
-        if 4 * out.size != self._conn.history_bytes:
-            raise ValueError("a solver history of %d values; this client's is %d"
-                             % (out.size, self._conn.history_bytes // 4))
-        self._conn.send(P.GET_HISTORY)
-        h = self._read_header(len(self._conn.view))
-        if h.type != P.HISTORY:
-            raise P.ProtocolError("expected HISTORY, got %s" % P.TYPE_NAMES[h.type])
+        self._check_history(out)
+        h = self._request(P.GET_HISTORY, reply=P.HISTORY)
         if not h.length:
             return None
-        self._conn.read_payload(byte_view(out))
+        self._conn.receive(byte_view(out))
         if not rules.all_finite(out):
             raise P.ProtocolError("the server sent a solver history holding NaN or Inf")
         return h.iteration, int(h.value)
@@ -360,12 +320,12 @@ class ExchangeClient:
 
     @property
     def pending(self):
-        return self._pending
+        return self._overlap.pending
 
     @property
     def ready(self):
         """An overlapped exchange's result has arrived: poll() will apply it without waiting."""
-        return self._pending and self._result is not None
+        return self._overlap.ready
 
     def exchange_async(self, params, iteration=0, loss=math.nan):
         """Start exchanging a snapshot of `params` and return at once.
@@ -376,31 +336,25 @@ class ExchangeClient:
         """
         params = _check_params(params)
         with self.blocking():
-            if self._pending:
-                self._wait_apply(params)
+            if self.pending:
+                self._apply(params, self._overlap.take())
             self._ensure(params.size)
             np.copyto(self._conn.buf, params)  # the snapshot; d later arrives in the same buffer
-            with self._cond:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._background, daemon=True,
-                                                    name="exchange-worker-%d" % self.worker_id)
-                    self._thread.start()
-                self._job = (iteration, loss)
-                self._pending = True
-                self._result = None
-                self._cond.notify_all()
+            self._overlap.start(self._round_trip, self._conn.buf, iteration, loss, self.worker_id)
 
     def poll(self, params):
         """Apply the in-flight exchange's result to `params` if it has arrived; True when applied."""
-        if not self._pending or self._result is None:
+        if not self.ready:
             return False
-        return self._blocked(self._apply, params)
+        return self.wait(params)
 
     def wait(self, params):
         """Block until the in-flight exchange is back and apply it; False when nothing was in flight."""
-        if not self._pending:
+        if not self.pending:
             return False
-        return self._blocked(self._wait_apply, params)
+        with self.blocking():
+            self._apply(_check_params(params), self._overlap.take())
+        return True
 
     @contextlib.contextmanager
     def blocking(self):
@@ -412,45 +366,13 @@ class ExchangeClient:
         finally:
             self.blocked_seconds += time.perf_counter() - t0
 
-    def _blocked(self, apply, params):
-        """apply(params), its time counted as blocked on the exchange; True."""
-        with self.blocking():
-            apply(_check_params(params))
-        return True
-
-    def _wait_apply(self, params):
-        with self._cond:
-            while self._result is None:
-                self._cond.wait()
-        self._apply(params)
-
-    def _apply(self, params):
-        result = self._result
-        self._pending = False
-        self._result = None
+    def _apply(self, params, result):
         if isinstance(result, BaseException):
             raise result
         if result == APPLIED:
             rules.apply_to_worker(params, self._conn.buf)
         else:
             np.copyto(params, self._conn.buf)
-
-    def _background(self):
-        while True:
-            with self._cond:
-                while self._job is None and not self._closed:
-                    self._cond.wait()
-                if self._job is None:
-                    return
-                iteration, loss = self._job
-                self._job = None
-            try:
-                result = self._round_trip(self._conn.buf, None, iteration, loss)
-            except BaseException as e:  # handed to the training thread
-                result = e
-            with self._cond:
-                self._result = result
-                self._cond.notify_all()
 
     # ---- teardown -------------------------------------------------------------
 
@@ -464,14 +386,10 @@ class ExchangeClient:
     def _leave(self, error):
         if self._closed:
             return
-        if self._pending:
-            with self._cond:
-                while self._result is None:
-                    self._cond.wait()
-            self._pending = False
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        if self.pending:
+            self._overlap.take()  # its result is not applied: the worker is leaving
+        self._closed = True
+        self._overlap.stop()
         if self._sock is not None:
             try:
                 if error is None:
@@ -481,8 +399,7 @@ class ExchangeClient:
             except OSError:
                 pass
             self._drop()
-        if self._thread is not None:
-            self._thread.join(5.0)
+        self._overlap.join(5.0)
 
     def __enter__(self):
         return self
@@ -490,6 +407,69 @@ class ExchangeClient:
     def __exit__(self, *exc):
         self.close()
 
+
+class _Overlap:
+    """An overlapped exchange's thread: one round trip at a time from the client's buffer (the snapshot sent;
+    d, or x̃ after a rejoin, comes back in its place), its result handed to the training thread. Only the
+    thread holds the client, while it runs, so that a client let go frees its buffers at once."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.thread = None
+        self.job = None          # (iteration, loss) waiting for the thread
+        self.pending = False     # an exchange was started and its result not yet taken
+        self.result = None       # APPLIED / RESET / an exception, set by the thread
+        self.stopping = False
+
+    @property
+    def ready(self):
+        return self.pending and self.result is not None
+
+    def start(self, round_trip, buf, iteration, loss, worker_id):
+        """round_trip(buf, None, iteration, loss) on the thread (started at the first call)."""
+        with self.cond:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, args=(round_trip, buf), daemon=True,
+                                               name="exchange-worker-%d" % worker_id)
+                self.thread.start()
+            self.job = (iteration, loss)
+            self.pending = True
+            self.result = None
+            self.cond.notify_all()
+
+    def take(self):
+        """The result of the exchange in flight, once it is back."""
+        with self.cond:
+            while self.result is None:
+                self.cond.wait()
+            result, self.result, self.pending = self.result, None, False
+        return result
+
+    def stop(self):
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+    def join(self, timeout):
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def _run(self, round_trip, buf):
+        while True:
+            with self.cond:
+                while self.job is None and not self.stopping:
+                    self.cond.wait()
+                if self.job is None:
+                    return
+                iteration, loss = self.job
+                self.job = None
+            try:
+                result = round_trip(buf, None, iteration, loss)
+            except BaseException as e:  # handed to the training thread
+                result = e
+            with self.cond:
+                self.result = result
+                self.cond.notify_all()
 
 def _check_params(params):
     if not isinstance(params, np.ndarray) or params.dtype != np.float32 \

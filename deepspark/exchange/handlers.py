@@ -7,7 +7,7 @@ import time
 
 from .. import rules
 from . import protocol as P
-from .transport import byte_view, recv_applying, recv_exact, slice_floats
+from .transport import byte_view, slice_floats
 
 log = logging.getLogger("deepspark.exchange.handlers")
 
@@ -50,7 +50,8 @@ class Handler:
 class EasgdHandler(Handler):
     """Asynchronous EASGD on EXCHANGE frames: d = α(x − x̃) goes back to the worker, x̃ += server_factor·d.
 
-    moving_rate    α; × decay_rate every decay_step exchanges, never below rate_floor (rules.decayed)
+    moving_rate    α; × moving_rate_gamma every moving_rate_step exchanges, never below moving_rate_limit
+                   (rules.decayed; the knobs of DeepSparkParameter)
     server_factor  scales the center's share of d
     consistent     serialise updates under a lock (deterministic tests); the default is the
                    paper's lock-free variant
@@ -63,13 +64,13 @@ class EasgdHandler(Handler):
     frame = P.EXCHANGE
     kind = "an asynchronous EASGD"
 
-    def __init__(self, moving_rate, *, server_factor=1.0, decay_rate=1.0, decay_step=0, rate_floor=0.0,
-                 consistent=False, chunk=None):
+    def __init__(self, moving_rate, *, server_factor=1.0, moving_rate_gamma=1.0, moving_rate_step=0,
+                 moving_rate_limit=0.0, consistent=False, chunk=None):
         if not 0.0 < moving_rate <= 1.0:
             raise ValueError("moving_rate must be in (0, 1], got %r" % (moving_rate,))
         self.base_moving_rate = float(moving_rate)
         self.server_factor = float(server_factor)
-        self.decay = (float(decay_rate), int(decay_step), float(rate_floor))
+        self.decay = (float(moving_rate_gamma), int(moving_rate_step), float(moving_rate_limit))
         self.consistent = bool(consistent)
         self.lock = threading.Lock() if consistent else contextlib.nullcontext()
         self.copy_lock = self.send_lock = self.lock
@@ -88,7 +89,7 @@ class EasgdHandler(Handler):
     def serve(self, conn, h):
         started = time.monotonic()  # the header has just arrived
         server, center = self.server, self.center
-        sock, buf, view, ok, wid = conn.sock, conn.buf, conn.view, conn.ok, conn.worker_id
+        buf, view, ok, wid = conn.buf, conn.view, conn.ok, conn.worker_id
         n, step = center.size, self.step
         count = server.exchanges
         alpha = rules.decayed(self.base_moving_rate, *self.decay, count)
@@ -98,7 +99,6 @@ class EasgdHandler(Handler):
             # Lock-free, x̃ is read while other workers add to it, as in the paper's asynchronous variant.
             nonlocal finite
             span = self.span if end == n else step  # all of x is in: the rest in as few calls as the scratch allows
-            conn.absorb(view[4 * start:4 * end])  # the tag's input: x as it arrived, before d overwrites it
             for lo in range(start, end, span):
                 hi = min(lo + span, end)
                 seg = buf[lo:hi]
@@ -106,12 +106,11 @@ class EasgdHandler(Handler):
                 if finite and not rules.all_finite(seg, ok[:hi - lo]):
                     finite = False
 
-        if self.consistent:
-            recv_exact(sock, view)  # outside the lock: a slow sender holds up nobody else
+        received = conn.fill(view) if self.consistent else 0  # outside the lock: a slow sender holds up nobody
         with self.lock:
-            # d = α(x − x̃) slice by slice as x arrives, in its receive buffer.
-            recv_applying(sock, view, difference, step, len(view) if self.consistent else 0)
-            conn.verify()  # a frame changed on the way ends here: nothing has touched the center
+            # d = α(x − x̃) slice by slice as x arrives, in its receive buffer; a frame changed on the way
+            # raises here, before anything has touched the center.
+            conn.receive(view, difference, step, received)
             if not finite:
                 # Nothing has touched the center yet: refuse, keep the connection.
                 server.count(wid, "refused_nonfinite")
@@ -128,24 +127,19 @@ class EasgdHandler(Handler):
 
     def _reply(self, conn, count):
         """DIFF d to the worker and x̃ += server_factor·d, overlapped."""
-        center, buf, view, scratch, span = self.center, conn.buf, conn.view, conn.scratch, self.span
-        n = center.size
-        if span >= n:
+        center, buf, scratch, span, factor = self.center, conn.buf, conn.scratch, self.span, self.server_factor
+        flags = self.server.history.reply_flags(conn.worker_id)
+        if span >= center.size:
             # Reply first, then add d to x̃: the add overlaps the worker's own
             # x −= d. This worker's next frame is read only after the add.
-            conn.send(P.DIFF, view, iteration=count, tag_after=True, flags=self.server.reply_flags(conn.worker_id))
-            rules.apply_to_center(center, buf, self.server_factor, scratch)
+            conn.send(P.DIFF, conn.view, iteration=count, tag_after=True, flags=flags)
+            rules.apply_to_center(center, buf, factor, scratch)
             return
-        # Big models: add and send slice by slice so the worker applies while we add.
-        for start in range(0, n, span):
-            end = min(start + span, n)
-            rules.apply_to_center(center[start:end], buf[start:end], self.server_factor, scratch[:end - start])
-            if start == 0:
-                conn.send(P.DIFF, view[:4 * end], iteration=count, length=len(view),
-                          flags=self.server.reply_flags(conn.worker_id))
-            else:
-                conn.send_more(view[4 * start:4 * end])
-        conn.end_frame()
+
+        def add(start, end):  # big models: add and send slice by slice, so the worker applies while we add
+            rules.apply_to_center(center[start:end], buf[start:end], factor, scratch[:end - start])
+
+        conn.send_sliced(P.DIFF, conn.view, span, add, iteration=count, flags=flags)
 
 
 class _Round:
@@ -214,7 +208,7 @@ class RoundsHandler(Handler):
     def serve(self, conn, h):
         """Add x to the round of its iteration; once all N are in, every worker gets their mean."""
         wid = conn.worker_id
-        conn.read_payload(conn.view)
+        conn.receive(conn.view)
         if not rules.all_finite(conn.buf):
             # A round cannot go on without this worker's parameters: it fails for everyone.
             raise P.Refusal(P.E_NONFINITE, "worker %d sent NaN or Inf parameters at iteration %d; "
@@ -251,7 +245,7 @@ class RoundsHandler(Handler):
             # The center changes again only when a round completes, which needs this
             # worker's next frame: sending it outside the lock is safe (and so is a PULL's).
         conn.send(P.CENTER, byte_view(self.center), iteration=h.iteration, tag_after=True,
-                  flags=self.server.reply_flags(wid))
+                  flags=self.server.history.reply_flags(wid))
 
     def left(self, worker_id):
         """An open round it is in, or that waits for it, can never complete (the server calls this for a

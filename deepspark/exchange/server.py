@@ -5,25 +5,16 @@ import math
 import socket
 import threading
 import time
-from typing import NamedTuple
 
 import numpy as np
 
 from .. import rules
+from . import handshake
 from . import protocol as P
-from .transport import Connection, PeerClosed, byte_view, mapped, send_frame, tune
+from .history import HistoryHandler
+from .transport import Connection, PeerClosed, byte_view, tune
 
 log = logging.getLogger("deepspark.exchange.server")
-
-
-class Held(NamedTuple):
-    """A worker's solver history as the server holds it: Caffe's history blobs as one float32 vector, the
-    worker's iteration and current_step when it was taken, and the request it answered (0: none)."""
-
-    vector: np.ndarray
-    iteration: int
-    current_step: int
-    request: int
 
 
 class ExchangeServer:
@@ -47,9 +38,8 @@ class ExchangeServer:
                   center untouched); the workers' clients must say the same
     history_sets  the workers' solver history is this many model-sized vectors (Caffe's SolverState
                   history: 1 for SGD, 2 for Adam); 0 keeps none. The server then holds one history
-                  per worker: what it last sent (HISTORY, unprompted or asked for by
-                  request_histories), or what `histories` gives at the start (a resumed job's), and
-                  hands it to a worker that asks (GET_HISTORY) as it joins
+                  per worker (history.HistoryHandler) for the driver's snapshots, and hands it back
+                  to a worker that asks as it joins
     histories     {worker id: (iteration, current_step, float32 vector)} to hold from the start
     """
 
@@ -74,11 +64,7 @@ class ExchangeServer:
         self.max_handshakes = int(max_handshakes)
         self._handshaking = 0  # connections accepted and not yet through their handshake (under _books)
         self.integrity = bool(integrity)  # tag every frame after the handshake (transport.Connection.seal)
-        self._history_floats = int(history_sets) * self._center.size
-        self._histories = {}  # worker id -> Held
-        self._history_round = 0  # request_histories' count: a worker is asked until it has sent one since
-        for wid, (iteration, step, vector) in (histories or {}).items():
-            self._histories[int(wid)] = Held(self._checked_history(vector), int(iteration), int(step), 0)
+        self.history = HistoryHandler(int(history_sets) * self._center.size, histories)
         self._host, self._port = host, port
         self._books = threading.Lock()  # bookkeeping only, never held during the update
         self._workers = {}
@@ -90,6 +76,7 @@ class ExchangeServer:
         self._stopping = threading.Event()
         self.handler = handler
         handler.attach(self, self._center)
+        self.history.attach(self)
 
     # ---- public ----------------------------------------------------------
 
@@ -149,27 +136,13 @@ class ExchangeServer:
             return out
 
     def request_histories(self):
-        """Ask every worker for its solver history: the replies to its model frames carry F_SEND_HISTORY
-        until it has sent one. Returns the request's number, for histories(since=)."""
-        if not self._history_floats:
-            raise RuntimeError("this server keeps no solver history (history_sets=0)")
-        with self._books:
-            self._history_round += 1
-            return self._history_round
+        """Ask every worker for its solver history (HistoryHandler.request); the request's number."""
+        return self.history.request()
 
     def histories(self, since=0):
-        """{worker id: Held} of the workers' solver histories held now, sent in answer to request `since`
-        or later (0: any); the vectors are the server's own, replaced (never changed) by a newer one."""
-        with self._books:
-            return {wid: held for wid, held in self._histories.items() if held.request >= since}
-
-    def reply_flags(self, worker_id):
-        """The header flags of a reply to the worker's model frame: F_SEND_HISTORY while a request is
-        open for it."""
-        if not self._history_floats:
-            return 0
-        held = self._histories.get(worker_id)
-        return P.F_SEND_HISTORY if (held.request if held else 0) < self._history_round else 0
+        """{worker id: history.Held} of the workers' solver histories held now, sent in answer to request
+        `since` or later (0: any)."""
+        return self.history.since(since)
 
     def stop(self):
         self._stopping.set()
@@ -246,72 +219,7 @@ class ExchangeServer:
             turning_away = full
 
     def _serve(self, sock, peer):
-        conn = Connection(sock, "%s:%d" % peer[:2])
-        entry = (sock, threading.current_thread())
-        handshaking = True
-        try:
-            sock.settimeout(self.handshake_timeout)
-            self._handshake(conn)
-            self._handshake_over()
-            handshaking = False
-            sock.settimeout(self.idle_timeout)
-            conn.allocate(self._center.size, self.handler.scratch)
-            self._loop(conn)
-        except (P.Refusal, P.ProtocolError) as e:
-            self._refuse(conn, e.code, str(e))
-        except socket.timeout:
-            wid = conn.worker_id
-            phase = "handshake" if wid is None else "exchange"
-            limit = self.handshake_timeout if wid is None else self.idle_timeout
-            self._refuse(conn, P.E_TIMEOUT, "silent for more than %gs during the %s" % (limit, phase))
-        except (PeerClosed, OSError) as e:
-            if not self._stopping.is_set():
-                log.info("worker %s (%s) disconnected: %s", conn.worker_id, conn.peer, e)
-        finally:
-            sock.close()
-            if handshaking:
-                self._handshake_over()
-            wid = conn.worker_id
-            with self._books:
-                self._conns.discard(entry)
-                # A worker's connection that has been replaced by a newer one (its process rejoined) is not
-                # the worker leaving: only the current one's end is.
-                current = wid is not None and self._workers.get(wid, {}).get("peer") == conn.peer
-                if current:
-                    self._workers[wid]["connected"] = False
-            if current:  # outside the books: a handler takes its own lock, then the books
-                self.handler.left(wid)
-
-    def _checked_history(self, vector):
-        vector = np.ascontiguousarray(vector, dtype=np.float32).ravel()
-        if vector.size != self._history_floats:
-            raise ValueError("a solver history of %d values; this server's is %d" % (vector.size, self._history_floats))
-        return vector
-
-    def _receive_history(self, conn, h, me):
-        """A worker's HISTORY frame: read into a new vector, held once verified and finite."""
-        if not h.length:
-            raise P.ProtocolError("empty HISTORY from worker %d" % conn.worker_id)
-        # A mapping of its own, as a connection's buffers: model-sized, and freed when the next snapshot's replaces it.
-        vector = mapped(self._history_floats, np.float32)
-        conn.read_payload(byte_view(vector))  # verified before it replaces what is held
-        if not rules.all_finite(vector):
-            raise P.Refusal(P.E_NONFINITE, "worker %d sent a solver history holding NaN or Inf at iteration %d"
-                            % (conn.worker_id, h.iteration))
-        with self._books:
-            self._histories[conn.worker_id] = Held(vector, h.iteration, int(h.value), self._history_round)
-            me["history_iteration"] = h.iteration
-
-    def _send_history(self, conn):
-        """The reply to GET_HISTORY: the history held for this worker, or an empty HISTORY."""
-        with self._books:
-            held = self._histories.get(conn.worker_id)
-        if held is None:
-            conn.send(P.HISTORY)
-            return
-        conn.send(P.HISTORY, byte_view(held.vector), iteration=held.iteration, value=held.current_step,
-                  tag_after=True)
-        self.record(conn.worker_id, restored_history=held.iteration)
+        Session(self, Connection(sock, "%s:%d" % peer[:2])).run()
 
     def _handshake_over(self):
         with self._books:
@@ -322,116 +230,121 @@ class ExchangeServer:
             self.refused.append((peer, reason))
             del self.refused[:-100]
 
-    def _refuse(self, conn, code, reason):
-        wid = conn.worker_id
+    def send_center(self, conn):
+        """The reply to PULL: x̃ as it is."""
+        with self.handler.send_lock:
+            if conn.sealed:
+                # Lock-free, other workers move x̃ while it is sent: the tag must cover the bytes that went
+                # out, so a snapshot in this connection's buffer (free: the worker waits) goes.
+                np.copyto(conn.buf, self._center)
+                conn.send(P.CENTER, conn.view, iteration=self._exchanges, tag_after=True)
+            else:
+                conn.send(P.CENTER, byte_view(self._center), iteration=self._exchanges)
+
+
+class Session:
+    """One accepted connection on the server's side, in its own thread: the handshake, then the worker's
+    frames until it leaves (its handler's, the history's, PULL, REPORT, BYE, ERROR); a refusal gets its
+    ERROR frame before the close."""
+
+    def __init__(self, server, conn):
+        self.server, self.conn = server, conn
+
+    def run(self):
+        server, conn = self.server, self.conn
+        sock = conn.sock
+        entry = (sock, threading.current_thread())
+        handshaking = True
+        try:
+            sock.settimeout(server.handshake_timeout)
+            self.handshake()
+            server._handshake_over()
+            handshaking = False
+            sock.settimeout(server.idle_timeout)
+            conn.allocate(server.size, server.handler.scratch)
+            self.loop()
+        except (P.Refusal, P.ProtocolError) as e:
+            self.refuse(e.code, str(e))
+        except socket.timeout:
+            wid = conn.worker_id
+            phase = "handshake" if wid is None else "exchange"
+            limit = server.handshake_timeout if wid is None else server.idle_timeout
+            self.refuse(P.E_TIMEOUT, "silent for more than %gs during the %s" % (limit, phase))
+        except (PeerClosed, OSError) as e:
+            if not server._stopping.is_set():
+                log.info("worker %s (%s) disconnected: %s", conn.worker_id, conn.peer, e)
+        finally:
+            sock.close()
+            if handshaking:
+                server._handshake_over()
+            wid = conn.worker_id
+            with server._books:
+                server._conns.discard(entry)
+                # A worker's connection that has been replaced by a newer one (its process rejoined) is not
+                # the worker leaving: only the current one's end is.
+                current = wid is not None and server._workers.get(wid, {}).get("peer") == conn.peer
+                if current:
+                    server._workers[wid]["connected"] = False
+            if current:  # outside the books: a handler takes its own lock, then the books
+                server.handler.left(wid)
+
+    def refuse(self, code, reason):
+        conn, wid = self.conn, self.conn.worker_id
         who = "worker %d (%s)" % (wid, conn.peer) if wid is not None else conn.peer
         log.warning("refused %s: %s: %s", who, P.ERROR_NAMES[code], reason)
-        self._note_refused(conn.peer, reason)
+        self.server._note_refused(conn.peer, reason)
         try:
             conn.sock.settimeout(1.0)
             conn.send_frame_bytes(P.encode_error(code, reason, wid or 0))
         except OSError:
             pass
 
-    def _handshake(self, conn):
-        """HELLO, CHALLENGE, AUTH (secret and model fingerprint), WELCOME; sets and returns conn.worker_id."""
-        sock = conn.sock
-        h = conn.read_header(None)
-        if h.type != P.HELLO:
-            raise P.ProtocolError("expected HELLO, got %s" % P.TYPE_NAMES[h.type])
-        wid = h.worker_id
-        client_nonce = bytes(conn.read_small(h.length))
-        server_nonce = P.new_nonce()
-        proof = P.server_proof(self._secret, client_nonce, server_nonce, wid)
-        send_frame(sock, P.encode_header(P.CHALLENGE, wid, length=len(server_nonce) + len(proof)),
-                   server_nonce + proof)
-        h = conn.read_header(None)
-        if h.type != P.AUTH or h.worker_id != wid:
-            raise P.ProtocolError("expected AUTH from worker %d, got %s from worker %d"
-                                  % (wid, P.TYPE_NAMES[h.type], h.worker_id))
-        auth = conn.read_small(h.length)
-        their_proof = bytes(auth[:P.PROOF_SIZE])
-        their_fp = bytes(auth[P.PROOF_SIZE:])
-        if not P.proofs_match(their_proof, P.client_proof(self._secret, client_nonce,
-                                                          server_nonce, wid, their_fp)):
-            raise P.Refusal(P.E_AUTH, "authentication failed: worker %d does not hold this job's secret" % wid)
-        if their_fp != self._fingerprint:
-            mine = P.describe_shapes(P.shapes_size(self._shapes), self._shapes)
-            try:
-                theirs = P.describe_shapes(*P.parse_fingerprint(their_fp))
-            except P.ProtocolError as e:
-                theirs = "a malformed fingerprint (%s)" % e
-            raise P.Refusal(P.E_FINGERPRINT, "model mismatch: the server holds %s, worker %d was built with %s"
-                            % (mine, wid, theirs))
-        # Asked before _books is taken: a handler may hold its own lock and then the books.
-        iteration = self.handler.start_iteration(wid)
-        with self._books:
-            prev = self._workers.get(wid)
+    def handshake(self):
+        """The handshake (handshake.authenticate), then WELCOME at the worker's start iteration and its stats
+        opened; sets and returns conn.worker_id."""
+        server, conn = self.server, self.conn
+        wid, keys = handshake.authenticate(conn, server._secret, server._fingerprint, server._shapes)
+        # Asked before the books are taken: a handler may hold its own lock and then the books.
+        iteration = server.handler.start_iteration(wid)
+        with server._books:
+            prev = server._workers.get(wid)
             if iteration is None:
                 # A rejoining worker continues from its last reported iteration.
-                iteration = prev["iteration"] if prev else self.resume_iteration
-            send_frame(sock, P.encode_header(P.WELCOME, wid, iteration=iteration))
-            if self.integrity:
-                c2s, s2c = P.session_keys(self._secret, client_nonce, server_nonce, wid)
-                conn.seal(send_key=s2c, recv_key=c2s)
-            self._workers[wid] = {
-                "exchanges": prev["exchanges"] if prev else 0,
-                "iteration": iteration,
-                "joined_at": iteration,
-                "latency": prev["latency"] if prev else None,
-                "loss": prev["loss"] if prev else math.nan,
-                "last_contact": time.monotonic(),
-                "last_exchange": prev["last_exchange"] if prev else None,
-                "connected": True,
-                "connections": (prev["connections"] if prev else 0) + 1,
-                "refused_nonfinite": prev["refused_nonfinite"] if prev else 0,
-                "peer": conn.peer,
-                "history_iteration": prev["history_iteration"] if prev else None,  # of the last it sent
-                "restored_history": None,  # the iteration of the history handed to this connection
-            }
+                iteration = prev["iteration"] if prev else server.resume_iteration
+            handshake.welcome(conn, wid, iteration, keys if server.integrity else None)
+            server._workers[wid] = joined(prev, iteration, conn.peer)
         log.info("worker %d joined from %s", wid, conn.peer)
         conn.worker_id = wid
-        conn.history_bytes = 4 * self._history_floats
+        conn.history_bytes = 4 * server.history.floats
         return wid
 
     @staticmethod
-    def _note(me, h):
+    def note(me, h):
         """A verified frame's iteration and loss, for the stats."""
         me["iteration"] = h.iteration
         if math.isfinite(h.value):
             me["loss"] = h.value
 
-    def _loop(self, conn):
-        """Frames from an authenticated worker until it leaves: the handler's frame type, PULL, REPORT, BYE, ERROR."""
-        handler, wid = self.handler, conn.worker_id
-        model_bytes = 4 * self._center.size
-        center_view = byte_view(self._center)
-        me = self._workers[wid]
+    def loop(self):
+        """Frames from the authenticated worker until it leaves."""
+        server, conn = self.server, self.conn
+        handler, history, wid = server.handler, server.history, conn.worker_id
+        model_bytes = 4 * server.size
+        me = server._workers[wid]
         while True:
             h = conn.read_header(model_bytes)
             if h.worker_id != wid:
                 raise P.ProtocolError("frame from worker %d on worker %d's connection" % (h.worker_id, wid))
             me["last_contact"] = time.monotonic()
-            if h.type == P.REPORT:  # verified with its header (it has no payload)
-                self._note(me, h)
             if h.type == handler.frame:
-                conn.on_verified = lambda: self._note(me, h)
+                conn.on_verified = lambda: Session.note(me, h)  # no cycle through this Session to conn
                 handler.serve(conn, h)  # which verifies the frame before the center moves
+            elif h.type in history.frames:
+                history.serve(conn, h)
             elif h.type == P.PULL:
-                with handler.send_lock:
-                    if conn.sealed:
-                        # Lock-free, other workers move x̃ while it is sent: the tag must cover the bytes
-                        # that went out, so a snapshot in this connection's buffer (free: the worker waits) goes.
-                        np.copyto(conn.buf, self._center)
-                        conn.send(P.CENTER, conn.view, iteration=self._exchanges, tag_after=True)
-                    else:
-                        conn.send(P.CENTER, center_view, iteration=self._exchanges)
-            elif h.type == P.REPORT:
-                pass
-            elif h.type == P.HISTORY:
-                self._receive_history(conn, h, me)
-            elif h.type == P.GET_HISTORY:
-                self._send_history(conn)
+                server.send_center(conn)
+            elif h.type == P.REPORT:  # verified with its header (it has no payload)
+                Session.note(me, h)
             elif h.type == P.BYE:
                 log.info("worker %d left", wid)
                 return
@@ -445,3 +358,22 @@ class ExchangeServer:
                                       % (P.TYPE_NAMES[h.type], wid, handler.kind))
             else:
                 raise P.ProtocolError("unexpected %s from worker %d" % (P.TYPE_NAMES[h.type], wid))
+
+def joined(prev, iteration, peer):
+    """A worker's stats as its connection from `peer` joins at `iteration`, carried over from its previous
+    connection's (`prev`, or None)."""
+    return {
+        "exchanges": prev["exchanges"] if prev else 0,
+        "iteration": iteration,
+        "joined_at": iteration,
+        "latency": prev["latency"] if prev else None,
+        "loss": prev["loss"] if prev else math.nan,
+        "last_contact": time.monotonic(),
+        "last_exchange": prev["last_exchange"] if prev else None,
+        "connected": True,
+        "connections": (prev["connections"] if prev else 0) + 1,
+        "refused_nonfinite": prev["refused_nonfinite"] if prev else 0,
+        "peer": peer,
+        "history_iteration": prev["history_iteration"] if prev else None,  # of the last it sent
+        "restored_history": None,  # the iteration of the history handed to this connection
+    }

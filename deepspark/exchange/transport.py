@@ -9,25 +9,14 @@ import numpy as np
 from . import protocol
 
 
-# Slices of the elastic update. While x is still arriving, the server computes
-# d = α(x − x̃) and checks it in RECV_SLICE pieces, so the arithmetic runs while the
-# worker's core is still sending; once all of x is in, the rest goes in one piece
-# (fewest numpy calls). Two regimes show on this 2-core machine (LeNet size, short
-# turns interleaved with a raw echo in the same run): when the worker and the server
-# run on different cores, 64K-float pieces give 15–20% more round trips than the whole
-# vector (32K pieces lose part of it to per-call overhead); when the scheduler puts
-# them on one core (or `taskset -c 0`) nothing overlaps, x is all in at the first read,
-# and slicing it anyway cost 3–30%, which computing the rest whole avoids.
-# Big models keep SLICE_FLOATS pieces as x arrives: 64K pieces there meant 4× the
-# numpy calls and cost 6% of the round trips (GoogLeNet and 25M, on two CPUs).
-# The reply goes back whole below PIPELINE_BYTES, because extra sends cost the worker
-# wake-ups (measured: LeNet-size exchanges ran at 0.6× a raw echo with a sliced reply);
-# above it the server adds d to x̃ and sends it in SLICE_FLOATS pieces, so the worker
-# applies while the server adds.
-# The worker's x −= d runs in APPLY_SLICE pieces as d arrives at every size: its
-# receive loop is the same either way, so only the numpy calls are added (LeNet
-# size: 0.7× → 0.9–1.0× echo). The whole slices one read brings go in one call
-# (cutting them into APPLY_SLICE calls: ~1.5% fewer 25M round trips on one shared CPU).
+# Slices of the elastic update (bench/exchange.py measures them; docs/architecture.md has the figures).
+# While x arrives, the server computes d = α(x − x̃) in RECV_SLICE pieces, so its arithmetic overlaps the
+# worker's send; once all of x is in, the rest goes in one piece, because slicing what is already there
+# only adds numpy calls. Big models keep SLICE_FLOATS pieces, fewer calls for the same overlap.
+# Below PIPELINE_BYTES the reply goes back whole: each extra send costs the worker a wake-up. Above it the
+# server adds d to x̃ and sends it SLICE_FLOATS at a time, so the worker applies while the server adds.
+# The worker's x −= d runs in APPLY_SLICE pieces as d arrives at every size (one numpy call for all the
+# whole slices a read brings).
 RECV_SLICE = 1 << 16
 SLICE_FLOATS = 1 << 18
 PIPELINE_BYTES = 16 << 20
@@ -62,15 +51,14 @@ class PeerClosed(ConnectionError):
 
 def tune(sock):
     # Small frames (headers, PULL, REPORT) must not wait for Nagle; the kernel's
-    # own buffer autotuning beats fixed SO_SNDBUF/SO_RCVBUF sizes on loopback (measured).
+    # own buffer autotuning beats fixed SO_SNDBUF/SO_RCVBUF sizes on loopback (bench/exchange.py).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def mapped(count, dtype):
     """A zeroed array of `count` items on a mapping of its own, unmapped when the array goes. A connection's
     buffers are model-sized and live as long as its thread: from malloc, glibc's per-thread arenas kept them
-    after the connection ended (measured, bench/exchange_load.py: a GoogLeNet-size server held 830-890 MB
-    with no connection open after a reconnect loop, against 105 MB idle)."""
+    after the connection ended (bench/exchange_load.py's reconnect loop shows it)."""
     nbytes = count * np.dtype(dtype).itemsize
     if not nbytes:
         return np.empty(0, dtype)
@@ -146,11 +134,10 @@ class Connection:
 
     Once sealed (after the handshake, with the keys it derived) every frame carries a
     tag: HMAC-SHA256 under the sending direction's key over its sequence number, header
-    and payload (protocol.Sealer). Sending, the tag goes out with a whole frame, and
-    after the last slice of a payload sent slice by slice (a big model's DIFF, hashed
-    as it goes); receiving, the tag is computed as the payload arrives, slice by slice,
-    and checked before the frame is acted on (`verify`): a frame changed on the way is
-    refused, and the center is untouched.
+    and payload (protocol.Sealer). The tag is the connection's business alone: `send`
+    and `send_sliced` hash what goes out, `receive` hashes what arrives, slice by slice
+    before anything overwrites it, and checks the tag before it returns, so that a frame
+    changed on the way is refused before its reader acts on it.
     """
 
     def __init__(self, sock, peer, worker_id=None):
@@ -180,12 +167,12 @@ class Connection:
     def sealed(self):
         return self._out is not None
 
-    def absorb(self, data):
+    def _absorb(self, data):
         """Payload bytes of the frame being read, in order, as they arrive (the tag's input)."""
         if self._reading is not None:
             self._reading.update(data)
 
-    def verify(self):
+    def _verify(self):
         """The frame being read is complete: read its tag and check it (IntegrityError if it differs), then
         call `on_verified` once if it is set (what may be believed of the frame's header)."""
         if self._reading is not None:
@@ -199,32 +186,39 @@ class Connection:
         if verified is not None:
             verified()
 
-    def read_payload(self, view):
-        """Fill `view` with a payload and verify the frame."""
+    # -- receiving ------------------------------------------------------------------
+
+    def fill(self, view):
+        """Read a payload whole into `view` without acting on it (receive(..., received=len(view)) then
+        applies and verifies it); its length."""
         recv_exact(self.sock, view)
-        self.absorb(view)
-        self.verify()
+        return len(view)
 
-    def send_frame_bytes(self, frame):
-        """A whole frame built elsewhere (an ERROR), tagged when sealed."""
-        if self._out is None:
-            self.sock.sendall(frame)
-            return
-        mac = self._out.begin(memoryview(frame)[:protocol.HEADER_SIZE])
-        mac.update(memoryview(frame)[protocol.HEADER_SIZE:])
-        send_frame(self.sock, frame, None, mac.digest())
+    def receive(self, view, apply=None, step=1, received=0):
+        """The payload of the frame whose header was read, into `view` (a float32 buffer's bytes for `apply`),
+        and its tag checked before this returns (IntegrityError if it fails).
 
-    def send_more(self, data):
-        """The next slice of a payload whose first slice `send(..., length=)` sent."""
-        self.sock.sendall(data)
-        if self._sending is not None:
-            self._sending.update(data)
+        apply(start, end) runs on the floats that are in as they arrive, in `step`-float slices
+        (recv_applying's); each slice is hashed before, since apply may overwrite it in place.
+        `received` bytes are in already (fill). What apply wrote must not be believed, nor acted
+        on, before this returns.
+        """
+        if apply is None:
+            recv_exact(self.sock, view[received:])
+            self._absorb(view)
+        else:
+            def hashed(start, end):
+                self._absorb(view[4 * start:4 * end])
+                apply(start, end)
 
-    def end_frame(self):
-        """The payload has all gone out: its tag follows."""
-        if self._sending is not None:
-            mac, self._sending = self._sending, None
-            self.sock.sendall(mac.digest())
+            recv_applying(self.sock, view, hashed, step, received)
+        self._verify()
+
+    def read_small(self, length):
+        """The payload of a small frame whose header said `length` (a view, valid until the next read), verified."""
+        view = self.small[:length]
+        self.receive(view)
+        return view
 
     def allocate(self, n, scratch=0):
         """The model buffer (x in, d or the mean out, in place) and `scratch` floats of scratch space, each on
@@ -237,20 +231,31 @@ class Connection:
 
     def read_header(self, model_bytes):
         """The next header, validated (model frames must be exactly `model_bytes` long); a sealed frame
-        without a payload is verified here, one with a payload once the reader has it (verify)."""
+        without a payload is verified here, one with a payload by `receive`."""
         h = recv_header(self.sock, self.header, model_bytes, self.history_bytes)
         if self._in is not None:
             self._reading = self._in.begin(self.header)
             if not h.length:
-                self.verify()
+                self._verify()
         return h
 
-    def send(self, type_, payload=None, iteration=0, value=math.nan, length=None, tag_after=False, flags=0):
-        """A frame from this connection's worker id: the header (packed in place) and the start of its payload.
+    # -- sending --------------------------------------------------------------------
 
-        `length` is the whole payload's when only its first slice goes out here: send_more the rest, then
-        end_frame. A whole frame's tag goes out here: with it in one syscall, or with tag_after (the
-        server's replies, which a worker reads to the end) just after it, hashed while the peer reads.
+    def send_frame_bytes(self, frame):
+        """A whole frame built elsewhere (an ERROR), tagged when sealed."""
+        if self._out is None:
+            self.sock.sendall(frame)
+            return
+        mac = self._out.begin(memoryview(frame)[:protocol.HEADER_SIZE])
+        mac.update(memoryview(frame)[protocol.HEADER_SIZE:])
+        send_frame(self.sock, frame, None, mac.digest())
+
+    def send(self, type_, payload=None, iteration=0, value=math.nan, tag_after=False, flags=0, length=None):
+        """A frame from this connection's worker id: the header (packed in place), its payload and its tag.
+
+        The tag goes out with the frame in one syscall, or with tag_after (the server's replies,
+        which a worker reads to the end) just after it, hashed while the peer reads. `length`:
+        the whole payload's, when `payload` is only its first slice (send_sliced's).
         """
         whole = length is None
         if whole:
@@ -275,8 +280,20 @@ class Connection:
         else:
             self._sending = mac
 
-    def read_small(self, length):
-        """The payload of a small frame whose header said `length` (a view, valid until the next read), verified."""
-        view = self.small[:length]
-        self.read_payload(view)
-        return view
+    def send_sliced(self, type_, view, step, before, iteration=0, flags=0):
+        """A model frame from `view` (a float32 buffer's bytes) sent `step` floats at a time, before(start, end)
+        run on each slice's floats just before it goes out; the tag after the last slice."""
+        n = len(view) >> 2
+        for start in range(0, n, step):
+            end = min(start + step, n)
+            before(start, end)
+            part = view[4 * start:4 * end]
+            if start == 0:
+                self.send(type_, part, iteration=iteration, flags=flags, length=len(view))
+                continue
+            self.sock.sendall(part)
+            if self._sending is not None:
+                self._sending.update(part)
+        if self._sending is not None:
+            mac, self._sending = self._sending, None
+            self.sock.sendall(mac.digest())

@@ -1,6 +1,6 @@
 """Training jobs: the algorithm registry, and `train` — what `deepspark train` and `deepspark.train` run."""
 
-from deepspark import local
+from deepspark import nets
 from deepspark.config import load_solver, override
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
@@ -9,7 +9,7 @@ from deepspark.spark.easgd import EasgdJob
 from deepspark.spark.job import Options
 from deepspark.spark.sync import SyncJob
 
-# The algorithms that run on Spark, by DeepSparkParameter.Algorithm; SINGLE runs in this process (deepspark.local).
+# The algorithms that run on Spark, by DeepSparkParameter.Algorithm; SINGLE runs in this process (deepspark.nets).
 JOBS = {pb.DeepSparkParameter.EASGD: EasgdJob, pb.DeepSparkParameter.SYNC: SyncJob,
         pb.DeepSparkParameter.AVERAGE: AverageJob}
 
@@ -33,6 +33,6 @@ def train(solver, data=None, *, deepspark=None, weights=None, snapshot=None, ite
     if algorithm == pb.DeepSparkParameter.SINGLE:
         if data is not None:
             raise ConfigError("a DataFrame is trained on by the Spark algorithms, not 'single'", solver.path)
-        return local.train(solver, weights=weights, snapshot=snapshot)
+        return nets.train(solver, weights=weights, snapshot=snapshot)
     options = Options(weights=weights, snapshot=snapshot, data=data)
     return JOBS[algorithm](solver, options).run()

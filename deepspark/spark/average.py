@@ -10,8 +10,9 @@ import time
 import numpy as np
 
 from deepspark import rules
-from deepspark.spark import worker as executor
-from deepspark.spark.job import Job, failed, first_line
+from deepspark.spark import executor
+from deepspark.spark.failures import failed, first_line
+from deepspark.spark.job import Job
 
 
 class AverageJob(Job):
@@ -32,7 +33,7 @@ class AverageJob(Job):
                  f"{self.ds.outer_momentum:g}") if self.outer else ""
         return f"model averaging every {self.ds.period} iterations{outer}"
 
-    def start_exchanger(self, center, host, secret):
+    def hold_center(self, center, host, secret):
         self.center = center
         self.velocity = np.zeros_like(center) if self.outer else None  # the outer momentum
         self.log.info(f"No exchanger: the center is broadcast every {self.ds.period} iterations and "
@@ -43,64 +44,30 @@ class AverageJob(Job):
         return self.center.copy()
 
     def train(self, task):
-        p, ds, log, sc = self.param, self.ds, self.log, self.sc
+        p, ds, log = self.param, self.ds, self.log
         boundaries = [x for x in (p.test_interval, p.snapshot) if x and x % ds.period]
         if boundaries:
             log.info(f"Rounds also end at multiples of {' and '.join(map(str, boundaries))} (test_interval/snapshot "
                      f"not multiples of period {ds.period}), so that tests and snapshots fall on their iterations")
         iteration = self.start_iter
-        workers = {}  # worker -> its running Summary, and counts of hand-overs and restarts
-        handovers, restarts = {}, {}
+        workers = {}  # worker -> its running Summary
+        handovers, restarts = {}, {}  # worker -> rounds it went on from another Python worker's state / restarted
         try:
             while True:
-                self.test_and_snapshot(iteration)
+                self.cadence.due(iteration)
                 if iteration >= p.max_iter:
                     break
-                steps = int(min(ds.period, p.max_iter - iteration, self.next_test - iteration,
-                                self.next_snapshot - iteration))
+                steps = self.cadence.multiples.steps_from(iteration, ds.period)
                 started = time.monotonic()
-                center = sc.broadcast(self.center)
-                try:
-                    # self.shards is not persisted: a shard is one Range, or a shuffle's output, which Spark
-                    # keeps and each round streams again (drained); cached, it would sit in executor memory.
-                    returned = self.shards.mapPartitionsWithIndex(
-                        lambda i, items: [average_round(i, items, task, center.value, iteration, steps)]).collect()
-                except Exception as error:
-                    raise failed(error, sc) from None
-                finally:
-                    center.destroy()
-                # collect + average_models rather than treeAggregate: the exact rule in worker order, and
-                # per-worker stats; measured here with 2 LeNet workers the round cost the same (0.17 vs 0.15 s).
-                returned.sort(key=lambda r: r["worker"])
-                self.last_round = [(r["worker"], r["params"]) for r in returned]
-                mean = rules.average_models([r["params"] for r in returned])
-                if self.outer:
-                    rules.outer_step(self.center, mean, self.velocity, ds.outer_learning_rate, ds.outer_momentum)
-                else:
-                    self.center = mean
+                returned = self.round(task, iteration, steps)
+                self.update_center(returned)
                 iteration += steps
                 # The round's wall time less the slowest build (spill + backend) of this round.
                 wall = time.monotonic() - started - max(r["build_seconds"] for r in returned)
                 for r in returned:
-                    w = r["worker"]
-                    summary = workers.setdefault(w, executor.Summary(w))
-                    if r["handed_over"]:
-                        handovers[w] = handovers.get(w, 0) + 1
-                    elif r["handed_over"] is not None and summary.exchanges:
-                        restarts[w] = restarts.get(w, 0) + 1
-                    summary.host, summary.pid, summary.cwd, summary.loss = r["host"], r["pid"], r["cwd"], r["loss"]
-                    summary.package = r["package"]
-                    summary.final_iteration = r["iteration"]
-                    summary.iterations += steps
-                    summary.exchanges += 1
-                    summary.train_seconds += wall
-                    summary.blocked_seconds += max(wall - r["seconds"], 0.0)
-                    summary.peak_rss_mb = max(summary.peak_rss_mb, r["peak_rss_mb"])
-                    if r["spilled"] is not None:
-                        summary.records, summary.ready_at = r["spilled"]["records"], r["spilled"]["ready_at"]
-                        summary.spill_seconds += r["spilled"]["spill_seconds"]
-                        summary.spill_rss_mb = max(summary.spill_rss_mb, r["spilled"]["spill_rss_mb"])
-                self.display(iteration, float(np.mean([r["loss"] for r in returned])))
+                    account(workers.setdefault(r["worker"], executor.Summary(r["worker"])), r, steps, wall,
+                            handovers, restarts)
+                self.cadence.display(iteration, float(np.mean([r["loss"] for r in returned])))
         finally:
             self._release(task.job_id)
         if handovers:
@@ -111,12 +78,58 @@ class AverageJob(Job):
                         f"{restarts}; each restarted that worker's momentum history and data order")
         return list(workers.values()) or [executor.Summary.here(0, final_iteration=iteration)]
 
+    def round(self, task, iteration, steps):
+        """One round on the executors: each worker's `steps` iterations from the broadcast center at
+        `iteration`; what each returned (average_round's), in worker order."""
+        center = self.sc.broadcast(self.center)
+        try:
+            # self.shards is not persisted: a shard is one Range, or a shuffle's output, which Spark
+            # keeps and each round streams again (drained); cached, it would sit in executor memory.
+            returned = self.shards.mapPartitionsWithIndex(
+                lambda i, items: [average_round(i, items, task, center.value, iteration, steps)]).collect()
+        except Exception as error:
+            raise failed(error, self.sc) from None
+        finally:
+            center.destroy()
+        return sorted(returned, key=lambda r: r["worker"])
+
+    def update_center(self, returned):
+        """The next center from the round's parameters: their mean (rules.average_models, in worker order,
+        collected rather than tree-aggregated so that it is that exact rule), or DiLoCo's outer step toward it."""
+        mean = rules.average_models([r["params"] for r in returned])
+        if self.outer:
+            rules.outer_step(self.center, mean, self.velocity, self.ds.outer_learning_rate, self.ds.outer_momentum)
+        else:
+            self.center = mean
+
     def _release(self, job_id):
         """Close the cached Trainers and local shards of this job wherever the tasks land (best effort)."""
         try:
             self.sc.parallelize(range(self.workers), self.workers).foreach(lambda _: release(job_id))
         except Exception as error:  # cleanup only; the executors' temp folders go with them anyway
             self.log.warning(f"could not release the workers' cached trainers: {first_line(error)}")
+
+
+def account(summary, r, steps, wall, handovers, restarts):
+    """A worker's round `r` (average_round's) added to its running Summary, and to the counts of rounds it
+    went on from another Python worker's state (handovers) or restarted from none (restarts)."""
+    w = r["worker"]
+    if r["handed_over"]:
+        handovers[w] = handovers.get(w, 0) + 1
+    elif r["handed_over"] is not None and summary.exchanges:
+        restarts[w] = restarts.get(w, 0) + 1
+    summary.host, summary.pid, summary.cwd, summary.loss = r["host"], r["pid"], r["cwd"], r["loss"]
+    summary.package = r["package"]
+    summary.final_iteration = r["iteration"]
+    summary.iterations += steps
+    summary.exchanges += 1
+    summary.train_seconds += wall
+    summary.blocked_seconds += max(wall - r["seconds"], 0.0)
+    summary.peak_rss_mb = max(summary.peak_rss_mb, r["peak_rss_mb"])
+    if r["spilled"] is not None:
+        summary.records, summary.ready_at = r["spilled"]["records"], r["spilled"]["ready_at"]
+        summary.spill_seconds += r["spilled"]["spill_seconds"]
+        summary.spill_rss_mb = max(summary.spill_rss_mb, r["spilled"]["spill_rss_mb"])
 
 
 # Per Python worker process: the Trainer of each (job id, worker) it has run a round for, so that

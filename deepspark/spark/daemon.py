@@ -28,7 +28,6 @@ import gc
 import json
 import os
 import select
-import signal
 import socket
 import struct
 import sys

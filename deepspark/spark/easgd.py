@@ -4,14 +4,14 @@ import math
 
 from deepspark import rules
 from deepspark.exchange import EasgdHandler
-from deepspark.spark import worker as executor
+from deepspark.spark import executor
 from deepspark.spark.job import Job
 
 
 def handler(ds):
     """The exchanger's EASGD rule with the job's moving rate, its decay and floor, and the server factor."""
-    return EasgdHandler(ds.moving_rate, server_factor=ds.server_factor, decay_rate=ds.moving_rate_gamma,
-                        decay_step=ds.moving_rate_step, rate_floor=ds.moving_rate_limit)
+    return EasgdHandler(ds.moving_rate, server_factor=ds.server_factor, moving_rate_gamma=ds.moving_rate_gamma,
+                        moving_rate_step=ds.moving_rate_step, moving_rate_limit=ds.moving_rate_limit)
 
 
 class EasgdJob(Job):
@@ -19,7 +19,7 @@ class EasgdJob(Job):
 
     title = "async EASGD"
 
-    def start_exchanger(self, center, host, secret):
+    def hold_center(self, center, host, secret):
         ds = self.ds
         server = self.exchange_server(center, host, secret, handler(ds))
         self.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; "

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-import socket
 import time
 
 import numpy as np
@@ -34,9 +33,10 @@ from deepspark.errors import ConfigError, DeepSparkError
 from deepspark.graph import Graph, fmt, layer_included, tap_name, with_batch_size, with_taps
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
-from deepspark.spark.job import failed, parquet_records
+from deepspark.spark.executor import set_threads
+from deepspark.spark.failures import failed
 from deepspark.spark.session import spark_session, stop_context, worker_threads
-from deepspark.spark.worker import set_threads
+from deepspark.spark.shards import parquet_records, unreadable_lmdb
 
 # Records per partition of a dataset that score or extract-features read (more partitions than cores
 # balance the executors; each builds its net once whatever their number).
@@ -55,7 +55,7 @@ def _reworded(error, what):
 class Forward:
     """What a task needs to build a net and run it forward; small, shipped in the task's closure."""
 
-    key: str  # a fingerprint of the net, weights and backend: the per-worker cache's key
+    key: str  # a fingerprint of everything a build depends on (Forward.of): the per-worker cache's key
     net: bytes  # the NetParameter (TEST phase), every blob wanted already one of its outputs
     backend: str
     weights: object  # a Spark Broadcast of (.caffemodel bytes, the mean image or None)
@@ -68,6 +68,19 @@ class Forward:
     outputs: tuple  # the net's outputs a run returns
     threads: int
     counters: tuple = None  # (builds, build seconds): Spark accumulators, or None
+
+    @classmethod
+    def of(cls, net, backend, caffemodel, mean, transform, image, label, shape, raw_shape, batch_size, outputs):
+        """The Forward of a NetParameter with its weights (.caffemodel bytes, the mean image or None) and
+        TransformationParameter; its key fingerprints each of them, the backend and the image shapes it
+        is built for, so that a Python worker builds again for anything that differs."""
+        net_bytes, transform_bytes = net.SerializeToString(), transform.SerializeToString()
+        parts = (net_bytes, caffemodel, b"" if mean is None else mean.tobytes(), backend.encode(), transform_bytes,
+                 repr((None if mean is None else mean.shape, tuple(shape), raw_shape)).encode())
+        key = hashlib.sha256(b"".join(hashlib.sha256(part).digest() for part in parts)).hexdigest()
+        return cls(key=key, net=net_bytes, backend=backend, weights=(caffemodel, mean), transform=transform_bytes,
+                   image=image, label=label, shape=tuple(shape), raw_shape=raw_shape, batch_size=batch_size,
+                   outputs=tuple(outputs), threads=1)
 
     def shipped(self, sc, counters=None):
         """This Forward as tasks take it: the weights (and mean) as a Spark broadcast, the thread count of a
@@ -244,13 +257,9 @@ def lmdb_range(source, total):
 
     def run(bounds):
         start, stop = bounds
-        if not os.path.exists(source):
-            raise DataError(f"the LMDB {source} is not visible on {socket.gethostname()}; put it on storage "
-                            f"every executor sees at that path, or convert it to Parquet (deepspark convert-lmdb)")
-        here = lmdb_io.count(source)
-        if here != total:
-            raise DataError(f"the LMDB {source} holds {here} records on {socket.gethostname()} and {total} on the "
-                            "driver; every executor must see the same LMDB")
+        unreadable = unreadable_lmdb(source, total, "the executor")
+        if unreadable:
+            raise DataError(unreadable)
         for index, (key, value) in enumerate(lmdb_io.read_records(source, start, stop), start):
             yield index, key, value
 
@@ -320,12 +329,10 @@ def forward_of(path, weights, source, backend, batch_size, blobs=None):
     mean = load_mean(param.mean_file) if param.mean_file else None
     param.ClearField("mean_file")  # read here, shipped with the weights
     tops = list(layer.top)
-    net_bytes = run_net.SerializeToString()
-    forward = Forward(key=hashlib.sha256(net_bytes + caffemodel + backend.encode()).hexdigest(), net=net_bytes,
-                      backend=backend, weights=(caffemodel, mean), transform=param.SerializeToString(),
-                      image=tops[0], label=tops[1] if len(tops) > 1 else "",
-                      shape=tuple(graph.fed_tops()[tops[0]][1:]), raw_shape=raw_shape,
-                      batch_size=graph.fed_tops()[tops[0]][0], outputs=tuple(outputs), threads=1)
+    fed = graph.fed_tops()[tops[0]]
+    forward = Forward.of(run_net, backend, caffemodel, mean, param, image=tops[0],
+                         label=tops[1] if len(tops) > 1 else "", shape=fed[1:], raw_shape=raw_shape,
+                         batch_size=fed[0], outputs=outputs)
     return forward, graph, source
 
 

@@ -27,16 +27,15 @@ from deepspark.log import echo
 
 LOG4J = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
 # The JVM's collector and first heap in local mode, where it schedules tasks and the Python workers compute: the
-# serial collector from a 16 MB heap grows a ~85 MB heap where G1 commits its initial heap, 1/64 of the machine's
-# memory (384 MB here, ~240 MB touched), and ~50 MB of its own tables for the 1 GB maximum (spark.driver.memory's,
-# unchanged): a LeNet job's JVM holds ~280 MB instead of ~320 MB (bench/startup.py).
+# serial collector grows a small heap from 16 MB where G1 commits 1/64 of the machine's memory at once, and adds
+# its own tables for the maximum heap (spark.driver.memory's, unchanged); the JVM holds less (bench/startup.py).
 LOCAL_JVM = "-XX:+UseSerialGC -Xms16m"
 # The executors' pyspark daemon in local mode (spark.python.daemon.module), and the environment variables naming the
 # backend it imports and the socket of its zygote, which imports it while the JVM starts (daemon.py).
 DAEMON, DAEMON_BACKEND, ZYGOTE = "deepspark.spark.daemon", "DEEPSPARK_DAEMON_BACKEND", "DEEPSPARK_DAEMON_ZYGOTE"
 # The backends the daemon imports before it forks: TensorFlow takes its thread counts when a model starts its runtime,
 # in the worker after the fork. pycaffe is not: its BLAS reads the worker's thread count as it loads
-# (worker.set_threads sets it first), which an import in the daemon would read from the daemon's environment instead.
+# (executor.set_threads sets it first), which an import in the daemon would read from the daemon's environment instead.
 PRELOADED = ("tensorflow",)
 ZYGOTES = weakref.WeakKeyDictionary()  # SparkContext -> the zygote process start_zygote started for it
 # The folder Spark extracts executor_env into, in each executor's working directory (`--archives ENV#environment`).
@@ -95,8 +94,8 @@ def spark_context(ds, workers):
     """(the SparkContext, whether this call started it). A running one (the caller's) is used as it is
     and left running; else one starts on ds.master (`local[N,F]` by default, bound to 127.0.0.1 on a
     loopback master), or on spark-submit's master as it configured it. Spark SQL's session is not started here:
-    a job reading no DataFrame does without it (~2 s of the JVM's start-up, on the cores the workers' start-up
-    needs, bench/startup.py); sql_session starts it when a job needs it."""
+    a job reading no DataFrame does without it (seconds of the JVM's start-up, on the cores the workers' start-up
+    needs: bench/startup.py); sql_session starts it when a job needs it."""
     if SparkContext._active_spark_context is not None:
         return SparkContext._active_spark_context, False
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # under spark-submit the JVM is up with its master
@@ -203,8 +202,8 @@ def jvm_archive():
     """Where `make setup` (tools/jvm-archive.py) writes the classes a Spark driver's JVM loads as it starts, for
     this pyspark (its version, its jars' folder and when that was written: the archive holds the jars' paths and
     times, and a reinstalled pyspark gets an archive of its own): the JDK's class-data sharing maps
-    them from it instead of loading each from Spark's jars, ~0.8 s less to a SparkContext here and less of the
-    JVM's own memory (bench/startup.py). A JVM that cannot use it (another JDK) starts without it, silently
+    them from it instead of loading each from Spark's jars: a SparkContext sooner, and less of the JVM's own
+    memory (bench/startup.py). A JVM that cannot use it (another JDK) starts without it, silently
     (QUIET_CDS)."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     jars = os.path.join(os.path.dirname(os.path.abspath(pyspark.__file__)), "jars")

@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 
 from deepspark.exchange import RefusedError, RoundsHandler
-from deepspark.spark import worker as executor
+from deepspark.spark import executor
 from deepspark.spark.job import Job
 
 # Seconds a sync worker waits beyond exchange_timeout for its round: the server fails a round that
@@ -27,7 +27,7 @@ class SyncJob(Job):
 
     title = "synchronous averaging every iteration"
 
-    def start_exchanger(self, center, host, secret):
+    def hold_center(self, center, host, secret):
         ds = self.ds
         server = self.exchange_server(center, host, secret, RoundsHandler(self.workers, round_timeout=ds.exchange_timeout))
         self.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; {self.workers} workers "

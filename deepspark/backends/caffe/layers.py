@@ -5,10 +5,13 @@ Graph and the model's data_layers choice (keep_data: Caffe reads the Data
 layers' LMDB itself), and returns the LayerParameter for Caffe. Most types
 are Caffe's own layer, passed through; a layer whose tops come from a batch
 becomes an Input layer of the same name, tops and shapes. Adding a layer
-type means its registration here.
+type means its registration here (docs/layers.md); the table is checked
+against graph.REGISTRY as this module is imported.
 """
 
-from deepspark.graph import FED_TYPES
+from deepspark.backends.base import infogain_matrix
+from deepspark.errors import ConfigError
+from deepspark.graph import FED_TYPES, check_table
 from deepspark.proto import deepspark_pb2 as pb
 
 LAYERS = {}  # graph layer type -> its function
@@ -66,7 +69,10 @@ def hdf5_output(layer, graph, keep_data):
        "Flatten", "Reshape", "Softmax", "ArgMax",
        "ReLU", "Sigmoid", "TanH", "AbsVal", "BNLL", "ELU", "Power", "Exp", "Log", "PReLU",
        "SoftmaxWithLoss", "EuclideanLoss", "SigmoidCrossEntropyLoss", "Accuracy",
-       "Python")
+       "Crop", "Tile", "Reduction", "MVN", "SPP", "Filter", "BatchReindex", "Embed", "Im2col", "Parameter",
+       "Threshold", "Clip", "Swish",
+       "ContrastiveLoss", "HingeLoss", "MultinomialLogisticLoss",
+       "LSTM", "RNN", "LSTMUnit", "Python")
 def passed_through(layer, graph, keep_data):
     """Caffe's own layer of the same type, as the prototxt defines it."""
     out = pb.LayerParameter()
@@ -74,3 +80,24 @@ def passed_through(layer, graph, keep_data):
     for field in RESOLVED_FIELDS:
         out.ClearField(field)
     return out
+
+
+@layer("InfogainLoss")
+def infogain_loss(layer, graph, keep_data):
+    """Caffe's own, once its matrix file is known to read as Caffe reads it (Caffe aborts on a bad one)."""
+    if len(layer.bottoms) < 3:
+        infogain_matrix(layer, graph.source)
+    return passed_through(layer, graph, keep_data)
+
+
+def lacking(graph, net, caffe_types):
+    """A ConfigError for the first layer of `net` (net_param's of `graph`) whose type this pycaffe lacks
+    (Clip and Swish came to BVLC Caffe after the one it was built from); Caffe would abort on it."""
+    for layer, out in zip(graph.layers, net.layer):
+        if out.type not in caffe_types:
+            return ConfigError(f"layer '{layer.name}': this pycaffe has no {out.type} layer (a later BVLC Caffe "
+                               f"has it); the TensorFlow backend runs it", *graph.source.where(layer.index))
+    return None
+
+
+check_table(LAYERS, "Caffe")

@@ -9,7 +9,7 @@ import numpy as np
 
 from deepspark import checkpoint, fillers
 from deepspark.backends import base
-from deepspark.backends.caffe import compiler, python_layer, runtime
+from deepspark.backends.caffe import compiler, layers, python_layer, runtime
 from deepspark.graph import fmt
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -44,6 +44,9 @@ class Model(base.Model):
         self._caffe = caffe
         self.data_layers = data_layers
         ours = compiler.net_param(self.graph, keep_data=data_layers == "caffe")
+        missing = layers.lacking(self.graph, ours, set(caffe.layer_type_list()))
+        if missing:
+            raise missing
         self.feeds = compiler.fed_tops(self.graph, ours)  # a Data layer Caffe reads itself is not fed
         self._dir = tempfile.mkdtemp(prefix="deepspark-caffe-")
         if self.seed is not None:
@@ -179,6 +182,7 @@ class Model(base.Model):
         return {name: np.array(blobs[name].data, np.float32) for name in self.graph.outputs}
 
     def gradients(self, batch):
+        self.graph.check_backward()  # a TEST net too: pycaffe's backward would abort
         self._load(batch)
         self._net.clear_param_diffs()
         self._net.forward()
@@ -195,6 +199,7 @@ class Model(base.Model):
         layer Caffe's Net needs no backward for (a deploy net, an Accuracy
         layer) is skipped by Net::BackwardFromTo, as in net.backward().
         """
+        self.graph.check_backward()  # a TEST net too: pycaffe's backward would abort
         self._load(batch)
         net = self._net
         return [base.LayerPass(name, functools.partial(net._forward, i, i), functools.partial(net._backward, i, i))

@@ -6,6 +6,7 @@ at trace time only.
 
 from deepspark.backends.tensorflow.layers import LAYERS, Blob
 from deepspark.backends.tensorflow.runtime import tf
+from deepspark.graph import spec
 
 
 def wanted_order(layer_type, blob):
@@ -35,19 +36,44 @@ def inverse(order):
 
 
 class Context:
-    """What layer functions need beyond their bottoms: inputs, phase, randomness, state updates."""
+    """What layer functions need beyond their bottoms: inputs, phase, randomness, state updates.
 
-    def __init__(self, graph, inputs, train, rng=None, seed=0, orders=None):
+    state: {id(graph.Layer): [tf.Variable]} from carried_state, what layers
+    carry between passes (None: each pass starts from zeros, as a fresh net).
+    """
+
+    def __init__(self, graph, inputs, train, rng=None, seed=0, orders=None, state=None):
         self.graph = graph
         self.orders = orders or [None] * len(graph.params)  # storage order of each parameter
         self.inputs = inputs
         self.train = train
         self.rng = rng
         self.seed = seed
+        self.state = state or {}
         self.updates = []  # (parameter index, new value): BatchNorm's running statistics
+        self.carries = []  # (variable, new value): what a layer carries to the next pass
 
     def update(self, layer, blob, value):
         self.updates.append((layer.blob_params[blob], value))
+
+    def carried(self, layer):
+        """The variables holding what `layer` carried from the last pass, or None (start from zeros)."""
+        return self.state.get(id(layer))
+
+    def carry(self, layer, values):
+        """Hand `values` on to the next pass of `layer` (where the model keeps its state)."""
+        self.carries += list(zip(self.state.get(id(layer), ()), values))
+
+
+def carried_state(graph):
+    """{id(layer): [zero tf.Variable per shape]} for the layers of `graph` whose table row carries state."""
+    state = {}
+    for layer in graph.layers:
+        shapes = LAYERS[layer.type].state(layer) if LAYERS[layer.type].state else []
+        if shapes:
+            state[id(layer)] = [tf.Variable(tf.zeros(shape, tf.float32), trainable=False,
+                                            name=f"state{len(state)}_{i}") for i, shape in enumerate(shapes)]
+    return state
 
 
 def layer_params(layer, params, orders):
@@ -75,10 +101,11 @@ def run(graph, params, ctx):
     loss = None
     for layer in graph.layers:
         bottoms = [blobs[name] for name in layer.bottoms]
-        propagate = list(layer.param.propagate_down)
-        if propagate:
-            bottoms = [b if down else Blob(tf.stop_gradient(b.tensor), b.nhwc)
-                       for b, down in zip(bottoms, propagate)]
+        propagate = list(layer.param.propagate_down) or [True] * len(bottoms)
+        refused = spec(layer.type).refused(len(bottoms))  # labels, indices: Caffe gives them no diff
+        if refused or not all(propagate):
+            bottoms = [b if down and i not in refused else Blob(tf.stop_gradient(b.tensor), b.nhwc)
+                       for i, (b, down) in enumerate(zip(bottoms, propagate))]
         values = layer_params(layer, params, ctx.orders)
         tops = LAYERS[layer.type].function(layer, bottoms, values, ctx)
         for name, value, weight in zip(layer.tops, tops, layer.loss_weights):

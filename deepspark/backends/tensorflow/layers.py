@@ -4,7 +4,8 @@ A layer function takes (layer, bottoms, params, ctx): the graph.Layer (its
 LayerParameter and shapes), its bottom Blobs, its parameter blobs as tensors
 in Caffe's shapes (or in the axis order its registration asks for), and the
 compiler's Context; it returns its top Blobs. Adding a layer means one
-function and its @layer registration here.
+function and its @layer registration here (docs/layers.md); the table is
+checked against graph.REGISTRY as this module is imported.
 
 Convolutions, pooling and LRN compute in NHWC (TensorFlow's fast layout on
 CPU) and hand NHWC blobs on; layers that only care about the channel axis keep
@@ -17,9 +18,11 @@ from typing import NamedTuple
 import numpy as np
 
 from deepspark import checkpoint, fillers
+from deepspark.backends.base import infogain_matrix
 from deepspark.backends.tensorflow import python_layer
 from deepspark.backends.tensorflow.runtime import tf
-from deepspark.graph import FED_TYPES, canonical_axis, conv_geometry, pool_geometry
+from deepspark.graph import (FED_TYPES, RECURRENT_STATES, Layer, canonical_axis, check_table, conv_geometry, count,
+                             crop_offsets, pool_geometry, recurrent_inputs, spp_levels)
 from deepspark.proto import deepspark_pb2 as pb
 
 TO_NHWC = (0, 2, 3, 1)
@@ -30,24 +33,29 @@ HWIO = (2, 3, 1, 0)
 
 
 class Entry(NamedTuple):
-    """One layer type's row: its function, and the axis order it takes each parameter blob in.
+    """One layer type's row: its function, the axis order it takes each parameter blob in, what it carries.
 
     param_order: {blob index: permutation of Caffe's axes} for the blobs it
     wants in another layout than Caffe's; the model stores them so, and
-    converts only at the contract's boundary.
+    converts only at the contract's boundary. state: None, or a function of the
+    graph.Layer giving the shapes of what the layer carries from one forward
+    pass to the next (a recurrent layer's last hidden state): the model keeps
+    them as variables (Context.carried), the function hands the new values on
+    (Context.carry).
     """
 
     function: object
     param_order: dict
+    state: object = None
 
 
 LAYERS = {}  # layer type -> Entry
 
 
-def layer(*types, param_order=None):
+def layer(*types, param_order=None, state=None):
     def register(function):
         for kind in types:
-            LAYERS[kind] = Entry(function, dict(param_order or {}))
+            LAYERS[kind] = Entry(function, dict(param_order or {}), state)
         return function
     return register
 
@@ -544,11 +552,18 @@ def prelu(layer, bottoms, params, ctx):
 
 # -- losses and scores ------------------------------------------------------------
 
+def items(tensor):
+    """The length of a tensor's first axis as a float: the static one, or the data's where only the data says
+    (the tops of a Filter layer)."""
+    known = tensor.shape[0]
+    return float(known) if known is not None else tf.cast(tf.shape(tensor)[0], tf.float32)
+
+
 def _class_rows(layer, blob, axis):
     """Scores as (outer*inner, classes) rows, Caffe's class axis last."""
     shape = layer.bottom_shapes[0]
-    outer, classes = math.prod(shape[:axis]), shape[axis]
-    x = tf.reshape(blob.caffe, (outer, classes, -1))
+    classes = shape[axis]
+    x = tf.reshape(blob.caffe, (-1, classes, math.prod(shape[axis + 1:])))
     return tf.reshape(_permute(x, (0, 2, 1)), (-1, classes))
 
 
@@ -562,11 +577,11 @@ def loss_normalizer(loss_param, outer, inner, valid):
     if not loss_param.HasField("normalization") and loss_param.HasField("normalize"):
         mode = pb.LossParameter.VALID if loss_param.normalize else pb.LossParameter.BATCH_SIZE
     if mode == pb.LossParameter.FULL:
-        value = float(outer * inner)
+        value = outer * inner
     elif mode == pb.LossParameter.VALID:
         value = valid
     elif mode == pb.LossParameter.BATCH_SIZE:
-        value = float(outer)
+        value = outer
     else:
         value = 1.0
     return tf.maximum(tf.cast(value, tf.float32), 1.0)
@@ -586,8 +601,9 @@ def softmax_loss(layer, bottoms, params, ctx):
         count = tf.reduce_sum(tf.cast(valid, tf.float32))
     else:
         nll = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-        count = float(nll.shape[0])
-    outer, inner = math.prod(shape[:axis]), math.prod(shape[axis + 1:])
+        count = items(nll)
+    inner = math.prod(shape[axis + 1:])
+    outer = items(logits) / inner
     loss = tf.reduce_sum(nll) / loss_normalizer(loss_param, outer, inner, count)
     tops = [Blob(loss)]
     if len(layer.tops) > 1:
@@ -599,17 +615,17 @@ def softmax_loss(layer, bottoms, params, ctx):
 def euclidean_loss(layer, bottoms, params, ctx):
     """sum((a - b)^2) / (2 N)."""
     a = bottoms[0].caffe
-    b = tf.reshape(bottoms[1].caffe, layer.bottom_shapes[0])
-    return [Blob(tf.reduce_sum(tf.square(a - b)) / (2.0 * layer.bottom_shapes[0][0]))]
+    b = tf.reshape(bottoms[1].caffe, batch_free(layer.bottom_shapes[0]))
+    return [Blob(tf.reduce_sum(tf.square(a - b)) / (2.0 * items(a)))]
 
 
 @layer("SigmoidCrossEntropyLoss")
 def sigmoid_cross_entropy_loss(layer, bottoms, params, ctx):
     """Caffe's SigmoidCrossEntropyLoss: the summed cross-entropy over N (the batch)."""
     logits = bottoms[0].caffe
-    targets = tf.reshape(bottoms[1].caffe, layer.bottom_shapes[0])
+    targets = tf.reshape(bottoms[1].caffe, batch_free(layer.bottom_shapes[0]))
     entropy = tf.nn.sigmoid_cross_entropy_with_logits(labels=targets, logits=logits)
-    return [Blob(tf.reduce_sum(entropy) / float(layer.bottom_shapes[0][0]))]
+    return [Blob(tf.reduce_sum(entropy) / items(logits))]
 
 
 @layer("Accuracy")
@@ -639,3 +655,320 @@ def accuracy(layer, bottoms, params, ctx):
         totals = tf.math.unsorted_segment_sum(weights, safe, shape[axis])
         tops.append(Blob(tf.where(totals > 0, hits / tf.maximum(totals, 1.0), 0.0)))
     return tops
+
+
+# -- the rest of BVLC Caffe's compute layers ----------------------------------------
+# Where Caffe's Backward is not the gradient of its Forward (a clipped log, a
+# 1e-4 in a denominator, a variance), tf.custom_gradient gives Caffe's.
+
+@layer("Threshold")
+@one_top
+def threshold(x, lp):
+    """1 where x > threshold, else 0; no gradient (Caffe's has no Backward: the registry's no_backward)."""
+    return tf.cast(x > lp.threshold_param.threshold, tf.float32)
+
+
+@layer("Clip")
+@one_top
+def clip(x, lp):
+    """max(min, min(x, max)); the diff passes where min <= x <= max, the bounds included, as in Caffe."""
+    p = lp.clip_param
+    inside = (x >= p.min) & (x <= p.max)
+    return tf.where(inside, x, tf.stop_gradient(tf.maximum(p.min, tf.minimum(x, p.max))))
+
+
+@layer("Swish")
+@one_top
+def swish(x, lp):
+    """x * sigmoid(beta x): its gradient is Caffe's beta y + sigmoid(beta x) (1 - beta y)."""
+    return x * tf.sigmoid(lp.swish_param.beta * x)
+
+
+@layer("Crop")
+def crop(layer, bottoms, params, ctx):
+    shape = layer.bottom_shapes[0]
+    axis = canonical_axis(layer.param.crop_param.axis, len(shape))
+    begin = crop_offsets(layer.param.crop_param, len(shape))
+    size = [-1] * axis + list(layer.top_shapes[0][axis:])  # the axes before `axis` are kept whole
+    return [Blob(tf.slice(bottoms[0].caffe, begin, size))]
+
+
+@layer("Tile")
+def tile(layer, bottoms, params, ctx):
+    """Caffe's Tile repeats the whole of axis..end `tiles` times within each outer item: tf.tile on that axis."""
+    blob = bottoms[0]
+    multiples = [1] * blob.rank
+    multiples[blob.axis(layer.param.tile_param.axis)] = layer.param.tile_param.tiles
+    return [blob.like(tf.tile(blob.tensor, multiples))]
+
+
+@layer("Reduction")
+def reduction(layer, bottoms, params, ctx):
+    """SUM, ASUM, SUMSQ or MEAN over the axes from `axis` on, times coeff."""
+    param, shape = layer.param.reduction_param, layer.bottom_shapes[0]
+    axis = canonical_axis(param.axis, len(shape))
+    x = tf.reshape(bottoms[0].caffe, (-1, count(shape, axis)))
+    op = pb.ReductionParameter
+    values = {op.SUM: x, op.MEAN: x, op.ASUM: tf.abs(x), op.SUMSQ: tf.square(x)}[param.operation]
+    coeff = param.coeff / count(shape, axis) if param.operation == op.MEAN else param.coeff
+    y = tf.reduce_sum(values, axis=1)
+    y = y if coeff == 1 else coeff * y
+    return [Blob(tf.reshape(y, batch_free(layer.top_shapes[0]) if axis else ()))]
+
+
+@layer("MVN")
+def mvn(layer, bottoms, params, ctx):
+    """(x - mean) / (std + eps) over each item (and channel); Caffe's backward divides by std + eps where the
+    gradient of its forward has std in one place (they differ by eps)."""
+    param, blob = layer.param.mvn_param, bottoms[0]
+    axes = [blob.axis(a) for a in range(1 if param.across_channels else 2, blob.rank)]
+
+    def mean(value):
+        return tf.reduce_mean(value, axes, keepdims=True)
+
+    @tf.custom_gradient
+    def normalized(x):
+        centered = x - mean(x)
+        if not param.normalize_variance:
+            return centered, lambda dy: dy - mean(dy)
+        scale = tf.sqrt(mean(tf.square(centered))) + param.eps
+        y = centered / scale
+        return y, lambda dy: (dy - mean(dy) - y * mean(y * dy)) / scale
+    return [blob.like(normalized(blob.tensor))]
+
+
+@layer("SPP")
+def spp(layer, bottoms, params, ctx):
+    """Caffe's SPP: one Pooling per pyramid level, each flattened, concatenated (a single level is not)."""
+    levels = spp_levels(layer.param.spp_param, layer.bottom_shapes[0])
+    pieces = []
+    for i, (pooling_param, shape) in enumerate(levels):
+        level = Layer(f"{layer.name}/level{i}", "Pooling", layer.bottoms, [f"{layer.name}/level{i}"],
+                      pb.LayerParameter(type="Pooling", pooling_param=pooling_param), None,
+                      bottom_shapes=layer.bottom_shapes, top_shapes=[shape])
+        pooled = pooling(level, bottoms, [], ctx)[0]
+        if len(levels) == 1:
+            return [pooled]
+        pieces.append(tf.reshape(pooled.caffe, (-1, count(shape, 1))))
+    return [Blob(tf.concat(pieces, axis=1))]
+
+
+@layer("Filter")
+def filter_(layer, bottoms, params, ctx):
+    """The items whose selector (the last bottom) is non-zero; how many is known only from the data."""
+    keep = tf.not_equal(tf.reshape(bottoms[-1].caffe, (-1,)), 0.0)
+    return [blob.like(tf.boolean_mask(blob.tensor, keep)) for blob in bottoms[:-1]]
+
+
+@layer("BatchReindex")
+def batch_reindex(layer, bottoms, params, ctx):
+    """Items of bottom 0 in the order of the indices in bottom 1; a diff sums over the picks, as Caffe's."""
+    index = tf.cast(tf.reshape(bottoms[1].caffe, (-1,)), tf.int32)
+    return [bottoms[0].like(tf.gather(bottoms[0].tensor, index))]
+
+
+@layer("Embed")
+def embed(layer, bottoms, params, ctx):
+    """Row x of the (input_dim, num_output) weights for each index x (truncated to an integer, as Caffe's cast)."""
+    y = tf.gather(params[0], tf.cast(bottoms[0].caffe, tf.int32))
+    return [Blob(y + params[1] if layer.param.embed_param.bias_term else y)]
+
+
+@layer("Im2col")
+def im2col(layer, bottoms, params, ctx):
+    """Caffe's im2col: channel c, kernel row i and column j become channel (c kh + i) kw + j of each output place."""
+    _check_2d(layer, "im2col")
+    kernel, pad, stride, dilation = conv_geometry(layer.param.convolution_param, 2)
+    x = bottoms[0].as_nhwc
+    if any(pad):
+        x = tf.pad(x, [[0, 0], [pad[0], pad[0]], [pad[1], pad[1]], [0, 0]])
+    patches = tf.image.extract_patches(x, [1, *kernel, 1], [1, *stride, 1], [1, *dilation, 1], "VALID")
+    channels = layer.bottom_shapes[0][1]
+    _, _, height, width = layer.top_shapes[0]
+    patches = tf.reshape(patches, (-1, height, width, kernel[0], kernel[1], channels))  # TF orders (i, j, c)
+    y = tf.reshape(tf.transpose(patches, (0, 1, 2, 5, 3, 4)), (-1, height, width, channels * kernel[0] * kernel[1]))
+    return [Blob(y, True)]
+
+
+@layer("Parameter")
+def parameter(layer, bottoms, params, ctx):
+    """Its blob as its top: the diff of the top is the blob's."""
+    return [Blob(tf.identity(params[0]))]
+
+
+# -- losses over probabilities and scores ------------------------------------------------
+
+LOG_THRESHOLD = 1e-20  # Caffe's kLOG_THRESHOLD: the least probability its logs take
+
+
+def _rows(layer, blob):
+    """A blob as Caffe's N x (count / N) rows."""
+    return tf.reshape(blob.caffe, (-1, count(layer.bottom_shapes[0], 1)))
+
+
+def _weighted_log_loss(probabilities, weights):
+    """-sum(weights * log(max(p, 1e-20))) / N, with Caffe's diff -weights / max(p, 1e-20) / N (the
+    clipped entries too, where the gradient of the clipped forward would be 0)."""
+    n = items(probabilities)
+
+    @tf.custom_gradient
+    def loss(p):
+        clipped = tf.maximum(p, LOG_THRESHOLD)
+
+        def grad(upstream):
+            return upstream * (-weights / clipped / n)
+        return -tf.reduce_sum(weights * tf.math.log(clipped)) / n, grad
+    return loss(probabilities)
+
+
+@layer("MultinomialLogisticLoss")
+def multinomial_logistic_loss(layer, bottoms, params, ctx):
+    p = _rows(layer, bottoms[0])
+    return [Blob(_weighted_log_loss(p, tf.one_hot(_labels(bottoms[1]), p.shape[1])))]
+
+
+@layer("InfogainLoss")
+def infogain_loss(layer, bottoms, params, ctx):
+    """-sum_j H[label, j] log p_j over N; H from the third bottom, or the `source` file."""
+    p = _rows(layer, bottoms[0])
+    if len(bottoms) > 2:
+        matrix = tf.reshape(bottoms[2].caffe, (p.shape[1], p.shape[1]))
+    else:
+        matrix = tf.constant(infogain_matrix(layer, ctx.graph.source))
+    return [Blob(_weighted_log_loss(p, tf.gather(matrix, _labels(bottoms[1]))))]
+
+
+@layer("HingeLoss")
+def hinge_loss(layer, bottoms, params, ctx):
+    """sum of max(0, 1 -+ x) (minus at the label), L1 or squared (L2), over N."""
+    x = _rows(layer, bottoms[0])
+    sign = 1.0 - 2.0 * tf.one_hot(_labels(bottoms[1]), x.shape[1])
+    margins = tf.maximum(0.0, 1.0 + sign * x)  # 0 first: at a tie the diff is 0, as Caffe's sign(0)
+    if layer.param.hinge_loss_param.norm == pb.HingeLossParameter.L2:
+        margins = tf.square(margins)
+    return [Blob(tf.reduce_sum(margins) / items(x))]
+
+
+@layer("ContrastiveLoss")
+def contrastive_loss(layer, bottoms, params, ctx):
+    """sum over pairs of d^2 (similar) or max(margin - d, 0)^2 (max(margin - d^2, 0) legacy), over 2N; the
+    diff of a dissimilar pair divides by d + 1e-4, as Caffe's Backward does."""
+    param = layer.param.contrastive_loss_param
+    a = _rows(layer, bottoms[0])
+    n, size = tf.shape(a)[0], tf.size(a)
+    similar = tf.not_equal(tf.cast(tf.reshape(bottoms[2].caffe, (-1,))[:n], tf.int32), 0)
+    b = tf.reshape(tf.reshape(bottoms[1].caffe, (-1,))[:size], tf.shape(a))  # Caffe reads count(a) values of b
+    pairs = items(a)
+
+    @tf.custom_gradient
+    def loss(a, b):
+        diff = a - b
+        squared = tf.reduce_sum(tf.square(diff), axis=1)
+        distance = tf.sqrt(squared)
+        if param.legacy_version:
+            short = param.margin - squared
+            apart, scale = tf.maximum(short, 0.0), -1.0
+        else:
+            short = param.margin - distance
+            apart, scale = tf.square(tf.maximum(short, 0.0)), -short / (distance + 1e-4)
+
+        def grad(upstream):
+            alpha = upstream / pairs
+            coefficient = tf.where(similar, alpha, tf.where(short > 0, alpha * scale, 0.0))
+            return coefficient[:, None] * diff, -coefficient[:, None] * diff
+        return tf.reduce_sum(tf.where(similar, squared, apart)) / pairs / 2.0, grad
+    return [Blob(loss(a, b))]
+
+
+# -- recurrent layers: Caffe's unrolled LSTM and RNN nets, time-major ------------------------
+
+def lstm_unit(previous, gates, cont):
+    """Caffe's LSTMUnit on N x D cells, N x 4D gate inputs (i, f, o, g) and N markers: (c, h).
+
+    f is cont * sigmoid (0 where cont is 0); the backward is Caffe's, whose
+    f (1 - f) is the gradient only for cont in {0, 1}.
+    """
+    hidden = previous.shape[-1]
+    cont = cont[:, None]
+
+    @tf.custom_gradient
+    def unit(previous, gates):
+        i, f, o = (tf.sigmoid(gates[:, k * hidden:(k + 1) * hidden]) for k in range(3))
+        g = tf.tanh(gates[:, 3 * hidden:])
+        f = tf.where(tf.equal(cont, 0.0), 0.0, cont * f)
+        c = f * previous + i * g
+        tanh_c = tf.tanh(c)
+
+        def grad(c_diff, h_diff):
+            c_diff = tf.zeros_like(c) if c_diff is None else c_diff
+            h_diff = tf.zeros_like(c) if h_diff is None else h_diff
+            c_term = c_diff + h_diff * o * (1.0 - tf.square(tanh_c))
+            gates_diff = tf.concat([c_term * g * i * (1.0 - i), c_term * previous * f * (1.0 - f),
+                                    h_diff * tanh_c * o * (1.0 - o), c_term * i * (1.0 - tf.square(g))], axis=1)
+            return c_term * f, gates_diff
+        return (c, o * tanh_c), grad
+    return unit(previous, gates)
+
+
+@layer("LSTMUnit")
+def lstm_unit_layer(layer, bottoms, params, ctx):
+    cell, gates, cont = (blob.caffe for blob in bottoms)
+    c, h = lstm_unit(cell[0], gates[0], cont[0])
+    return [Blob(c[None]), Blob(h[None])]
+
+
+def recurrent_state(layer):
+    """The shapes of what a LSTM/RNN carries from one forward pass to the next: h (and c), 1 x N x num_output;
+    nothing when expose_hidden gives them as bottoms and tops."""
+    exposed, _ = recurrent_inputs(layer.param)
+    state = (1, layer.bottom_shapes[0][1], layer.param.recurrent_param.num_output)
+    return [] if exposed else [state] * RECURRENT_STATES[layer.type]
+
+
+@layer("LSTM", "RNN", state=recurrent_state)
+def recurrent(layer, bottoms, params, ctx):
+    """Caffe's LSTM and RNN layers over T steps of N streams, as their unrolled nets compute them.
+
+    Step t reads h_{t-1} * cont_t (and the LSTMUnit zeroes f where cont_t is
+    0), so cont_t = 0 starts a new sequence. h_0 (and c_0) are the last
+    step's of the previous forward pass (zeros at first), or the exposed
+    bottoms; Caffe passes no diff into or out of them (hence stop_gradient).
+    """
+    exposed, static = recurrent_inputs(layer.param)
+    hidden = layer.param.recurrent_param.num_output
+    steps, streams = layer.bottom_shapes[0][:2]
+    x = tf.reshape(bottoms[0].caffe, (steps * streams, -1))
+    cont = tf.reshape(bottoms[1].caffe, (steps, streams))
+    weights = list(params)
+    inputs = tf.reshape(tf.matmul(x, weights[0], transpose_b=True) + weights[1], (steps, streams, -1))
+    if static:
+        static_x = tf.reshape(bottoms[2].caffe, (streams, -1))
+        inputs = inputs + tf.matmul(static_x, weights[2], transpose_b=True)[None]
+    recurrent_weights = weights[2 + static:]
+    if exposed:
+        state = [tf.reshape(blob.caffe, (streams, hidden)) for blob in bottoms[2 + static:]]
+    else:
+        carried = ctx.carried(layer)
+        state = ([tf.reshape(v, (streams, hidden)) for v in carried] if carried
+                 else [tf.zeros((streams, hidden))] * RECURRENT_STATES[layer.type])
+    state = [tf.stop_gradient(s) for s in state]
+    outputs = []
+    for t in range(steps):
+        held = state[0] * cont[t][:, None]
+        if layer.type == "LSTM":
+            gates = tf.matmul(held, recurrent_weights[0], transpose_b=True) + inputs[t]
+            c, h = lstm_unit(state[1], gates, cont[t])
+            state = [h, c]
+            outputs.append(h)
+        else:
+            w_hh, w_ho, b_o = recurrent_weights
+            h = tf.tanh(tf.matmul(held, w_hh, transpose_b=True) + inputs[t])
+            state = [h]
+            outputs.append(tf.tanh(tf.matmul(h, w_ho, transpose_b=True) + b_o))
+    final = [tf.reshape(tf.stop_gradient(s), (1, streams, hidden)) for s in state]
+    if not exposed:
+        ctx.carry(layer, final)
+    return [Blob(tf.stack(outputs))] + [Blob(s) for s in final[:exposed]]
+
+
+check_table(LAYERS, "TensorFlow")

@@ -9,6 +9,7 @@ from deepspark import fillers, schedule
 from deepspark.backends import base
 from deepspark.backends.tensorflow import compiler, runtime
 from deepspark.backends.tensorflow.runtime import tf
+from deepspark.graph import backward_needs
 from deepspark.proto import deepspark_pb2 as pb
 
 TF_OPS = SimpleNamespace(sqrt=tf.sqrt, sign=tf.sign, sum=tf.reduce_sum, where=tf.where)
@@ -40,6 +41,7 @@ class Model(base.Model):
         self._variables = [tf.Variable(self._store(i, array), name=f"param{i}")
                            for i, array in enumerate(fillers.init_params(graph, self.seed))]
         self._stored_shapes = [tuple(v.shape) for v in self._variables]
+        self._state = compiler.carried_state(graph)  # a recurrent layer's last hidden state
         rng_seed = self.seed if self.seed is not None else np.random.SeedSequence().entropy % 2 ** 63
         self._rng = tf.random.Generator.from_seed(rng_seed)
         self._random_seed = int(rng_seed)
@@ -66,11 +68,13 @@ class Model(base.Model):
     def _pass(self, inputs, differentiate):
         """Forward (and backward): (loss, {blob: Blob}, Caffe's diffs or None, running-stat updates)."""
         ctx = compiler.Context(self.graph, inputs, self.train, self._rng, self._random_seed,
-                               self._orders)
+                               self._orders, self._state)
         watched = [self._variables[i] for i in self._trainable]
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(watched)
             loss, blobs = compiler.run(self.graph, self._variables, ctx)
+        for variable, value in ctx.carries:  # every forward pass moves it on, as Caffe's does
+            variable.assign(value)
         grads = None
         if differentiate:
             found = tape.gradient(loss, watched) if watched else []
@@ -86,7 +90,8 @@ class Model(base.Model):
 
     def _solve(self, grads, rate, iteration):
         if self.solver_type in ("SGD", "Nesterov"):
-            return self._solve_momentum(grads, rate)
+            return solve_momentum(self.solver_param, self._variables, self._history, grads, rate, self._lr_mults,
+                                  self._decay_mults)
         weights, history = schedule.apply_update(
             self.solver_param, self._variables, grads, self._history, rate, iteration,
             self._lr_mults, self._decay_mults, ops=TF_OPS)
@@ -94,25 +99,6 @@ class Model(base.Model):
             self._variables[i].assign(weights[i])
         for variable, value in zip(self._history, history):
             variable.assign(value)
-
-    def _solve_momentum(self, grads, rate):
-        """Caffe's SGD and Nesterov through TF's fused momentum kernel, one op per blob.
-
-        With lr = 1 and grad = local_rate * g the kernel's accumulator is Caffe's
-        history v = m v + local_rate g, and it subtracts v (SGD) or
-        local_rate g + m v, which equals Caffe's (1+m) v - m v_prev (Nesterov).
-        """
-        param = self.solver_param
-        grads = schedule.effective_grads(param, self._variables, grads, self._decay_mults, TF_OPS)
-        one = tf.constant(1.0, tf.float32)
-        for i, (weight, grad, history) in enumerate(zip(self._variables, grads, self._history)):
-            step = grad * schedule.local_rate(rate, self._lr_mults[i])
-            if self._lr_mults[i] == 0:  # a zero lr_mult leaves the blob as it is
-                history.assign(param.momentum * history + step)
-                continue
-            tf.raw_ops.ResourceApplyMomentum(var=weight.handle, accum=history.handle, lr=one, grad=step,
-                                             momentum=tf.constant(param.momentum, tf.float32),
-                                             use_nesterov=self.solver_type == "Nesterov")
 
     def _outputs(self, blobs):
         return {name: blobs[name].caffe for name in self.graph.outputs}
@@ -138,7 +124,7 @@ class Model(base.Model):
     def _forward(self, inputs):
         _, blobs, _, updates = self._pass(inputs, False)
         self._apply_running(updates)
-        return {name: blobs[name].caffe for name in self.graph.outputs}
+        return self._outputs(blobs)
 
     def _gradients(self, inputs):
         loss, _, grads, _ = self._pass(inputs, True)
@@ -223,7 +209,7 @@ class Model(base.Model):
         """Each layer compiled on its own (a tf.function), fed the blobs the forwards before it made.
 
         Forward calls the layer's function under a GradientTape when Caffe's Net
-        would give the layer a backward (_backward_needs), so that TensorFlow
+        would give the layer a backward (graph.backward_needs), so that TensorFlow
         keeps what the gradient reads, as Caffe's Forward keeps a pooling mask;
         backward runs the gradient TensorFlow compiled for that call on the
         diffs of the layer's tops (its loss_weight for a loss top) into the
@@ -240,7 +226,7 @@ class Model(base.Model):
         ctx = compiler.Context(self.graph, inputs, self.train, self._rng, self._random_seed,
                                self._orders)
         blobs, diffs, passes = {}, {}, []  # what Caffe's blobs hold as data and as diff
-        for layer, needs in zip(self.graph.layers, _backward_needs(self.graph)):
+        for layer, needs in zip(self.graph.layers, backward_needs(self.graph)):
             params = compiler.layer_params(layer, self._variables, ctx.orders)
             params = [tf.convert_to_tensor(value) for value in params]  # the weights stay as they are
             passes.append(_layer_pass(layer, params, needs, ctx, blobs, diffs))
@@ -280,42 +266,24 @@ class Model(base.Model):
             variable.assign(self._store(i, array))
 
 
-def _backward_needs(graph):
-    """Per layer, (bottom positions, blob positions) whose diffs Caffe's Net computes in its backward.
+def solve_momentum(param, variables, histories, grads, rate, lr_mults, decay_mults):
+    """Caffe's SGD and Nesterov (the solver `param`'s) on `variables` and their `histories` through TF's fused
+    momentum kernel, one op per blob.
 
-    Net::Init's rules: a blob needs a diff when a layer that wrote it needs a
-    backward, and a layer needs one when a bottom needs a diff or a blob has a
-    nonzero lr_mult; propagate_down overrides a bottom; a layer under no loss,
-    or whose tops all skip back-propagation, computes none; force_backward
-    gives every layer all of its bottoms and blobs.
+    With lr = 1 and grad = local_rate * g the kernel's accumulator is Caffe's
+    history v = m v + local_rate g, and it subtracts v (SGD) or
+    local_rate g + m v, which equals Caffe's (1+m) v - m v_prev (Nesterov).
     """
-    layers = graph.layers
-    wants, needed, rows = set(), [], []  # blob names that need a diff; per layer: does it need a backward
-    for layer in layers:
-        down = list(layer.param.propagate_down)
-        bottoms = [b for b, name in enumerate(layer.bottoms) if (down[b] if down else name in wants)]
-        params = [b for b in range(len(layer.blob_params)) if layer.param_spec(b)[0] != 0]
-        need = any(name in wants for name in layer.bottoms) or bool(params)
-        if need:
-            wants.update(layer.tops)
-        needed.append(need)
-        rows.append((bottoms, params))
-    under_loss, read, kept = set(), set(), set()  # a blob read, but with no reader wanting its diff, skips
-    for position in reversed(range(len(layers))):  # (Caffe decides this per Split top; here per blob)
-        layer, (bottoms, params) = layers[position], rows[position]
-        contributes = any(layer.loss_weights) or any(top in under_loss for top in layer.tops)
-        if not contributes or all(top in read and top not in kept for top in layer.tops):
-            needed[position], bottoms = False, []
-        for b, name in enumerate(layer.bottoms):
-            if contributes:
-                under_loss.add(name)
-            read.add(name)
-            if b in bottoms:
-                kept.add(name)
-        rows[position] = (bottoms, params) if needed[position] else ([], [])
-    if graph.net_param.force_backward:
-        return [(list(range(len(layer.bottoms))), list(range(len(layer.blob_params)))) for layer in layers]
-    return rows
+    grads = schedule.effective_grads(param, variables, grads, decay_mults, TF_OPS)
+    one = tf.constant(1.0, tf.float32)
+    nesterov = schedule.solver_type(param) == "Nesterov"
+    for weight, grad, history, lr_mult in zip(variables, grads, histories, lr_mults):
+        step = grad * schedule.local_rate(rate, lr_mult)
+        if lr_mult == 0:  # a zero lr_mult leaves the blob as it is
+            history.assign(param.momentum * history + step)
+            continue
+        tf.raw_ops.ResourceApplyMomentum(var=weight.handle, accum=history.handle, lr=one, grad=step,
+                                         momentum=tf.constant(param.momentum, tf.float32), use_nesterov=nesterov)
 
 
 def _traced_layer(layer, ctx, layouts, tensors, values):

@@ -1,4 +1,4 @@
-"""One process, no Spark: a solver's nets built on a backend and fed by the data pipeline, and Caffe's verbs on them (train --algorithm single, test, time, describe)."""
+"""A solver's nets built on a backend and fed by the data pipeline (the Trainer of a single run or of a Spark worker, the test nets of either), and Caffe's verbs that run them in this process (train --algorithm single, test, time, describe)."""
 
 import os
 import time

@@ -1,4 +1,4 @@
-"""The executor side every job shares: what a task receives, the spill of its shard to a local LMDB, its Trainer, its way to the center, its summary."""
+"""The executor side every job shares: what a task receives, the spill of its shard to a local LMDB, its Trainer, its way to the center, its summary (imported as `executor`)."""
 
 import collections
 import dataclasses
@@ -15,20 +15,23 @@ import time
 import numpy as np
 
 import deepspark
-from deepspark import local, schedule
+from deepspark import nets, schedule
 from deepspark.backends import backend_module
 from deepspark.config import Solver
-from deepspark.data import DataError, check_datum, checked_records, decode_datum, encode_datum, lmdb_io
+from deepspark.data import checked_records, decode_datum, lmdb_io
 from deepspark.errors import DeepSparkError, SourceMap
 from deepspark.exchange import ExchangeClient
 from deepspark.exchange.protocol import E_DIVERGED
-from deepspark.graph import fmt
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark.shards import Listed, Range, unreadable_lmdb
 
 # Seconds a worker tries to reach the driver's exchanger before it gives up (capped by exchange_timeout):
 # long enough for a driver busy starting its other workers' tasks.
 CONNECT_SECONDS = 30.0
+# A training job's way on, beside the ones every executor has, for an LMDB it cannot see.
+WAYS_ON = (" and train from that, or ship its records through the driver with --ship-records (bounded by the "
+           "driver's memory)")
 
 
 class WorkerError(DeepSparkError):
@@ -53,8 +56,9 @@ class Task:
     secret: str = ""
     threads: int = 1
 
-    @property
+    @functools.cached_property
     def param(self):
+        """The SolverParameter, parsed once per process that reads it."""
         return pb.SolverParameter.FromString(self.solver)
 
     def solver_for(self, shard_path):
@@ -168,35 +172,6 @@ def job_dir(job_id):
     return os.path.join(local_dir(), f"deepspark-{job_id}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """A shard that its executor reads itself: records [start, stop) of the LMDB at `source`, which
-    holds `total` records when the driver counts them (its partition's one item)."""
-
-    source: str
-    start: int
-    stop: int
-    total: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Listed:
-    """A shard of a net that reads its data through its own layers (HDF5Data and ImageData lists, a Python
-    data layer, DummyData): shard `shard` of `shards`, which the executor's feeders read themselves, nothing
-    spilled (its partition's one item)."""
-
-    shard: int
-    shards: int
-
-
-def not_visible(worker, source):
-    """The one line for an LMDB that this executor cannot see, naming the ways on."""
-    return (f"worker {worker} on {socket.gethostname()}: the LMDB {source} is not visible here; put it on storage "
-            f"every executor sees at that path, or convert it to Parquet (deepspark convert-lmdb {source} "
-            f"DEST.parquet) and train from that, or ship its records through the driver with --ship-records "
-            f"(bounded by the driver's memory)")
-
-
 def record_key(index):
     """The local LMDB's key of record `index` of a streamed shard: zero-padded, so key order is index order."""
     return b"%010d" % index
@@ -208,16 +183,13 @@ def shard_records(payload, worker):
 
     A Range's records are checked on the way (checked_records: no Datum, another shape than the
     LMDB's first record), here where the LMDB and the key are known; the local LMDB's reader would
-    name only itself. Streamed records were checked where Spark read them (parquet_records,
-    row_datum)."""
+    name only itself. Streamed records were checked where Spark read them (shards.parquet_records,
+    shards.row_datum)."""
     if not isinstance(payload, Range):
         return ((record_key(index), datum) for index, datum in payload)
-    if not os.path.exists(payload.source):
-        raise WorkerError(not_visible(worker, payload.source))
-    here = lmdb_io.count(payload.source)
-    if here != payload.total:
-        raise WorkerError(f"worker {worker} on {socket.gethostname()}: the LMDB {payload.source} holds {here} "
-                          f"records here and {payload.total} on the driver; every executor must see the same LMDB")
+    unreadable = unreadable_lmdb(payload.source, payload.total, f"worker {worker}", WAYS_ON)
+    if unreadable:
+        raise WorkerError(unreadable)
     key, value = lmdb_io.first_record(payload.source)
     first, _ = decode_datum(value, key, payload.source)
     return checked_records(lmdb_io.read_records(payload.source, payload.start, payload.stop), payload.source,
@@ -241,8 +213,8 @@ def spill(payload, job_id, worker):
 
 
 def payload_of(items):
-    """A partition's shard, never held whole: its one Range to read, or the stream of its (index, Datum
-    bytes) records."""
+    """A partition's shard, never held whole: its one Range to read or Listed share, or the stream of its
+    (index, Datum bytes) records."""
     items = iter(items)
     first = next(items, None)
     if first is None:
@@ -257,35 +229,6 @@ def drain(items):
     """Consume what is left of a partition's input: PySpark reuses a Python worker only after its task
     has read all of it."""
     collections.deque(items, maxlen=0)
-
-
-def row_datum(index, row, shape=None):
-    """The Datum bytes of DataFrame row `index`: its `datum` bytes, or its `data` array (of `shape`,
-    when given: the first row's) and `label`; a DataError naming the row when it cannot be one."""
-    fields = row.asDict() if hasattr(row, "asDict") else dict(row)
-    if "datum" in fields:
-        if fields["datum"] is None:
-            raise DataError(f"DataFrame row {index}: its 'datum' is null; every row needs its Datum bytes")
-        datum = bytes(fields["datum"])
-        try:
-            check_datum(datum, index, None, shape)  # a parse: row_datum runs once per row, where it is known
-        except DataError as error:
-            raise DataError(f"DataFrame {error}") from None  # "row N: what" as "DataFrame row N: what"
-        return datum
-    image = np.asarray(fields["data"])
-    if image.ndim == 2:
-        image = image[None]
-    if image.dtype.kind not in "buif" or image.ndim != 3:
-        raise DataError(f"DataFrame row {index}: 'data' must be an image array (C x H x W, or H x W) of numbers, "
-                        f"not {image.dtype} of shape {fmt(image.shape)}")
-    if shape is not None and image.shape != tuple(shape):
-        raise DataError(f"DataFrame row {index}: its image is {fmt(image.shape)}, the first row's is {fmt(shape)}; "
-                        "a net takes images of one size")
-    try:
-        label = int(fields["label"])
-    except (TypeError, ValueError):
-        raise DataError(f"DataFrame row {index}: label {fields['label']!r} is not an integer") from None
-    return encode_datum(image if image.dtype == np.uint8 else image.astype(np.float32), label)
 
 
 def set_threads(threads):
@@ -328,7 +271,7 @@ def check_finite(worker, client, trainer, loss):
 
 
 def build(worker, payload, task):
-    """Spill the shard and build the worker's Trainer: (trainer, shard path, Prepared)."""
+    """Spill the shard and build the worker's Trainer: (trainer, shard path or None, Prepared)."""
     set_threads(task.threads)
     reset_peak_rss()
     if isinstance(payload, Listed):  # the net's own layers read this worker's share: nothing to spill
@@ -341,8 +284,8 @@ def build(worker, payload, task):
         backend_module(task.param.deepspark_param.backend)  # its import (TensorFlow's) timed apart from the build
         imported = time.monotonic()
         # The log goes to the executor's stderr, which Spark keeps in the executor's log.
-        trainer = local.trainer(task.solver_for(shard_path), Log(progress=False), shard=shard, num_shards=shards,
-                                seed_offset=worker, threads=task.threads, evaluate=False)
+        trainer = nets.trainer(task.solver_for(shard_path), Log(progress=False), shard=shard, num_shards=shards,
+                               seed_offset=worker, threads=task.threads, evaluate=False)
         trainer.on_step = functools.partial(check_finite, worker, None)  # until it joins the center
     except BaseException:
         remove_shard(shard_path)

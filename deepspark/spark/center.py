@@ -1,0 +1,208 @@
+"""The center x̃ on the driver at Caffe's cadence: the display line, the tests on the solver's test nets, the snapshots (with the workers' solver histories), TensorBoard's scalars and the plot's points."""
+
+import os
+import sys
+import time
+import types
+
+import numpy as np
+
+from deepspark import checkpoint, engine, nets
+from deepspark.plot import plot_history
+
+# Seconds a snapshot waits at most for the training workers' solver histories (each sends its own at its
+# next exchange, a period's steps away); one not in time goes in as it last sent it, and the log says so.
+HISTORY_SECONDS = 10.0
+# tensorboard's switch (a module by this name, importable) that makes it write through its own stand-in for
+# TensorFlow, which it otherwise imports to write an event file.
+TENSORBOARD_WITHOUT_TF = "tensorboard.compat.notf"
+
+
+class Scalars:
+    """TensorBoard scalars (loss, test outputs, learning rate, exchange latency), when tensorboard is installed."""
+
+    def __init__(self, folder, log):
+        try:
+            from tensorboard.summary import Writer
+        except ImportError:
+            log.warning("tensorboard is not installed; no TensorBoard scalars")
+            self.writer = None
+            return
+        if "tensorflow" in sys.modules:
+            self.writer = Writer(folder)
+            return
+        # A driver that has not loaded TensorFlow (no test nets yet) does not load it for a file of scalars: it
+        # would hold TensorFlow's memory all job long (bench/startup.py). tensorboard reads the switch once, as
+        # this first writer opens its file; it is taken down after.
+        switched = TENSORBOARD_WITHOUT_TF not in sys.modules
+        if switched:
+            sys.modules[TENSORBOARD_WITHOUT_TF] = types.ModuleType(TENSORBOARD_WITHOUT_TF)
+        try:
+            self.writer = Writer(folder)
+        finally:
+            if switched:
+                del sys.modules[TENSORBOARD_WITHOUT_TF]
+
+    def add(self, tag, value, step):
+        if self.writer is not None and np.isfinite(value):
+            self.writer.add_scalar(tag, float(value), int(step))
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+class CenterCadence:
+    """Caffe's display, test and snapshot on x̃, at the iterations Caffe's Solver would.
+
+    solver: the config.Solver; graph: its train net (x̃'s parameter order); start: the
+    job's first iteration; read(): x̃ as one float32 vector; server: the ExchangeServer
+    that holds the workers' solver histories (None: a job without one); history_sets:
+    the solver's (schedule.history_sets); history_seconds: how long a snapshot waits for
+    them; started: the job's time.monotonic() start, the plot's zero.
+    """
+
+    def __init__(self, solver, graph, start, read, log, *, server=None, history_sets=1,
+                 history_seconds=HISTORY_SECONDS, started=None):
+        self.solver, self.param, self.graph, self.read, self.log = solver, solver.param, graph, read, log
+        self.multiples = engine.Cadence(solver.param, start)
+        self.server, self.history_sets = server, history_sets
+        self.scalars = None  # start() opens them
+        self.history_seconds = history_seconds
+        self.started = time.monotonic() if started is None else started
+        self.history = []  # the plot's points: (seconds, iteration, loss, {test output: value})
+        # Iterations of the last test and snapshot, and the last test's outputs.
+        self.tested, self.snapshotted, self.last_test_values = None, None, {}
+        self.evaluator = None  # the test nets: test_nets() builds them
+
+    def start(self, folder):
+        """The test nets, when the solver tests, and TensorBoard's scalars in `folder`. The test nets load
+        TensorFlow into the driver and hold it all job long (bench/startup.py): a job without test_interval
+        never tests, and never builds them; the scalars then write without it."""
+        if self.param.test_interval:
+            self.test_nets()
+        self.scalars = Scalars(folder, self.log)
+
+    def test_nets(self):
+        """The driver's test nets (an engine.Evaluator), built at the first call."""
+        if self.evaluator is None:
+            self.evaluator = nets.evaluator(self.solver, self.log)
+            nets.note_device(self.solver, self.log)  # as the driver's backend sees it, now that it runs
+        return self.evaluator
+
+    def close(self):
+        if self.scalars is not None:
+            self.scalars.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
+            self.evaluator = None
+
+    def display(self, iteration, loss):
+        """Caffe's `Iteration N, loss = L` line and the train scalars, once `iteration` reaches the next
+        display multiple; True when shown."""
+        if not (np.isfinite(loss) and self.multiples.display_due(iteration)):
+            return False
+        self.log.info(f"Iteration {iteration}, loss = {loss:.6g}")
+        self.scalars.add("train/loss", loss, iteration)
+        self.scalars.add("train/learning_rate", self.multiples.learning_rate(iteration), iteration)
+        self.history.append((time.monotonic() - self.started, iteration, loss, {}))
+        return True
+
+    def due(self, iteration):
+        """Test and snapshot x̃ once `iteration` reaches the next test_interval / snapshot multiple.
+
+        Workers run on while the driver watches, so the slowest may already be past
+        the multiple when it is seen; the test and the snapshot carry the multiple's
+        number, as Caffe's do (lenet_iter_5000), and a line says where the workers were.
+        """
+        tested = self.multiples.test_due(iteration)
+        if tested is not None:
+            self.test(tested, observed=iteration)
+        snapshotted = self.multiples.snapshot_due(iteration)
+        if snapshotted is not None:
+            self.snapshot(snapshotted, observed=iteration)
+
+    def arrays(self):
+        """x̃ as the train net's parameter arrays."""
+        flat = self.read()
+        sizes = [int(np.prod(p.shape)) for p in self.graph.params]
+        offsets = np.cumsum([0] + sizes)
+        return [flat[a:b].reshape(p.shape) for p, a, b in zip(self.graph.params, offsets, offsets[1:])]
+
+    def _note_observed(self, what, iteration, observed):
+        if observed is not None and observed != iteration:
+            self.log.info(f"{what} x̃ as iteration {iteration}; the slowest worker is at iteration {observed}")
+
+    def test(self, iteration, observed=None):
+        self.tested = iteration
+        self._note_observed("Testing", iteration, observed)
+        values = engine.first_values(self.test_nets().test(iteration, self.graph, self.arrays()))
+        for tag, value in values.items():
+            self.scalars.add(tag, value, iteration)
+        self.history.append((time.monotonic() - self.started, iteration, float("nan"), values))
+        self.last_test_values = values
+        return values
+
+    def snapshot(self, iteration, observed=None):
+        """x̃ as Caffe's snapshot of `iteration`, beside the workers' own solver histories; the model's path.
+
+        The center's own solver state: x̃ moves by elastic differences, not by a solver
+        of its own, so its history is zeros, one blob per parameter and history set, as
+        Caffe's restore expects; each worker's own goes beside it, for a resume of this
+        job (Caffe's restore skips them).
+        """
+        self.snapshotted = iteration
+        self._note_observed("Snapshotting", iteration, observed)
+
+        def state_of(model_path):
+            # x̃ was written first, as read: its line is when it was taken (time-to-accuracy reads it), not after
+            # the wait for the workers' histories, which only the solver state holds.
+            workers = self.worker_states()
+            history = [np.zeros(p.shape, np.float32) for p in self.graph.params] * self.history_sets
+            state = checkpoint.solver_state(iteration, history=history, learned_net=model_path)
+            state.worker_state.extend(workers)
+            return state, (f" (with the solver history of {len(workers)} workers)" if workers else "")
+
+        return engine.write_snapshot(self.log, self.param.snapshot_prefix, iteration, self.graph, self.arrays(),
+                                     state_of, engine.hdf5_snapshots(self.param))[0]
+
+    def worker_states(self):
+        """The workers' solver histories for a snapshot (WorkerSolverStates): each training worker is asked
+        for its own and sends it at its next exchange; a worker that has finished sent its last. Waits
+        history_seconds at most; a worker not in time goes in with the last it sent, and a line says so."""
+        if self.server is None or not self.server.stats():
+            return []
+        request = self.server.request_histories()
+        deadline = time.monotonic() + self.history_seconds
+        while True:
+            answered = self.server.histories(since=request)
+            waiting = [w for w, s in self.server.stats().items() if s["connected"] and w not in answered]
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        held = self.server.histories()
+        if waiting:
+            self.log.warning(f"worker(s) {', '.join(map(str, waiting))} sent no solver history within "
+                             f"{HISTORY_SECONDS:g}s; the snapshot keeps the last each sent "
+                             f"({', '.join(f'iteration {held[w].iteration}' if w in held else 'none' for w in waiting)})")
+        shapes = [tuple(p.shape) for p in self.graph.params]
+        return [checkpoint.worker_state(w, h.iteration, h.current_step, h.vector, shapes)
+                for w, h in sorted(held.items())]
+
+    def finish(self, final):
+        """Caffe's end of Solve on x̃ at the `final` iteration: its snapshot (snapshot_after_train) and its
+        test, unless done there already; (the final .caffemodel if snapshotted there, the last test values)."""
+        if self.param.snapshot_after_train and self.snapshotted != final:
+            self.snapshot(final)
+        weights = (checkpoint.snapshot_paths(self.param.snapshot_prefix, final, engine.hdf5_snapshots(self.param))[0]
+                   if self.snapshotted == final else None)
+        values = self.last_test_values
+        if self.solver.test_nets and self.multiples.tests(final) and self.tested != final:  # Caffe's last test
+            values = self.test(final)
+        return weights, values
+
+    def plot(self, folder, title):
+        """The loss and test outputs against time, in folder/progress.png; its path."""
+        path = os.path.join(folder, "progress.png")
+        plot_history(self.history, path, title=title)
+        return path

@@ -1,0 +1,53 @@
+"""What the driver says when Spark fails: the one line of Spark's report that says why, and what Spark says of its executors."""
+
+import re
+
+from deepspark.errors import DeepSparkError
+
+
+class JobError(DeepSparkError):
+    """The job cannot go on; the message says what happened and what Spark reports."""
+
+
+def executor_report(sc, listing=False):
+    """What Spark says about its executors (the driver's among them), for error messages; with `listing`,
+    the executors but the driver as {id: "HOST:PORT"} instead (None when Spark cannot say), for the watch
+    to see one go."""
+    try:
+        if listing:  # the status store's list has the executors' ids (the driver's is "driver")
+            active = sc._jsc.sc().statusStore().executorList(True)
+            return {e.id(): e.hostPort() for e in map(active.apply, range(active.size())) if e.id() != "driver"}
+        infos = sc._jsc.sc().statusTracker().getExecutorInfos()
+        hosts = [f"{info.host()}:{info.port()} ({info.numRunningTasks()} running)" for info in infos]
+        return f"Spark reports {len(hosts)} executor(s): {', '.join(hosts) or 'none'}"
+    except Exception as error:  # only used to enrich a message
+        return None if listing else f"Spark's executor list is unavailable ({error})"
+
+
+_EXCEPTION_LINE = re.compile(r"^\s*([\w.]+(?:Error|Exception)): (.+)$")
+
+
+def first_line(error):
+    """The one line that says why a Spark job failed: our own error's message if a worker raised one,
+    else the first Python exception, else the first exception named anywhere in Spark's report."""
+    text = str(error).strip()
+    found = [m.groups() for m in map(_EXCEPTION_LINE.match, text.splitlines()) if m]
+    ours = [message for name, message in found if name.startswith("deepspark.")]
+    if ours:
+        return ours[0].strip()
+    python = [(name, message) for name, message in found if not name.startswith(("org.", "java.", "py4j.", "scala."))]
+    if python or found:
+        name, message = (python or found)[0]
+        return f"{name.rsplit('.', 1)[-1]}: {message.strip()}"
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def failed(error, sc):
+    """The JobError for a Spark job that raised `error`."""
+    line = first_line(error)
+    if re.search(r"No module named '?deepspark\b", line):
+        line = (f"the executors' Python cannot import deepspark ({line}); ship an environment that has it: "
+                f"--executor-env ENV.tar.gz (tools/pack-env.sh packs one), or spark-submit --archives "
+                f"ENV.tar.gz#environment with PYSPARK_PYTHON=./environment/bin/python, or install deepspark on "
+                f"every node")
+    return JobError(f"the Spark job failed: {line}; {executor_report(sc)}")

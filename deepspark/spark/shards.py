@@ -1,0 +1,311 @@
+"""The shards of a training job, planned on the driver, which never holds a record: an LMDB's record ranges, a Parquet dataset's or a DataFrame's rows moved into one partition per worker, or each worker's share of what a net reads itself."""
+
+import dataclasses
+import itertools
+import os
+import socket
+
+import numpy as np
+
+from deepspark import nets
+from deepspark.data import DataError, check_datum, checked_records, decode_datum, encode_datum, is_parquet, lmdb_io
+from deepspark.data.parquet import COLUMNS, DATUM, null_row
+from deepspark.errors import ConfigError
+from deepspark.graph import fmt, layer_included
+from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark.failures import failed, first_line
+from deepspark.spark.session import sql_session
+
+STREAMED = "each task streams its partition into its local LMDB; the driver holds no records"
+
+
+def plan(sc, solver, data, workers, ship_records, log):
+    """The RDD of the workers' shards, one partition each, and the (C, H, W) of their images when the plan
+    read it (None: the net's Data layer says it); the plan's line logged. data: a DataFrame, else the train
+    net's LMDB or Parquet dataset, or the data its own layers read."""
+    source = None if data is not None else train_source(solver)
+    if data is None and source is None:
+        shards, shape = sc.parallelize([Listed(worker, workers) for worker in range(workers)], workers), None
+        log.info(f"Sharded the train net's own data sources into {workers} shards (each executor reads its share "
+                 "of them itself; nothing is spilled)")
+    elif source is not None and is_parquet(source):
+        shards, shape, total = parquet_shards(sql_session(sc), source, workers)
+        log.info(f"Planned {workers} shards of the {total} records of the Parquet dataset {source} ({STREAMED})")
+    elif data is not None:
+        shards, shape, total = dataframe_shards(data, workers)
+        log.info(f"Training on a DataFrame of {data.columns}, repartitioned into {workers} shards of its "
+                 f"{total} records ({STREAMED})")
+    elif ship_records:
+        (shards, total), shape = shipped_shards(sc, source, workers), None
+        log.info(f"Sharded {total} records into {workers} shards (shipped through Spark from the driver: "
+                 f"ship_records, bounded by the driver's memory)")
+    else:
+        ranges, total = shard_payloads(solver, workers)
+        shards, shape = sc.parallelize(ranges, workers), None
+        log.info(f"Sharded {total} records into {workers} shards (each executor reads its record range of "
+                 f"{ranges[0].source} itself; no records pass through the driver)")
+    if ship_records and (data is not None or source is None or is_parquet(source)):
+        log.warning("ship_records applies to an LMDB source; this job's shards are read by the executors")
+    return shards, shape
+
+
+def train_source(solver):
+    """The LMDB or Parquet dataset the train net's one Data layer reads in the TRAIN phase, or None for a net
+    that reads its data through its own layers (HDF5Data, ImageData, a Python data layer, DummyData: each
+    executor reads its share itself); a one-line error if there is not exactly one Data layer or none, or its
+    source is not there, or the net has a WindowData layer."""
+    nets.check_sources(solver.train_net, solver.train_map, pb.TRAIN)  # each source there; WindowData refused
+    train = pb.NetState(phase=pb.TRAIN)
+    included = [layer for layer in solver.train_net.layer if layer_included(layer, train)]
+    sources = {layer.data_param.source for layer in included if layer.type == "Data"}
+    if not sources and any(map(reads_its_own_data, included)):
+        return None
+    if len(sources) != 1:
+        raise ConfigError("the Spark job needs exactly one Data layer (an LMDB or a Parquet dataset) in the TRAIN "
+                          "phase of the train net", solver.path)
+    return sources.pop()
+
+
+def reads_its_own_data(layer):
+    """A data layer that is not an LMDB's: it reads its own list, or makes its data (a Python layer without
+    bottoms, DummyData)."""
+    return layer.type in ("HDF5Data", "ImageData", "DummyData") or (layer.type == "Python" and not layer.bottom)
+
+
+def shard_of(index, total, shards):
+    """The shard that record `index` of `total` falls in: the inverse of lmdb_io.shard_range, i.e. the
+    largest i with total * i // shards <= index, which is ((index + 1) * shards - 1) // total."""
+    return ((index + 1) * shards - 1) // total
+
+
+def too_few(workers, total, what):
+    """The one line for a dataset that cannot give every worker a record."""
+    return f"{workers} workers but {what} holds only {total} records"
+
+
+def shard_payloads(solver, workers):
+    """Per worker: the Range of the train net's LMDB that its executor reads itself, and the LMDB's
+    record count. Only the count is read here."""
+    source = train_source(solver)
+    total = lmdb_io.count(source)
+    if total < workers:
+        raise ConfigError(too_few(workers, total, "the LMDB"), source)
+    return [Range(os.path.abspath(source), *lmdb_io.shard_range(total, worker, workers), total)
+            for worker in range(workers)], total
+
+
+def partition_counts(sc, rows):
+    """Per partition of the RDD `rows`: its row count, counted on the executors; and the first row of
+    the first partition that has one (None if none has)."""
+
+    def count(items):
+        first = next(items, None)
+        return [(0 if first is None else 1 + sum(1 for _ in items), first)]
+
+    try:
+        counted = rows.mapPartitions(count).collect()
+    except Exception as error:
+        raise failed(error, sc) from None
+    return [n for n, _ in counted], next((row for n, row in counted if n), None)
+
+
+def balanced_shards(rows, counts, workers, datum, what):
+    """`rows` (an RDD whose partitions hold `counts` rows) as `workers` partitions of (index, Datum
+    bytes): shard i holds the records lmdb_io.shard_range(total, i, workers) of `rows` in its
+    order, `datum(index, row)` each; and the total.
+
+    Indexing and `datum` run on the executors. The RDD that was counted is the one indexed,
+    and its partitions are fixed once it exists, so a record has one index and a worker gets
+    the same shard on every retry (Spark refetches the shuffle's output, or recomputes the
+    lost part of it from the same partitions).
+    """
+    total = sum(counts)
+    if total < workers:
+        raise ConfigError(too_few(workers, total, what))
+    starts = np.cumsum([0, *counts[:-1]]).tolist()
+
+    def indexed(partition, items):
+        return ((index, datum(index, row)) for index, row in enumerate(items, starts[partition]))
+
+    return by_shard(rows.mapPartitionsWithIndex(indexed), total, workers), total
+
+
+def by_shard(indexed, total, workers):
+    """An RDD of (index, Datum bytes) moved into `workers` partitions: partition i holds the indexes
+    lmdb_io.shard_range(total, i, workers)."""
+    return indexed.partitionBy(workers, lambda index: shard_of(index, total, workers))
+
+
+def shipped_shards(sc, source, workers):
+    """The LMDB's records shipped from the driver through Spark (ship_records), as balanced_shards gives
+    them, and the total: the driver streams them, but sc.parallelize keeps them all in its JVM."""
+    total = lmdb_io.count(source)
+    if total < workers:
+        raise ConfigError(too_few(workers, total, "the LMDB"), source)
+    values = sc.parallelize(LmdbValues(source, total), workers)
+    return balanced_shards(values, partition_counts(sc, values)[0], workers, lambda index, value: value, "the LMDB")
+
+
+class LmdbValues:
+    """An LMDB's values with its count as len(): sc.parallelize streams a sized iterable (it lists only
+    what has no len)."""
+
+    def __init__(self, source, total):
+        self.source, self.total = source, total
+
+    def __len__(self):
+        return self.total
+
+    def __iter__(self):
+        return (value for _, value in lmdb_io.read_records(self.source))
+
+
+def parquet_shards(spark, source, workers):
+    """The shards of a Parquet dataset as by_shard gives them, the (C, H, W) of its images and the total,
+    planned from Spark's own reader (any URI it reads: file:, hdfs://, s3a://): parquet_records's."""
+    indexed, shape, total = parquet_records(spark, source)
+    if total < workers:
+        raise ConfigError(too_few(workers, total, f"the Parquet dataset {source}"))
+    return by_shard(indexed, total, workers), shape, total
+
+
+def parquet_records(spark, source):
+    """(an RDD of (index, Datum bytes) of a Parquet dataset, the (C, H, W) of its images, its record count),
+    read by Spark's own reader.
+
+    A record's index is its place in the files taken in sorted path order, row by row (the
+    order the single-process reader reads them in): from its file's start, summed from
+    per-file counts the executors make, and its row in the file (`_metadata.row_index`). It
+    depends on neither how Spark splits the files into partitions nor on when, so a worker
+    gets the same shard on every retry and in every run over the same files.
+
+    The records are checked as Spark reads them (a null `datum`, not a Datum, another shape than
+    the first record's), so that a bad one is named by its part file and row.
+    """
+    try:
+        # A local path as the driver sees it; anything else (a URI) is Spark's to open.
+        df = spark.read.parquet(os.path.abspath(source) if os.path.exists(source) else source)
+    except Exception as error:
+        raise ConfigError(f"Spark cannot read the Parquet dataset: {first_line(error)}", source) from None
+    if DATUM not in df.columns:
+        raise ConfigError(f"the Parquet dataset has no '{DATUM}' column (Caffe Datum bytes) but {df.columns}; "
+                          f"deepspark convert-lmdb writes {', '.join(COLUMNS)}", source)
+    what = f"the Parquet dataset {source}"
+    located = df.select("_metadata.file_path", "_metadata.row_index", DATUM)
+    try:
+        counts = sorted(df.groupBy("_metadata.file_path").count().collect())
+        first = located.first()
+    except Exception as error:
+        raise ConfigError(f"Spark cannot read the Parquet dataset: {first_line(error)}", source) from None
+    if first is None:
+        raise ConfigError(f"{what} is empty")
+    starts = dict(zip([path for path, _ in counts], np.cumsum([0] + [n for _, n in counts[:-1]]).tolist()))
+    total = sum(n for _, n in counts)
+    if first[2] is None:
+        raise null_row(DATUM, first[1], None, first[0])
+    image, _ = decode_datum(bytes(first[2]), first[1], first[0])
+    shape, dtype = tuple(int(d) for d in image.shape), image.dtype
+
+    def present(rows, file):
+        for _, row, datum in rows:
+            if datum is None:
+                raise null_row(DATUM, row, None, file)
+            yield row, bytes(datum)
+
+    def indexed(rows):
+        # Checked here, where a record's part file and row are known (the worker's spill knows only its index);
+        # a partition reads runs of rows of one file.
+        for file, run in itertools.groupby(rows, key=lambda row: row[0]):
+            for row, datum in checked_records(present(run, file), file, shape, dtype):
+                yield starts[file] + row, datum
+
+    return located.rdd.mapPartitions(indexed), shape, total
+
+
+def dataframe_shards(df, workers, what="the DataFrame"):
+    """A DataFrame's rows as balanced_shards gives them, the (C, H, W) of its images and the total.
+
+    Rows hold either `datum` (serialized Caffe Datum bytes) or `data` (an image
+    array: C x H x W, or H x W for one channel; uint8 or float) and `label`.
+    """
+    columns = set(df.columns)
+    if "datum" not in columns and not {"data", "label"} <= columns:
+        raise ConfigError(f"the DataFrame needs a 'datum' column (Datum bytes) or 'data' and 'label' columns; "
+                          f"it has {sorted(columns)}")
+    if "datum" not in columns:
+        kind = df.schema["label"].dataType.typeName()
+        if kind not in ("byte", "short", "integer", "long"):
+            raise ConfigError(f"the DataFrame's 'label' column holds {kind} values; Caffe's labels are integers "
+                              "(cast it: df.withColumn('label', df.label.cast('int')))")
+    rows = df.select(*(["datum"] if "datum" in columns else ["data", "label"])).rdd
+    counts, first = partition_counts(df.sparkSession.sparkContext, rows)
+    if first is None:
+        raise ConfigError(f"{what} is empty")
+    shape = tuple(int(d) for d in decode_datum(row_datum(0, first))[0].shape)
+    shards, total = balanced_shards(rows, counts, workers, lambda index, row: row_datum(index, row, shape), what)
+    return shards, shape, total
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A shard that its executor reads itself: records [start, stop) of the LMDB at `source`, which
+    holds `total` records when the driver counts them (its partition's one item)."""
+
+    source: str
+    start: int
+    stop: int
+    total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """A shard of a net that reads its data through its own layers (HDF5Data and ImageData lists, a Python
+    data layer, DummyData): shard `shard` of `shards`, which the executor's feeders read themselves, nothing
+    spilled (its partition's one item)."""
+
+    shard: int
+    shards: int
+
+
+def unreadable_lmdb(source, total, who, ways_on=""):
+    """Why this executor cannot read the LMDB at `source` as the driver counted it (`total` records), in one
+    line that starts with `who` and, for an LMDB it cannot see, names the ways on (`ways_on` adds to them);
+    None when it can."""
+    host = socket.gethostname()
+    if not os.path.exists(source):
+        return (f"{who} on {host}: the LMDB {source} is not visible here; put it on storage every executor sees at "
+                f"that path, or convert it to Parquet (deepspark convert-lmdb {source} DEST.parquet){ways_on}")
+    here = lmdb_io.count(source)
+    if here != total:
+        return (f"{who} on {host}: the LMDB {source} holds {here} records here and {total} on the driver; every "
+                "executor must see the same LMDB")
+    return None
+
+
+def row_datum(index, row, shape=None):
+    """The Datum bytes of DataFrame row `index`: its `datum` bytes, or its `data` array (of `shape`,
+    when given: the first row's) and `label`; a DataError naming the row when it cannot be one."""
+    fields = row.asDict() if hasattr(row, "asDict") else dict(row)
+    if "datum" in fields:
+        if fields["datum"] is None:
+            raise DataError(f"DataFrame row {index}: its 'datum' is null; every row needs its Datum bytes")
+        datum = bytes(fields["datum"])
+        try:
+            check_datum(datum, index, None, shape)  # a parse: row_datum runs once per row, where it is known
+        except DataError as error:
+            raise DataError(f"DataFrame {error}") from None  # "row N: what" as "DataFrame row N: what"
+        return datum
+    image = np.asarray(fields["data"])
+    if image.ndim == 2:
+        image = image[None]
+    if image.dtype.kind not in "buif" or image.ndim != 3:
+        raise DataError(f"DataFrame row {index}: 'data' must be an image array (C x H x W, or H x W) of numbers, "
+                        f"not {image.dtype} of shape {fmt(image.shape)}")
+    if shape is not None and image.shape != tuple(shape):
+        raise DataError(f"DataFrame row {index}: its image is {fmt(image.shape)}, the first row's is {fmt(shape)}; "
+                        "a net takes images of one size")
+    try:
+        label = int(fields["label"])
+    except (TypeError, ValueError):
+        raise DataError(f"DataFrame row {index}: label {fields['label']!r} is not an integer") from None
+    return encode_datum(image if image.dtype == np.uint8 else image.astype(np.float32), label)

@@ -1,0 +1,186 @@
+"""The driver following its workers through the exchanger's stats while the Spark job runs: progress rows, rejoins and losses, Caffe's cadence on the center, and the job's end."""
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+
+from deepspark.exchange.protocol import E_DIVERGED
+from deepspark.spark.failures import JobError, executor_report, failed
+
+# Seconds the driver waits for the Spark job's thread once it has cancelled the job.
+CANCEL_SECONDS = 30
+# Seconds between two looks at the workers' progress.
+WATCH_SECONDS = 0.5
+
+
+class Progress:
+    """Per-worker rows on a terminal: iteration, loss, exchanges, seconds since the last exchange."""
+
+    def __init__(self, log, workers, max_iter):
+        self.log, self.workers, self.max_iter = log, workers, max_iter
+
+    def draw(self, stats, lost=()):
+        """The row of each worker from the exchanger's stats; `lost`: the workers lost before they finished."""
+        rows = []
+        for worker in range(self.workers):
+            s = stats.get(worker)
+            if not s:
+                rows.append(f"w{worker}: waiting")
+                continue
+            loss = s.get("loss", float("nan"))
+            since = s.get("seconds_since_exchange")
+            latency = s.get("latency")
+            loss = f"{loss:.4f}" if np.isfinite(loss) else "-"  # none reported yet
+            rows.append(f"w{worker}: it {s.get('iteration', 0)}/{self.max_iter} loss {loss} "
+                        f"ex {s.get('exchanges', 0)}"
+                        + (f" ({1e3 * latency:.1f} ms, {since:.1f}s ago)" if since is not None and latency else "")
+                        + (" lost, to rejoin" if worker in lost else ""))
+        self.log.progress(" | ".join(rows))
+
+
+@dataclasses.dataclass
+class Watch:
+    """What the driver has seen of the workers, from one look at the exchanger's stats to the next.
+
+    sc: the SparkContext; server: the ExchangeServer; cadence: the CenterCadence that
+    displays, tests and snapshots x̃; connect_timeout: the seconds a worker has to
+    (re)join before the job fails.
+    """
+
+    sc: object
+    server: object
+    cadence: object
+    log: object
+    workers: int
+    max_iter: int
+    connect_timeout: float
+    connections: dict = dataclasses.field(default_factory=dict)  # worker -> its connections so far
+    lost: dict = dataclasses.field(default_factory=dict)  # worker -> the iteration it was lost at, until it rejoins
+    said: set = dataclasses.field(default_factory=set)  # lost workers whose loss has been told
+    executors: dict = dataclasses.field(default_factory=dict)  # executor id -> host:port as Spark last gave it
+    named: set = dataclasses.field(default_factory=set)  # executors whose loss has been told
+    lost_with: dict = dataclasses.field(default_factory=dict)  # lost worker -> the executors Spark lost with it
+
+    def run(self, run_tasks):
+        """Run `run_tasks()` (the Spark job) in a thread and follow the workers until it ends: progress,
+        rejoins, display, test and snapshot; its result."""
+        outcome = {}
+
+        def spark_job():
+            try:
+                outcome["results"] = run_tasks()
+            except Exception as error:  # reported below with Spark's view
+                outcome["failure"] = error
+
+        thread = threading.Thread(target=spark_job, name="deepspark-spark-job", daemon=True)
+        thread.start()
+        progress = Progress(self.log, self.workers, self.max_iter)
+        connect_deadline = time.monotonic() + self.connect_timeout
+        idle_since = None
+        while thread.is_alive():
+            thread.join(WATCH_SECONDS)
+            stats = self.server.stats()
+            lost = self.rejoins(stats)
+            progress.draw(stats, lost)
+            diverged = [s["error"][1] for _, s in sorted(stats.items()) if s.get("error", (0,))[0] == E_DIVERGED]
+            if diverged:  # stop at once: a retry from the center would diverge again at the same rate
+                self.cancel(thread)
+                raise JobError(diverged[0])
+            if len(stats) < self.workers and time.monotonic() > connect_deadline:
+                self.cancel(thread)
+                raise JobError(f"only {len(stats)} of {self.workers} workers connected to the exchanger within "
+                               f"{self.connect_timeout:g}s; {executor_report(self.sc)}")
+            if len(stats) < self.workers:
+                continue
+            # Once all have joined, no worker connected means none trains: a lost worker's task (or a rerun
+            # stage) has a free slot, or never will (its executors gone for good). It must (re)join within
+            # connect_timeout, else the job fails with what was lost rather than hang.
+            if any(s.get("connected") for s in stats.values()):
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > self.connect_timeout:
+                self.cancel(thread)
+                if not thread.is_alive() and "results" in outcome:  # it ended as the deadline came
+                    break
+                raise self.idle_error(lost)
+            self.center(stats)
+        self.log.end_progress()
+        if "failure" in outcome:
+            raise failed(outcome["failure"], self.sc)
+        return outcome["results"]
+
+    def cancel(self, thread):
+        """Cancel the Spark job and give its thread CANCEL_SECONDS to end."""
+        self.sc.cancelAllJobs()
+        thread.join(CANCEL_SECONDS)
+
+    def idle_error(self, lost):
+        """The JobError of a job whose workers have all been gone for connect_timeout."""
+        waited = f"{self.connect_timeout:g}s (connect_timeout)"
+        if not lost:
+            return JobError(f"every worker finished, but Spark's job has not ended within {waited} of the "
+                            f"last; {executor_report(self.sc)}")
+        what = "; ".join(f"worker {w} at iteration {it}"
+                         + (f" with {' and '.join(self.lost_with[w])}" if w in self.lost_with else "")
+                         for w, it in sorted(lost.items()))
+        return JobError(f"lost {what}; no worker has trained for {waited} and no executor took up the "
+                        f"lost work; {executor_report(self.sc)}; resume from the last snapshot (--snapshot)")
+
+    def center(self, stats):
+        """Caffe's cadence on x̃ at the slowest worker's iteration (Caffe counts max_iter on each node), with
+        the exchange's scalars on each display."""
+        iteration = min(s.get("iteration", 0) for s in stats.values())
+        losses = [x for x in (s.get("loss", float("nan")) for s in stats.values()) if np.isfinite(x)]
+        if self.cadence.display(iteration, float(np.mean(losses)) if losses else float("nan")):
+            scalars = self.cadence.scalars
+            scalars.add("exchange/seconds_since_exchange",
+                        max(s.get("seconds_since_exchange") or 0 for s in stats.values()), iteration)
+            latencies = [s["latency"] for s in stats.values() if s.get("latency") is not None]
+            if latencies:
+                scalars.add("exchange/latency_ms", 1e3 * float(np.mean(latencies)), iteration)
+            scalars.add("exchange/exchanges", sum(s.get("exchanges", 0) for s in stats.values()), iteration)
+        self.cadence.due(iteration)
+
+    def rejoins(self, stats):
+        """A line for each worker that connected again (Spark retried its task, or reran the stage), and one
+        for each that lost its connection before it finished as Spark lost an executor (a machine gone):
+        what was lost and what happens next. Returns the workers lost (connection gone before the last
+        iteration, no error) not yet back: {worker: iteration it was lost at}."""
+        lost = self.lost
+        for wid, s in sorted(stats.items()):
+            count = s.get("connections", 1)
+            if count > self.connections.get(wid, 1):
+                self.log.warning(f"Worker {wid} rejoined the exchanger (connection {count}); it goes on from "
+                                 f"the center at iteration {s.get('joined_at', 0)}")
+                lost.pop(wid, None)
+                self.said.discard(wid)
+                self.lost_with.pop(wid, None)
+            self.connections[wid] = count
+            if not s.get("connected", True) and s.get("iteration", 0) < self.max_iter and "error" not in s:
+                lost.setdefault(wid, s.get("iteration", 0))
+        executors = executor_report(self.sc, listing=True)
+        if executors is None:
+            return lost
+        seen = self.executors
+        seen.update(executors)  # an executor's host:port as Spark last gave it (it may lack the port at first)
+        gone = [f"executor {e} on {seen[e]}" for e in sorted(set(seen) - set(executors) - self.named)]
+        unsaid = [w for w in sorted(lost) if w not in self.said]
+        if gone and unsaid:
+            waited = f"{self.connect_timeout:g}s (connect_timeout)"
+            if executors:
+                left = ", ".join(f"executor {e} on {host}" for e, host in sorted(executors.items()))
+                then = (f" (left: {left}); its shard is re-placed when a slot frees and it "
+                        f"goes on from the center where it was; the job fails if no worker trains for {waited} "
+                        f"before it rejoins")
+            else:
+                then = (f" and has none left; its shard is re-placed if Spark gets an executor within {waited}, "
+                        f"else the job fails")
+            for wid in unsaid:
+                self.log.warning(f"Worker {wid} lost at iteration {lost[wid]}: Spark lost {' and '.join(gone)}{then}")
+                self.lost_with[wid] = gone
+            self.said.update(unsaid)
+            self.named.update(set(seen) - set(executors))
+        return lost
