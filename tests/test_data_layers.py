@@ -81,9 +81,9 @@ def test_the_hdf5_classification_example_trains_from_its_list(tmp_path, net, bac
     assert len(accuracy) == 2 and accuracy[-1] > 0.8 and accuracy[-1] > accuracy[0], accuracy
 
 
-def test_hdf5_feeder_reads_files_in_order_and_shards_rows(tmp_path):
+def test_hdf5_feeder_reads_files_in_order_and_shards_rows(tmp_path, monkeypatch):
     hdf5_example(tmp_path, rows=(7, 3), files=3)
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     net, _ = config.parse_net(open(os.path.join(HDF5_EXAMPLE, "train_val.prototxt")).read())
     layer = net.layer[0]
     rows = np.concatenate([h5py.File(f"examples/hdf5_classification/data/train{f}.h5")["data"][()] for f in range(3)])
@@ -97,9 +97,9 @@ def test_hdf5_feeder_reads_files_in_order_and_shards_rows(tmp_path):
     np.testing.assert_array_equal(np.concatenate(firsts), rows)  # each shard its share, together all rows
 
 
-def test_hdf5_shuffle_keeps_files_whole_and_resumes_exactly(tmp_path):
+def test_hdf5_shuffle_keeps_files_whole_and_resumes_exactly(tmp_path, monkeypatch):
     hdf5_example(tmp_path, rows=(5, 3), files=3)
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     net, _ = config.parse_net(open(os.path.join(HDF5_EXAMPLE, "train_val.prototxt")).read())
     layer = net.layer[0]
     layer.hdf5_data_param.shuffle = True
@@ -119,9 +119,9 @@ def test_hdf5_shuffle_keeps_files_whole_and_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(resumed.next_batch()["data"], batch)
 
 
-def test_hdf5_errors_name_the_list_and_its_line(tmp_path):
+def test_hdf5_errors_name_the_list_and_its_line(tmp_path, monkeypatch):
     data = hdf5_example(tmp_path)
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     net, _ = config.parse_net(open(os.path.join(HDF5_EXAMPLE, "train_val.prototxt")).read())
     layer = net.layer[0]
     with h5py.File("examples/hdf5_classification/data/other.h5", "w") as h5:
@@ -146,9 +146,9 @@ def test_hdf5_errors_name_the_list_and_its_line(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
-def test_hdf5_output_writes_its_bottoms_as_caffe_does(tmp_path, backend):
+def test_hdf5_output_writes_its_bottoms_as_caffe_does(tmp_path, backend, monkeypatch):
     hdf5_example(tmp_path)
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "out.h5"
     text = open(os.path.join(HDF5_EXAMPLE, "train_val.prototxt")).read() + (
         f'layer {{ name: "save" type: "HDF5Output" bottom: "fc1" bottom: "label" '

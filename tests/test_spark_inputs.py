@@ -13,6 +13,8 @@ from conftest import ROOT
 from sparkjobs import start_runs, workers_done
 from test_data_layers import HDF5_EXAMPLE, IMAGE_NET, SOLVER, hdf5_example, png_folder
 
+pytestmark = pytest.mark.spark
+
 PYCAFFE = os.path.join(ROOT, "tests", "data", "bvlc", "examples", "pycaffe")
 FASHION = "/usr/share/datasets/fashion-mnist"
 

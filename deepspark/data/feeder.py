@@ -92,19 +92,15 @@ class DataFeeder:
         if memory_limit is None:
             memory_limit = TEST_MEMORY_LIMIT if self.phase == pb.TEST else MEMORY_LIMIT
         self.in_memory = self.size * first.nbytes <= memory_limit
+        self._stream = None
         if self.in_memory:
             self._images, self._labels = self._load()
         else:
             if self.shuffle and self._io is parquet:
                 raise ConfigError(f"layer {self.name!r}: a shuffled shard of a Parquet dataset must fit in "
                                   f"memory ({memory_limit} bytes); Parquet has no lookup by key")
-            self._keys = (list(lmdb_io.read_records(self.path, self.start, self.stop,
-                                                    keys_only=True)) if self.shuffle else None)
-            self._txn = None
-            self._chunks = None
-            self._window = (0, (), ())
-            self._window_size = max(self.batch_size,
-                                    min(8192, STREAM_WINDOW_BYTES // max(first.nbytes, 1)))
+            self._stream = StreamedShard(self._io, self.path, self.start, self.stop, self._decode, first,
+                                         self.batch_size, self.shuffle)
         self._order = None
         self._position = 0
         self.epoch = 0
@@ -118,16 +114,13 @@ class DataFeeder:
     def _decode(self, keys, values):
         return decode_datums(keys, values, self.path, self._color, self.source_shape, self._dtype)
 
-    def _decode_block(self, block):
-        return self._decode([key for key, _ in block], [value for _, value in block])
-
     def _load(self, chunk=8192):
         images = np.empty((self.size,) + self.source_shape, dtype=self._dtype)
         labels = np.empty(self.size, dtype=np.float32)
         filled = 0
         for block in self._io.read_chunks(self.path, self.start, self.stop, chunk):
             end = filled + len(block)
-            images[filled:end], labels[filled:end] = self._decode_block(block)
+            images[filled:end], labels[filled:end] = decode_block(self._decode, block)
             filled = end
         return images, labels
 
@@ -151,43 +144,6 @@ class DataFeeder:
                 log.debug("%s: Restarting data prefetching from start.", self.name)
         return out
 
-    def _read_streamed(self, indices):
-        if self._keys is not None:
-            # Shuffled: one lookup per record, in this epoch's order.
-            if self._txn is None:
-                self._txn = lmdb_io.open_db(self.path).begin(buffers=False)
-            keys = [self._keys[index] for index in indices]
-            return self._decode(keys, [self._txn.get(key) for key in keys])
-        # In order: decode a window of records at a time; a batch takes runs of it.
-        images = np.empty((len(indices),) + self.source_shape, dtype=self._dtype)
-        labels = np.empty(len(indices), dtype=np.float32)
-        j = 0
-        while j < len(indices):
-            index = int(indices[j])
-            first, window_images, window_labels = self._window
-            if not first <= index < first + len(window_images):
-                self._window = self._next_window(index)
-                continue
-            run = min(len(indices) - j, first + len(window_images) - index)
-            images[j:j + run] = window_images[index - first:index - first + run]
-            labels[j:j + run] = window_labels[index - first:index - first + run]
-            j += run
-        return images, labels
-
-    def _next_window(self, index):
-        """The decoded window of records starting at shard position `index`."""
-        first, window_images, _ = self._window
-        if self._chunks is None or index != first + len(window_images):
-            if self._chunks is not None:
-                self._chunks.close()
-            self._chunks = self._io.read_chunks(self.path, self.start + index, self.stop,
-                                                self._window_size)
-        block = next(self._chunks, None)
-        if block is None:
-            raise DataError(f"the dataset changed while being read (record {self.start + index} "
-                            "is gone)", self.path)
-        return (index,) + self._decode_block(block)
-
     def _assemble(self):
         indices = self._next_indices(self.batch_size)
         if self.in_memory:
@@ -197,7 +153,7 @@ class DataFeeder:
                 images = self._images[indices]
             labels = self._labels[indices]
         else:
-            images, labels = self._read_streamed(indices)
+            images, labels = self._stream.read(indices)
         batch = {self.tops[0]: self.transformer.apply(images)}
         if len(self.tops) > 1:
             batch[self.tops[1]] = labels
@@ -280,14 +236,8 @@ class DataFeeder:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if not self.in_memory:
-            if self._chunks is not None:
-                self._chunks.close()
-                self._chunks = None
-            if self._txn is not None:
-                self._txn.abort()
-                self._txn = None
-                lmdb_io.close_db(self.path)
+        if self._stream is not None:
+            self._stream.close()
 
     def __enter__(self):
         return self
@@ -300,6 +250,74 @@ class DataFeeder:
             self.close()
         except Exception:  # a half-built feeder, or interpreter shutdown
             pass
+
+
+def decode_block(decode, block):
+    """decode(keys, values) of a block of (key, value) records."""
+    return decode([key for key, _ in block], [value for _, value in block])
+
+
+class StreamedShard:
+    """Records [start, stop) of an LMDB or Parquet dataset (`io`: lmdb_io or parquet) read as a batch asks for
+    them, never held whole: in order a decoded window of records at a time, or (shuffle, an LMDB) one lookup
+    per record by its key. decode(keys, values) gives (images, labels); `first` is the shard's first image."""
+
+    def __init__(self, io, path, start, stop, decode, first, batch_size, shuffle):
+        self._io, self.path, self.start, self.stop, self._decode = io, path, start, stop, decode
+        self._shape, self._dtype = tuple(first.shape), first.dtype
+        self._keys = list(lmdb_io.read_records(path, start, stop, keys_only=True)) if shuffle else None
+        self._txn = None
+        self._chunks = None
+        self._window = (0, (), ())
+        self._window_size = max(batch_size, min(8192, STREAM_WINDOW_BYTES // max(first.nbytes, 1)))
+
+    def read(self, indices):
+        """(images, labels) of the records at shard positions `indices`."""
+        if self._keys is not None:
+            # Shuffled: one lookup per record, in this epoch's order.
+            if self._txn is None:
+                self._txn = lmdb_io.open_db(self.path).begin(buffers=False)
+            keys = [self._keys[index] for index in indices]
+            return self._decode(keys, [self._txn.get(key) for key in keys])
+        # In order: decode a window of records at a time; a batch takes runs of it.
+        images = np.empty((len(indices),) + self._shape, dtype=self._dtype)
+        labels = np.empty(len(indices), dtype=np.float32)
+        j = 0
+        while j < len(indices):
+            index = int(indices[j])
+            first, window_images, window_labels = self._window
+            if not first <= index < first + len(window_images):
+                self._window = self._next_window(index)
+                continue
+            run = min(len(indices) - j, first + len(window_images) - index)
+            images[j:j + run] = window_images[index - first:index - first + run]
+            labels[j:j + run] = window_labels[index - first:index - first + run]
+            j += run
+        return images, labels
+
+    def _next_window(self, index):
+        """The decoded window of records starting at shard position `index`."""
+        first, window_images, _ = self._window
+        if self._chunks is None or index != first + len(window_images):
+            if self._chunks is not None:
+                self._chunks.close()
+            self._chunks = self._io.read_chunks(self.path, self.start + index, self.stop,
+                                                self._window_size)
+        block = next(self._chunks, None)
+        if block is None:
+            raise DataError(f"the dataset changed while being read (record {self.start + index} "
+                            "is gone)", self.path)
+        return (index,) + decode_block(self._decode, block)
+
+    def close(self):
+        """Release the chunk reader and the LMDB."""
+        if self._chunks is not None:
+            self._chunks.close()
+            self._chunks = None
+        if self._txn is not None:
+            self._txn.abort()
+            self._txn = None
+            lmdb_io.close_db(self.path)
 
 
 def _merged_transform(layer_param):
