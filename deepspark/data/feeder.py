@@ -10,6 +10,7 @@ import numpy as np
 from deepspark.errors import ConfigError
 from deepspark.data import hdf5, images, lmdb_io, parquet
 from deepspark.data.datum import DataError, decode_datum, decode_datums
+from deepspark.data.resume import Resumable
 from deepspark.data.transform import Transformer, _phase
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -37,7 +38,7 @@ def _color(transform_param):
     return None
 
 
-class DataFeeder:
+class DataFeeder(Resumable):
     """Batches {top: array} for one Data layer: data float32 NCHW, label float32 (N,).
 
     Reads records [start, stop) (shard `shard` of `num_shards`) of the LMDB in key
@@ -204,25 +205,11 @@ class DataFeeder:
                 return
 
     def get_state(self):
-        """Where the feeder is: (position, epoch, RNG states) as JSON-able values and this epoch's order.
-
-        With `set_state` another feeder of the same shard goes on with the same batches
-        (no prefetch: a queue of assembled batches would be ahead of the position).
-        """
+        """Where the feeder is (Resumable's), for another feeder of the same shard to go on with the same
+        batches; not of a prefetching feeder: a queue of assembled batches would be ahead of the position."""
         if self._prefetch > 0:
             raise ValueError(f"{self.name}: a prefetching feeder has no single position")
-        meta = {"position": self._position, "epoch": self.epoch, "size": self.size,
-                "order_rng": self.order_rng.bit_generator.state,
-                "transform_rng": self.transformer.rng.bit_generator.state}
-        return meta, self._order
-
-    def set_state(self, meta, order):
-        if meta["size"] != self.size or (order is not None and len(order) != self.size):
-            raise ValueError(f"{self.name}: the state is of a shard of {meta['size']} records, not {self.size}")
-        self._position, self.epoch = int(meta["position"]), int(meta["epoch"])
-        self.order_rng.bit_generator.state = meta["order_rng"]
-        self.transformer.rng.bit_generator.state = meta["transform_rng"]
-        self._order = None if order is None else np.asarray(order, dtype=np.int64)
+        return super().get_state()
 
     def __iter__(self):
         return self

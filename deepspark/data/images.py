@@ -18,6 +18,7 @@ import numpy as np
 from deepspark.data.convert import read_image, read_list_file
 from deepspark.data.datum import DataError
 from deepspark.data.lmdb_io import shard_range
+from deepspark.data.resume import Resumable
 from deepspark.data.transform import Transformer, _phase
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
@@ -58,9 +59,11 @@ def source_shape(layer_param):
     return tuple(int(d) for d in load(param, path, line).shape)
 
 
-class ImageFeeder:
+class ImageFeeder(Resumable):
     """Batches {data: float32 NCHW, label: float32 (N,)} for one ImageData layer, lines [start, stop) of its
     list (shard `shard` of `num_shards`), transformed like a Data layer's."""
+
+    unit = "images"
 
     def __init__(self, layer_param, phase=pb.TRAIN, shard=0, num_shards=1, seed=None, batch_size=None, mean=None):
         self.param = param = layer_param.image_data_param
@@ -122,20 +125,6 @@ class ImageFeeder:
         if len(self.tops) > 1:
             batch[self.tops[1]] = labels
         return batch
-
-    def get_state(self):
-        meta = {"position": self._position, "epoch": self.epoch, "size": self.size,
-                "order_rng": self.order_rng.bit_generator.state,
-                "transform_rng": self.transformer.rng.bit_generator.state}
-        return meta, self._order
-
-    def set_state(self, meta, order):
-        if meta["size"] != self.size:
-            raise ValueError(f"{self.name}: the state is of a shard of {meta['size']} images, not {self.size}")
-        self._position, self.epoch = int(meta["position"]), int(meta["epoch"])
-        self.order_rng.bit_generator.state = meta["order_rng"]
-        self.transformer.rng.bit_generator.state = meta["transform_rng"]
-        self._order = None if order is None else np.asarray(order, dtype=np.int64)
 
     def close(self):
         pass
