@@ -22,6 +22,7 @@ setup(
         "matplotlib>=3.8",
         "tensorboard>=2.16",  # the training job's scalars
         "pyarrow>=14",  # Parquet datasets (deepspark.data.parquet)
+        "cryptography>=42",  # the exchange's per-frame seal: AES-GCM (bench/seal.py)
     ],
     extras_require={
         "tensorflow": ["tensorflow-cpu>=2.16"],
