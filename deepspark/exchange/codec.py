@@ -25,13 +25,17 @@ import numpy as np
 
 from deepspark.rules import all_finite
 
+from .protocol import E_NONFINITE, ProtocolError
+
 # Floats that share one scale. 256 keeps the scales to 1.6% of an int8 payload
 # (3% of int4) while one outlier coarsens only its own block.
 BLOCK = 256
 
 
-class CodecError(ValueError):
-    """A payload that does not decode to finite floats."""
+class CodecError(ProtocolError):
+    """A payload that does not decode to finite floats: refused as non-finite parameters are."""
+
+    code = E_NONFINITE
 
 
 class Float32:
@@ -181,3 +185,67 @@ class Feedback:
         self.codec.decode(payload, self.decoded)
         self.residual -= self.decoded
         return self.decoded
+
+
+class Channel:
+    """One connection's coded model frames, the same object on both ends.
+
+    Both ends hold `reference`, the receiver's picture of the sender's parameters, and move it
+    by exactly what was decoded, so that the two pictures stay equal bit for bit:
+
+      parameters out   (EXCHANGE, AVERAGE)   send x − reference; both add what it decodes to, and the
+                       server takes reference as x (within one frame's rounding: the error never builds up)
+      a difference back (DIFF)               send d with error feedback; both subtract what it decodes to,
+                       as the worker does from x
+      a mean back      (CENTER, coded)       send mean − reference; both add what it decodes to, and the
+                       worker takes reference as its parameters
+
+    `restart(values)` sets the reference where a new connection or a PULL leaves both ends
+    (zeros, or the center sent whole). With float32 nothing is coded: a Channel is only made for
+    the other codecs.
+    """
+
+    def __init__(self, codec, n):
+        self.codec = codec
+        self.payload = memoryview(bytearray(codec.payload_bytes(n)))
+        self.reference = np.zeros(n, np.float32)
+        self.decoded = np.zeros(n, np.float32)
+        self._feedback = None  # made by the first difference sent: only an EASGD server sends them
+
+    def restart(self, values=None):
+        if values is None:
+            self.reference.fill(0.0)
+        else:
+            np.copyto(self.reference, values)
+        if self._feedback is not None:
+            self._feedback.residual.fill(0.0)
+
+    def send_toward(self, values):
+        """The payload that moves the peer's reference to `values` (parameters, or a mean); moves ours too."""
+        np.subtract(values, self.reference, out=self.decoded)
+        self.codec.encode(self.decoded, self.payload)
+        self.codec.decode(self.payload, self.decoded)
+        self.reference += self.decoded
+        return self.payload
+
+    def receive_toward(self, out):
+        """Decode a send_toward payload (in self.payload): the reference moves, and `out` becomes it.
+        CodecError, with the reference untouched, for a payload that does not decode to finite floats."""
+        self.codec.decode(self.payload, self.decoded)
+        self.reference += self.decoded
+        np.copyto(out, self.reference)
+        return out
+
+    def send_difference(self, d):
+        """The payload of d plus what earlier differences' rounding left out; the reference moves by what
+        the peer will decode, as the peer's parameters will."""
+        if self._feedback is None:
+            self._feedback = Feedback(self.codec, len(self.reference))
+        self.reference -= self._feedback.send(d, self.payload)
+        return self.payload
+
+    def receive_difference(self, out):
+        """Decode a send_difference payload (in self.payload) into `out`; the reference moves by it."""
+        self.codec.decode(self.payload, out)
+        self.reference -= out
+        return out

@@ -39,6 +39,11 @@ GET_HISTORY = 14  # client -> server: ask for the solver history held for this w
 
 # Header flags of a reply to a model frame.
 F_SEND_HISTORY = 1  # the driver is snapshotting: send a HISTORY frame (once the reply is applied)
+F_CODED = 2         # a CENTER frame in the job's codec (the reply to AVERAGE); without it, float32 (PULL's)
+
+# The codecs of model frames (codec.py), by the id a worker's AUTH names its own with.
+CODEC_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "int4": 4}
+CODEC_NAMES = {number: name for name, number in CODEC_IDS.items()}
 
 TYPE_NAMES = {
     HELLO: "HELLO", CHALLENGE: "CHALLENGE", AUTH: "AUTH", WELCOME: "WELCOME",
@@ -73,7 +78,7 @@ MAX_DIMS = 32
 _SMALL_LIMITS = {
     HELLO: (NONCE_SIZE, NONCE_SIZE),
     CHALLENGE: (NONCE_SIZE + PROOF_SIZE, NONCE_SIZE + PROOF_SIZE),
-    AUTH: (PROOF_SIZE, PROOF_SIZE + MAX_FINGERPRINT_BYTES),
+    AUTH: (PROOF_SIZE + 1, PROOF_SIZE + 1 + MAX_FINGERPRINT_BYTES),  # proof, codec id, fingerprint
     WELCOME: (0, 0),
     PULL: (0, 0),
     REPORT: (0, 0),
@@ -125,11 +130,13 @@ def pack_header_into(buf, type_, worker_id=0, iteration=0, length=0, value=math.
     HEADER.pack_into(buf, 0, MAGIC, VERSION, type_, flags, worker_id, iteration, length, value)
 
 
-def decode_header(buf, model_bytes=None, history_bytes=0):
+def decode_header(buf, model_bytes=None, history_bytes=0, coded_bytes=None):
     """Parse and validate a header; raise ProtocolError on anything unexpected.
 
     `model_bytes` is the exact payload length of a model-sized frame (4 × the
     parameter count); before the handshake it is None and model frames are refused.
+    `coded_bytes` is that of a frame in the job's codec (EXCHANGE, DIFF, AVERAGE and
+    a CENTER flagged F_CODED); None: the codec is float32, coded_bytes = model_bytes.
     `history_bytes` is a HISTORY frame's (history sets × model_bytes), which may also
     be empty; 0 refuses HISTORY frames (a peer that keeps no solver history).
     A length is checked before anything is read or allocated after the header.
@@ -144,9 +151,12 @@ def decode_header(buf, model_bytes=None, history_bytes=0):
     if type_ in MODEL_TYPES:
         if model_bytes is None:
             raise ProtocolError("%s before the handshake completed" % TYPE_NAMES[type_])
-        if length != model_bytes:
-            raise ProtocolError("%s payload of %d bytes, the model needs exactly %d"
-                                % (TYPE_NAMES[type_], length, model_bytes))
+        coded = type_ != CENTER or flags & F_CODED
+        want = coded_bytes if coded and coded_bytes is not None else model_bytes
+        if length != want:
+            raise ProtocolError("%s payload of %d bytes, the model needs exactly %d%s"
+                                % (TYPE_NAMES[type_], length, want, " in the job's codec" if want != model_bytes
+                                   else ""))
     elif type_ == HISTORY:
         if model_bytes is None or not history_bytes:
             raise ProtocolError("HISTORY %s" % ("before the handshake completed" if model_bytes is None
