@@ -237,7 +237,7 @@ def measure(net, source, param, pp, data_shape=None, log=None):
                 log.info(f"Measured a {ds.backend} step of {model.graph.name} (batch {batch}, {pp.cores} "
                          f"thread{'s' * (pp.cores != 1)}): {1e3 * step:.2f} ms")
         flat = model.get_flat()
-        codec = pb.DeepSparkParameter.ExchangeCodec.Name(ds.exchange_codec).lower()
+        codec = codecs.get(ds.exchange_codec).name
         worker = worker_seconds(model, flat, ds.exchange_integrity, codec)
     finally:
         model.close()

@@ -25,7 +25,7 @@ import numpy as np
 
 from deepspark.rules import all_finite
 
-from .protocol import E_NONFINITE, ProtocolError
+from .protocol import CODEC_NAMES, E_NONFINITE, ProtocolError
 
 # Floats that share one scale. 256 keeps the scales to 1.6% of an int8 payload
 # (3% of int4) while one outlier coarsens only its own block.
@@ -160,7 +160,10 @@ CODECS = {codec.name: codec for codec in (Float32(), Float16(), BFloat16(), Bloc
 
 
 def get(name):
-    """The codec called `name` (a DeepSparkParameter.codec value's lower-case name)."""
+    """The codec called `name`: DeepSparkParameter.exchange_codec's value in lower case, or its number (the
+    schema's ExchangeCodec numbers are protocol.CODEC_IDS)."""
+    if isinstance(name, int):
+        name = CODEC_NAMES.get(name, "id %d" % name)
     try:
         return CODECS[name]
     except KeyError:

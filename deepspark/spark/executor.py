@@ -86,6 +86,8 @@ class Summary:
     final_iteration: int = 0
     exchanges: int = 0
     blocked_seconds: float = 0.0
+    sent_bytes: int = 0  # through the exchanger, frames with their headers and tags (exchange_codec's)
+    received_bytes: int = 0
     loss: float = float("nan")
     digest: str = ""  # sync: a fingerprint of the parameters after the last round
     spill_rss_mb: float = 0.0  # the worker process's peak RSS in this task when its spill was done
@@ -299,7 +301,7 @@ def join_center(worker, task, model, timeout):
     client = ExchangeClient(tuple(task.address), task.secret, worker, shapes=model.param_shapes,
                             timeout=timeout, connect_timeout=min(timeout, CONNECT_SECONDS),
                             integrity=task.param.deepspark_param.exchange_integrity,
-                            history_sets=model.history_sets)
+                            history_sets=model.history_sets, codec=task.param.deepspark_param.exchange_codec)
     history = np.empty(model.history_sets * model.param_count, np.float32)
     try:
         client.connect()
@@ -353,7 +355,8 @@ def run(worker, items, task, train, timeout):
         first_step_at, first_step_seconds = trainer.first_step or (0.0, 0.0)
         summary = Summary.here(worker, train_seconds=time.monotonic() - started, iterations=model.iter - start_iter,
                                final_iteration=model.iter, exchanges=client.exchanges,
-                               blocked_seconds=client.blocked_seconds, loss=loss, peak_rss_mb=peak_rss_mb(),
+                               blocked_seconds=client.blocked_seconds, sent_bytes=client.sent_bytes,
+                               received_bytes=client.received_bytes, loss=loss, peak_rss_mb=peak_rss_mb(),
                                restored_history=restored, forked_at=process_started_at(), task_at=task_at,
                                connect_seconds=connect_seconds, first_step_seconds=first_step_seconds,
                                first_step_at=first_step_at, **dataclasses.asdict(prepared), **extra)

@@ -117,7 +117,8 @@ class Job:
         return ExchangeServer(center, secret, handler, host=host, port=ds.exchange_port,
                               shapes=[tuple(p.shape) for p in self.graph.params], idle_timeout=ds.exchange_timeout,
                               resume_iteration=self.start_iter, integrity=ds.exchange_integrity,
-                              history_sets=self.history_sets, histories=self.resume_histories).start()
+                              history_sets=self.history_sets, histories=self.resume_histories,
+                              codec=ds.exchange_codec).start()
 
     def watch(self, run_tasks):
         """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch); its result."""
@@ -207,7 +208,8 @@ class Job:
             log.info(f"Worker {r.worker} on {r.host} (in {r.cwd}, deepspark from {r.package}): "
                      f"{r.iterations} iterations, {r.exchanges} exchanges, spilled {r.records} records in "
                      f"{r.spill_seconds:.2f}s, trained {r.train_seconds:.1f}s, blocked on exchange "
-                     f"{r.blocked_seconds:.2f}s, peak RSS {r.spill_rss_mb:.0f} MB after the spill, "
+                     f"{r.blocked_seconds:.2f}s, sent {r.sent_bytes / 1e6:.3g} MB and received "
+                     f"{r.received_bytes / 1e6:.3g} MB through the exchanger, peak RSS {r.spill_rss_mb:.0f} MB after the spill, "
                      f"{r.peak_rss_mb:.0f} MB"
                      + ("" if r.restored_history is None else
                         f"; started from its solver history of iteration {r.restored_history}"))
