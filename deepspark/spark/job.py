@@ -211,8 +211,14 @@ class Job:
                      f"{r.blocked_seconds:.2f}s, sent {r.sent_bytes / 1e6:.3g} MB and received "
                      f"{r.received_bytes / 1e6:.3g} MB through the exchanger, peak RSS {r.spill_rss_mb:.0f} MB after the spill, "
                      f"{r.peak_rss_mb:.0f} MB"
+                     + (f"; GPU {r.gpu} from Spark, computed on {r.device}" if r.gpu else
+                        f"; computed on {r.device}" if r.device != "CPU" else "")
                      + ("" if r.restored_history is None else
                         f"; started from its solver history of iteration {r.restored_history}"))
+        unused = [r for r in results if r.gpu and r.device == "CPU"]
+        if unused:
+            log.warning(f"Spark gave {len(unused)} of the workers a GPU, but the {self.ds.backend} backend saw none "
+                        f"there ({', '.join(sorted({r.host for r in unused}))}): they trained on the CPU")
         startup = {r.worker: r.startup(self.submitted) for r in results if r.first_step_at}
         for worker, parts in sorted(startup.items()):
             log.info(f"Start-up of worker {worker}: {sum(parts.values()):.2f}s from Solving to its first step done: "
