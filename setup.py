@@ -26,6 +26,7 @@ setup(
     ],
     extras_require={
         "tensorflow": ["tensorflow-cpu>=2.16"],
+        "gpu": ["tensorflow[and-cuda]>=2.16"],  # TensorFlow with CUDA's libraries, for GPU nodes
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "import-linter>=2.1"],
         "caffe": ["six"],
         "bench": ["matplotlib>=3.8"],
