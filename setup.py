@@ -22,9 +22,11 @@ setup(
         "matplotlib>=3.8",
         "tensorboard>=2.16",  # the training job's scalars
         "pyarrow>=14",  # Parquet datasets (deepspark.data.parquet)
+        "cryptography>=42",  # the exchange's per-frame seal: AES-GCM (bench/seal.py)
     ],
     extras_require={
         "tensorflow": ["tensorflow-cpu>=2.16"],
+        "gpu": ["tensorflow[and-cuda]>=2.16"],  # TensorFlow with CUDA's libraries, for GPU nodes
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "import-linter>=2.1"],
         "caffe": ["six"],
         "bench": ["matplotlib>=3.8"],
