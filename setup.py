@@ -23,9 +23,11 @@ setup(
         "tensorboard>=2.16",  # the training job's scalars
         "pyarrow>=14",  # Parquet datasets (deepspark.data.parquet)
         "h5py>=3.10",  # HDF5Data and HDF5Output layers, snapshot_format: HDF5
+        "cryptography>=42",  # the exchange's per-frame seal: AES-GCM (bench/seal.py)
     ],
     extras_require={
         "tensorflow": ["tensorflow-cpu>=2.16"],
+        "gpu": ["tensorflow[and-cuda]>=2.16"],  # TensorFlow with CUDA's libraries, for GPU nodes
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "import-linter>=2.1"],
         "caffe": ["six"],
         "bench": ["matplotlib>=3.8"],

@@ -6,7 +6,7 @@ import time
 from google.protobuf import text_format
 
 from deepspark import checkpoint, config, engine, upgrade
-from deepspark.backends import create_model, device
+from deepspark.backends import create_model, use_gpu
 from deepspark.config import load_net, net_path, random_seed
 from deepspark.data import SOURCE_PARAMS, check_listed, feeder_for, missing_source, source_shape
 from deepspark.data.feeder import WINDOW_DATA_UNTRAINED
@@ -85,16 +85,19 @@ def trainer(solver, log=None, *, shard=0, num_shards=1, seed_offset=None, thread
     return engine.Trainer(solver, model, feeders, log, tests)
 
 
-def note_device(solver, log):
-    """Caffe's `solver_mode: GPU` (every BVLC solver says it), answered once: where the backend runs here."""
-    if solver.param.solver_mode != pb.SolverParameter.GPU:
-        return
-    backend = solver.param.deepspark_param.backend
-    where = device(backend)
-    if where == "CPU":
-        log.warning(f"solver_mode: GPU, but the {backend} backend has no GPU here: it runs on the CPU")
-    else:
+def place(solver, log):
+    """Caffe's solver_mode and device_id, before the backend builds a net in this process: a solver that says
+    `solver_mode: GPU` (every BVLC solver does) runs on GPU device_id, and one line says where, or that there
+    is no such GPU and it runs on the CPU; any other, on the CPU, as `caffe train` without --gpu. Where it runs."""
+    param, backend = solver.param, solver.param.deepspark_param.backend
+    asked = param.HasField("solver_mode") and param.solver_mode == pb.SolverParameter.GPU
+    where = use_gpu(backend, param.device_id if asked else None)
+    if asked and where == "CPU":
+        which = "GPU" if param.device_id == 0 else f"GPU {param.device_id}"
+        log.warning(f"solver_mode: GPU, but the {backend} backend has no {which} here: it runs on the CPU")
+    elif asked:
         log.info(f"solver_mode: GPU: the {backend} backend runs on {where}")
+    return where
 
 
 def train(solver, weights=None, snapshot=None):
@@ -107,8 +110,8 @@ def train(solver, weights=None, snapshot=None):
     output = os.path.dirname(solver.param.snapshot_prefix) or "."
     log = Log(os.path.join(output, "train.log"), append=bool(snapshot))
     try:
+        place(solver, log)
         run = trainer(solver, log)
-        note_device(solver, log)
         try:
             if weights:
                 run.load_weights(weights)

@@ -10,8 +10,6 @@ driver's node, as `deepspark train` places them on a cluster.
 """
 
 import dataclasses
-import hashlib
-import hmac
 import math
 import os
 import re
@@ -25,6 +23,8 @@ from deepspark.backends import create_model
 from deepspark.data import source_shape
 from deepspark.errors import ConfigError
 from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer
+from deepspark.exchange import codec as codecs
+from deepspark.exchange import protocol
 from deepspark.graph import Graph
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -43,10 +43,11 @@ class Costs:
     """What one worker and the center cost, in seconds, and what they move.
 
     step     T_comp: one solver iteration of one worker (`batch` images)
-    floats   the parameter count: an exchange moves 4 x floats bytes each way
-    server   the center's own work per exchange: receiving x, the rule, the tags, the reply
+    floats   the parameter count
+    server   the center's own work per exchange: receiving x, the rule, the codec, the tags, the reply
     worker   a worker's own work per exchange beside its steps: reading and writing its
-             parameters, the snapshot, applying d, its tags
+             parameters, the snapshot, applying d, the codec, its tags
+    codec    how the exchanger's model frames travel (exchange_codec's name)
     """
 
     step: float
@@ -54,9 +55,16 @@ class Costs:
     floats: int
     server: float
     worker: float
+    codec: str = "float32"
 
     @property
     def bytes(self):
+        """What one exchange moves each way through the exchanger: a model frame in the job's codec."""
+        return codecs.get(self.codec).payload_bytes(self.floats)
+
+    @property
+    def spark_bytes(self):
+        """What `average` moves per worker each way through Spark: the float32 parameters."""
         return 4 * self.floats
 
 
@@ -146,8 +154,9 @@ def average(costs, network, workers, period, shared=1.0):
 
 
 def average_transfers(costs, network, workers):
-    """An `average` round's transfers over the driver's one link: 2 · N · S / bandwidth + 2 · latency."""
-    return 2 * workers * costs.bytes / network.bandwidth + 2 * network.latency
+    """An `average` round's transfers over the driver's one link: 2 · N · S / bandwidth + 2 · latency, S the
+    float32 parameters (Spark's broadcast and collect, not the exchanger's codec)."""
+    return 2 * workers * costs.spark_bytes / network.bandwidth + 2 * network.latency
 
 
 def project(costs, network, ds, workers, shared=1.0):
@@ -228,38 +237,47 @@ def measure(net, source, param, pp, data_shape=None, log=None):
                 log.info(f"Measured a {ds.backend} step of {model.graph.name} (batch {batch}, {pp.cores} "
                          f"thread{'s' * (pp.cores != 1)}): {1e3 * step:.2f} ms")
         flat = model.get_flat()
-        worker = worker_seconds(model, flat, ds.exchange_integrity)
+        codec = codecs.get(ds.exchange_codec).name
+        worker = worker_seconds(model, flat, ds.exchange_integrity, codec)
     finally:
         model.close()
-    server = pp.server_ms / 1e3 if pp.server_ms else server_seconds(flat.size, ds.exchange_integrity)
-    return Costs(step, int(batch), int(flat.size), server, worker)
+    server = pp.server_ms / 1e3 if pp.server_ms else server_seconds(flat.size, ds.exchange_integrity, codec)
+    return Costs(step, int(batch), int(flat.size), server, worker, codec)
 
 
-def worker_seconds(model, flat, integrity):
+def worker_seconds(model, flat, integrity, codec="float32"):
     """A worker's own time per exchange: its parameters read out and written back, the snapshot copied,
-    d applied (x -= d), and the tags of x and d hashed."""
+    d applied (x -= d), x coded and d decoded (a codec other than float32), and the tags of both frames."""
     snapshot, d = np.empty_like(flat), np.zeros_like(flat)
-    key = b"k" * 32
+    link = None if codec == "float32" else codecs.Link(codecs.get(codec), flat.size)
+    sealer = protocol.Sealer(b"k" * 32)
+    header = bytes(protocol.HEADER_SIZE)
 
     def once():
         model.get_flat(flat)
         np.copyto(snapshot, flat)
+        frames = [memoryview(snapshot).cast("B"), memoryview(d).cast("B")]
+        if link is not None:
+            frames = [link.send_toward(snapshot), link.payload]
+            link.receive_difference(d)
         rules.apply_to_worker(flat, d)
         model.set_flat(flat)
         if integrity:
-            hmac.new(key, memoryview(snapshot).cast("B"), hashlib.sha256).digest()
-            hmac.new(key, memoryview(d).cast("B"), hashlib.sha256).digest()
+            for frame in frames:
+                tag = sealer.begin(header)
+                tag.update(frame)
+                tag.digest()
 
     return _repeat(once)
 
 
-def server_seconds(floats, integrity):
+def server_seconds(floats, integrity, codec="float32"):
     """The center's work per exchange, measured: a server here and one blocking worker on loopback, the
     server's own time from each EXCHANGE header to its reply handed to the kernel (the stats' latency),
     the median over the exchanges of MEASURE_SECONDS."""
     secret, x = b"plan", np.zeros(floats, np.float32)
-    with ExchangeServer(x, secret, EasgdHandler(0.5), integrity=integrity) as server:
-        client = ExchangeClient(server.address, secret, 0, timeout=30.0, integrity=integrity)
+    with ExchangeServer(x, secret, EasgdHandler(0.5), integrity=integrity, codec=codec) as server:
+        client = ExchangeClient(server.address, secret, 0, timeout=30.0, integrity=integrity, codec=codec)
         latencies, started = [], time.perf_counter()
         try:
             while len(latencies) < 3 * MIN_REPEATS or time.perf_counter() - started < MEASURE_SECONDS:
@@ -307,7 +325,8 @@ def run(path, knobs, pp, data_shape=None, log=None):
     algorithm = pb.DeepSparkParameter.Algorithm.Name(ds.algorithm).lower()
     how = f"period {ds.period}, {'overlapped' if ds.overlap else 'blocking'}" if algorithm in ("easgd", "average") \
         else ""
-    print(f"{costs.floats:,} parameters ({costs.bytes / 1e6:.1f} MB a vector), batch {costs.batch}; a step "
+    coded = "" if costs.codec == "float32" else f", {costs.bytes / 1e6:.2f} MB in {costs.codec}"
+    print(f"{costs.floats:,} parameters ({costs.spark_bytes / 1e6:.1f} MB a vector{coded}), batch {costs.batch}; a step "
           f"{1e3 * costs.step:.2f} ms ({ds.backend}, {pp.cores} thread{'s' * (pp.cores != 1)}"
           f"{'' if pp.step_ms else ', measured here'}); the center {1e3 * costs.server:.2f} ms an exchange"
           f"{'' if pp.server_ms else ' (measured here)'}, a worker {1e3 * costs.worker:.2f} ms; "

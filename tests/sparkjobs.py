@@ -96,13 +96,14 @@ def free_ports(count):
 
 
 @contextlib.contextmanager
-def cluster(folder, hide=None):
+def cluster(folder, hide=None, gpus=0):
     """tools/spark-cluster.sh's master and two workers on free ports, in folder/cluster; `hide`: a folder
-    the workers must not see. Yields (master URL, cluster folder)."""
+    the workers must not see; `gpus`: GPU addresses each worker offers (GPUS). Yields (master URL, cluster
+    folder)."""
     base = free_ports(4)  # the master, its web UI, and the two workers' web UIs after it
     env = {**os.environ, "CLUSTER_DIR": str(folder / "cluster"), "SPARK_MASTER_PORT": str(base),
            "SPARK_MASTER_WEBUI_PORT": str(base + 1), "VENV": os.path.dirname(os.path.dirname(sys.executable)),
-           "HIDE_FROM_WORKERS": str(hide or "")}
+           "HIDE_FROM_WORKERS": str(hide or ""), "GPUS": str(gpus)}
     script = os.path.join(ROOT, "tools", "spark-cluster.sh")
     started = subprocess.run(["bash", script, "start"], env=env, capture_output=True, text=True, timeout=180)
     assert started.returncode == 0, started.stdout + started.stderr

@@ -93,7 +93,7 @@ def handshake(sock, wid=9, secret=SECRET, shapes=SHAPES):
     sock.sendall(P.encode_header(P.HELLO, wid, length=len(nonce)) + nonce)
     h = P.decode_header(_exact(sock, P.HEADER_SIZE))
     challenge = _exact(sock, h.length)
-    fp = P.fingerprint(P.normalize_shapes(shapes))
+    fp = bytes([P.CODEC_IDS["float32"]]) + P.fingerprint(P.normalize_shapes(shapes))  # the codec, then the model
     proof = P.client_proof(P.as_secret(secret), nonce, challenge[:P.NONCE_SIZE], wid, fp)
     sock.sendall(P.encode_header(P.AUTH, wid, length=len(proof) + len(fp)) + proof + fp)
     h = P.decode_header(_exact(sock, P.HEADER_SIZE))
@@ -262,12 +262,12 @@ def least_squares(p, dim=8, rows=100, seed=1):
     return x_star, shards
 
 
-def run_worker(address, wid, shard, iterations, period, overlapped, errors):
+def run_worker(address, wid, shard, iterations, period, overlapped, errors, codec="float32"):
     try:
         a, b = shard
         rng = np.random.default_rng(100 + wid)
         schedule = rules.ExchangeSchedule(period)
-        with ExchangeClient(address, SECRET, wid) as client:
+        with ExchangeClient(address, SECRET, wid, codec=codec) as client:
             x = np.zeros(a.shape[1], dtype=np.float32)
             client.pull(x)
             for it in range(iterations):
@@ -611,8 +611,8 @@ class BitFlipper:
 def handshake_bytes(direction):
     """Bytes a client sends (c2s) or receives (s2c) in the handshake, before its first sealed frame."""
     fingerprint = P.fingerprint(P.normalize_shapes(SHAPES))
-    if direction == "c2s":  # HELLO, AUTH
-        return 2 * P.HEADER_SIZE + P.NONCE_SIZE + P.PROOF_SIZE + len(fingerprint)
+    if direction == "c2s":  # HELLO, AUTH (its proof, the codec's id, the fingerprint)
+        return 2 * P.HEADER_SIZE + P.NONCE_SIZE + P.PROOF_SIZE + 1 + len(fingerprint)
     return 2 * P.HEADER_SIZE + P.NONCE_SIZE + P.PROOF_SIZE  # CHALLENGE, WELCOME
 
 

@@ -86,7 +86,7 @@ def _handshake(sock, wid):
     nonce = P.new_nonce()
     sock.sendall(P.encode_header(P.HELLO, wid, length=len(nonce)) + nonce)
     challenge = _exact(sock, P.HEADER_SIZE + P.NONCE_SIZE + P.PROOF_SIZE)[P.HEADER_SIZE:]
-    fp = P.fingerprint(P.normalize_shapes(None, N))
+    fp = bytes([P.CODEC_IDS["float32"]]) + P.fingerprint(P.normalize_shapes(None, N))  # the codec, then the model
     proof = P.client_proof(SECRET, nonce, challenge[:P.NONCE_SIZE], wid, fp)
     sock.sendall(P.encode_header(P.AUTH, wid, length=len(proof) + len(fp)) + proof + fp)
     h = P.decode_header(_exact(sock, P.HEADER_SIZE))

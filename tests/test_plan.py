@@ -33,6 +33,17 @@ def test_easgd_is_the_formula_on_given_costs():
     assert plan.easgd(COSTS, GIGABIT, 1, period=10, overlap=False).cycle == pytest.approx(0.1 + 0.0182 + 0.001)
 
 
+def test_a_codec_moves_its_own_bytes_through_the_exchanger_and_float32_through_spark():
+    import dataclasses
+    int8 = dataclasses.replace(COSTS, codec="int8")
+    # 250,000 int8 codes and a float32 scale per 256 of them: 253,908 bytes a frame, against 1 MB.
+    assert int8.bytes == 250_000 + 4 * 977 and int8.spark_bytes == COSTS.bytes == 1_000_000
+    assert plan.exchange_seconds(int8, GIGABIT) == pytest.approx(2 * 253_908 / 125e6 + 0.0002 + 0.002)
+    assert plan.center_rate(int8, GIGABIT) == pytest.approx(125e6 / 253_908)  # 3.9x float32's 125
+    assert plan.sync(int8, GIGABIT, 4).cycle < plan.sync(COSTS, GIGABIT, 4).cycle
+    assert plan.average(int8, GIGABIT, 4, 10).cycle == plan.average(COSTS, GIGABIT, 4, 10).cycle
+
+
 def test_sync_and_average_are_their_formulas():
     s = plan.sync(COSTS, GIGABIT, 4)
     # a step + the worker's 1 ms + 4 vectors each way over the center's link + 2 latencies + 4 x 2 ms

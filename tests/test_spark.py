@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pyspark
 import pytest
 
 from conftest import ROOT, run_cli
@@ -186,12 +187,13 @@ def test_killed_driver_resumes_from_its_snapshot_with_every_workers_momentum(tmp
 def standalone_cluster(tmp_path_factory):
     """One standalone cluster for this module's tests: (master URL, its folder, a folder only the driver
     sees: the workers run in a mount namespace with it covered by an empty tmpfs, as on cluster nodes
-    without that disk; None when that cannot be done here)."""
+    without that disk; None when that cannot be done here). Each worker offers one GPU address to Spark's
+    resource scheduling (a fake one where the machine has no GPU), which only a job that asks for GPUs takes."""
     folder = tmp_path_factory.mktemp("standalone")
     hidden = folder / "driver_only" if os.geteuid() == 0 else None
     if hidden is not None:
         hidden.mkdir()
-    with cluster(folder, hide=hidden) as (master, where):
+    with cluster(folder, hide=hidden, gpus=1) as (master, where):  # GPU addresses for test_gpu's placement
         yield master, where, hidden
 
 
@@ -267,3 +269,34 @@ def test_a_standalone_cluster_runs_a_task_on_each_worker_from_a_packed_environme
         "(ModuleNotFoundError: No module named 'deepspark'); ship an environment that has it: "
         "--executor-env ENV.tar.gz (tools/pack-env.sh packs one)"), log[-3000:]
     assert "Solving" in log and "connect" not in log  # it fails as the workers start, not on a timeout
+
+
+GPU_LINE = re.compile(r"Worker (\d+) on \S+ .*; GPU (\S+) from Spark, computed on (\S+)")
+
+
+def test_each_worker_takes_the_gpu_spark_gave_its_task_and_says_which(standalone_cluster, tmp_path):
+    """Each worker takes the GPU address its task was given, a distinct one, and says which; where no GPU is
+    present one line says so. Submitted as a GPU cluster's job is (README, "On GPU nodes")."""
+    master = standalone_cluster[0]
+    solver = make_job(tmp_path, max_iter=20, test_interval=0)  # the placement is the point: a short job, no tests
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+           "SPARK_LOCAL_IP": "127.0.0.1"}
+    command = [os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit"), "--master", master, "--conf", "spark.executor.cores=1",
+               "--conf", "spark.executor.resource.gpu.amount=1", "--conf", "spark.task.resource.gpu.amount=1",
+               "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
+               os.path.join(ROOT, "deepspark", "cli.py"), "train", "--solver", solver, "--workers", "2"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    assert workers_done(log) == [0, 1]
+    placed = {int(worker): (address, device) for worker, address, device in GPU_LINE.findall(log)}
+    assert sorted(placed) == [0, 1], log[-4000:]
+    assert sorted(address for address, _ in placed.values()) == ["0", "1"]  # one GPU each, never the same
+    from deepspark.backends import device  # deferred: it imports the backend
+
+    if device("tensorflow") == "CPU":  # no GPU on this machine: the addresses are the discovery scripts' alone
+        assert all(where == "CPU" for _, where in placed.values())
+        said = [line for line in log.splitlines() if "but the tensorflow backend saw none" in line]
+        assert len(said) == 1 and "Spark gave 2 of the workers a GPU" in said[0], log[-4000:]
+    else:  # each worker's process sees only its own GPU, as CUDA's device 0
+        assert all(where == "GPU:0" for _, where in placed.values())

@@ -7,7 +7,10 @@
 # Environment: VENV (default .venv), CLUSTER_DIR (default /tmp/deepspark-spark-cluster),
 # SPARK_MASTER_PORT (7077), SPARK_MASTER_WEBUI_PORT (8080), WORKERS (2), WORKER_CORES (1), WORKER_MEMORY (2g),
 # HIDE_FROM_WORKERS (folders, space-separated, that the workers must not see: each is covered by an empty
-# tmpfs in the workers' own mount namespace, as on nodes without the driver's disk; needs root).
+# tmpfs in the workers' own mount namespace, as on nodes without the driver's disk; needs root),
+# GPUS (GPUs each worker offers Spark's resource scheduling, 0 by default: worker i's are the addresses
+# (i-1)*GPUS .. i*GPUS-1, told by a discovery script of its own in CLUSTER_DIR; on one machine with that many
+# GPUs they are its CUDA devices, elsewhere addresses only, to test placement without a GPU).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -17,6 +20,7 @@ port=${SPARK_MASTER_PORT:-7077}
 webui=${SPARK_MASTER_WEBUI_PORT:-8080}
 workers=${WORKERS:-2}
 cores=${WORKER_CORES:-1}
+gpus=${GPUS:-0}
 memory=${WORKER_MEMORY:-2g}
 url="spark://127.0.0.1:$port"
 
@@ -30,6 +34,13 @@ start_worker() {
   local cmd=("$SPARK_HOME/bin/spark-class" org.apache.spark.deploy.worker.Worker
              --host 127.0.0.1 --cores "$cores" --memory "$memory" --webui-port $((webui + $1))
              --work-dir "$dir/work-$1" "$url")
+  if [ "$gpus" -gt 0 ]; then
+    local script="$dir/gpus-$1.sh" first=$(( ($1 - 1) * gpus )) addresses=""
+    for a in $(seq "$first" $(( first + gpus - 1 ))); do addresses+="${addresses:+, }\"$a\""; done
+    printf '#!/bin/sh\necho '"'"'{"name": "gpu", "addresses": [%s]}'"'"'\n' "$addresses" >"$script"
+    chmod +x "$script"
+    cmd=(env SPARK_WORKER_OPTS="-Dspark.worker.resource.gpu.amount=$gpus -Dspark.worker.resource.gpu.discoveryScript=$script" "${cmd[@]}")
+  fi
   if [ -n "${HIDE_FROM_WORKERS:-}" ]; then
     local mounts="" folder
     for folder in $HIDE_FROM_WORKERS; do mounts+="mount -t tmpfs tmpfs '$folder' && "; done

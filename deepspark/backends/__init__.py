@@ -20,6 +20,12 @@ def device(name):
     return importlib.import_module(BACKENDS[name] + ".runtime").device()
 
 
+def use_gpu(name, index):
+    """Pin backend `name` in this process to CUDA device `index` (None: to the CPU); where it computes now:
+    "GPU:i", or "CPU" where it sees no such GPU (a CPU-only build, no device, no driver)."""
+    return importlib.import_module(BACKENDS[name] + ".runtime").use_gpu(index)
+
+
 def create_model(backend_name, net_param, solver_param=None, **kw):
     """A base.Model of backend `backend_name` for this net (and solver, to train it).
 

@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from .. import rules
+from . import codec as C
 from . import handshake
 from . import protocol as P
 from .transport import Connection, apply_floats, byte_view, tune
@@ -42,11 +43,13 @@ class Link:
                  connection; the worker rejoins and resets from the center)
     history_sets as the server's: the worker's solver history is this many model-sized vectors
                  (send_history, pull_history); 0 exchanges none
+    codec        as the server's: how model frames travel (codec.CODECS: float32, float16, bfloat16, int8,
+                 int4); a PULL's center always comes whole, in float32
     """
 
     def __init__(self, address, secret, worker_id, *, shapes=None, timeout=120.0,
                  connect_timeout=10.0, retries=8, backoff=0.05, max_backoff=2.0,
-                 on_nonfinite="reset", chunk=None, integrity=True, history_sets=0):
+                 on_nonfinite="reset", chunk=None, integrity=True, history_sets=0, codec="float32"):
         if on_nonfinite not in ("reset", "raise"):
             raise ValueError("on_nonfinite must be 'reset' or 'raise'")
         if isinstance(address, str):
@@ -64,6 +67,7 @@ class Link:
         self._chunk = chunk
         self.integrity = bool(integrity)  # as the server's: tag every frame after the handshake
         self.history_sets = int(history_sets)
+        self.codec = C.get(codec)
         # The server asked for this worker's solver history (a reply's F_SEND_HISTORY): send_history it
         # once no exchange is in flight. Set by the thread that read the reply, before the result is handed over.
         self.history_wanted = False
@@ -76,6 +80,16 @@ class Link:
     @property
     def size(self):
         return None if self._conn is None else self._conn.buf.size
+
+    @property
+    def sent_bytes(self):
+        """Bytes this worker has sent the exchanger: frames with their headers and tags, not the handshakes."""
+        return 0 if self._conn is None else self._conn.sent_bytes
+
+    @property
+    def received_bytes(self):
+        """Bytes this worker has had from the exchanger, counted as sent_bytes."""
+        return 0 if self._conn is None else self._conn.received_bytes
 
     @property
     def _sock(self):
@@ -95,6 +109,8 @@ class Link:
             self._apply_step = apply_floats(n, self._chunk)
             self._conn = Connection(None, "%s:%d" % self.address, self.worker_id).allocate(n)
             self._conn.history_bytes = 4 * self.history_sets * n
+            if self.codec.name != "float32":
+                self._conn.channel = C.Channel(self.codec, n)
         delay = self.backoff
         for attempt in range(1, self.retries + 1):
             try:
@@ -116,8 +132,11 @@ class Link:
         conn = self._conn
         conn.sock = socket.create_connection(self.address, timeout=self.connect_timeout)
         tune(conn.sock)
+        bound = bytes([P.CODEC_IDS[self.codec.name]]) + self._fingerprint  # the codec, then the model
         self.server_iteration = self.resume_iteration = handshake.join(
-            conn, self._secret, self.worker_id, self._fingerprint, self.integrity, "%s:%d" % self.address)
+            conn, self._secret, self.worker_id, bound, self.integrity, "%s:%d" % self.address)
+        if conn.channel is not None:
+            conn.channel.restart()  # as the server's new connection starts it
         conn.sock.settimeout(self.timeout)
 
     def _request(self, type_, payload=None, iteration=0, value=math.nan, reply=None):
@@ -183,11 +202,19 @@ class Link:
 
     def _exchange_once(self, send_from, apply_to, iteration, loss):
         conn = self._conn
-        buf = conn.buf
-        h = self._request(P.EXCHANGE, byte_view(send_from), iteration, loss, reply=P.DIFF)
+        buf, channel = conn.buf, conn.channel
+        h = self._request(P.EXCHANGE, byte_view(send_from) if channel is None else channel.send_toward(send_from),
+                          iteration, loss, reply=P.DIFF)
         self.server_iteration = h.iteration
         self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
-        if apply_to is None:
+        if channel is not None:
+            # A coded d comes whole (a quarter of float32's bytes or less) and is checked as it decodes;
+            # one that does not decode (CodecError, a ProtocolError) makes the round trip rejoin.
+            conn.receive(channel.payload)
+            channel.receive_difference(buf)
+            if apply_to is not None:
+                rules.apply_to_worker(apply_to, buf)
+        elif apply_to is None:
             conn.receive(conn.view)
         else:
             def apply(start, end):
@@ -202,6 +229,8 @@ class Link:
         h = self._request(P.PULL, reply=P.CENTER)
         self._conn.receive(byte_view(out))
         self.server_iteration = h.iteration
+        if self._conn.channel is not None:
+            self._conn.channel.restart(out)  # where the server's picture of this worker now starts
         return out
 
 
@@ -238,8 +267,16 @@ class ExchangeClient(Link):
         params = _check_params(params)
         with self.blocking():
             self._ensure(params.size)
-            h = self._request(P.AVERAGE, byte_view(params), iteration, loss, reply=P.CENTER)
-            self._conn.receive(byte_view(params))
+            conn, channel = self._conn, self._conn.channel
+            h = self._request(P.AVERAGE, byte_view(params) if channel is None else channel.send_toward(params),
+                              iteration, loss, reply=P.CENTER)
+            if bool(h.flags & P.F_CODED) != (channel is not None):
+                raise P.ProtocolError("a CENTER %s the job's codec" % ("outside" if channel else "in"))
+            if channel is None:
+                conn.receive(byte_view(params))
+            else:
+                conn.receive(channel.payload)
+                channel.receive_toward(params)
             self.server_iteration = h.iteration
             self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
             self.exchanges += 1

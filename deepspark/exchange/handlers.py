@@ -6,6 +6,7 @@ import threading
 import time
 
 from .. import rules
+from . import codec as C
 from . import protocol as P
 from .transport import byte_view, slice_floats
 
@@ -106,11 +107,23 @@ class EasgdHandler(Handler):
                 if finite and not rules.all_finite(seg, ok[:hi - lo]):
                     finite = False
 
-        received = conn.fill(view) if self.consistent else 0  # outside the lock: a slow sender holds up nobody
+        channel = conn.channel
+        if channel is None:
+            received = conn.fill(view) if self.consistent else 0  # outside the lock: a slow sender holds up nobody
+        else:
+            # A coded x comes whole, outside the lock, its tag checked; x is the server's picture of the worker.
+            conn.receive(channel.payload)
+            try:
+                channel.receive_toward(buf)
+            except C.CodecError:
+                finite = False
         with self.lock:
-            # d = α(x − x̃) slice by slice as x arrives, in its receive buffer; a frame changed on the way
-            # raises here, before anything has touched the center.
-            conn.receive(view, difference, step, received)
+            if channel is None:
+                # d = α(x − x̃) slice by slice as x arrives, in its receive buffer; a frame changed on the way
+                # raises here, before anything has touched the center.
+                conn.receive(view, difference, step, received)
+            elif finite:
+                difference(0, n)
             if not finite:
                 # Nothing has touched the center yet: refuse, keep the connection.
                 server.count(wid, "refused_nonfinite")
@@ -129,6 +142,13 @@ class EasgdHandler(Handler):
         """DIFF d to the worker and x̃ += server_factor·d, overlapped."""
         center, buf, scratch, span, factor = self.center, conn.buf, conn.scratch, self.span, self.server_factor
         flags = self.server.history.reply_flags(conn.worker_id)
+        if conn.channel is not None:
+            # The worker gets d in the codec, with what earlier replies' rounding left out; x̃ gets d exact.
+            conn.send(P.DIFF, conn.channel.send_difference(buf), iteration=count, tag_after=True, flags=flags)
+            for start in range(0, center.size, span):
+                end = min(start + span, center.size)
+                rules.apply_to_center(center[start:end], buf[start:end], factor, scratch[:end - start])
+            return
         if span >= center.size:
             # Reply first, then add d to x̃: the add overlaps the worker's own
             # x −= d. This worker's next frame is read only after the add.
@@ -207,9 +227,17 @@ class RoundsHandler(Handler):
 
     def serve(self, conn, h):
         """Add x to the round of its iteration; once all N are in, every worker gets their mean."""
-        wid = conn.worker_id
-        conn.receive(conn.view)
-        if not rules.all_finite(conn.buf):
+        wid, channel = conn.worker_id, conn.channel
+        if channel is None:
+            conn.receive(conn.view)
+            finite = rules.all_finite(conn.buf)
+        else:
+            conn.receive(channel.payload)
+            try:
+                finite = rules.all_finite(channel.receive_toward(conn.buf))  # the worker's x as the server sees it
+            except C.CodecError:
+                finite = False
+        if not finite:
             # A round cannot go on without this worker's parameters: it fails for everyone.
             raise P.Refusal(P.E_NONFINITE, "worker %d sent NaN or Inf parameters at iteration %d; "
                             "the synchronous round cannot complete" % (wid, h.iteration))
@@ -244,8 +272,12 @@ class RoundsHandler(Handler):
                 raise P.Refusal(P.E_TIMEOUT, rnd.failure)
             # The center changes again only when a round completes, which needs this
             # worker's next frame: sending it outside the lock is safe (and so is a PULL's).
-        conn.send(P.CENTER, byte_view(self.center), iteration=h.iteration, tag_after=True,
-                  flags=self.server.history.reply_flags(wid))
+        flags = self.server.history.reply_flags(wid)
+        if channel is None:
+            conn.send(P.CENTER, byte_view(self.center), iteration=h.iteration, tag_after=True, flags=flags)
+        else:  # the mean in the codec: the worker's picture of it, and so its parameters, move by what decodes
+            conn.send(P.CENTER, channel.send_toward(self.center), iteration=h.iteration, tag_after=True,
+                      flags=flags | P.F_CODED)
 
     def left(self, worker_id):
         """An open round it is in, or that waits for it, can never complete (the server calls this for a

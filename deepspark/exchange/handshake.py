@@ -12,9 +12,9 @@ def refused(conn, h):
     return P.RefusedError(h.flags, P.decode_error(conn.read_small(h.length)))
 
 
-def authenticate(conn, secret, fingerprint, shapes):
-    """The server's side up to WELCOME: the peer proves it holds `secret` and was built with the model of
-    `fingerprint` (blob `shapes`), else Refusal; (its worker id, the session keys (c2s, s2c))."""
+def authenticate(conn, secret, fingerprint, shapes, codec="float32"):
+    """The server's side up to WELCOME: the peer proves it holds `secret`, speaks `codec` and was built with the
+    model of `fingerprint` (blob `shapes`), else Refusal; (its worker id, the session keys (c2s, s2c))."""
     h = conn.read_header(None)
     if h.type != P.HELLO:
         raise P.ProtocolError("expected HELLO, got %s" % P.TYPE_NAMES[h.type])
@@ -29,10 +29,13 @@ def authenticate(conn, secret, fingerprint, shapes):
         raise P.ProtocolError("expected AUTH from worker %d, got %s from worker %d"
                               % (wid, P.TYPE_NAMES[h.type], h.worker_id))
     auth = conn.read_small(h.length)
-    their_proof = bytes(auth[:P.PROOF_SIZE])
-    their_fp = bytes(auth[P.PROOF_SIZE:])
-    if not P.proofs_match(their_proof, P.client_proof(secret, client_nonce, server_nonce, wid, their_fp)):
+    their_proof, bound = bytes(auth[:P.PROOF_SIZE]), bytes(auth[P.PROOF_SIZE:])  # bound: codec id, fingerprint
+    if not P.proofs_match(their_proof, P.client_proof(secret, client_nonce, server_nonce, wid, bound)):
         raise P.Refusal(P.E_AUTH, "authentication failed: worker %d does not hold this job's secret" % wid)
+    their_codec, their_fp = P.CODEC_NAMES.get(bound[0], "unknown (id %d)" % bound[0]), bound[1:]
+    if their_codec != codec:
+        raise P.Refusal(P.E_FINGERPRINT, "codec mismatch: the server exchanges %s, worker %d %s"
+                        % (codec, wid, their_codec))
     if their_fp != fingerprint:
         mine = P.describe_shapes(P.shapes_size(shapes), shapes)
         try:
@@ -53,7 +56,8 @@ def welcome(conn, wid, iteration, keys=None):
 
 
 def join(conn, secret, wid, fingerprint, integrity, where):
-    """The client's side on a new socket: prove `secret` and the model's `fingerprint` as worker `wid` to the
+    """The client's side on a new socket: prove `secret` and `fingerprint` (the codec's id, then the model's
+    fingerprint) as worker `wid` to the
     server at `where` ("host:port"), and check its proof; the iteration it welcomes the worker at. A
     server's ERROR becomes RefusedError; with `integrity` the connection is sealed after."""
     conn.unseal()  # a new socket: its handshake is untagged

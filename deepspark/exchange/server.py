@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from .. import rules
+from . import codec as C
 from . import handshake
 from . import protocol as P
 from .history import HistoryHandler
@@ -41,11 +42,13 @@ class ExchangeServer:
                   per worker (history.HistoryHandler) for the driver's snapshots, and hands it back
                   to a worker that asks as it joins
     histories     {worker id: (iteration, current_step, float32 vector)} to hold from the start
+    codec         how model frames travel (codec.CODECS); the workers' clients must say the same. The
+                  center's arithmetic stays float32 whatever the codec
     """
 
     def __init__(self, center, secret, handler, host="127.0.0.1", port=0, *, shapes=None,
                  resume_iteration=0, idle_timeout=3600.0, handshake_timeout=10.0, max_handshakes=64,
-                 integrity=True, history_sets=0, histories=None):
+                 integrity=True, history_sets=0, histories=None, codec="float32"):
         center = np.asarray(center)
         if not np.issubdtype(center.dtype, np.floating) or center.size == 0:
             raise ValueError("center must be a non-empty float array")
@@ -64,6 +67,7 @@ class ExchangeServer:
         self.max_handshakes = int(max_handshakes)
         self._handshaking = 0  # connections accepted and not yet through their handshake (under _books)
         self.integrity = bool(integrity)  # tag every frame after the handshake (transport.Connection.seal)
+        self.codec = C.get(codec)
         self.history = HistoryHandler(int(history_sets) * self._center.size, histories)
         self._host, self._port = host, port
         self._books = threading.Lock()  # bookkeeping only, never held during the update
@@ -231,9 +235,13 @@ class ExchangeServer:
             del self.refused[:-100]
 
     def send_center(self, conn):
-        """The reply to PULL: x̃ as it is."""
+        """The reply to PULL: x̃ as it is, in float32 whatever the codec (the worker starts over from it)."""
         with self.handler.send_lock:
-            if conn.sealed:
+            if conn.channel is not None:
+                np.copyto(conn.buf, self._center)  # lock-free, x̃ moves: both ends start from what went out
+                conn.send(P.CENTER, conn.view, iteration=self._exchanges, tag_after=True)
+                conn.channel.restart(conn.buf)
+            elif conn.sealed:
                 # Lock-free, other workers move x̃ while it is sent: the tag must cover the bytes that went
                 # out, so a snapshot in this connection's buffer (free: the worker waits) goes.
                 np.copyto(conn.buf, self._center)
@@ -262,6 +270,8 @@ class Session:
             handshaking = False
             sock.settimeout(server.idle_timeout)
             conn.allocate(server.size, server.handler.scratch)
+            if server.codec.name != "float32":
+                conn.channel = C.Channel(server.codec, server.size)
             self.loop()
         except (P.Refusal, P.ProtocolError) as e:
             self.refuse(e.code, str(e))
@@ -303,7 +313,8 @@ class Session:
         """The handshake (handshake.authenticate), then WELCOME at the worker's start iteration and its stats
         opened; sets and returns conn.worker_id."""
         server, conn = self.server, self.conn
-        wid, keys = handshake.authenticate(conn, server._secret, server._fingerprint, server._shapes)
+        wid, keys = handshake.authenticate(conn, server._secret, server._fingerprint, server._shapes,
+                                           server.codec.name)
         # Asked before the books are taken: a handler may hold its own lock and then the books.
         iteration = server.handler.start_iteration(wid)
         with server._books:

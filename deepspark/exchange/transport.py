@@ -108,10 +108,10 @@ def recv_applying(sock, view, apply, step, received=0):
             done = ready
 
 
-def recv_header(sock, view, model_bytes, history_bytes=0):
+def recv_header(sock, view, model_bytes, history_bytes=0, coded_bytes=None):
     """Read and validate one header into `view` (HEADER_SIZE bytes)."""
     recv_exact(sock, view)
-    return protocol.decode_header(view, model_bytes, history_bytes)
+    return protocol.decode_header(view, model_bytes, history_bytes, coded_bytes)
 
 
 def send_frame(sock, header, payload=None, tag=b""):
@@ -133,8 +133,8 @@ class Connection:
     (a new socket is attached to the same buffers).
 
     Once sealed (after the handshake, with the keys it derived) every frame carries a
-    tag: HMAC-SHA256 under the sending direction's key over its sequence number, header
-    and payload (protocol.Sealer). The tag is the connection's business alone: `send`
+    tag: AES-GCM's under the sending direction's key over its header and payload, its
+    sequence number the IV (protocol.Sealer). The tag is the connection's business alone: `send`
     and `send_sliced` hash what goes out, `receive` hashes what arrives, slice by slice
     before anything overwrites it, and checks the tag before it returns, so that a frame
     changed on the way is refused before its reader acts on it.
@@ -150,6 +150,8 @@ class Connection:
         self.tag = memoryview(bytearray(protocol.TAG_SIZE))              # the tag being read
         self.buf = self.view = self.ok = self.scratch = None
         self.history_bytes = 0       # a HISTORY frame's payload: 0 while solver history is not exchanged
+        self.channel = None          # codec.Channel of a job whose codec is not float32
+        self.sent_bytes = self.received_bytes = 0  # on the wire, headers and tags included
         self.unseal()
 
     # -- integrity ------------------------------------------------------------------
@@ -232,7 +234,9 @@ class Connection:
     def read_header(self, model_bytes):
         """The next header, validated (model frames must be exactly `model_bytes` long); a sealed frame
         without a payload is verified here, one with a payload by `receive`."""
-        h = recv_header(self.sock, self.header, model_bytes, self.history_bytes)
+        h = recv_header(self.sock, self.header, model_bytes, self.history_bytes,
+                        None if self.channel is None else len(self.channel.payload))
+        self.received_bytes += protocol.HEADER_SIZE + h.length + (protocol.TAG_SIZE if self._in is not None else 0)
         if self._in is not None:
             self._reading = self._in.begin(self.header)
             if not h.length:
@@ -243,6 +247,7 @@ class Connection:
 
     def send_frame_bytes(self, frame):
         """A whole frame built elsewhere (an ERROR), tagged when sealed."""
+        self.sent_bytes += len(frame) + (protocol.TAG_SIZE if self._out is not None else 0)
         if self._out is None:
             self.sock.sendall(frame)
             return
@@ -260,6 +265,7 @@ class Connection:
         whole = length is None
         if whole:
             length = 0 if payload is None else len(payload)
+        self.sent_bytes += protocol.HEADER_SIZE + length + (protocol.TAG_SIZE if self._out is not None else 0)
         protocol.pack_header_into(self.out_header, type_, self.worker_id, iteration, length, value, flags)
         if self._out is None:
             send_frame(self.sock, self.out_header, payload)

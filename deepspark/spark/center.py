@@ -86,8 +86,8 @@ class CenterCadence:
     def test_nets(self):
         """The driver's test nets (an engine.Evaluator), built at the first call."""
         if self.evaluator is None:
+            nets.place(self.solver, self.log)  # the driver's device, before its backend builds a net
             self.evaluator = nets.evaluator(self.solver, self.log)
-            nets.note_device(self.solver, self.log)  # as the driver's backend sees it, now that it runs
         return self.evaluator
 
     def close(self):

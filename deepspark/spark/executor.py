@@ -16,7 +16,7 @@ import numpy as np
 
 import deepspark
 from deepspark import nets, schedule
-from deepspark.backends import backend_module
+from deepspark.backends import backend_module, use_gpu
 from deepspark.config import Solver
 from deepspark.data import checked_records, decode_datum, lmdb_io
 from deepspark.errors import DeepSparkError, SourceMap
@@ -86,6 +86,10 @@ class Summary:
     final_iteration: int = 0
     exchanges: int = 0
     blocked_seconds: float = 0.0
+    sent_bytes: int = 0  # through the exchanger, frames with their headers and tags (exchange_codec's)
+    received_bytes: int = 0
+    gpu: str = ""  # the GPU address Spark's resource scheduling gave its task, if any
+    device: str = "CPU"  # where its backend computed: "GPU:0" (CUDA's numbering in its process) or "CPU"
     loss: float = float("nan")
     digest: str = ""  # sync: a fingerprint of the parameters after the last round
     spill_rss_mb: float = 0.0  # the worker process's peak RSS in this task when its spill was done
@@ -248,6 +252,8 @@ class Prepared:
     ready_at: float  # when it was done (time.time())
     import_seconds: float = 0.0
     build_seconds: float = 0.0
+    gpu: str = ""
+    device: str = "CPU"
 
 
 class Diverged(WorkerError):
@@ -284,15 +290,42 @@ def build(worker, payload, task):
         backend_module(task.param.deepspark_param.backend)  # its import (TensorFlow's) timed apart from the build
         imported = time.monotonic()
         # The log goes to the executor's stderr, which Spark keeps in the executor's log.
-        trainer = nets.trainer(task.solver_for(shard_path), Log(progress=False), shard=shard, num_shards=shards,
-                               seed_offset=worker, threads=task.threads, evaluate=False)
+        log, solver = Log(progress=False), task.solver_for(shard_path)
+        gpu, device = place(worker, solver, log)
+        trainer = nets.trainer(solver, log, shard=shard, num_shards=shards, seed_offset=worker, threads=task.threads,
+                               evaluate=False)
         trainer.on_step = functools.partial(check_finite, worker, None)  # until it joins the center
     except BaseException:
         remove_shard(shard_path)
         raise
     prepared = Prepared(records, spill_seconds, spill_rss, ready_at, import_seconds=imported - began,
-                        build_seconds=time.monotonic() - imported)
+                        build_seconds=time.monotonic() - imported, gpu=gpu, device=device)
     return trainer, shard_path, prepared
+
+
+def task_gpu():
+    """The address of the GPU Spark's resource scheduling gave this task (spark.task.resource.gpu.amount, as
+    TensorFlowOnSpark and Horovod take theirs), or None; the first, where it gave several."""
+    from pyspark import TaskContext  # deferred: pyspark is the executor's, loaded by the time a task runs
+
+    context = TaskContext.get()
+    gpus = None if context is None else context.resources().get("gpu")
+    return gpus.addresses[0] if gpus is not None and gpus.addresses else None
+
+
+def place(worker, solver, log):
+    """Where worker `worker`'s backend computes, pinned before it builds a net: on the GPU Spark gave its task
+    (made CUDA's only device in this process, as Spark's resource docs advise), else as the solver's
+    solver_mode and device_id say (nets.place); (the GPU address from Spark or "", the device)."""
+    address = task_gpu()
+    if address is None:
+        return "", nets.place(solver, log)
+    os.environ["CUDA_VISIBLE_DEVICES"] = address
+    where = use_gpu(solver.param.deepspark_param.backend, 0)
+    log.info(f"worker {worker}: GPU {address} from Spark; the {solver.param.deepspark_param.backend} backend "
+             + (f"runs on it ({where} in this process)" if where != "CPU" else
+                f"sees no GPU on {socket.gethostname()}: it runs on the CPU"))
+    return address, where
 
 
 def join_center(worker, task, model, timeout):
@@ -302,7 +335,7 @@ def join_center(worker, task, model, timeout):
     client = ExchangeClient(tuple(task.address), task.secret, worker, shapes=model.param_shapes,
                             timeout=timeout, connect_timeout=min(timeout, CONNECT_SECONDS),
                             integrity=task.param.deepspark_param.exchange_integrity,
-                            history_sets=model.history_sets)
+                            history_sets=model.history_sets, codec=task.param.deepspark_param.exchange_codec)
     history = np.empty(model.history_sets * model.param_count, np.float32)
     try:
         client.connect()
@@ -356,7 +389,8 @@ def run(worker, items, task, train, timeout):
         first_step_at, first_step_seconds = trainer.first_step or (0.0, 0.0)
         summary = Summary.here(worker, train_seconds=time.monotonic() - started, iterations=model.iter - start_iter,
                                final_iteration=model.iter, exchanges=client.exchanges,
-                               blocked_seconds=client.blocked_seconds, loss=loss, peak_rss_mb=peak_rss_mb(),
+                               blocked_seconds=client.blocked_seconds, sent_bytes=client.sent_bytes,
+                               received_bytes=client.received_bytes, loss=loss, peak_rss_mb=peak_rss_mb(),
                                restored_history=restored, forked_at=process_started_at(), task_at=task_at,
                                connect_seconds=connect_seconds, first_step_seconds=first_step_seconds,
                                first_step_at=first_step_at, **dataclasses.asdict(prepared), **extra)

@@ -137,7 +137,8 @@ class Job:
         return ExchangeServer(center, secret, handler, host=host, port=ds.exchange_port,
                               shapes=[tuple(p.shape) for p in self.graph.params], idle_timeout=ds.exchange_timeout,
                               resume_iteration=self.start_iter, integrity=ds.exchange_integrity,
-                              history_sets=self.history_sets, histories=self.resume_histories).start()
+                              history_sets=self.history_sets, histories=self.resume_histories,
+                              codec=ds.exchange_codec).start()
 
     def watch(self, run_tasks):
         """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch); its result."""
@@ -229,10 +230,17 @@ class Job:
             log.info(f"Worker {r.worker} on {r.host} (in {r.cwd}, deepspark from {r.package}): "
                      f"{r.iterations} iterations, {r.exchanges} exchanges, spilled {r.records} records in "
                      f"{r.spill_seconds:.2f}s, trained {r.train_seconds:.1f}s, blocked on exchange "
-                     f"{r.blocked_seconds:.2f}s, peak RSS {r.spill_rss_mb:.0f} MB after the spill, "
+                     f"{r.blocked_seconds:.2f}s, sent {r.sent_bytes / 1e6:.3g} MB and received "
+                     f"{r.received_bytes / 1e6:.3g} MB through the exchanger, peak RSS {r.spill_rss_mb:.0f} MB after the spill, "
                      f"{r.peak_rss_mb:.0f} MB"
+                     + (f"; GPU {r.gpu} from Spark, computed on {r.device}" if r.gpu else
+                        f"; computed on {r.device}" if r.device != "CPU" else "")
                      + ("" if r.restored_history is None else
                         f"; started from its solver history of iteration {r.restored_history}"))
+        unused = [r for r in results if r.gpu and r.device == "CPU"]
+        if unused:
+            log.warning(f"Spark gave {len(unused)} of the workers a GPU, but the {self.ds.backend} backend saw none "
+                        f"there ({', '.join(sorted({r.host for r in unused}))}): they trained on the CPU")
         startup = {r.worker: r.startup(self.submitted) for r in results if r.first_step_at}
         for worker, parts in sorted(startup.items()):
             log.info(f"Start-up of worker {worker}: {sum(parts.values()):.2f}s from Solving to its first step done: "

@@ -51,6 +51,36 @@ def caffe(threads=None):
     return _caffe
 
 
+_device = "CPU"
+
+
 def device():
-    """Where Caffe computes: on the CPU, as tools/build-caffe.sh builds it (CPU_ONLY)."""
-    return "CPU"
+    """Where Caffe computes in this process: "GPU:i" once use_gpu pinned it there, else the CPU."""
+    return _device
+
+
+def built_with_cuda():
+    """Whether this pycaffe was built with CUDA (tools/build-caffe.sh builds CPU_ONLY): its _caffe library needs
+    libcudart. Asked without calling into Caffe, whose CPU_ONLY build aborts the process on set_mode_gpu."""
+    module = caffe()
+    library = os.path.join(os.path.dirname(module.__file__), "_caffe.so")
+    try:
+        with open(library, "rb") as f:
+            return b"libcudart" in f.read()
+    except OSError:
+        return False
+
+
+def use_gpu(index):
+    """Caffe in GPU mode on CUDA device `index` (None: CPU mode) where this pycaffe has CUDA; where it runs now.
+    Caffe's mode is per thread: the thread that builds and steps the net is the one that must ask."""
+    global _device
+    module = caffe()
+    if index is None or not built_with_cuda():
+        module.set_mode_cpu()
+        _device = "CPU"
+    else:
+        module.set_mode_gpu()
+        module.set_device(int(index))
+        _device = f"GPU:{int(index)}"
+    return _device

@@ -37,6 +37,23 @@ def set_threads(count):
 
 
 def device():
-    """Where TensorFlow places a model's ops: its first GPU when it sees one, else the CPU."""
-    gpus = tf.config.list_physical_devices("GPU")  # lists devices without starting the runtime
+    """Where TensorFlow places a model's ops: its first visible GPU, else the CPU."""
+    gpus = tf.config.get_visible_devices("GPU")  # what use_gpu left visible; the runtime need not have started
     return f"GPU:{gpus[0].name.rsplit(':', 1)[-1]}" if gpus else "CPU"
+
+
+def use_gpu(index):
+    """Pin this process's TensorFlow to CUDA device `index` (None: to no GPU, the CPU), growing its memory as
+    needed rather than taking it all; where a model runs now (device()).
+
+    TensorFlow takes the choice only before its runtime starts: once a model has run, what it sees stays.
+    """
+    gpus = tf.config.list_physical_devices("GPU")  # lists devices without starting the runtime
+    chosen = [gpu for gpu in gpus if index is not None and gpu.name.rsplit(":", 1)[-1] == str(index)]
+    try:
+        tf.config.set_visible_devices(chosen, "GPU")
+        for gpu in chosen:
+            tf.config.experimental.set_memory_growth(gpu, True)
+    except RuntimeError:
+        pass  # the runtime has started (an earlier task in this Python worker): it keeps the device it has
+    return device()
