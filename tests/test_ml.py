@@ -136,9 +136,16 @@ def test_transform_adds_named_blobs_as_vectors_and_bad_input_is_one_line(fitted)
     with pytest.raises(ConfigError, match=r"^outputBlobs: the net has no blob 'fc7'; its blobs are data, conv1"):
         model.copy({model.outputBlobs: "fc7"}).transform(frame)
     small = spark.createDataFrame([([[0] * 14] * 14, 0)] * 3, "image array<array<int>>, label int").coalesce(1)
+    with pytest.raises(ConfigError, match=r"^inputCol 'image' holds 1x14x14 images \(its first row's\); the net "
+                                          r"takes 1x28x28$"):
+        model.transform(small)
+    ragged = spark.createDataFrame([([[0] * 28] * 28,), ([[0] * 28] * 27,)], "image array<array<int>>").coalesce(1)
     with pytest.raises(Exception) as error:
-        model.transform(small).collect()
-    assert "DataFrame row 0 of partition 0: its image is 1x14x14; the net takes 1x28x28" in str(error.value)
+        model.transform(ragged).collect()
+    assert str(error.value).strip().endswith("DataError: inputCol 'image' (Arrow batch 0 of a partition): row 1 holds "
+                                             "756 numbers; the net takes 1x28x28 = 784 (set inputShape for another "
+                                             "layout)")
+    assert model.copy({model.handleInvalid: "skip"}).transform(ragged).count() == 1
     cifar_deploy = os.path.join(ROOT, "models", "cifar10_quick", "deploy.prototxt")
     with pytest.raises(ConfigError, match=r"lenet_iter_150.caffemodel: cannot copy param 0 of layer 'conv1': shape "
                                           r"mismatch, weights have \(20, 1, 5, 5\), the net needs \(32, 3, 5, 5\)$"):
