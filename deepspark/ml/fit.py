@@ -21,6 +21,7 @@ from deepspark.ml import frames, images
 from deepspark.ml.images import DATUM
 from deepspark.ml.model import DeepSparkModel, check_shape, image_shape, is_connect, parse_transform
 from deepspark.plot import parse_log
+from deepspark.spark.session import this_python
 from deepspark.proto import deepspark_pb2 as pb
 
 # The layers whose first bottom's channels are the classes a label indexes, with the message of their axis.
@@ -91,6 +92,7 @@ class Fit:
         if is_connect(self.dataset):
             raise ConfigError("fit runs the training job through a SparkContext, which Spark Connect does not give; "
                               "fit in classic Spark (a DeepSparkModel's transform runs under Spark Connect too)")
+        this_python(self.dataset.sparkSession.sparkContext)  # before any function is shipped to the executors
         solver = self.solver()
         deploy = est._given("deploy") or os.path.join(os.path.dirname(os.path.abspath(est.getOrDefault("solver"))),
                                                       "deploy.prototxt")

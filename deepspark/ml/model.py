@@ -24,6 +24,7 @@ from deepspark.ml.params import Stage, with_accessors, with_schema
 from deepspark.ml.persist import ModelReader, ModelWriter
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.scoring import Forward
+from deepspark.spark.session import this_python
 
 
 def parse_transform(text):
@@ -252,6 +253,6 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         if is_connect(dataset):
             self.counters = None
             return dataclasses.replace(forward, weights=Held(forward.weights))
-        sc = dataset.sparkSession.sparkContext
+        sc = this_python(dataset.sparkSession.sparkContext)
         self.counters = (sc.accumulator(0), sc.accumulator(0.0))
         return forward.shipped(sc, self.counters)

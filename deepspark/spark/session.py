@@ -97,7 +97,7 @@ def spark_context(ds, workers):
     a job reading no DataFrame does without it (seconds of the JVM's start-up, on the cores the workers' start-up
     needs: bench/startup.py); sql_session starts it when a job needs it."""
     if SparkContext._active_spark_context is not None:
-        return SparkContext._active_spark_context, False
+        return this_python(SparkContext._active_spark_context), False
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # under spark-submit the JVM is up with its master
     master = ds.master or (None if submitted else f"local[{workers},{max(ds.max_failures, 1)}]")
     conf = SparkConf().setAppName("deepspark")
@@ -143,6 +143,17 @@ def spark_context(ds, workers):
         start_python_workers(sc, workers)
     sc.setLogLevel("ERROR")
     return sc, True
+
+
+def this_python(sc):
+    """`sc`, its local-mode executors made to run this process's Python (sys.executable, where deepspark is) unless
+    the user chose one (PYSPARK_PYTHON, spark.pyspark.python): a context the user started from a Python whose venv
+    is not activated (a notebook's kernel, an IDE, cron) would run `python3` from PATH, which may not have it.
+    pyspark reads sc.pythonExec as it ships each function."""
+    chosen = os.environ.get("PYSPARK_PYTHON") or sc.getConf().get("spark.pyspark.python", None)
+    if is_local(sc.master) and not chosen:
+        sc.pythonExec = sys.executable
+    return sc
 
 
 def sql_session(sc):
