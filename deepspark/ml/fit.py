@@ -86,6 +86,7 @@ class Fit:
     def __init__(self, estimator, dataset):
         self.est, self.dataset = estimator, dataset
         self.log = Log()
+        self.done = set()  # the Data layers rescale() has scaled
 
     def run(self):
         est = self.est
@@ -93,18 +94,19 @@ class Fit:
             raise ConfigError("fit runs the training job through a SparkContext, which Spark Connect does not give; "
                               "fit in classic Spark (a DeepSparkModel's transform runs under Spark Connect too)")
         this_python(self.dataset.sparkSession.sparkContext)  # before any function is shipped to the executors
-        solver = self.solver()
+        solver = self.solver = self.load_solver()
         deploy = est._given("deploy") or os.path.join(os.path.dirname(os.path.abspath(est.getOrDefault("solver"))),
                                                       "deploy.prototxt")
         transform = test_transform(solver)  # as the solver gives it: the Model applies inputScale itself
         inputs = self.inputs(solver, deploy)
         skip = est.getOrDefault("handleInvalid") == "skip"
         data = frames.checked(self.dataset, inputs, skip)
-        scale = self.scale(solver, data, inputs)
+        scale = self.scale(data, inputs)
+        self.rescale(solver.train_net, pb.NetState(phase=pb.TRAIN), scale)
         seed = est.getOrDefault("seed") if est.isSet("seed") else max(solver.param.random_seed, 0)
         train, valid = frames.split(data, est.getOrDefault("validationCol"), est.getOrDefault("validationFraction"),
                                     seed)
-        self.validation(solver, valid, inputs, skip)
+        self.validation(solver, valid, inputs, skip, scale)
         summary = spark.train(solver, frames.datum_frame(train, inputs, skip), weights=est._given("weights"))
         history = self.final_test(solver, summary)
         model = DeepSparkModel.from_caffe(deploy, summary["weights"], transform=transform,
@@ -115,7 +117,7 @@ class Fit:
         record_in_mlflow(history)
         return model
 
-    def solver(self):
+    def load_solver(self):
         """The solver with the Estimator's Params over it, writing into a folder of this fit's own (fits in parallel,
         as TrainValidationSplit runs them, do not share one)."""
         est = self.est
@@ -148,36 +150,40 @@ class Fit:
         classes, ignored = class_count(graph) if label else (None, None)
         return frames.Inputs(column, kind, depth, tuple(shape), label, classes, ignored)
 
-    def scale(self, solver, data, inputs):
-        """inputScale as set, else as a sample of the data needs it (said in one line); applied to the solver's
-        nets as Caffe's transform_param can hold it (images.scaled_transform)."""
-        layers = {id(layer): layer for net in [solver.train_net] + [net for net, _, _ in solver.test_nets]
-                  for layer in net.layer if layer.type in DATA_TYPES}
-        train_scale = next((layer.transform_param.scale for layer in solver.train_net.layer
-                            if layer.type in DATA_TYPES), 1.0)
+    def scale(self, data, inputs):
+        """inputScale as set, else as a sample of the data needs it (said in one line)."""
         scale = self.est.getOrDefault("inputScale")
-        if not (self.est.isSet("inputScale") and scale > 0):
-            found = frames.sample(data, inputs.column, inputs.kind, inputs.shape)
-            scale = images.input_scale(found, train_scale)
-            if scale != 1:
-                self.log.info(f"inputCol '{inputs.column}' holds values within [0, 1] (its first {len(found)} rows: "
-                              f"{found.min():g} to {found.max():g}) and the net's transform_param scales by "
-                              f"{train_scale:g}, for 0-255 pixels: they are multiplied by {scale:g} first, so that "
-                              "the net sees what it would of pixels (inputScale; the model keeps it)")
+        if self.est.isSet("inputScale") and scale > 0:
+            return scale
+        train_scale = next((layer.transform_param.scale for layer in self.solver.train_net.layer
+                            if layer.type in DATA_TYPES and layer_included(layer, pb.NetState(phase=pb.TRAIN))), 1.0)
+        found = frames.sample(data, inputs.column, inputs.kind, inputs.shape)
+        scale = images.input_scale(found, train_scale)
         if scale != 1:
-            for key, layer in layers.items():
-                param = layer.transform_param
-                mean = load_mean(param.mean_file) if param.mean_file else None
-                scaled, mean = images.scaled_transform(param, scale, mean)
-                if mean is not None:
-                    scaled.mean_file = os.path.join(self.output, f"mean_{key}.binaryproto")
-                    save_mean(mean, scaled.mean_file)
-                layer.transform_param.CopyFrom(scaled)
+            self.log.info(f"inputCol '{inputs.column}' holds values within [0, 1] (its first {len(found)} rows: "
+                          f"{found.min():g} to {found.max():g}) and the net's transform_param scales by "
+                          f"{train_scale:g}, for 0-255 pixels: they are multiplied by {scale:g} first, so that the "
+                          "net sees what it would of pixels (inputScale; the model keeps it)")
         return scale
 
-    def validation(self, solver, valid, inputs, skip):
+    def rescale(self, net, state, scale):
+        """The Data layers of `net` in the phase of `state` made to take images multiplied by `scale` first, as
+        Caffe's transform_param can hold it (images.scaled_transform; a mean_file's image written scaled)."""
+        for index, layer in enumerate(net.layer):
+            if scale == 1 or layer.type not in DATA_TYPES or not layer_included(layer, state) or id(layer) in self.done:
+                continue
+            self.done.add(id(layer))  # a layer of both phases, or of a net two test nets share, is scaled once
+            param = layer.transform_param
+            scaled, mean = images.scaled_transform(param, scale, load_mean(param.mean_file) if param.mean_file else None)
+            if mean is not None:
+                scaled.mean_file = os.path.join(self.output, f"mean_{pb.Phase.Name(state.phase)}_{index}.binaryproto")
+                save_mean(mean, scaled.mean_file)
+            layer.transform_param.CopyFrom(scaled)
+
+    def validation(self, solver, valid, inputs, skip, scale):
         """The validation rows as an LMDB in the fit's folder that the solver's test nets read (test_iter covering
-        them); without validation rows, the solver's own test data where it is there, else no test."""
+        them, their Data layers taking the rows' scale); without validation rows, the solver's own test data where it
+        is there, else no test."""
         layers = test_data_layers(solver)
         if valid is None:
             missing = [layer.data_param.source for _, layer in layers if not os.path.exists(layer.data_param.source)]
@@ -198,6 +204,8 @@ class Fit:
         for i, layer in layers:
             layer.data_param.source = path
             solver.param.test_iter[i] = math.ceil(count / layer.data_param.batch_size)
+        for net, _, state in solver.test_nets:
+            self.rescale(net, state, scale)
         self.log.info(f"Validating on {count} rows held out of the DataFrame, at every test_interval "
                       f"({solver.param.test_interval}) and at the end")
 

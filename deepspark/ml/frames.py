@@ -95,13 +95,12 @@ def checked(df, inputs, skip):
     size = int(np.prod(inputs.shape)) if inputs.shape else None
     bad = {"null image": image.isNull()}
     if flat is not None and size:
-        bad["size"] = F.size(flat) != size
+        bad["size"] = F.when(image.isNotNull(), F.size(flat) != size)  # vector_to_array refuses a null
     if label is not None:
         bad["null label"] = label.isNull()
         bad["fraction"] = label != F.floor(label)
-        bad["range"] = ((label < 0) | (label >= inputs.classes)) & (label != F.lit(-1 if inputs.ignored is None
-                                                                              else inputs.ignored)) \
-            if inputs.classes else F.lit(False)
+        outside = (label < 0) | (label >= inputs.classes) if inputs.classes else F.lit(False)
+        bad["range"] = outside if inputs.ignored is None else outside & (label != inputs.ignored)
     counts = df.agg(*(F.sum(F.coalesce(test, F.lit(False)).cast("long")).alias(name)
                       for name, test in bad.items())).first().asDict()
     if skip:
