@@ -20,6 +20,8 @@ from deepspark.proto import deepspark_pb2 as pb
 
 pyspark = pytest.importorskip("pyspark")
 from pyspark.ml import Pipeline, PipelineModel  # noqa: E402  (after the skip)
+from pyspark.ml.classification import LogisticRegression  # noqa: E402
+from pyspark.ml.linalg import VectorUDT  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
 from deepspark.ml import DeepSparkEstimator, DeepSparkModel  # noqa: E402
@@ -179,7 +181,7 @@ def test_a_fitted_pipeline_saves_and_loads_in_a_new_session_to_identical_outputs
 
     spark = session()  # a new SparkSession (and SparkContext) in this process
     loaded = PipelineModel.load(str(tmp_path / "pipeline"))
-    assert isinstance(loaded.stages[0], DeepSparkModel)
+    assert isinstance(loaded.stages[0], DeepSparkModel) and loaded.stages[0].uid == pipeline_model.stages[0].uid
     after = loaded.transform(spark.createDataFrame(image_rows(TEST, 300), "image array<array<int>>, label int"))
     after = {tuple(map(tuple, row["image"])): (row["prediction"], row["probability"].toArray())
              for row in after.collect()}
@@ -256,6 +258,14 @@ def test_extract_features_writes_datums_caffes_data_layer_reads_with_pycaffes_va
     assert list(keys) == [b"%010d" % i for i in range(250)]  # Caffe's keys: the record's index, 10 digits
     ours = np.stack([decode_datum(v)[0] for v in values]).reshape(250, 10)
     assert np.abs(ours - pycaffe_ip2).max() <= 1e-4 * np.abs(pycaffe_ip2).max()
+    # Beside the Datum, the record's label and the blob as a Spark ML vector: what pyspark.ml's stages take.
+    frame = session().read.parquet(outputs[1]).orderBy("key")
+    assert isinstance(frame.schema["ip2"].dataType, VectorUDT)
+    rows = frame.select("label", "ip2").collect()
+    assert [row.label for row in rows] == [int(decode_datum(v)[1]) for _, v in lmdb_io.read_records(subset)]
+    np.testing.assert_array_equal(np.stack([row.ip2.toArray() for row in rows]), ours)
+    classifier = LogisticRegression(featuresCol="ip2", maxIter=20).fit(frame)
+    assert classifier.summary.accuracy > 0.5
 
 
 def test_the_params_are_the_schemas_fields_with_their_comments_and_defaults():

@@ -24,6 +24,7 @@ from pyspark.sql import functions as F  # noqa: E402
 from pyspark.sql import types as T  # noqa: E402
 
 from deepspark.ml import DeepSparkEstimator, DeepSparkModel  # noqa: E402
+from deepspark.spark.job import JobError  # noqa: E402
 from deepspark.spark.session import spark_session  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,3 +183,16 @@ def test_a_saved_model_loads_with_its_uid_and_params(datum_fit, tmp_path):
     loaded = DeepSparkModel.load(str(tmp_path / "model"))
     assert loaded.uid == model.uid and loaded.getLabelCol() == "y" and loaded.getInputScale() == 1.0
     assert loaded.explainParams() == model.explainParams()
+
+
+def test_a_failure_on_the_executors_is_one_line_with_the_whole_report_in_the_fits_log(spark, tmp_path, capfd):
+    images, labels = fashion(TRAIN, 60)
+    rows = [(encode_datum(x[None], int(y)),) for x, y in zip(images, labels)] + [(b"not a datum",)]
+    capfd.readouterr()
+    with pytest.raises(JobError) as failure:
+        estimator(tmp_path, inputCol="datum").fit(spark.createDataFrame(rows, "datum binary").coalesce(1))
+    assert str(failure.value).startswith("the Spark job failed: inputCol 'datum': row 60: corrupt Datum (")
+    console = capfd.readouterr().err
+    assert "Traceback" not in console and "\tat org.apache" not in console, console[-3000:]
+    (log,) = tmp_path.glob("fit-*/train.log")
+    assert "Traceback (most recent call last)" in log.read_text()  # Spark's whole report, for whoever digs

@@ -39,12 +39,15 @@ def with_outputs(forward, inputs, columns, skip):
     def run(batches):
         for number, batch in enumerate(batches):
             values = batch.column(batch.schema.get_field_index(inputs.column))
-            found, ok = images.column_images(values, inputs.kind, inputs.shape)
             what = f"inputCol '{inputs.column}' (Arrow batch {number} of a partition)"
-            if not ok.all():
-                if not skip:
-                    raise images.bad_row(values, inputs.kind, inputs.shape, ok, what)
-                batch = batch.filter(pa.array(ok))
+            if inputs.kind == images.DATUM and not skip and not values.null_count:
+                found = values.to_pylist()  # the Forward decodes a batch's Datums at once, and names a bad one
+            else:
+                found, ok = images.column_images(values, inputs.kind, inputs.shape)
+                if not ok.all():
+                    if not skip:
+                        raise images.bad_row(values, inputs.kind, inputs.shape, ok, what)
+                    batch = batch.filter(pa.array(ok))
             outputs = run_net(forward, found, what)
             for kind, name, column in columns:
                 flat = outputs[name].reshape(len(found), -1)
@@ -57,8 +60,8 @@ def with_outputs(forward, inputs, columns, skip):
 
 
 def run_net(forward, found, what):
-    """{output: its values for each of the images `found`}, forward.batch_size images at a time (the last batch
-    padded)."""
+    """{output: its values for each of the images `found` (arrays, or Datum bytes)}, forward.batch_size images at a
+    time (the last batch padded)."""
     size = forward.batch_size
     parts = {}
     for start in range(0, len(found), size):

@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 from google.protobuf import text_format
+from py4j.protocol import Py4JJavaError
+from pyspark.errors.exceptions.captured import CapturedException
 
 from deepspark import checkpoint, config, engine, local, spark
 from deepspark.data import load_mean
@@ -21,7 +23,8 @@ from deepspark.ml import frames, images
 from deepspark.ml.images import DATUM
 from deepspark.ml.model import DeepSparkModel, check_shape, image_shape, is_connect, parse_transform
 from deepspark.plot import parse_log
-from deepspark.spark.session import this_python
+from deepspark.spark.job import failed
+from deepspark.spark.session import quiet_tasks, this_python
 from deepspark.proto import deepspark_pb2 as pb
 
 # The layers whose first bottom's channels are the classes a label indexes, with the message of their axis.
@@ -87,13 +90,27 @@ class Fit:
         self.est, self.dataset = estimator, dataset
         self.log = Log()
         self.done = set()  # the Data layers rescale() has scaled
+        self.output = None  # the fit's own folder, once load_solver made it
 
     def run(self):
-        est = self.est
+        """The fit, Spark's own reports of a failed task kept off the console: one line says what failed (the fit's
+        train.log holds the whole report)."""
         if is_connect(self.dataset):
             raise ConfigError("fit runs the training job through a SparkContext, which Spark Connect does not give; "
                               "fit in classic Spark (a DeepSparkModel's transform runs under Spark Connect too)")
-        this_python(self.dataset.sparkSession.sparkContext)  # before any function is shipped to the executors
+        sc = this_python(self.dataset.sparkSession.sparkContext)  # before any function is shipped to the executors
+        with quiet_tasks(sc):
+            try:
+                return self.fit()
+            except (CapturedException, Py4JJavaError) as error:
+                failure = failed(error, sc)
+            if self.output:
+                with open(os.path.join(self.output, "train.log"), "a", encoding="utf-8") as log:
+                    log.write(failure.detail.rstrip("\n") + "\n")
+            raise failure
+
+    def fit(self):
+        est = self.est
         solver = self.solver = self.load_solver()
         deploy = est._given("deploy") or os.path.join(os.path.dirname(os.path.abspath(est.getOrDefault("solver"))),
                                                       "deploy.prototxt")

@@ -156,6 +156,35 @@ def this_python(sc):
     return sc
 
 
+# The loggers by which Spark reports a failed task to the console (its Python traceback, its Java stack, and again
+# as the stage fails): a job of DeepSpark's says it in one line, and keeps the whole report in its log file.
+TASK_LOGGERS = ("org.apache.spark.executor.Executor", "org.apache.spark.scheduler.TaskSetManager",
+                "org.apache.spark.scheduler.TaskSchedulerImpl", "org.apache.spark.api.python.PythonRunner")
+_QUIET = {"jobs": 0, "levels": {}}  # DeepSpark jobs running (fits in parallel share one JVM), and the levels found
+_QUIET_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def quiet_tasks(sc):
+    """TASK_LOGGERS off while DeepSpark's jobs run on `sc` (its local executors log in this JVM; a cluster's
+    driver logs the tasks it lost), their levels as they were once the last one ends."""
+    log4j = sc._jvm.org.apache.logging.log4j
+    with _QUIET_LOCK:
+        if not _QUIET["jobs"]:
+            _QUIET["levels"] = {name: log4j.LogManager.getLogger(name).getLevel() for name in TASK_LOGGERS}
+            for name in TASK_LOGGERS:
+                log4j.core.config.Configurator.setLevel(name, log4j.Level.OFF)
+        _QUIET["jobs"] += 1
+    try:
+        yield
+    finally:
+        with _QUIET_LOCK:
+            _QUIET["jobs"] -= 1
+            if not _QUIET["jobs"]:
+                for name, level in _QUIET["levels"].items():
+                    log4j.core.config.Configurator.setLevel(name, level)
+
+
 def sql_session(sc):
     """Spark SQL's session on `sc` (the running one, or one started on it)."""
     return SparkSession.builder.getOrCreate()  # its SparkContext is the running one, sc
