@@ -92,8 +92,8 @@ def test_a_bad_row_is_one_line_naming_the_column_and_the_row():
 
 def test_pixels_already_in_0_1_get_the_inverse_of_a_pixel_nets_scale_and_nothing_else_does():
     lenet = 0.00390625
-    assert images.input_scale(np.array([0.0, 0.5, 1.0]), lenet) == 256.0
-    assert images.input_scale(np.array([0.0, 0.5, 1.0]), 1 / 255) == pytest.approx(255.0)
+    assert images.input_scale(np.array([0.0, 0.5, 1.0]), lenet) == 255.0  # x / 255 made pixels again
+    assert images.input_scale(np.array([0.0, 0.5, 1.0]), 1 / 255) == 255.0
     assert images.input_scale(np.array([0.0, 3.0, 255.0]), lenet) == 1.0  # pixels: the net's scale is theirs
     assert images.input_scale(np.array([-1.0, 0.5]), lenet) == 1.0  # centred data: not pixels in [0, 1]
     assert images.input_scale(np.array([0.0, 0.5]), 1.0) == 1.0  # a net that scales nothing takes them as they are

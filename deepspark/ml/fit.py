@@ -2,6 +2,7 @@
 labels checked and their scale found, validation rows held out for the driver's test nets, the training job on
 the rest, the final model tested, and the Model of its last snapshot with the fit's history."""
 
+import contextlib
 import math
 import os
 import secrets
@@ -11,6 +12,7 @@ import time
 import numpy as np
 from google.protobuf import text_format
 from py4j.protocol import Py4JJavaError
+from pyspark import StorageLevel
 from pyspark.errors.exceptions.captured import CapturedException
 
 from deepspark import checkpoint, config, engine, local, spark
@@ -99,7 +101,7 @@ class Fit:
             raise ConfigError("fit runs the training job through a SparkContext, which Spark Connect does not give; "
                               "fit in classic Spark (a DeepSparkModel's transform runs under Spark Connect too)")
         sc = this_python(self.dataset.sparkSession.sparkContext)  # before any function is shipped to the executors
-        with quiet_tasks(sc):
+        with quiet_tasks(sc), contextlib.ExitStack() as self.kept:
             try:
                 return self.fit()
             except (CapturedException, Py4JJavaError) as error:
@@ -117,14 +119,19 @@ class Fit:
         transform = test_transform(solver)  # as the solver gives it: the Model applies inputScale itself
         inputs = self.inputs(solver, deploy)
         skip = est.getOrDefault("handleInvalid") == "skip"
-        data = frames.checked(self.dataset, inputs, skip)
+        wanted = [inputs.column, inputs.label, est.getOrDefault("validationCol")]
+        data = self.dataset.select(*[column for column in wanted if column in self.dataset.columns])
+        if self.dataset.storageLevel == StorageLevel.NONE:  # read by the checks, the sample, the split, the job
+            data = self.keep(data)
+        data = frames.checked(data, inputs, skip)
         scale = self.scale(data, inputs)
         self.rescale(solver.train_net, pb.NetState(phase=pb.TRAIN), scale)
         seed = est.getOrDefault("seed") if est.isSet("seed") else max(solver.param.random_seed, 0)
         train, valid = frames.split(data, est.getOrDefault("validationCol"), est.getOrDefault("validationFraction"),
                                     seed)
         self.validation(solver, valid, inputs, skip, scale)
-        summary = spark.train(solver, frames.datum_frame(train, inputs, skip), weights=est._given("weights"))
+        # Kept: the job counts the rows, then shards them.
+        summary = spark.train(solver, self.keep(frames.datum_frame(train, inputs, skip)), weights=est._given("weights"))
         history = self.final_test(solver, summary)
         model = DeepSparkModel.from_caffe(deploy, summary["weights"], transform=transform,
                                           backend=solver.param.deepspark_param.backend)
@@ -133,6 +140,12 @@ class Fit:
         model.summary, model.history = {**summary, "output": self.output}, history
         record_in_mlflow(history)
         return model
+
+    def keep(self, frame):
+        """`frame` persisted (memory, then disk) until the fit ends."""
+        frame = frame.persist(StorageLevel.MEMORY_AND_DISK)
+        self.kept.callback(frame.unpersist)
+        return frame
 
     def load_solver(self):
         """The solver with the Estimator's Params over it, writing into a folder of this fit's own (fits in parallel,
@@ -179,8 +192,8 @@ class Fit:
         if scale != 1:
             self.log.info(f"inputCol '{inputs.column}' holds values within [0, 1] (its first {len(found)} rows: "
                           f"{found.min():g} to {found.max():g}) and the net's transform_param scales by "
-                          f"{train_scale:g}, for 0-255 pixels: they are multiplied by {scale:g} first, so that the "
-                          "net sees what it would of pixels (inputScale; the model keeps it)")
+                          f"{train_scale:g}, for 0-255 pixels: they are multiplied by {scale:g} first, the pixels "
+                          "again, as the net takes them (inputScale; the model keeps it)")
         return scale
 
     def rescale(self, net, state, scale):

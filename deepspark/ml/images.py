@@ -20,6 +20,7 @@ SPARSE = 0
 # What Caffe's transform_param scale is for a net that takes whole 0-255 pixels and means [0, 1] inside: LeNet's
 # 0.00390625 (1/256), and 1/255.
 PIXEL_SCALES = (1 / 256, 1 / 255)
+PIXEL_MAX = 255.0
 
 
 def _flat_list(array):
@@ -143,13 +144,14 @@ def relabelled(values, row_labels):
 
 
 def input_scale(sample, transform_scale):
-    """The inputScale that images like `sample` need before a transform_param scaling by `transform_scale`:
-    1 / transform_scale where that scale is one of PIXEL_SCALES (a net for 0-255 pixels) and the sampled values are
-    already within [0, 1] (not all 0), so that the net sees them as it would the pixels; else 1."""
+    """The inputScale that images like `sample` need before a transform_param scaling by `transform_scale`: where
+    that scale is one of PIXEL_SCALES (a net for 0-255 pixels) and the sampled values are already within [0, 1]
+    (not all 0), 255, which makes them again the pixels they were made of (the usual x / 255), so that the net sees
+    what it was made for, its transform_param and mean included; else 1."""
     sample = np.asarray(sample)
     for_pixels = any(abs(transform_scale / scale - 1) < 1e-3 for scale in PIXEL_SCALES)
     if for_pixels and sample.size and sample.min() >= 0 and 0 < sample.max() <= 1:
-        return float(np.float32(1 / transform_scale))
+        return PIXEL_MAX
     return 1.0
 
 
