@@ -24,7 +24,7 @@ from pyspark.sql import functions as F  # noqa: E402
 from pyspark.sql import types as T  # noqa: E402
 
 from deepspark.ml import DeepSparkEstimator, DeepSparkModel  # noqa: E402
-from deepspark.spark.job import JobError  # noqa: E402
+from deepspark.spark.failures import JobError  # noqa: E402
 from deepspark.spark.session import spark_session  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

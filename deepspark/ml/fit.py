@@ -15,7 +15,7 @@ from py4j.protocol import Py4JJavaError
 from pyspark import StorageLevel
 from pyspark.errors.exceptions.captured import CapturedException
 
-from deepspark import checkpoint, config, engine, local, spark
+from deepspark import checkpoint, config, engine, nets, spark
 from deepspark.data import load_mean
 from deepspark.data.datum import save_mean
 from deepspark.errors import ConfigError
@@ -25,7 +25,7 @@ from deepspark.ml import frames, images
 from deepspark.ml.images import DATUM
 from deepspark.ml.model import DeepSparkModel, check_shape, image_shape, is_connect, parse_transform
 from deepspark.plot import parse_log
-from deepspark.spark.job import failed
+from deepspark.spark.failures import failed
 from deepspark.spark.session import quiet_tasks, this_python
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -173,7 +173,7 @@ class Fit:
         column = est.getOrDefault("inputCol")
         kind, depth = frames.input_kind(df, column)
         label = frames.label_column(df, est.getOrDefault("labelCol"), kind != DATUM or est.isSet("labelCol"))
-        net = local.deploy_net(deploy, "DeepSparkEstimator")[0]
+        net = nets.deploy_net(deploy, "DeepSparkEstimator")[0]
         shape = image_shape(df, column, kind, depth, est.getOrDefault("inputShape"), net)
         check_shape(column, shape, net, parse_transform(test_transform(solver)))
         graph = Graph(solver.train_net, pb.TRAIN, source=solver.train_map, data_shape=lambda _: tuple(shape))
@@ -248,7 +248,7 @@ class Fit:
         if not solver.test_nets or (tested and tested[-1] == summary["iterations"]):
             return history
         log = Log(path, append=True)
-        evaluator = local.evaluator(solver, log)
+        evaluator = nets.evaluator(solver, log)
         try:
             graph = evaluator.nets[0][0].graph
             arrays = checkpoint.weights_that_fit(graph, checkpoint.read_bytes(summary["weights"], "the weights"),

@@ -2,7 +2,6 @@
 executors through mapInArrow (classic Spark and Spark Connect alike)."""
 
 import dataclasses
-import hashlib
 
 import numpy as np
 from google.protobuf import text_format
@@ -12,7 +11,7 @@ from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import types as T
 
-from deepspark import checkpoint, config, local
+from deepspark import checkpoint, config, nets
 from deepspark.data import load_mean
 from deepspark.errors import ConfigError
 from deepspark.graph import Graph, crop_shape, fmt, tap_name, with_batch_size, with_taps
@@ -115,7 +114,7 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         """A Model of files a user has: a deploy .prototxt (or a model folder) and a .caffemodel;
         transform: Caffe's transform_param (prototxt text, or a TransformationParameter) to apply before
         the net; params: Model Params by name (backend="caffe", outputBlobs="ip1")."""
-        net, _ = local.deploy_net(deploy, "DeepSparkModel")
+        net, _ = nets.deploy_net(deploy, "DeepSparkModel")
         weights = checkpoint.read_bytes(caffemodel, "the weights")
         text = transform if isinstance(transform, (str, type(None))) else text_format.MessageToString(
             transform, as_one_line=True)
@@ -242,14 +241,10 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         net = with_batch_size(self.deploy, size)
         net = with_taps(net, Graph(net, pb.TEST), [o.split("@")[0] for o in outputs])
         top, shape = self.input_top()
-        backend = self.getOrDefault("backend")
         transform, mean = images.scaled_transform(parse_transform(self.getOrDefault("transformParam")), scale,
                                                   self.mean)
-        key = hashlib.sha256(net.SerializeToString() + self.weights + backend.encode() + transform.SerializeToString()
-                             + (b"" if mean is None else mean.tobytes())).hexdigest()
-        forward = Forward(key=key, net=net.SerializeToString(), backend=backend, weights=(self.weights, mean),
-                          transform=transform.SerializeToString(), image=top, label="", shape=shape, raw_shape=None,
-                          batch_size=size, outputs=tuple(dict.fromkeys(outputs)), threads=1)
+        forward = Forward.of(net, self.getOrDefault("backend"), self.weights, mean, transform, image=top, label="",
+                             shape=shape, raw_shape=None, batch_size=size, outputs=dict.fromkeys(outputs))
         if is_connect(dataset):
             self.counters = None
             return dataclasses.replace(forward, weights=Held(forward.weights))
