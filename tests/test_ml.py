@@ -294,10 +294,11 @@ def test_every_field_type_the_flags_take_has_a_param_type_too():
     such a type in DeepSparkParameter or ScoreParameter must not break `import deepspark.ml`."""
     from google.protobuf.descriptor import FieldDescriptor
 
-    from deepspark import cli, ml
+    from deepspark import cli
+    from deepspark.ml import params
 
     assert {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64} <= set(cli._TYPES)
-    assert set(cli._TYPES) | {FieldDescriptor.TYPE_BOOL} <= set(ml._CONVERTERS)
+    assert set(cli._TYPES) | {FieldDescriptor.TYPE_BOOL} <= set(params._CONVERTERS)
 
 
 def test_score_and_extract_features_refuse_bad_input_in_one_line_before_spark_starts(tmp_path, capsys):

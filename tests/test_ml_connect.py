@@ -12,7 +12,7 @@ import pytest
 from deepspark import checkpoint, fillers
 from deepspark.data import decode_datum, encode_datum, lmdb_io
 from deepspark.graph import Graph
-from deepspark.local import deploy_net
+from deepspark.nets import deploy_net
 from deepspark.proto import deepspark_pb2 as pb
 
 pytestmark = pytest.mark.spark
