@@ -21,14 +21,19 @@ setup(
         "pyspark>=3.5",
         "matplotlib>=3.8",
         "tensorboard>=2.16",  # the training job's scalars
-        "pyarrow>=14",  # Parquet datasets (deepspark.data.parquet)
+        "pyarrow>=14",  # Parquet datasets (deepspark.data.parquet), deepspark.ml's transform (mapInArrow)
         "h5py>=3.10",  # HDF5Data and HDF5Output layers, snapshot_format: HDF5
         "cryptography>=42",  # the exchange's per-frame seal: AES-GCM (bench/seal.py)
+        "pandas>=2.2,<3",  # pyspark's toPandas and Arrow paths (pyspark 4.3 wants >= 2.2 and warns on pandas 3)
+        "tqdm>=4.66",  # the training job's per-worker progress bars, in a notebook as on a terminal
     ],
     extras_require={
         "tensorflow": ["tensorflow-cpu>=2.16"],
         "gpu": ["tensorflow[and-cuda]>=2.16"],  # TensorFlow with CUDA's libraries, for GPU nodes
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "import-linter>=2.1"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "import-linter>=2.1",
+                 "pyspark[connect]>=3.5",  # a local Spark Connect server for deepspark.ml's transform
+                 "mlflow-skinny>=3.0"],  # mlflow.pyspark.ml.autolog over a fit (a local file store)
+        "connect": ["pyspark[connect]>=3.5"],
         "caffe": ["six"],
         "bench": ["matplotlib>=3.8"],
     },

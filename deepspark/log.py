@@ -1,5 +1,6 @@
 """Caffe-style log lines (glog's prefix) to stderr and a log file, and a progress line on a terminal."""
 
+import contextlib
 import datetime
 import importlib
 import os
@@ -50,6 +51,19 @@ class Log:
 
     def warning(self, message):
         self.info(message, "W")
+
+    @contextlib.contextmanager
+    def details(self, kind):
+        """An error of `kind` raised inside, its `detail` (the whole of what it says in one line: a Spark job's
+        tracebacks) written to the log file alone on its way out: the console keeps the one line."""
+        try:
+            yield
+        except kind as error:
+            if getattr(error, "detail", None) and self.file:
+                with _CONSOLE:
+                    self.file.write(error.detail.rstrip("\n") + "\n")
+                    self.file.flush()
+            raise
 
     def progress(self, text):
         """Redraw the progress line (terminals only)."""

@@ -20,6 +20,8 @@ from deepspark.proto import deepspark_pb2 as pb
 
 pyspark = pytest.importorskip("pyspark")
 from pyspark.ml import Pipeline, PipelineModel  # noqa: E402  (after the skip)
+from pyspark.ml.classification import LogisticRegression  # noqa: E402
+from pyspark.ml.linalg import VectorUDT  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
 from deepspark.ml import DeepSparkEstimator, DeepSparkModel  # noqa: E402
@@ -136,9 +138,16 @@ def test_transform_adds_named_blobs_as_vectors_and_bad_input_is_one_line(fitted)
     with pytest.raises(ConfigError, match=r"^outputBlobs: the net has no blob 'fc7'; its blobs are data, conv1"):
         model.copy({model.outputBlobs: "fc7"}).transform(frame)
     small = spark.createDataFrame([([[0] * 14] * 14, 0)] * 3, "image array<array<int>>, label int").coalesce(1)
+    with pytest.raises(ConfigError, match=r"^inputCol 'image' holds 1x14x14 images \(its first row's\); the net "
+                                          r"takes 1x28x28$"):
+        model.transform(small)
+    ragged = spark.createDataFrame([([[0] * 28] * 28,), ([[0] * 28] * 27,)], "image array<array<int>>").coalesce(1)
     with pytest.raises(Exception) as error:
-        model.transform(small).collect()
-    assert "DataFrame row 0 of partition 0: its image is 1x14x14; the net takes 1x28x28" in str(error.value)
+        model.transform(ragged).collect()
+    assert str(error.value).strip().endswith("DataError: inputCol 'image' (Arrow batch 0 of a partition): row 1 holds "
+                                             "756 numbers; the net takes 1x28x28 = 784 (set inputShape for another "
+                                             "layout)")
+    assert model.copy({model.handleInvalid: "skip"}).transform(ragged).count() == 1
     cifar_deploy = os.path.join(ROOT, "models", "cifar10_quick", "deploy.prototxt")
     with pytest.raises(ConfigError, match=r"lenet_iter_150.caffemodel: cannot copy param 0 of layer 'conv1': shape "
                                           r"mismatch, weights have \(20, 1, 5, 5\), the net needs \(32, 3, 5, 5\)$"):
@@ -172,7 +181,7 @@ def test_a_fitted_pipeline_saves_and_loads_in_a_new_session_to_identical_outputs
 
     spark = session()  # a new SparkSession (and SparkContext) in this process
     loaded = PipelineModel.load(str(tmp_path / "pipeline"))
-    assert isinstance(loaded.stages[0], DeepSparkModel)
+    assert isinstance(loaded.stages[0], DeepSparkModel) and loaded.stages[0].uid == pipeline_model.stages[0].uid
     after = loaded.transform(spark.createDataFrame(image_rows(TEST, 300), "image array<array<int>>, label int"))
     after = {tuple(map(tuple, row["image"])): (row["prediction"], row["probability"].toArray())
              for row in after.collect()}
@@ -249,6 +258,14 @@ def test_extract_features_writes_datums_caffes_data_layer_reads_with_pycaffes_va
     assert list(keys) == [b"%010d" % i for i in range(250)]  # Caffe's keys: the record's index, 10 digits
     ours = np.stack([decode_datum(v)[0] for v in values]).reshape(250, 10)
     assert np.abs(ours - pycaffe_ip2).max() <= 1e-4 * np.abs(pycaffe_ip2).max()
+    # Beside the Datum, the record's label and the blob as a Spark ML vector: what pyspark.ml's stages take.
+    frame = session().read.parquet(outputs[1]).orderBy("key")
+    assert isinstance(frame.schema["ip2"].dataType, VectorUDT)
+    rows = frame.select("label", "ip2").collect()
+    assert [row.label for row in rows] == [int(decode_datum(v)[1]) for _, v in lmdb_io.read_records(subset)]
+    np.testing.assert_array_equal(np.stack([row.ip2.toArray() for row in rows]), ours)
+    classifier = LogisticRegression(featuresCol="ip2", maxIter=20).fit(frame)
+    assert classifier.summary.accuracy > 0.5
 
 
 def test_the_params_are_the_schemas_fields_with_their_comments_and_defaults():
@@ -277,10 +294,11 @@ def test_every_field_type_the_flags_take_has_a_param_type_too():
     such a type in DeepSparkParameter or ScoreParameter must not break `import deepspark.ml`."""
     from google.protobuf.descriptor import FieldDescriptor
 
-    from deepspark import cli, ml
+    from deepspark import cli
+    from deepspark.ml import params
 
     assert {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64} <= set(cli._TYPES)
-    assert set(cli._TYPES) | {FieldDescriptor.TYPE_BOOL} <= set(ml._CONVERTERS)
+    assert set(cli._TYPES) | {FieldDescriptor.TYPE_BOOL} <= set(params._CONVERTERS)
 
 
 def test_score_and_extract_features_refuse_bad_input_in_one_line_before_spark_starts(tmp_path, capsys):

@@ -6,6 +6,7 @@ serialized Caffe Datum and, for convenience (filters, counts), the Datum's label
 """
 
 import contextlib
+import json
 import os
 import re
 import sys
@@ -253,14 +254,16 @@ def writes_parquet(out_path):
     return out_path.rstrip("/").endswith(".parquet")
 
 
-def write_parquet(out_path, records, overwrite=False, row_group_bytes=ROW_GROUP_BYTES, source=None):
+def write_parquet(out_path, records, overwrite=False, row_group_bytes=ROW_GROUP_BYTES, source=None, vector=None):
     """Write (key, value) pairs (value: a serialized Datum) as a Parquet dataset; returns the count.
 
     A path ending in `.parquet` becomes one file, any other a folder holding
     part-00000.parquet (the layout Spark writes). Rows go out a row group at a time
     to `out_path.tmp-<pid>`, renamed to out_path at the end: a failed run leaves
     nothing at out_path. A record that is not a Datum is an error naming `source`
-    (where the records come from; default out_path).
+    (where the records come from; default out_path). vector: the name of a fourth
+    column, a Spark ML vector per record, whose values each record carries third
+    ((key, value, values)); Spark reads it back as a vector (spark_schema).
     """
     pa = _arrow()
     path = local_path(out_path)
@@ -275,10 +278,12 @@ def write_parquet(out_path, records, overwrite=False, row_group_bytes=ROW_GROUP_
         if not single:
             os.mkdir(tmp)
         schema = pa.schema([(KEY, pa.string()), (DATUM, pa.binary()), (LABEL, pa.int32())])
+        if vector:
+            schema = schema.append(pa.field(vector, _vector_type())).with_metadata(spark_schema(vector))
         with pa.parquet.ParquetWriter(tmp if single else os.path.join(tmp, PART_FILE), schema) as writer:
             group, size = [], 0
-            for key, value in records:
-                group.append((_text(key, blame), value, parse_datum(value, key, blame).label))
+            for key, value, *values in records:
+                group.append((_text(key, blame), value, parse_datum(value, key, blame).label, *values))
                 size += len(value)
                 if size >= row_group_bytes:
                     _write_group(writer, group)
@@ -304,9 +309,36 @@ def _text(key, where):
 
 
 def _write_group(writer, group):
-    """One row group of (key, value, label) rows."""
+    """One row group of (key, value, label[, vector values]) rows."""
     pa = _arrow()
-    keys, values, labels = zip(*group) if group else ((), (), ())
-    table = pa.Table.from_arrays([pa.array(keys, pa.string()), pa.array(values, pa.binary()),
-                                  pa.array(labels, pa.int32())], schema=writer.schema)
-    writer.write_table(table, row_group_size=max(len(group), 1))
+    columns = list(zip(*group)) if group else [()] * len(writer.schema)
+    arrays = [pa.array(columns[0], pa.string()), pa.array(columns[1], pa.binary()), pa.array(columns[2], pa.int32())]
+    if len(writer.schema) > 3:
+        arrays.append(pa.array([{"type": 1, "size": None, "indices": None, "values": list(map(float, v))}
+                                for v in columns[3]], _vector_type()))
+    writer.write_table(pa.Table.from_arrays(arrays, schema=writer.schema), row_group_size=max(len(group), 1))
+
+
+def _vector_type():
+    """A Spark ML vector as Parquet holds it (VectorUDT's sqlType): `type` 1 for a dense one of `values`."""
+    pa = _arrow()
+    return pa.struct([pa.field("type", pa.int8(), nullable=False), ("size", pa.int32()),
+                      ("indices", pa.list_(pa.field("element", pa.int32(), nullable=False))),
+                      ("values", pa.list_(pa.field("element", pa.float64(), nullable=False)))])
+
+
+def spark_schema(vector):
+    """The key-value metadata by which Spark reads the dataset write_parquet writes with a `vector` column back
+    with that column a Spark ML vector (VectorUDT), not the struct Parquet holds."""
+    udt = {"type": "udt", "class": "org.apache.spark.ml.linalg.VectorUDT", "pyClass": "pyspark.ml.linalg.VectorUDT",
+           "sqlType": {"type": "struct", "fields": [
+               {"name": "type", "type": "byte", "nullable": False, "metadata": {}},
+               {"name": "size", "type": "integer", "nullable": True, "metadata": {}},
+               {"name": "indices", "type": {"type": "array", "elementType": "integer", "containsNull": False},
+                "nullable": True, "metadata": {}},
+               {"name": "values", "type": {"type": "array", "elementType": "double", "containsNull": False},
+                "nullable": True, "metadata": {}}]}}
+    fields = [{"name": KEY, "type": "string"}, {"name": DATUM, "type": "binary"}, {"name": LABEL, "type": "integer"},
+              {"name": vector, "type": udt}]
+    schema = {"type": "struct", "fields": [{"nullable": True, "metadata": {}, **field} for field in fields]}
+    return {b"org.apache.spark.sql.parquet.row.metadata": json.dumps(schema).encode()}

@@ -6,7 +6,12 @@ from deepspark.errors import DeepSparkError
 
 
 class JobError(DeepSparkError):
-    """The job cannot go on; the message says what happened and what Spark reports."""
+    """The job cannot go on; the message says what happened and what Spark reports; `detail`, Spark's whole report
+    (the Python traceback and the Java stack), is for the log file."""
+
+    def __init__(self, message, detail=None):
+        super().__init__(message)
+        self.detail = detail
 
 
 def executor_report(sc, listing=False):
@@ -50,4 +55,4 @@ def failed(error, sc):
                 f"--executor-env ENV.tar.gz (tools/pack-env.sh packs one), or spark-submit --archives "
                 f"ENV.tar.gz#environment with PYSPARK_PYTHON=./environment/bin/python, or install deepspark on "
                 f"every node")
-    return JobError(f"the Spark job failed: {line}; {executor_report(sc)}")
+    return JobError(f"the Spark job failed: {line}; {executor_report(sc)}", detail=str(error))

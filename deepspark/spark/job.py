@@ -22,7 +22,9 @@ from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark import shards
 from deepspark.spark.center import HISTORY_SECONDS, CenterCadence
 from deepspark.spark.executor import Task
-from deepspark.spark.session import is_local, on_loopback, spark_context, stop_context, worker_threads
+from deepspark.spark.failures import JobError
+from deepspark.spark.session import (is_local, on_loopback, quiet_tasks, spark_context, stop_context, this_python,
+                                     worker_threads)
 from deepspark.spark.watch import Watch
 
 _WARNED = set()  # masters already warned about, in this process
@@ -143,7 +145,7 @@ class Job:
     def watch(self, run_tasks):
         """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch); its result."""
         return Watch(self.sc, self.server, self.cadence, self.log, self.workers, self.param.max_iter,
-                     self.ds.connect_timeout).run(run_tasks)
+                     self.ds.connect_timeout, next(iter(self.graph.fed_tops().values()))[0]).run(run_tasks)
 
     # -- the run ----------------------------------------------------------------
 
@@ -155,15 +157,17 @@ class Job:
         with contextlib.ExitStack() as stack:
             self.log = Log(os.path.join(self.output, "train.log"), append=bool(self.options.snapshot))
             stack.callback(self.log.close)
+            stack.enter_context(self.log.details(JobError))  # a failure's whole report to the log file alone
             self.started = time.monotonic()
             if self.options.data is not None:
-                self.sc = self.options.data.sparkSession.sparkContext  # the caller's session: theirs to stop
+                self.sc = this_python(self.options.data.sparkSession.sparkContext)  # the caller's: theirs to stop
             else:
                 shards.train_source(self.solver)  # a missing LMDB is said before Spark starts
                 self.sc, own = spark_context(self.ds, self.workers)
                 if own:
                     self.own_sc = self.sc
                     stack.callback(self.stop_session)
+            stack.enter_context(quiet_tasks(self.sc))
             warn_if_the_secret_is_readable(self.sc, self.log)
             ship_python_layers(self.sc, self.solver)
             self.task = self.start(stack)

@@ -27,7 +27,7 @@ from deepspark.backends import create_model
 from deepspark.config import load_net, net_path
 from deepspark.data import (DataError, Transformer, decode_datum, encode_datum, is_parquet, lmdb_io, load_mean,
                             peek_shape)
-from deepspark.data.datum import decode_datums
+from deepspark.data.datum import decode_datums, parse_datum
 from deepspark.data.parquet import is_uri, write_parquet, writes_parquet
 from deepspark.errors import ConfigError, DeepSparkError
 from deepspark.graph import Graph, fmt, layer_included, tap_name, with_batch_size, with_taps
@@ -221,15 +221,16 @@ def output_sums(forward, source):
 
 
 def feature_rows(forward, source):
-    """The mapPartitions function of extract-features: (index, [per output of the Forward: the record's
-    values, float32]) per record, in the partition's order."""
+    """The mapPartitions function of extract-features: (index, the record's label, [per output of the Forward:
+    the record's values, float32]) per record, in the partition's order."""
 
     def run(items):
         for chunk in chunks(items, forward.batch_size):
             outputs = forward.forward_batch([(where(source, index, key), value) for index, key, value in chunk],
                                             pad=True)
-            for i, (index, _, _) in enumerate(chunk):
-                yield index, [np.asarray(outputs[name][i], np.float32) for name in forward.outputs]
+            for i, (index, key, value) in enumerate(chunk):
+                yield index, parse_datum(value, key, source).label, [np.asarray(outputs[name][i], np.float32)
+                                                                     for name in forward.outputs]
 
     return run
 
@@ -382,20 +383,21 @@ def score(path, weights, source=None, backend=None, batch_size=0, ds=None, log=N
         return means
 
 
-def feature_datum(values):
+def feature_datum(values, label=0):
     """A feature blob's values for one record as Caffe's extract_features stores them: a float Datum of the
-    blob's channels x height x width (Caffe's legacy axes: 1 where the blob has none)."""
+    blob's channels x height x width (Caffe's legacy axes: 1 where the blob has none), label 0 unless given."""
     shape = tuple(values.shape) + (1,) * (3 - values.ndim) if values.ndim < 3 else \
         (values.shape[0], values.shape[1], int(np.prod(values.shape[2:])))
-    return encode_datum(values.reshape(shape).astype(np.float32))
+    return encode_datum(values.reshape(shape).astype(np.float32), label)
 
 
 def extract_features(path, weights, blobs, outputs, source=None, backend=None, batch_size=0, ds=None,
                      overwrite=False, log=None):
     """`deepspark extract-features`: Caffe's extract_features on the executors. The blobs of the TEST net at
     `path` for every record of `source` (default: the Data layer's), one dataset per blob in `outputs`
-    (an LMDB, or Parquet for a path ending in .parquet), keyed as Caffe keys them (the record's index,
-    10 digits), written from the driver partition by partition; {blob: records written}."""
+    (an LMDB, or Parquet for a path ending in .parquet, with the record's label and the blob as a Spark ML
+    vector column of its name beside the Datum), keyed as Caffe keys them (the record's index, 10 digits),
+    written from the driver partition by partition; {blob: records written}."""
     log = log or Log()
     if len(blobs) != len(outputs):
         raise ConfigError(f"{len(blobs)} blobs but {len(outputs)} outputs; extract-features writes one dataset "
@@ -412,9 +414,14 @@ def extract_features(path, weights, blobs, outputs, source=None, backend=None, b
         written = {}
         try:
             for i, (blob, out) in enumerate(zip(blobs, outputs)):
-                rows = ((b"%010d" % index, feature_datum(values[i])) for index, values in features.toLocalIterator())
-                write = write_parquet if writes_parquet(out) else lmdb_io.write_lmdb
-                written[blob] = write(out, rows, overwrite=overwrite)
+                rows = features.toLocalIterator()
+                if writes_parquet(out):  # beside Caffe's Datum, the record's label and the blob as a Spark ML vector
+                    written[blob] = write_parquet(out, ((b"%010d" % index, feature_datum(values[i], label),
+                                                         values[i].ravel()) for index, label, values in rows),
+                                                  overwrite=overwrite, vector=blob)
+                else:  # Caffe's own: the blob alone, label 0
+                    written[blob] = lmdb_io.write_lmdb(out, ((b"%010d" % index, feature_datum(values[i]))
+                                                             for index, _, values in rows), overwrite=overwrite)
                 log.info(f"Extracted {written[blob]} records of {blob} into {out}")
         except DeepSparkError:
             raise

@@ -97,7 +97,7 @@ def spark_context(ds, workers):
     a job reading no DataFrame does without it (seconds of the JVM's start-up, on the cores the workers' start-up
     needs: bench/startup.py); sql_session starts it when a job needs it."""
     if SparkContext._active_spark_context is not None:
-        return SparkContext._active_spark_context, False
+        return this_python(SparkContext._active_spark_context), False
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # under spark-submit the JVM is up with its master
     master = ds.master or (None if submitted else f"local[{workers},{max(ds.max_failures, 1)}]")
     conf = SparkConf().setAppName("deepspark")
@@ -143,6 +143,46 @@ def spark_context(ds, workers):
         start_python_workers(sc, workers)
     sc.setLogLevel("ERROR")
     return sc, True
+
+
+def this_python(sc):
+    """`sc`, its local-mode executors made to run this process's Python (sys.executable, where deepspark is) unless
+    the user chose one (PYSPARK_PYTHON, spark.pyspark.python): a context the user started from a Python whose venv
+    is not activated (a notebook's kernel, an IDE, cron) would run `python3` from PATH, which may not have it.
+    pyspark reads sc.pythonExec as it ships each function."""
+    chosen = os.environ.get("PYSPARK_PYTHON") or sc.getConf().get("spark.pyspark.python", None)
+    if is_local(sc.master) and not chosen:
+        sc.pythonExec = sys.executable
+    return sc
+
+
+# The loggers by which Spark reports a failed task to the console (its Python traceback, its Java stack, and again
+# as the stage fails): a job of DeepSpark's says it in one line, and keeps the whole report in its log file.
+TASK_LOGGERS = ("org.apache.spark.executor.Executor", "org.apache.spark.scheduler.TaskSetManager",
+                "org.apache.spark.scheduler.TaskSchedulerImpl", "org.apache.spark.api.python.PythonRunner")
+_QUIET = {"jobs": 0, "levels": {}}  # DeepSpark jobs running (fits in parallel share one JVM), and the levels found
+_QUIET_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def quiet_tasks(sc):
+    """TASK_LOGGERS off while DeepSpark's jobs run on `sc` (its local executors log in this JVM; a cluster's
+    driver logs the tasks it lost), their levels as they were once the last one ends."""
+    log4j = sc._jvm.org.apache.logging.log4j
+    with _QUIET_LOCK:
+        if not _QUIET["jobs"]:
+            _QUIET["levels"] = {name: log4j.LogManager.getLogger(name).getLevel() for name in TASK_LOGGERS}
+            for name in TASK_LOGGERS:
+                log4j.core.config.Configurator.setLevel(name, log4j.Level.OFF)
+        _QUIET["jobs"] += 1
+    try:
+        yield
+    finally:
+        with _QUIET_LOCK:
+            _QUIET["jobs"] -= 1
+            if not _QUIET["jobs"]:
+                for name, level in _QUIET["levels"].items():
+                    log4j.core.config.Configurator.setLevel(name, level)
 
 
 def sql_session(sc):

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from deepspark.exchange.protocol import E_DIVERGED
+from deepspark.spark.bars import WorkerBars, in_notebook
 from deepspark.spark.failures import JobError, executor_report, failed
 
 # Seconds the driver waits for the Spark job's thread once it has cancelled the job.
@@ -56,6 +57,7 @@ class Watch:
     workers: int
     max_iter: int
     connect_timeout: float
+    batch_size: int = 0  # images per worker iteration, for images/s
     connections: dict = dataclasses.field(default_factory=dict)  # worker -> its connections so far
     lost: dict = dataclasses.field(default_factory=dict)  # worker -> the iteration it was lost at, until it rejoins
     said: set = dataclasses.field(default_factory=set)  # lost workers whose loss has been told
@@ -76,7 +78,9 @@ class Watch:
 
         thread = threading.Thread(target=spark_job, name="deepspark-spark-job", daemon=True)
         thread.start()
-        progress = Progress(self.log, self.workers, self.max_iter)
+        # A notebook's stderr is no terminal: there tqdm's bars show the workers going (bars.py).
+        progress = WorkerBars(self.workers, self.max_iter, self.batch_size) if in_notebook() else \
+            Progress(self.log, self.workers, self.max_iter)
         connect_deadline = time.monotonic() + self.connect_timeout
         idle_since = None
         while thread.is_alive():
@@ -108,6 +112,8 @@ class Watch:
                 raise self.idle_error(lost)
             self.center(stats)
         self.log.end_progress()
+        if isinstance(progress, WorkerBars):
+            progress.close()
         if "failure" in outcome:
             raise failed(outcome["failure"], self.sc)
         return outcome["results"]

@@ -1,0 +1,260 @@
+"""What DeepSparkEstimator.fit does, step by step: the solver with the Params over it, the DataFrame's images and
+labels checked and their scale found, validation rows held out for the driver's test nets, the training job on
+the rest, the final model tested, and the Model of its last snapshot with the fit's history."""
+
+import contextlib
+import math
+import os
+import secrets
+import sys
+import time
+
+import numpy as np
+from google.protobuf import text_format
+from py4j.protocol import Py4JJavaError
+from pyspark import StorageLevel
+from pyspark.errors.exceptions.captured import CapturedException
+
+from deepspark import checkpoint, config, engine, nets, spark
+from deepspark.data import load_mean
+from deepspark.data.datum import save_mean
+from deepspark.errors import ConfigError
+from deepspark.graph import DATA_TYPES, Graph, layer_included
+from deepspark.log import Log
+from deepspark.ml import frames, images
+from deepspark.ml.images import DATUM
+from deepspark.ml.model import DeepSparkModel, check_shape, image_shape, is_connect, parse_transform
+from deepspark.plot import parse_log
+from deepspark.spark.failures import failed
+from deepspark.spark.session import quiet_tasks, this_python
+from deepspark.proto import deepspark_pb2 as pb
+
+# The layers whose first bottom's channels are the classes a label indexes, with the message of their axis.
+CLASS_LAYERS = {"SoftmaxWithLoss": "softmax_param", "Accuracy": "accuracy_param", "MultinomialLogisticLoss": None,
+                "InfogainLoss": "infogain_loss_param"}
+
+
+def class_count(graph):
+    """(how many classes the net's labels index: the channels of what its loss or accuracy compares the label with,
+    a label value it ignores or None); (None, None) for a net with no such layer."""
+    for layer in graph.layers:
+        if layer.type in CLASS_LAYERS and len(layer.bottoms) > 1 and layer.bottom_shapes[0]:
+            field = CLASS_LAYERS[layer.type]
+            axis = getattr(layer.param, field).axis if field and layer.param.HasField(field) else 1
+            loss = layer.param.loss_param
+            return layer.bottom_shapes[0][axis], loss.ignore_label if loss.HasField("ignore_label") else None
+    return None, None
+
+
+def test_transform(solver):
+    """The transform_param of the solver's first test net's Data layer (else its train net's): what the
+    Model applies to an image before the deploy net, as Caffe's TEST phase does."""
+    nets = [net for net, _, _ in solver.test_nets] + [solver.train_net]
+    for net in nets:
+        for layer in net.layer:
+            if layer.type in DATA_TYPES and layer.HasField("transform_param"):
+                return text_format.MessageToString(layer.transform_param, as_one_line=True)
+    return ""
+
+
+def test_data_layers(solver):
+    """[(test net index, its Data layer in the TEST phase)] of the solver's test nets."""
+    return [(i, layer) for i, (net, _, state) in enumerate(solver.test_nets) for layer in net.layer
+            if layer.type == "Data" and layer_included(layer, state)]
+
+
+def read_history(path):
+    """The fit's displays and tests from its log: [{"iteration", "seconds", "loss", test output: value}]."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as lines:
+        return [{"iteration": iteration, "seconds": seconds, "loss": loss, **values}
+                for seconds, iteration, loss, values in parse_log(lines)]
+
+
+def record_in_mlflow(history):
+    """The history's losses and test outputs as metrics of the MLflow run in progress (autolog's), by iteration;
+    nothing where MLflow is not in use."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None or mlflow.active_run() is None:
+        return
+    for entry in history:
+        metrics = {("train_loss" if name == "loss" else name): value for name, value in entry.items()
+                   if name not in ("iteration", "seconds") and np.isfinite(value)}
+        if metrics:
+            mlflow.log_metrics(metrics, step=int(entry["iteration"]))
+
+
+class Fit:
+    """One fit of an Estimator on a DataFrame; run() returns the Model."""
+
+    def __init__(self, estimator, dataset):
+        self.est, self.dataset = estimator, dataset
+        self.log = Log()
+        self.done = set()  # the Data layers rescale() has scaled
+        self.output = None  # the fit's own folder, once load_solver made it
+
+    def run(self):
+        """The fit, Spark's own reports of a failed task kept off the console: one line says what failed (the fit's
+        train.log holds the whole report)."""
+        if is_connect(self.dataset):
+            raise ConfigError("fit runs the training job through a SparkContext, which Spark Connect does not give; "
+                              "fit in classic Spark (a DeepSparkModel's transform runs under Spark Connect too)")
+        sc = this_python(self.dataset.sparkSession.sparkContext)  # before any function is shipped to the executors
+        with quiet_tasks(sc), contextlib.ExitStack() as self.kept:
+            try:
+                return self.fit()
+            except (CapturedException, Py4JJavaError) as error:
+                failure = failed(error, sc)
+            if self.output:
+                with open(os.path.join(self.output, "train.log"), "a", encoding="utf-8") as log:
+                    log.write(failure.detail.rstrip("\n") + "\n")
+            raise failure
+
+    def fit(self):
+        est = self.est
+        solver = self.solver = self.load_solver()
+        deploy = est._given("deploy") or os.path.join(os.path.dirname(os.path.abspath(est.getOrDefault("solver"))),
+                                                      "deploy.prototxt")
+        transform = test_transform(solver)  # as the solver gives it: the Model applies inputScale itself
+        inputs = self.inputs(solver, deploy)
+        skip = est.getOrDefault("handleInvalid") == "skip"
+        wanted = [inputs.column, inputs.label, est.getOrDefault("validationCol")]
+        data = self.dataset.select(*[column for column in wanted if column in self.dataset.columns])
+        if self.dataset.storageLevel == StorageLevel.NONE:  # read by the checks, the sample, the split, the job
+            data = self.keep(data)
+        data = frames.checked(data, inputs, skip)
+        scale = self.scale(data, inputs)
+        self.rescale(solver.train_net, pb.NetState(phase=pb.TRAIN), scale)
+        seed = est.getOrDefault("seed") if est.isSet("seed") else max(solver.param.random_seed, 0)
+        train, valid = frames.split(data, est.getOrDefault("validationCol"), est.getOrDefault("validationFraction"),
+                                    seed)
+        self.validation(solver, valid, inputs, skip, scale)
+        # Kept: the job counts the rows, then shards them.
+        summary = spark.train(solver, self.keep(frames.datum_frame(train, inputs, skip)), weights=est._given("weights"))
+        history = self.final_test(solver, summary)
+        model = DeepSparkModel.from_caffe(deploy, summary["weights"], transform=transform,
+                                          backend=solver.param.deepspark_param.backend)
+        est._copyValues(model)
+        model._setDefault(inputScale=scale)  # what its data needed: a transform checks its own against it
+        model.summary, model.history = {**summary, "output": self.output}, history
+        record_in_mlflow(history)
+        return model
+
+    def keep(self, frame):
+        """`frame` persisted (memory, then disk) until the fit ends."""
+        frame = frame.persist(StorageLevel.MEMORY_AND_DISK)
+        self.kept.callback(frame.unpersist)
+        return frame
+
+    def load_solver(self):
+        """The solver with the Estimator's Params over it, writing into a folder of this fit's own (fits in parallel,
+        as TrainValidationSplit runs them, do not share one)."""
+        est = self.est
+        path = est._given("solver")
+        if not path:
+            raise ConfigError("DeepSparkEstimator needs a solver: DeepSparkEstimator(solver='solver.prototxt')")
+        solver = config.load_solver(path, est._given("deepspark"))
+        solver.param.snapshot_after_train = True  # the Model is made of the final snapshot
+        knobs = {field: est.getOrDefault(name) for name, (message, field, _) in est._schema.items()
+                 if message is pb.DeepSparkParameter and est.isSet(name)}
+        base = est._given("output") or os.path.dirname(solver.param.snapshot_prefix) or "output"
+        self.output = os.path.join(base, f"fit-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}")
+        os.makedirs(self.output)
+        config.override(solver, iterations=est.getOrDefault("maxIter") if est.isSet("maxIter") else None,
+                        output=self.output, **knobs)
+        if est.isSet("seed"):
+            solver.param.random_seed = est.getOrDefault("seed")
+        return solver
+
+    def inputs(self, solver, deploy):
+        """Where the DataFrame's images and labels are, the (C, H, W) an image has, and the classes of the net."""
+        est, df = self.est, self.dataset
+        column = est.getOrDefault("inputCol")
+        kind, depth = frames.input_kind(df, column)
+        label = frames.label_column(df, est.getOrDefault("labelCol"), kind != DATUM or est.isSet("labelCol"))
+        net = nets.deploy_net(deploy, "DeepSparkEstimator")[0]
+        shape = image_shape(df, column, kind, depth, est.getOrDefault("inputShape"), net)
+        check_shape(column, shape, net, parse_transform(test_transform(solver)))
+        graph = Graph(solver.train_net, pb.TRAIN, source=solver.train_map, data_shape=lambda _: tuple(shape))
+        classes, ignored = class_count(graph) if label else (None, None)
+        return frames.Inputs(column, kind, depth, tuple(shape), label, classes, ignored)
+
+    def scale(self, data, inputs):
+        """inputScale as set, else as a sample of the data needs it (said in one line)."""
+        scale = self.est.getOrDefault("inputScale")
+        if self.est.isSet("inputScale") and scale > 0:
+            return scale
+        train_scale = next((layer.transform_param.scale for layer in self.solver.train_net.layer
+                            if layer.type in DATA_TYPES and layer_included(layer, pb.NetState(phase=pb.TRAIN))), 1.0)
+        found = frames.sample(data, inputs.column, inputs.kind, inputs.shape)
+        scale = images.input_scale(found, train_scale)
+        if scale != 1:
+            self.log.info(f"inputCol '{inputs.column}' holds values within [0, 1] (its first {len(found)} rows: "
+                          f"{found.min():g} to {found.max():g}) and the net's transform_param scales by "
+                          f"{train_scale:g}, for 0-255 pixels: they are multiplied by {scale:g} first, the pixels "
+                          "again, as the net takes them (inputScale; the model keeps it)")
+        return scale
+
+    def rescale(self, net, state, scale):
+        """The Data layers of `net` in the phase of `state` made to take images multiplied by `scale` first, as
+        Caffe's transform_param can hold it (images.scaled_transform; a mean_file's image written scaled)."""
+        for index, layer in enumerate(net.layer):
+            if scale == 1 or layer.type not in DATA_TYPES or not layer_included(layer, state) or id(layer) in self.done:
+                continue
+            self.done.add(id(layer))  # a layer of both phases, or of a net two test nets share, is scaled once
+            param = layer.transform_param
+            scaled, mean = images.scaled_transform(param, scale, load_mean(param.mean_file) if param.mean_file else None)
+            if mean is not None:
+                scaled.mean_file = os.path.join(self.output, f"mean_{pb.Phase.Name(state.phase)}_{index}.binaryproto")
+                save_mean(mean, scaled.mean_file)
+            layer.transform_param.CopyFrom(scaled)
+
+    def validation(self, solver, valid, inputs, skip, scale):
+        """The validation rows as an LMDB in the fit's folder that the solver's test nets read (test_iter covering
+        them, their Data layers taking the rows' scale); without validation rows, the solver's own test data where it
+        is there, else no test."""
+        layers = test_data_layers(solver)
+        if valid is None:
+            missing = [layer.data_param.source for _, layer in layers if not os.path.exists(layer.data_param.source)]
+            if missing:
+                self.log.info(f"No validation: the solver's test data {missing[0]} is not there (validationCol or "
+                              "validationFraction tests the model on rows of the DataFrame as it trains)")
+                solver.test_nets = []
+                solver.param.ClearField("test_iter")
+                solver.param.test_interval = 0
+            return
+        if not layers:
+            raise ConfigError("validation rows need a test net in the solver: a Data layer in the TEST phase "
+                              "(as train_val.prototxt has)", solver.path)
+        path = os.path.abspath(os.path.join(self.output, "validation_lmdb"))
+        count = frames.write_datums(frames.datum_frame(valid, inputs, skip), path)
+        if not count:
+            raise ConfigError("no rows to validate on (validationCol or validationFraction left none)")
+        for i, layer in layers:
+            layer.data_param.source = path
+            solver.param.test_iter[i] = math.ceil(count / layer.data_param.batch_size)
+        for net, _, state in solver.test_nets:
+            self.rescale(net, state, scale)
+        self.log.info(f"Validating on {count} rows held out of the DataFrame, at every test_interval "
+                      f"({solver.param.test_interval}) and at the end")
+
+    def final_test(self, solver, summary):
+        """The fit's history, ending with a test of its final model (which the job's own cadence may have left
+        untested): the summary's test outputs are that model's."""
+        path = os.path.join(self.output, "train.log")
+        history = read_history(path)
+        tested = [entry["iteration"] for entry in history if any(name.startswith("test") for name in entry)]
+        if not solver.test_nets or (tested and tested[-1] == summary["iterations"]):
+            return history
+        log = Log(path, append=True)
+        evaluator = nets.evaluator(solver, log)
+        try:
+            graph = evaluator.nets[0][0].graph
+            arrays = checkpoint.weights_that_fit(graph, checkpoint.read_bytes(summary["weights"], "the weights"),
+                                                 summary["weights"])
+            summary.update(engine.first_values(evaluator.test(summary["iterations"], graph, arrays)))
+        finally:
+            evaluator.close()
+            log.close()
+        return read_history(path)

@@ -1,0 +1,191 @@
+"""A DataFrame's images and labels for fit and transform: checked on the driver in Spark SQL (one line naming the
+column and the bad value), sampled for their scale, split for validation, and made Caffe Datums on the executors
+through Arrow (mapInArrow, which Spark Connect serves too)."""
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+from pyspark.ml.functions import vector_to_array
+from pyspark.ml.linalg import VectorUDT
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from deepspark.data import lmdb_io
+from deepspark.errors import ConfigError
+from deepspark.graph import fmt
+from deepspark.ml import images
+from deepspark.ml.images import ARRAY, DATUM, VECTOR
+
+# Rows of the input a fit or transform looks at to tell the scale of its values (the first ones: no full pass).
+SAMPLE_ROWS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """Where a DataFrame's images and labels are, and what the net takes."""
+
+    column: str  # inputCol
+    kind: str  # DATUM, VECTOR or ARRAY
+    depth: int  # how deep an ARRAY's arrays nest
+    shape: tuple  # (C, H, W) of an image; None: each Datum's own
+    label: str = None  # labelCol; None: the Datums' own labels
+    classes: int = None  # how many classes the net's labels index; None: no check
+    ignored: int = None  # a label value the net's loss ignores (loss_param.ignore_label)
+
+
+def input_kind(df, column):
+    """(DATUM, VECTOR or ARRAY: what the input column holds, how deep its arrays nest); one line if none."""
+    if column not in df.columns:
+        raise ConfigError(f"the DataFrame has no column '{column}' (inputCol); it has {df.columns}")
+    kind = df.schema[column].dataType
+    if isinstance(kind, T.BinaryType):
+        return DATUM, 0
+    if isinstance(kind, VectorUDT):
+        return VECTOR, 0
+    depth = 0
+    while isinstance(kind, T.ArrayType):
+        kind, depth = kind.elementType, depth + 1
+    if depth and isinstance(kind, T.NumericType):
+        return ARRAY, depth
+    raise ConfigError(f"inputCol '{column}' holds {df.schema[column].dataType.simpleString()}; DeepSpark takes "
+                      "Caffe Datum bytes (binary), a Spark ML vector, or an array of numbers (flat or nested)")
+
+
+def flat_numbers(column, kind, depth):
+    """The Column of an image's numbers as one flat array (None for Datum bytes, which Spark SQL cannot read)."""
+    if kind == VECTOR:
+        return vector_to_array(F.col(column))
+    if kind == ARRAY:
+        flat = F.col(column)
+        for _ in range(depth - 1):
+            flat = F.flatten(flat)
+        return flat
+    return None
+
+
+def label_column(df, column, required):
+    """`column` when the DataFrame has it (its values whole numbers of any numeric type), else None where a Datum
+    carries its own label (not `required`); one line otherwise."""
+    if column not in df.columns:
+        if required:
+            raise ConfigError(f"the DataFrame has no column '{column}' (labelCol) beside its images; it has "
+                              f"{df.columns}")
+        return None
+    kind = df.schema[column].dataType
+    if not isinstance(kind, (T.NumericType, T.BooleanType)):
+        raise ConfigError(f"labelCol '{column}' holds {kind.simpleString()} values; a label is a class index "
+                          "(0, 1, ...): index them first (pyspark.ml.feature.StringIndexer)")
+    return column
+
+
+def sample(df, column, kind, shape):
+    """The images of the first SAMPLE_ROWS rows (those that hold one), on the driver."""
+    table = df.select(column).limit(SAMPLE_ROWS).toArrow()
+    return images.column_images(table.column(0), kind, shape)[0]
+
+
+def checked(df, inputs, skip):
+    """`df` with its rows checked in one Spark SQL pass: a null image (or one of another size) or label, a label
+    that is not a whole number or not one of the net's `inputs.classes`; one line naming the first, or, with
+    `skip`, the rows with a null or malformed image or a null label left out."""
+    image = F.col(inputs.column)
+    label = F.col(inputs.label).cast("double") if inputs.label else None
+    flat = flat_numbers(inputs.column, inputs.kind, inputs.depth)
+    size = int(np.prod(inputs.shape)) if inputs.shape else None
+    bad = {"null image": image.isNull()}
+    if flat is not None and size:
+        bad["size"] = F.when(image.isNotNull(), F.size(flat) != size)  # vector_to_array refuses a null
+    if label is not None:
+        bad["null label"] = label.isNull()
+        bad["fraction"] = label != F.floor(label)
+        outside = (label < 0) | (label >= inputs.classes) if inputs.classes else F.lit(False)
+        bad["range"] = outside if inputs.ignored is None else outside & (label != inputs.ignored)
+    counts = df.agg(*(F.sum(F.coalesce(test, F.lit(False)).cast("long")).alias(name)
+                      for name, test in bad.items())).first().asDict()
+    if skip:
+        invalid = [bad[name] for name in ("null image", "size", "null label") if name in bad]
+        keep = ~F.coalesce(_any(invalid), F.lit(False))
+        counts = {name: n for name, n in counts.items() if name not in ("null image", "size", "null label")}
+        df = df.filter(keep)
+    for name, n in counts.items():
+        if n:
+            raise ConfigError(_bad_line(df, inputs, name, n, bad[name], flat, size))
+    return df
+
+
+def _any(tests):
+    out = tests[0]
+    for test in tests[1:]:
+        out = out | test
+    return out
+
+
+def _bad_line(df, inputs, name, n, test, flat, size):
+    """The one line for `n` rows failing the check `name`, with the first one's value."""
+    rows = f"{n} row{'s' if n > 1 else ''}"
+    if name == "null image":
+        return f"inputCol '{inputs.column}' is null in {rows} (handleInvalid='skip' leaves them out)"
+    if name == "null label":
+        return f"labelCol '{inputs.label}' is null in {rows} (handleInvalid='skip' leaves them out)"
+    if name == "size":
+        found = df.filter(test).select(F.size(flat)).first()[0]
+        return (f"inputCol '{inputs.column}' holds {found} numbers in {rows}; the net takes {fmt(inputs.shape)} = "
+                f"{size} (set inputShape for another layout, or handleInvalid='skip')")
+    value = df.filter(test).select(inputs.label).first()[0]
+    if name == "fraction":
+        return f"labelCol '{inputs.label}' holds {value!r}, not a whole number; a label is a class index (0, 1, ...)"
+    return (f"labelCol '{inputs.label}' holds {value!r} in {rows}; the net has {inputs.classes} outputs, so its "
+            f"labels are 0 to {inputs.classes - 1}")
+
+
+def to_datums(inputs, skip):
+    """The mapInArrow function that makes each row of (image, label) one Caffe Datum: `datum` bytes."""
+    column, label, kind, shape = inputs.column, inputs.label, inputs.kind, inputs.shape
+
+    def run(batches):
+        for batch in batches:
+            values = batch.column(0)
+            found, ok = images.column_images(values, kind, shape)
+            if not ok.all() and not skip:
+                raise images.bad_row(values, kind, shape, ok, f"inputCol '{column}'")
+            row_labels = images.labels(batch.column(1))[ok] if label else None
+            if kind == DATUM:
+                kept = [value for value, good in zip(values.to_pylist(), ok) if good]
+                out = kept if row_labels is None else images.relabelled(kept, row_labels)
+            else:
+                out = images.datums(found, row_labels)
+            yield pa.RecordBatch.from_arrays([pa.array(out, pa.binary())], ["datum"])
+
+    return run
+
+
+def datum_frame(df, inputs, skip):
+    """`df` as the training job reads it: one `datum` column of Caffe Datum bytes, made on the executors."""
+    columns = [inputs.column] + ([inputs.label] if inputs.label else [])
+    return df.select(*columns).mapInArrow(to_datums(inputs, skip), "datum binary")
+
+
+def split(df, column, fraction, seed):
+    """(the rows to train on, the rows to validate on or None): `column`'s true rows, or a random `fraction`."""
+    if column:
+        if column not in df.columns:
+            raise ConfigError(f"the DataFrame has no column '{column}' (validationCol); it has {df.columns}")
+        if not isinstance(df.schema[column].dataType, T.BooleanType):
+            raise ConfigError(f"validationCol '{column}' holds {df.schema[column].dataType.simpleString()}; it "
+                              "takes booleans (true: a row to validate on)")
+        held = F.coalesce(F.col(column), F.lit(False))
+        return df.filter(~held), df.filter(held)
+    if not fraction:
+        return df, None
+    if not 0 < fraction < 1:
+        raise ConfigError(f"validationFraction is {fraction:g}; it takes a fraction of the rows, between 0 and 1")
+    train, valid = df.randomSplit([1 - fraction, fraction], seed)
+    return train, valid
+
+
+def write_datums(frame, path):
+    """The `datum` rows of `frame`, brought to the driver one partition at a time, as an LMDB at `path` (Caffe's
+    keys: the index, 10 digits); their count."""
+    rows = ((b"%010d" % index, bytes(row[0])) for index, row in enumerate(frame.toLocalIterator()))
+    return lmdb_io.write_lmdb(path, rows, overwrite=True)
