@@ -62,6 +62,14 @@ def ship_python_layers(sc, solver):
         sc.addPyFile(path)
 
 
+def batch_size(graph):
+    """Items per worker iteration, for the bars' images/s: the first fed top's first axis, else (a net that makes
+    its own data: a Python data layer, DummyData) the first top of its first layer without bottoms; 0 if none."""
+    shapes = list(graph.fed_tops().values()) or [shape for layer in graph.layers if not layer.bottoms
+                                                 for shape in layer.top_shapes]
+    return shapes[0][0] if shapes and shapes[0] else 0
+
+
 def initial_center(solver, log, history_sets, weights=None, snapshot=None, shape=None):
     """x̃ at the start: the fillers, a --weights file, or a --snapshot's learned net; the start iteration; and
     the workers' solver histories the snapshot holds ({worker: (iteration, current_step, flat history)})."""
@@ -145,7 +153,7 @@ class Job:
     def watch(self, run_tasks):
         """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch); its result."""
         return Watch(self.sc, self.server, self.cadence, self.log, self.workers, self.param.max_iter,
-                     self.ds.connect_timeout, next(iter(self.graph.fed_tops().values()))[0]).run(run_tasks)
+                     self.ds.connect_timeout, batch_size(self.graph)).run(run_tasks)
 
     # -- the run ----------------------------------------------------------------
 
