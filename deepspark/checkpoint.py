@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 
+from deepspark import upgrade
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -100,13 +101,123 @@ def net_to_proto(graph, arrays):
 
 
 def save_caffemodel(path, graph, arrays):
-    """Write the weights of `graph` (arrays in graph.params order) as a Caffe .caffemodel."""
+    """Write the weights of `graph` (arrays in graph.params order) as a Caffe .caffemodel (.caffemodel.h5:
+    HDF5, Caffe's Net::ToHDF5 layout)."""
+    if is_hdf5(path):
+        return _save_hdf5_weights(path, graph, arrays)
     atomic_write(path, net_to_proto(graph, arrays).SerializeToString())
+
+
+# -- HDF5: snapshot_format: HDF5 (Caffe's Net::ToHDF5, SGDSolver::SnapshotSolverStateToHDF5), HDF5Output ------
+
+
+def _h5py():
+    import h5py  # deferred: HDF5 snapshots and outputs only; it loads libhdf5
+    return h5py
+
+
+def is_hdf5(path):
+    return str(path).endswith(".h5")
+
+
+def _write_hdf5(path, fill):
+    """Write an HDF5 file through fill(h5py.File) at a temporary name beside `path`, then rename."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with _h5py().File(tmp, "w") as h5:
+            fill(h5)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _save_hdf5_weights(path, graph, arrays):
+    """Net::ToHDF5: a group /data/<layer> per layer in net order, dataset <i> per blob the layer owns
+    (a shared blob under its owner only), float32 in the blob's shape."""
+    owned = {(param.owner, param.index) for param in graph.params}
+
+    def fill(h5):
+        data = h5.create_group("data")
+        for position, (layer, (name, blobs)) in enumerate(zip(graph.layers, layer_blobs(graph, arrays))):
+            if name in data:
+                raise ConfigError(f"layer name '{name}' repeats: an HDF5 snapshot holds one group per layer "
+                                  "name (Caffe's cannot either); use snapshot_format: BINARYPROTO", path)
+            group = data.create_group(name)
+            for i, array in enumerate(blobs):
+                if (position, i) in owned:
+                    group.create_dataset(str(i), data=array)
+    _write_hdf5(path, fill)
+
+
+def _read_hdf5_weights(path):
+    """[(layer name, [float32 arrays])] of a .caffemodel.h5 (CopyTrainedLayersFromHDF5's reading)."""
+    try:
+        with _h5py().File(path, "r") as h5:
+            data = h5["data"]
+            return [(name, [np.asarray(data[name][str(i)], np.float32) for i in range(len(data[name]))])
+                    for name in data]
+    except (OSError, KeyError) as error:
+        raise ConfigError(f"not a Caffe HDF5 model (a /data group of layers): {error}", path) from None
+
+
+def _save_hdf5_state(path, state):
+    """SnapshotSolverStateToHDF5: iter, learned_net, current_step, /history/<i>; a Spark job's
+    workers' states (DeepSpark's own) as their serialized WorkerSolverStates."""
+    def fill(h5):
+        h5.create_dataset("iter", data=np.int32(state.iter))
+        h5.create_dataset("learned_net", data=np.bytes_(state.learned_net.encode()))
+        h5.create_dataset("current_step", data=np.int32(state.current_step))
+        history = h5.create_group("history")
+        for i, blob in enumerate(state.history):
+            history.create_dataset(str(i), data=blob_to_array(blob))
+        if len(state.worker_state):
+            workers = h5.create_group("deepspark_worker_state")
+            for saved in state.worker_state:
+                workers.create_dataset(str(saved.worker), data=np.void(saved.SerializeToString()))
+    _write_hdf5(path, fill)
+
+
+def _read_hdf5_state(path):
+    """A SolverState from a .solverstate.h5 (RestoreSolverStateFromHDF5's reading)."""
+    try:
+        with _h5py().File(path, "r") as h5:
+            state = pb.SolverState(iter=int(h5["iter"][()]), current_step=int(h5["current_step"][()]))
+            learned = h5["learned_net"][()]
+            state.learned_net = learned.decode() if isinstance(learned, bytes) else str(learned)
+            for i in range(len(h5["history"])):
+                array_to_blob(np.asarray(h5["history"][str(i)]), state.history.add())
+            for worker in h5.get("deepspark_worker_state", {}):
+                state.worker_state.add().ParseFromString(h5["deepspark_worker_state"][worker][()].tobytes())
+    except (OSError, KeyError) as error:
+        raise ConfigError(f"not a Caffe HDF5 solver state (iter, current_step, history): {error}", path) from None
+    return state
+
+
+def write_hdf5_output(path, data, label):
+    """Caffe's HDF5OutputLayer::SaveBlobs: datasets 'data' and 'label' in their legacy 4-axis shapes
+    (num, channels, height, width), float32, replacing the file."""
+    def legacy(array):
+        array = np.asarray(array, np.float32)
+        if array.ndim > 4:
+            raise ValueError(f"HDF5Output writes blobs of up to 4 axes, not {array.shape}")
+        return array.reshape(array.shape + (1,) * (4 - array.ndim))
+
+    def fill(h5):
+        h5.create_dataset("data", data=legacy(data))
+        h5.create_dataset("label", data=legacy(label))
+    _write_hdf5(path, fill)
 
 
 def read_caffemodel(path):
     """[(layer name, [float32 arrays])] of every layer in a .caffemodel written by Caffe or by us, in
     the file's order (blobless layers too: Caffe checks their count; a name may repeat)."""
+    if is_hdf5(path):
+        if not os.path.exists(path):
+            raise ConfigError(".caffemodel.h5 file not found", path)
+        return _read_hdf5_weights(path)
     return caffemodel_layers(read_message(path, pb.NetParameter(), ".caffemodel"), path)
 
 
@@ -121,9 +232,11 @@ def parse_caffemodel(data, path="<weights>"):
 
 
 def caffemodel_layers(net, path):
-    """read_caffemodel of a parsed NetParameter."""
+    """read_caffemodel of a parsed NetParameter; an old (V0/V1) model upgraded as Caffe reads one."""
+    if upgrade.needs_upgrade(net):
+        net = upgrade.upgrade_net(net, lambda i=None: (path, None, None), lambda: (path, None, None))[0]
     if not net.layer:
-        raise ConfigError("this .caffemodel has no layers (V1 'layers' models need Caffe's upgrade tool)", path)
+        raise ConfigError("this .caffemodel has no layers", path)
     try:
         return [(layer.name, [blob_to_array(b) for b in layer.blobs]) for layer in net.layer]
     except ValueError as error:
@@ -170,9 +283,16 @@ def weights_that_fit(graph, data, path="<weights>"):
     return weights_for(graph, parse_caffemodel(data, path), [None] * len(graph.params), path)
 
 
-def snapshot_paths(prefix, iteration):
+def snapshot_paths(prefix, iteration, hdf5=False):
+    """Caffe's snapshot names: <prefix>_iter_N.caffemodel and .solverstate (with hdf5, each + '.h5')."""
     base = f"{prefix}_iter_{iteration}"
-    return base + ".caffemodel", base + ".solverstate"
+    suffix = ".h5" if hdf5 else ""
+    return base + ".caffemodel" + suffix, base + ".solverstate" + suffix
+
+
+def snapshot_words(path):
+    """How Caffe's log names a snapshot's format: 'HDF5 file' or 'binary proto file'."""
+    return "HDF5 file" if is_hdf5(path) else "binary proto file"
 
 
 def solver_state(iteration, current_step=0, history=(), learned_net=None):
@@ -221,10 +341,16 @@ def worker_histories(state, shapes, sets, path="<solverstate>"):
 
 
 def save_solverstate(path, state):
+    if is_hdf5(path):
+        return _save_hdf5_state(path, state)
     atomic_write(path, state.SerializeToString())
 
 
 def read_solverstate(path):
+    if is_hdf5(path):
+        if not os.path.exists(path):
+            raise ConfigError(".solverstate.h5 file not found", path)
+        return _read_hdf5_state(path)
     return read_message(path, pb.SolverState(), ".solverstate")
 
 

@@ -132,7 +132,7 @@ def cmd_time(args):
 
 
 def cmd_compare(args):
-    result = compare.run(args.model, weights=args.weights, solver_path=args.solver,
+    result = compare.run(args.model, weights=args.weights, solver_path=args.solver, data_shape=args.data_shape,
                          **fields_of(args, pb.CompareParameter))
     return 0 if result["ok"] else 1
 
@@ -173,10 +173,24 @@ def split_list(text):
 
 
 def cmd_describe(args):
-    table, warnings = nets.describe(args.net, args.phase, args.data_shape, args.batch_size)
+    table, warnings = nets.describe(args.net, args.phase, args.data_shape, args.batch_size, args.stage)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(table)
+    return 0
+
+
+def cmd_upgrade_net(args):
+    for note in nets.upgrade_net(args.input, args.output):
+        print(f"warning: {note}", file=sys.stderr)
+    print(f"Wrote upgraded NetParameter text proto to {args.output}")
+    return 0
+
+
+def cmd_upgrade_solver(args):
+    for note in nets.upgrade_solver(args.input, args.output):
+        print(f"warning: {note}", file=sys.stderr)
+    print(f"Wrote upgraded SolverParameter text proto to {args.output}")
     return 0
 
 
@@ -220,12 +234,25 @@ def forward_job(verbs, name, help_text, data):
     return verb
 
 
+def upgrade_verbs(verbs):
+    """upgrade-net and upgrade-solver: Caffe's upgrade tools, each an old file in and today's out."""
+    for name, what, tool, help_text in (
+            ("upgrade-net", "net", "upgrade_net_proto_text", "an old net (V0/V1 layers, input fields) as today's "
+                                                              "prototxt"),
+            ("upgrade-solver", "solver", "upgrade_solver_proto_text", "an old solver's solver_type enum as its "
+                                                                        "type string")):
+        verb = verbs.add_parser(name, help=f"Caffe's {tool}: {help_text}")
+        verb.add_argument("input", help=f"the old {what} .prototxt")
+        verb.add_argument("output", help="the upgraded .prototxt to write")
+        verb.set_defaults(run=cmd_upgrade_net if what == "net" else cmd_upgrade_solver)
+
+
 def parser():
     top = Parser(
         prog="deepspark", description="Train Caffe-defined networks on Spark with asynchronous EASGD.")
     verbs = top.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
-    for add in (add_training_verbs, add_net_verbs, add_data_verbs):
+    for add in (add_training_verbs, add_net_verbs, upgrade_verbs, add_data_verbs):
         add(verbs)
     return top
 
@@ -260,7 +287,10 @@ def add_training_verbs(verbs):
     comparison = verbs.add_parser("compare", help="run one net on several backends and compare")
     comparison.add_argument("--model", required=True, help="net .prototxt (or model folder)")
     comparison.add_argument("--weights", help="weights .caffemodel (default: the first backend's fillers)")
-    comparison.add_argument("--solver", help="also train --iterations from the same weights and batches")
+    comparison.add_argument("--solver", help="also train --iterations from the same weights and batches; its first "
+                                             "test_state's stages choose the TEST net's layers")
+    comparison.add_argument("--data-shape", type=data_shape, help="C,H,W of the data layers whose source is absent "
+                                                                  "(as describe takes it)")
     add_fields(comparison, pb.CompareParameter)
     comparison.set_defaults(run=cmd_compare)
 
@@ -303,7 +333,10 @@ def add_net_verbs(verbs):
     describe.add_argument("--phase", type=phase, default=pb.TRAIN, help="TRAIN or TEST (default TRAIN)")
     describe.add_argument("--data-shape", type=data_shape, help="C,H,W of the Data layers when their LMDB is absent")
     describe.add_argument("--batch-size", type=positive, help="override the batch size")
+    describe.add_argument("--stage", action="append", help="a NetState stage that chooses layers, as Caffe's --stage "
+                                                           "(repeat it for several)")
     describe.set_defaults(run=cmd_describe)
+
 
 
 def add_data_verbs(verbs):

@@ -7,6 +7,7 @@ relative difference is its largest absolute difference over the larger of
 the two blobs' largest magnitudes, so values near zero do not blow it up.
 """
 
+import copy
 import os
 import sys
 import time
@@ -16,7 +17,7 @@ import numpy as np
 from deepspark import checkpoint, engine
 from deepspark.backends import BACKENDS, backend_module, create_model
 from deepspark.config import load_net, load_solver, net_path, random_seed, set_fields
-from deepspark.data import DataFeeder, source_shape
+from deepspark.data import SOURCE_PARAMS, feeder_for, source_of, source_shape
 from deepspark.errors import ConfigError
 from deepspark.fillers import fill
 from deepspark.graph import Graph, spec, with_batch_size, with_taps
@@ -39,24 +40,30 @@ def deploy_shapes(net_path):
             for top, shape in zip(layer.top, layer.input_param.shape)}
 
 
-def shape_finder(net_path):
-    """data_shape for Data layers: their LMDB's, else the prototxt's, else the deploy net's input."""
+def shape_finder(net_path, given=None):
+    """data_shape for data layers: their source's, else --data-shape (`given`, as describe takes it), else the
+    prototxt's, else the deploy net's input."""
     beside = deploy_shapes(net_path)
 
     def data_shape(layer_param):
-        shape = source_shape(layer_param)
+        shape = source_shape(layer_param, given)
         if isinstance(shape, str) and layer_param.top and layer_param.top[0] in beside:
             return beside[layer_param.top[0]]
         return shape
     return data_shape
 
 
+def sourced(model):
+    """The data layers of a model's net that read a source (Data, HDF5Data, ImageData)."""
+    return [layer for layer in model.graph.layers if layer.type in SOURCE_PARAMS and layer.type != "WindowData"]
+
+
 class PipelineBatches:
-    """Batches from the shared pipeline for the Data layers, synthetic ones for any other fed top."""
+    """Batches from the shared pipeline for the data layers with a source, synthetic ones for any other fed top."""
 
     def __init__(self, model, phase, seed=SEED):
-        self.feeders = [DataFeeder(layer.param, phase, seed=seed, batch_size=model.graph.context.batch_size)
-                        for layer in model.graph.layers if layer.type == "Data"]
+        self.feeders = [feeder_for(layer.param, phase, seed=seed, batch_size=model.graph.context.batch_size)
+                        for layer in sourced(model)]
         self.synthetic = engine.SyntheticBatches(model, seed)
 
     def next_batch(self):
@@ -69,11 +76,34 @@ class PipelineBatches:
         engine.close_all(self.feeders)
 
 
+def with_dummy_data_fed(net):
+    """A copy of `net` whose DummyData layers with a random filler are Input layers of the same tops and shapes:
+    each backend draws DummyData from its own generator, so a comparison feeds both the same values instead
+    (constant fillers stay: they fill the same on every backend)."""
+    net = copy.deepcopy(net)
+    for layer in net.layer:
+        fillers = layer.dummy_data_param.data_filler
+        if layer.type != "DummyData" or all((f.type or "constant") == "constant" for f in fillers) and fillers:
+            continue
+        shapes = [tuple(shape.dim) for shape in layer.dummy_data_param.shape]
+        if not shapes:  # the legacy num/channels/height/width form
+            param = layer.dummy_data_param
+            fields = [list(param.num), list(param.channels), list(param.height), list(param.width)]
+            count = max(len(f) for f in fields)
+            shapes = [tuple(f[i] if len(f) > 1 else f[0] for f in fields) for i in range(count)]
+        shapes = shapes * len(layer.top) if len(shapes) == 1 else shapes
+        layer.type = "Input"
+        layer.ClearField("dummy_data_param")
+        for shape in shapes:
+            layer.input_param.shape.add().dim.extend(shape)
+    return net
+
+
 def batch_source(model, phase):
-    """Real batches when every Data layer's LMDB exists, else seeded synthetic ones."""
-    data = [layer for layer in model.graph.layers if layer.type == "Data"]
-    if data and all(os.path.exists(layer.param.data_param.source) for layer in data):
-        return PipelineBatches(model, phase), "LMDB"
+    """Real batches when every data layer's source exists, else seeded synthetic ones."""
+    data = sourced(model)
+    if data and all(os.path.exists(source_of(layer.param)) for layer in data):
+        return PipelineBatches(model, phase), "/".join(sorted({layer.type for layer in data}))
     return engine.SyntheticBatches(model, SEED), "synthetic"
 
 
@@ -107,7 +137,7 @@ def difference(a, b):
 
 
 def build(backends, net, solver_param=None, phase=pb.TEST, source=None, batch_size=None, data_shape=None,
-          weights=None, seed=None, out=None):
+          weights=None, seed=None, out=None, stages=None):
     """{backend: Model}, all holding the same parameters: the weights file's, else the first's fillers,
     with Caffe's xavier filler for any weight blob the prototxt leaves constant (a deploy net without
     fillers is all zeros, and every difference then says 0); `out` is told which.
@@ -120,7 +150,7 @@ def build(backends, net, solver_param=None, phase=pb.TEST, source=None, batch_si
     models = {}
     for name in backends:
         models[name] = create_model(name, net, solver_param, phase=phase, source=source, batch_size=batch_size,
-                                    data_shape=data_shape, seed=seed)
+                                    data_shape=data_shape, seed=seed, stages=stages)
     first = models[backends[0]]
     params = first.get_params()
     if weights:
@@ -257,11 +287,13 @@ def _table(rows, out):
                             for i, (cell, w) in enumerate(zip(row, widths))).rstrip() + "\n")
 
 
-def run(model_path, weights=None, solver_path=None, out=sys.stdout, **options):
+def run(model_path, weights=None, solver_path=None, out=sys.stdout, data_shape=None, **options):
     """The comparison `deepspark compare` prints; returns a dict of results with 'ok'.
 
     options: CompareParameter fields by name (backends as a comma-separated string or a
-    list, iterations, batch_size, forward_tolerance, loss_tolerance).
+    list, iterations, batch_size, forward_tolerance, loss_tolerance). data_shape: (C, H, W)
+    of the data layers whose source is absent, as `describe --data-shape` takes it. With a
+    solver, the forward pass is the TEST phase of its first test net's state (test_state stages).
     """
     if isinstance(options.get("backends"), (list, tuple)):
         options["backends"] = ",".join(options["backends"])
@@ -278,19 +310,25 @@ def run(model_path, weights=None, solver_path=None, out=sys.stdout, **options):
     result = {"model": model_path, "backends": backends, "ok": True}
     path = net_path(model_path)
     net, source = load_net(path)
-    net = with_batch_size(net, batch_size)
-    net = with_taps(net, Graph(net, pb.TEST, source=source, data_shape=shape_finder(path), batch_size=batch_size))
-    compare_forward_pass(out, result, backends, net, path, batch_size, weights, param.forward_tolerance)
-    if solver_path:
-        compare_training_run(out, result, backends, solver_path, path, batch_size, weights, param.iterations,
-                             param.loss_tolerance)
+    solver = load_solver(solver_path) if solver_path else None
+    stages = list(solver.test_nets[0][2].stage) if solver and solver.test_nets else None
+    finder = shape_finder(path, data_shape)
+    net = with_batch_size(with_dummy_data_fed(net), batch_size)
+    net = with_taps(net, Graph(net, pb.TEST, stages=stages, source=source, data_shape=finder, batch_size=batch_size))
+    compare_forward_pass(out, result, backends, net, path, batch_size, weights, param.forward_tolerance, source,
+                         finder, stages)
+    if solver:
+        compare_training_run(out, result, backends, solver, path, batch_size, weights, param.iterations,
+                             param.loss_tolerance, data_shape)
     out.write("OK: within tolerance\n" if result["ok"] else "FAILED: differences exceed tolerance\n")
     return result
 
 
-def compare_forward_pass(out, result, backends, net, path, batch_size, weights, forward_tolerance):
+def compare_forward_pass(out, result, backends, net, path, batch_size, weights, forward_tolerance, source=None,
+                         finder=None, stages=None):
     """The forward table: every blob of every other backend against the first; fills result["forward"]."""
-    models = build(backends, net, None, pb.TEST, None, batch_size, shape_finder(path), weights, out=out)
+    models = build(backends, net, None, pb.TEST, source, batch_size, finder or shape_finder(path), weights, out=out,
+                   stages=stages)
     try:
         batches, kind = batch_source(models[backends[0]], pb.TEST)
         try:
@@ -321,13 +359,16 @@ def compare_forward_pass(out, result, backends, net, path, batch_size, weights, 
         close_all(models)
 
 
-def compare_training_run(out, result, backends, solver_path, path, batch_size, weights, iterations, loss_tolerance):
+def compare_training_run(out, result, backends, solver, path, batch_size, weights, iterations, loss_tolerance,
+                         data_shape=None):
     """The training table: each backend's loss at each iteration from the same weights and batches; fills
     result["training"]."""
     others = backends[1:]
-    solver = load_solver(solver_path)
-    models = build(backends, solver.train_net, solver.param, pb.TRAIN, solver.train_map, batch_size,
-                   shape_finder(solver.param.net or solver.param.train_net or path), weights)
+    solver_path = solver.path
+    train_net = with_batch_size(with_dummy_data_fed(solver.train_net), batch_size)
+    models = build(backends, train_net, solver.param, pb.TRAIN, solver.train_map, batch_size,
+                   shape_finder(solver.param.net or solver.param.train_net or path, data_shape), weights,
+                   stages=list(solver.param.train_state.stage) or None)
     try:
         first = models[backends[0]]
         batches, kind = batch_source(first, pb.TRAIN)

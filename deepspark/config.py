@@ -6,7 +6,7 @@ import re
 
 from google.protobuf import descriptor_pb2, text_format
 
-from deepspark import graph, schedule
+from deepspark import graph, schedule, upgrade
 from deepspark.errors import ConfigError, SourceMap
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -19,8 +19,8 @@ _TOKEN = re.compile(
     r"|(?P<open>[{<])|(?P<close>[}>])|(?P<newline>\n)")
 
 
-def _scan_layers(text):
-    """Positions of the top-level `layer` blocks and of each block's own fields."""
+def _scan_layers(text, block="layer"):
+    """Positions of the top-level `block` blocks (`layer`, or an old net's `layers`) and of each one's own fields."""
     layers, depth, line, line_start = [], 0, 1, 0
     last_field, last_position = None, None
     for match in _TOKEN.finditer(text):
@@ -34,24 +34,15 @@ def _scan_layers(text):
             elif depth == 0:
                 last_position = (line, match.start() - line_start + 1)
         elif kind == "open":
-            if depth == 0 and last_field == "layer":
-                layers.append({"layer": last_position})
+            if depth == 0:
+                layers.append({"layer": last_position} if last_field == block else None)
             depth += 1
         elif kind == "close":
             depth = max(depth - 1, 0)
-    return layers
-
-
-_V1_LAYERS = re.compile(r"^\s*layers\s*[:{<]", re.M)
+    return [fields for fields in layers if fields is not None]
 
 
 def _parse(text, message, filename):
-    match = _V1_LAYERS.search(text)
-    if match:
-        line = text.count("\n", 0, match.start()) + 1
-        raise ConfigError(
-            "this net uses Caffe's old V1 'layers { }' format; upgrade it with Caffe's "
-            "upgrade_net_proto_text tool to the 'layer { }' format", filename, line, 1)
     try:
         text_format.Parse(text, message)
     except text_format.ParseError as error:
@@ -108,15 +99,39 @@ def _read(path, what):
         raise ConfigError(f"cannot read {what} file: {error}", path) from None
 
 
-def parse_net(text, filename="<string>"):
-    """A NetParameter and its SourceMap from prototxt text."""
+def parse_net(text, filename="<string>", upgrade_old=True):
+    """A NetParameter and its SourceMap from prototxt text, upgraded as Caffe upgrades an old net when it
+    reads one (V0/V1 layers, input fields; upgrade.upgrade_net), unless upgrade_old is False. What Caffe
+    would only log about the upgrade is in the SourceMap's notes."""
     net = _parse(text, pb.NetParameter(), filename)
-    return net, SourceMap(filename, _scan_layers(text))
+    layers = _scan_layers(text)
+    if not (upgrade_old and upgrade.needs_upgrade(net)):
+        return net, SourceMap(filename, layers)
+    blocks = _scan_layers(text, "layers") if len(net.layers) else layers
+    inputs = {"layer": field_position(text, "input")}
+
+    def where(i):
+        return (filename, *blocks[i]["layer"]) if i < len(blocks) else (filename, None, None)
+
+    net, origins, notes = upgrade.upgrade_net(net, where, lambda: (filename, *inputs["layer"]))
+    return net, SourceMap(filename, [inputs if o is None else blocks[o] for o in origins], notes)
 
 
 def load_net(path):
     """A NetParameter and its SourceMap from a net .prototxt file."""
     return parse_net(_read(path, "net"), path)
+
+
+def read_net_text(path):
+    """(the net file's text, its NetParameter as written, not upgraded): for `deepspark upgrade-net`."""
+    text = _read(path, "net")
+    return text, _parse(text, pb.NetParameter(), path)
+
+
+def read_solver_text(path):
+    """(the solver file's text, its SolverParameter as written, not upgraded): for `deepspark upgrade-solver`."""
+    text = _read(path, "solver")
+    return text, _parse(text, pb.SolverParameter(), path)
 
 
 def net_path(path):
@@ -193,6 +208,7 @@ def load_solver(path, deepspark=None):
     """
     text = _read(path, "solver")
     param = _parse(text, pb.SolverParameter(), path)
+    upgrade.upgrade_solver(param, lambda: (path, *field_position(text, "solver_type")))
     knobs = deepspark_file(path, deepspark)
     if knobs:
         param.deepspark_param.MergeFrom(parse_deepspark(_read(knobs, "DeepSpark parameter"), knobs))
@@ -212,13 +228,13 @@ def load_solver(path, deepspark=None):
                           f"(found {len(train_fields) or 'none'})", path)
     field = train_fields[0]
     if field.endswith("_param"):
-        train, train_map = getattr(param, field), SourceMap(path)
+        train, train_map = inline_net(getattr(param, field), path), SourceMap(path)
     else:
         train, train_map = net_from_file(field)
 
     tests = []
     for net in param.test_net_param:
-        tests.append((net, SourceMap(path)))
+        tests.append((inline_net(net, path), SourceMap(path)))
     for i, test_path in enumerate(param.test_net):
         resolved = resolve(test_path, base)
         if not os.path.exists(resolved):
@@ -244,6 +260,13 @@ def load_solver(path, deepspark=None):
     check_solver(param, path, text)
     param.snapshot_prefix = resolve_output_prefix(param.snapshot_prefix, base)
     return Solver(param, path, train, train_map, test_nets)
+
+
+def inline_net(net, path):
+    """A net given inside a solver (net_param, train_net_param, test_net_param), upgraded like a net file."""
+    if not upgrade.needs_upgrade(net):
+        return net
+    return upgrade.upgrade_net(net, lambda i=None: (path, None, None), lambda: (path, None, None))[0]
 
 
 def random_seed(param):

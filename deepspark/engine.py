@@ -88,10 +88,11 @@ def score(model, feeders, iterations, log=None):
 
 
 def log_outputs(log, net, means, prefix):
-    """One line per output value, with Caffe's `(* weight = weighted loss)` for loss outputs."""
+    """One line per output value, with Caffe's `(* weight = weighted loss)` for loss outputs; outputs in
+    Caffe's order, by name (Net::Init collects them in a std::set)."""
     weights = {top: w for layer in net.layers for top, w in zip(layer.tops, layer.loss_weights)}
     index = 0
-    for name, mean in means.items():
+    for name, mean in sorted(means.items()):
         for value in np.ravel(mean):
             suffix = f" (* {weights[name]:g} = {weights[name] * value:g} loss)" if weights.get(name) else ""
             log.info(prefix.format(index=index) + f"{name} = {value:g}{suffix}")
@@ -273,15 +274,20 @@ class Cadence:
                        self.next_snapshot - iteration))
 
 
-def write_snapshot(log, prefix, iteration, net, arrays, solver_state):
+def hdf5_snapshots(param):
+    """Whether the solver's snapshots are HDF5 (snapshot_format: HDF5) rather than binary protos."""
+    return param.snapshot_format == param.HDF5
+
+
+def write_snapshot(log, prefix, iteration, net, arrays, solver_state, hdf5=False):
     """Caffe's Snapshot: `<prefix>_iter_N.caffemodel` of `arrays` (in `net`'s parameter order), then the
-    .solverstate that names it, each logged as Caffe logs it. solver_state(model path) gives (the
-    SolverState, what its line adds). Returns both paths."""
-    model_path, state_path = checkpoint.snapshot_paths(prefix, iteration)
-    log.info(f"Snapshotting to binary proto file {model_path}")
+    .solverstate that names it (with hdf5, each an HDF5 file ending in .h5), each logged as Caffe logs it.
+    solver_state(model path) gives (the SolverState, what its line adds). Returns both paths."""
+    model_path, state_path = checkpoint.snapshot_paths(prefix, iteration, hdf5)
+    log.info(f"Snapshotting to {checkpoint.snapshot_words(model_path)} {model_path}")
     checkpoint.save_caffemodel(model_path, net, arrays)
     state, note = solver_state(model_path)
-    log.info(f"Snapshotting solver state to binary proto file {state_path}{note}")
+    log.info(f"Snapshotting solver state to {checkpoint.snapshot_words(state_path)} {state_path}{note}")
     checkpoint.save_solverstate(state_path, state)
     return model_path, state_path
 
@@ -380,7 +386,16 @@ class Trainer:
             return state, ""
 
         return write_snapshot(self.log, self.param.snapshot_prefix or "snapshot", self.iter, self.model.graph,
-                              self.model.get_params(), state_of)
+                              self.model.get_params(), state_of, hdf5_snapshots(self.param))
+
+    def log_train_outputs(self, loss):
+        """Caffe's display of the train net's outputs after a step: `Train net output #k: name = v`, with
+        `(* w = v' loss)` for a loss; the step's loss alone where a backend cannot tell them."""
+        outputs = self.model.train_outputs()
+        if outputs is None:
+            self.log.info(f"    Train net output #0: loss = {loss:.6g}")
+        else:
+            log_outputs(self.log, self.model.graph, outputs, "    Train net output #{index}: ")
 
     def solve(self):
         """Caffe's Solver::Solve: test every test_interval, display, snapshot; returns the last test results."""
@@ -398,7 +413,7 @@ class Trainer:
                 now = time.monotonic()
                 speed = (iteration - last_iter) / (now - last_time) if now > last_time and iteration > last_iter else 0
                 log.info(f"Iteration {iteration} ({speed:.4g} iter/s), loss = {self.smoothed_loss:.6g}")
-                log.info(f"    Train net output #0: loss = {loss:.6g}")
+                self.log_train_outputs(loss)
                 log.info(f"Iteration {iteration}, lr = {rate:.6g}")
                 last_time, last_iter = now, iteration
             log.progress(progress_bar(self.iter, p.max_iter, started=started,

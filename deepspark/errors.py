@@ -27,9 +27,10 @@ class SourceMap:
     semantic errors (unknown bottom, bad shape) point at the layer through this map.
     """
 
-    def __init__(self, filename, layers=None):
+    def __init__(self, filename, layers=None, notes=None):
         self.filename = filename
         self.layers = layers or []  # per layer: {"layer": (line, col), field: (line, col)}
+        self.notes = list(notes or [])  # what reading the file found that Caffe only logs (an old net's upgrade)
 
     def where(self, layer_index, field=None):
         """(filename, line, col) of a layer, or of one of its top-level fields."""

@@ -11,6 +11,7 @@ scale, mean and crop) is the caller's to apply, as with pycaffe's Net.
 from deepspark import checkpoint, nets
 from deepspark.backends import create_model
 from deepspark.data import lmdb_io
+from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
 SIGNATURE = "serving_default"
@@ -21,6 +22,10 @@ def export(model_path, weights, output, overwrite=False):
     of the .caffemodel `weights` to the folder `output` (under a temporary name, renamed when complete);
     returns ({input: shape}, [output names])."""
     net, source = nets.deploy_net(model_path, "export")
+    python = [i for i, layer in enumerate(net.layer) if layer.type == "Python"]
+    if python:
+        raise ConfigError(f"layer '{net.layer[python[0]].name}' is a Python layer: a SavedModel carries no Python "
+                          "code, so export cannot hold it", *source.where(python[0]))
     lmdb_io.refuse_existing(output, overwrite)
     model = create_model("tensorflow", net, phase=pb.TEST, source=source)
     from deepspark.backends.tensorflow.runtime import tf  # deferred: TensorFlow loads only for this verb

@@ -4,8 +4,10 @@ import copy
 import math
 from dataclasses import dataclass, field
 
+from deepspark import pylayer
 from deepspark.errors import SourceMap
 from deepspark.proto import deepspark_pb2 as pb
+from deepspark.upgrade import input_layer
 
 
 class ShapeError(ValueError):
@@ -800,6 +802,68 @@ def _data(lp, bottoms, ctx):
     return [(batch,) + crop_shape(lp.transform_param, source_shape), (batch,)][:len(lp.top)], []
 
 
+# The data layers that read files of their own kind: their rows or images come from the shared data
+# pipeline (deepspark/data/) as a Data layer's records do, and reach both backends as fed tops.
+
+@layer_type("HDF5Data", data=True, fed=True)
+def _hdf5_data(lp, bottoms, ctx):
+    batch = ctx.batch_size or lp.hdf5_data_param.batch_size
+    if not batch:
+        raise ShapeError("HDF5Data needs hdf5_data_param.batch_size")
+    if not lp.top:
+        raise ShapeError("HDF5Data needs a top per dataset it reads")
+    rows = ctx.data_shape(lp)  # {top: the shape of one row}, from the first listed file
+    return [None if rows is None else (batch,) + tuple(rows[top]) for top in lp.top], []
+
+
+@layer_type("ImageData", data=True, fed=True)
+def _image_data(lp, bottoms, ctx):
+    if len(lp.top) not in (1, 2):
+        raise ShapeError("ImageData has one or two tops (data, label)")
+    batch = ctx.batch_size or lp.image_data_param.batch_size
+    source_shape = ctx.data_shape(lp)
+    data = None if source_shape is None else (batch,) + crop_shape(lp.transform_param, source_shape)
+    return [data, (batch,)][:len(lp.top)], []
+
+
+@layer_type("WindowData", data=True, fed=True)
+def _window_data(lp, bottoms, ctx):
+    if len(lp.top) != 2:
+        raise ShapeError("WindowData has two tops (data, label)")
+    crop = lp.transform_param.crop_size
+    if not crop:
+        raise ShapeError("WindowData needs transform_param.crop_size (the size windows are warped to)")
+    batch = ctx.batch_size or lp.window_data_param.batch_size
+    return [(batch, 3, crop, crop), (batch,)], []  # windows of colour images, warped square
+
+
+@layer_type("HDF5Output", bottoms=2)
+def _hdf5_output(lp, bottoms, ctx):
+    if len(bottoms) != 2 or lp.top:
+        raise ShapeError("HDF5Output takes two bottoms (data, label) and has no tops")
+    if not lp.hdf5_output_param.file_name:
+        raise ShapeError("HDF5Output needs hdf5_output_param.file_name")
+    if bottoms[0][:1] != bottoms[1][:1]:
+        raise ShapeError(f"HDF5Output's data {fmt(bottoms[0])} and label {fmt(bottoms[1])} differ in batch size")
+    return [], []
+
+
+# A Python layer: the user's module, set up on zero arrays of its bottoms' shapes (pylayer.Runner).
+
+_python_shapes = {}  # (layer, bottom shapes, folder, phase) -> its top shapes: setup runs once per process
+
+
+@layer_type("Python", bottoms=0)
+def _python(lp, bottoms, ctx):
+    key = (lp.SerializeToString(), tuple(bottoms), ctx.folder, ctx.phase)
+    if key not in _python_shapes:
+        try:
+            _python_shapes[key] = pylayer.Runner(lp, bottoms, ctx.folder, ctx.phase).top_shapes
+        except pylayer.PythonLayerError as error:
+            raise ShapeError(str(error)) from None
+    return list(_python_shapes[key]), []
+
+
 def _types(flag):
     return frozenset(kind for kind, row in REGISTRY.items() if getattr(row, flag))
 
@@ -843,25 +907,6 @@ def make_state(net_param, phase=None, stages=None, level=None):
     if level is not None:
         state.level = level
     return state
-
-
-def upgrade_inputs(net_param):
-    """Caffe's deprecated `input:`/`input_shape:`/`input_dim:` as an Input layer named 'input'."""
-    if not net_param.input:
-        return None
-    layer = pb.LayerParameter(name="input", type="Input", top=list(net_param.input))
-    if net_param.input_shape:
-        for shape in net_param.input_shape:
-            layer.input_param.shape.add().CopyFrom(shape)
-    elif net_param.input_dim:
-        dims = list(net_param.input_dim)
-        if len(dims) != 4 * len(net_param.input):
-            raise ShapeError("input_dim needs 4 values per input")
-        for i in range(len(net_param.input)):
-            layer.input_param.shape.add().dim.extend(dims[4 * i:4 * i + 4])
-    else:
-        raise ShapeError("input blobs need input_shape or input_dim")
-    return layer
 
 
 @dataclass
@@ -914,11 +959,14 @@ class Param:
 
 
 class BuildContext:
-    """What shape inference needs from outside the prototxt: the data shapes and a batch size."""
+    """What shape inference needs from outside the prototxt: the data shapes, a batch size, the phase, and the
+    prototxt's folder (where a Python layer's module is looked for first)."""
 
-    def __init__(self, data_shape=None, batch_size=None):
+    def __init__(self, data_shape=None, batch_size=None, phase=pb.TRAIN, folder=None):
         self._data_shape = data_shape
         self.batch_size = batch_size
+        self.phase = phase
+        self.folder = folder
         self.warnings = []
         self.unknown = {}  # layer name -> why its data shape is unknown
 
@@ -930,6 +978,8 @@ class BuildContext:
             self.warnings.append(shape)
             self.unknown[layer_param.name] = shape
             return None
+        if isinstance(shape, dict):  # per top (HDF5Data's datasets)
+            return {top: tuple(dims) for top, dims in shape.items()}
         return tuple(shape) if shape is not None else None
 
 
@@ -942,7 +992,7 @@ class Graph:
         self.source = source or SourceMap("<net>")
         self.state = make_state(net_param, phase, stages, level)
         self.phase = self.state.phase
-        self.context = BuildContext(data_shape, batch_size)
+        self.context = BuildContext(data_shape, batch_size, self.phase, pylayer.source_folder(self.source.filename))
         self.layers = []
         self.blobs = {}  # name -> shape (the latest version of in-place blobs)
         self.producers = {}  # name -> layer name
@@ -968,10 +1018,8 @@ class Graph:
                                   "supported types)", i, "type")
             if lp.include and lp.exclude:
                 raise self._error(f"layer '{lp.name}': give include rules or exclude rules, not both", i)
-        try:
-            upgraded = upgrade_inputs(self.net_param)
-        except ShapeError as error:
-            raise self._error(str(error), None) from None
+        # A net built in code may still carry `input:` fields (config upgrades a file's as it reads it).
+        upgraded = input_layer(self.net_param, lambda: self.source.where(None))
         entries = [(None, upgraded)] if upgraded else []
         entries += [(i, lp) for i, lp in enumerate(self.net_param.layer) if layer_included(lp, self.state)]
         for index, lp in entries:  # a name may repeat: Caffe's Net::Init does not refuse it
@@ -1099,7 +1147,10 @@ class Graph:
                  for row in rows]
         total = self.param_count
         if total is None:
-            lines.append(f"total parameters: {self.known_param_count} (known so far; some shapes are unknown)")
+            unknown = sum(size is None for size in (p.size for p in self.params))
+            known = f"; the others hold {self.known_param_count}" if self.known_param_count else ""
+            lines.append(f"total parameters: unknown ({unknown} parameter blob{'s' * (unknown != 1)} of unknown "
+                         f"shape{known})")
         else:
             lines.append(f"total parameters: {total}")
         return "\n".join(line.rstrip() for line in lines)

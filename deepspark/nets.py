@@ -3,10 +3,13 @@
 import os
 import time
 
-from deepspark import checkpoint, engine
+from google.protobuf import text_format
+
+from deepspark import checkpoint, config, engine, upgrade
 from deepspark.backends import create_model, use_gpu
 from deepspark.config import load_net, net_path, random_seed
-from deepspark.data import DataFeeder, missing_source, source_shape
+from deepspark.data import SOURCE_PARAMS, check_listed, feeder_for, missing_source, source_shape
+from deepspark.data.feeder import WINDOW_DATA_UNTRAINED
 from deepspark.errors import ConfigError
 from deepspark.graph import DATA_TYPES, FED_TYPES, Graph, layer_included
 from deepspark.log import Log
@@ -14,29 +17,39 @@ from deepspark.proto import deepspark_pb2 as pb
 
 
 def check_sources(net, source_map, phase):
-    """A one-line error naming the first Data layer of `net` in `phase` whose source is not there."""
+    """A one-line error naming the first data layer of `net` in `phase` whose source is not there, or whose
+    list names a file that is not (checked before a backend starts: they are cheap, a backend is not)."""
     state = pb.NetState(phase=phase)
     for index, layer in enumerate(net.layer):
-        if layer.type == "Data" and layer_included(layer, state):
+        if layer.type in SOURCE_PARAMS and layer_included(layer, state):
             missing = missing_source(layer)
             if missing:
                 raise ConfigError(missing, *source_map.where(index))
+            if layer.type == "WindowData":
+                raise ConfigError(f"layer '{layer.name}': {WINDOW_DATA_UNTRAINED}", *source_map.where(index))
+            check_listed(layer)
 
 
 def feeders_for(model, phase, seed=None, shard=0, num_shards=1):
-    """One DataFeeder per Data layer of a model's net; a fed layer with no data source is an error."""
+    """One feeder per data layer of a model's net that reads a source (Data, HDF5Data, ImageData); a fed
+    layer with no data source is an error."""
     feeders = []
     for layer in model.graph.layers:
-        if layer.type in FED_TYPES and layer.type != "Data":
+        where = model.graph.source.where(layer.index)
+        if layer.type in FED_TYPES and layer.type not in SOURCE_PARAMS:
             raise ConfigError(f"layer '{layer.name}' ({layer.type}) has no data to train or test on; "
-                              "use a Data layer reading an LMDB or a Parquet dataset",
-                              *model.graph.source.where(layer.index))
-        if layer.type == "Data":
+                              "use a Data layer reading an LMDB or a Parquet dataset", *where)
+        if layer.type in SOURCE_PARAMS:
             missing = missing_source(layer.param)
             if missing:
-                raise ConfigError(missing, *model.graph.source.where(layer.index))
-            feeders.append(DataFeeder(layer.param, phase, shard=shard, num_shards=num_shards,
-                                      seed=seed, batch_size=model.graph.context.batch_size))
+                raise ConfigError(missing, *where)
+            try:
+                feeders.append(feeder_for(layer.param, phase, shard=shard, num_shards=num_shards, seed=seed,
+                                          batch_size=model.graph.context.batch_size))
+            except ConfigError as error:
+                if error.filename is None:  # about the layer itself: point at it
+                    raise ConfigError(error.message, *where) from None
+                raise
     return feeders
 
 
@@ -176,10 +189,35 @@ def timing(path, iterations, backend, phase=pb.TRAIN, log=None):
         model.close()
 
 
-def describe(path, phase=pb.TRAIN, data_shape=None, batch_size=None):
-    """(the `describe` table of a net, its warnings): layers, top shapes, parameter shapes, total."""
+def upgrade_net(path, out):
+    """Caffe's upgrade_net_proto_text: the net at `path` upgraded as Caffe reads it, written as text to `out`
+    (a temporary name, then renamed). Returns what Caffe would log: [notes], or ["already in the latest
+    format"] for a net that needs no upgrade (written as it is, as Caffe's tool writes it)."""
+    text, net = config.read_net_text(path)
+    if not upgrade.needs_upgrade(net):
+        notes = [f"{path}: already in the latest proto format"]
+    else:
+        net, source = config.parse_net(text, path)
+        notes = source.notes
+    checkpoint.atomic_write(out, text_format.MessageToString(net).encode())
+    return notes
+
+
+def upgrade_solver(path, out):
+    """Caffe's upgrade_solver_proto_text: `solver_type` as `type`, written as text to `out`; [notes]."""
+    text, param = config.read_solver_text(path)
+    changed = upgrade.upgrade_solver(param, lambda: (path, *config.field_position(text, "solver_type")))
+    notes = [] if changed else [f"{path}: already in the latest proto format"]
+    checkpoint.atomic_write(out, text_format.MessageToString(param).encode())
+    return notes
+
+
+def describe(path, phase=pb.TRAIN, data_shape=None, batch_size=None, stages=None):
+    """(the `describe` table of a net, its warnings): layers, top shapes, parameter shapes, total. stages: the
+    NetState stages that choose layers (Caffe's --stage), as a solver's test_state gives them."""
     net, source = load_net(net_path(path))
-    net_graph = Graph(net, phase, source=source, batch_size=batch_size,
+    net_graph = Graph(net, phase, stages=stages, source=source, batch_size=batch_size,
                       data_shape=lambda layer: source_shape(layer, data_shape))
     warnings = [f"{warning}, or give --data-shape C,H,W" for warning in dict.fromkeys(net_graph.warnings)]
+    warnings += source.notes
     return net_graph.describe(), warnings

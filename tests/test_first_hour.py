@@ -165,16 +165,18 @@ def test_deepspark_knobs_from_their_own_file_embedded_block_then_file_then_flags
     assert (ds.workers, ds.period, round(ds.moving_rate, 6)) == (2, 10, 0.45)  # the zoo's, beside its solver
 
 
-def test_a_solver_where_a_net_is_expected_and_a_python_layer_are_named(tmp_path):
+def test_a_solver_where_a_net_is_expected_and_a_missing_python_module_are_named(tmp_path):
     status, _, err = run_cli("describe", "models/lenet/solver.prototxt")
     assert status == 1 and err.strip() == (
         "deepspark describe: error: models/lenet/solver.prototxt:2:1: this is a solver prototxt ('net' is a solver "
         "field), where a net is expected; give the net it names, or the model folder")
+    # A Python layer whose module is nowhere: one line at the layer (Python layers run: tests/test_python_layer.py).
     net = tmp_path / "python.prototxt"
     net.write_text("name: 'x'\nlayer {\n  python_param { module: 'm' layer: 'L' }\n  name: 'py'\n  type: 'Python'\n"
                    "  top: 'data'\n}\n")
     status, _, err = run_cli("describe", str(net))
-    assert status == 1 and f"{net}:3:3: layer type 'Python' is not supported (its 'python_param' is unknown)" in err
+    assert status == 1 and err.count("\n") == 1
+    assert f"{net}:2:1: layer 'py' (Python): cannot import module 'm' (looked in {tmp_path} and sys.path" in err
 
 
 def test_a_bad_solver_value_points_at_its_line(tmp_path):

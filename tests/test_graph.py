@@ -226,9 +226,13 @@ def test_impossible_shapes_name_the_layer():
     assert "layer 'cat' (Concat): Concat inputs must match except on axis 1" in error_of(mismatch)
 
 
-def test_v1_layers_format_gets_a_clear_error():
-    message = error_of('name: "old"\nlayers {\n  name: "a"\n  type: RELU\n}\n')
-    assert message.startswith("net.prototxt:2:1: this net uses Caffe's old V1 'layers { }' format")
+def test_v1_layers_format_is_upgraded_as_caffe_reads_it():
+    net, source = parse_net('name: "old"\nlayers {\n  name: "a"\n  type: RELU\n  bottom: "x"\n'
+                                   '  top: "x"\n}\n', "net.prototxt")
+    assert [(layer.name, layer.type) for layer in net.layer] == [("a", "ReLU")] and not net.layers
+    assert source.where(0, "type") == ("net.prototxt", 4, 3)
+    message = error_of('name: "old"\nlayers {\n  name: "a"\n  type: RELU\n  bottom: "x"\n  top: "y"\n}\n')
+    assert message.startswith("net.prototxt:5:3: layer 'a': bottom 'x' is not produced")
 
 
 # -- the rest of BVLC Caffe's layers: shapes, blobs and describe ---------------------------------------

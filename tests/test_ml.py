@@ -312,5 +312,4 @@ def test_score_and_extract_features_refuse_bad_input_in_one_line_before_spark_st
     assert "the net has 0 Data layers in its TEST phase" in capsys.readouterr().err
     assert cli.main(["extract-features", "--model", LENET, "--weights", weights, "--blobs", "ip1",
                      "--output", str(tmp_path / "f")]) == 1
-    assert capsys.readouterr().err.strip().endswith("this .caffemodel has no layers (V1 'layers' models need "
-                                                    "Caffe's upgrade tool)")
+    assert capsys.readouterr().err.strip().endswith("this .caffemodel has no layers")

@@ -48,7 +48,8 @@ def test_describe_without_data_warns_and_exits_zero(tmp_path):
     status, out, err = run_cli("describe", str(net))
     assert status == 0
     assert "warning:" in err and "absent_lmdb" in err
-    assert "conv1 ?" in out and out.strip().splitlines()[-1].startswith("total parameters: ")
+    assert "conv1 ?" in out
+    assert out.strip().splitlines()[-1] == "total parameters: unknown (8 parameter blobs of unknown shape)"
     status, out, _ = run_cli("describe", str(net), "--data-shape", "1,28,28")
     assert total(out) == 431080
 
@@ -75,12 +76,10 @@ def test_bvlc_nets_from_caffe_source(caffe_source):
     for path in nets:
         relative = os.path.relpath(path, os.path.join(caffe_source, "models"))
         status, out, err = run_cli("describe", path, "--phase", "TEST")
-        uses_image_data = 'type: "ImageData"' in open(path).read()
-        if uses_image_data:
-            assert status == 1 and err.count("\n") == 1, (relative, err)
-            assert "layer type 'ImageData'" in err and path in err
-            continue
         assert status == 0, (relative, err)
+        if out.strip().endswith("of unknown shape)"):  # a train_val net: its LMDB or list is not in the source
+            assert "warning: layer 'data': source" in err and relative.endswith("train_val.prototxt"), relative
+            continue
         seen[relative] = total(out)
     for relative, expected in BVLC_TOTALS.items():
         assert seen[relative] == expected, relative

@@ -306,6 +306,51 @@ replace_once("python/caffe/io.py", "    if im.shape[-1] == 1 or im.shape[-1] == 
     if im.shape[-1] == 1 or im.shape[-1] == 3:
 ''')
 
+# Caffe's own upgrade tools (upgrade_net_proto_text, upgrade_solver_proto_text) as
+# functions of pycaffe: the fork builds no tools, and the tests compare DeepSpark's
+# upgrade of old nets and solvers with Caffe's, field for field. Each returns
+# (the upgraded text as the tool writes it, whether the upgrade was clean).
+replace_once("python/caffe/_caffe.cpp", "BOOST_PYTHON_MEMBER_FUNCTION_OVERLOADS(SolveOverloads, Solve, 0, 1);\n", '''\
+BOOST_PYTHON_MEMBER_FUNCTION_OVERLOADS(SolveOverloads, Solve, 0, 1);
+
+// DeepSpark: tools/upgrade_net_proto_text.cpp and upgrade_solver_proto_text.cpp
+// as functions, the text as WriteProtoToTextFile prints it.
+bp::tuple UpgradeNetText(const string& filename) {
+  CheckFile(filename);
+  NetParameter param;
+  if (!ReadProtoFromTextFile(filename, &param)) {
+    throw std::runtime_error("Failed to parse input text file as NetParameter: " + filename);
+  }
+  bool success = !NetNeedsUpgrade(param) || UpgradeNetAsNeeded(filename, &param);
+  string text;
+  google::protobuf::TextFormat::PrintToString(param, &text);
+  return bp::make_tuple(text, success);
+}
+
+bp::tuple UpgradeSolverText(const string& filename) {
+  CheckFile(filename);
+  SolverParameter param;
+  if (!ReadProtoFromTextFile(filename, &param)) {
+    throw std::runtime_error("Failed to parse input text file as SolverParameter: " + filename);
+  }
+  bool success = !SolverNeedsTypeUpgrade(param) || UpgradeSolverAsNeeded(filename, &param);
+  string text;
+  google::protobuf::TextFormat::PrintToString(param, &text);
+  return bp::make_tuple(text, success);
+}
+''')
+replace_once("python/caffe/_caffe.cpp", "  bp::def(\"layer_type_list\", &LayerRegistry<Dtype>::LayerTypeList);\n", '''\
+  bp::def("layer_type_list", &LayerRegistry<Dtype>::LayerTypeList);
+  bp::def("upgrade_net_text", &UpgradeNetText);
+  bp::def("upgrade_solver_text", &UpgradeSolverText);
+''')
+replace_once("python/caffe/_caffe.cpp", '#include "caffe/sgd_solvers.hpp"\n', '''\
+#include "caffe/sgd_solvers.hpp"
+#include "caffe/util/upgrade_proto.hpp"
+#include <google/protobuf/text_format.h>  // NOLINT(build/include_order)
+#include <stdexcept>  // NOLINT(build/include_order)
+''')
+
 # Generated files shipped in the sdist (old protoc); the build makes fresh ones.
 for rel in ("python/caffe/proto/caffe_pb2.py", "include/caffe/proto/caffe.pb.h",
             "src/caffe/proto/caffe.pb.cc"):
@@ -322,12 +367,14 @@ EOF
 
 # --- configure, build, install
 step "configuring with CMake"
+# -DWITH_PYTHON_LAYER: Caffe's `type: "Python"` layer. The fork's BUILD_python_layer
+# option puts the define on a list that its one target (pycaffe) never reads.
 run cmake -S "$SRC" -B "$BUILD" \
   -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_INSTALL_PREFIX="$TMP/install" \
   -DCPU_ONLY=ON -DBUILD_python=ON -Dpython_version=3 \
   -DANACONDA_HOME="$PY_BASE" -DPYTHON_VERSION="python$PY_VER" \
-  -DCMAKE_CXX_FLAGS="-I/usr/include/hdf5/serial -I$NUMPY_INCLUDE -I$PY_INCLUDE -DUSE_LMDB" \
+  -DCMAKE_CXX_FLAGS="-I/usr/include/hdf5/serial -I$NUMPY_INCLUDE -I$PY_INCLUDE -DUSE_LMDB -DWITH_PYTHON_LAYER" \
   -DCMAKE_SHARED_LINKER_FLAGS="-L/usr/lib/$MULTIARCH/hdf5/serial" \
   -DCMAKE_CXX_STANDARD_LIBRARIES=-llmdb
 

@@ -170,6 +170,11 @@ class Model(abc.ABC):
         Returns the loss (sum of loss_weight * loss tops, averaged over iter_size).
         """
 
+    def train_outputs(self):
+        """{output blob: float32 array} of the last step's last forward pass (what Caffe's Solver displays as
+        `Train net output #k`), or None before the first step."""
+        return None
+
     @abc.abstractmethod
     def forward(self, batch):
         """{output blob: array} of one forward pass (the phase's semantics), Caffe's layout."""

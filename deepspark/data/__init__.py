@@ -2,16 +2,18 @@
 
 import os
 
+from deepspark.data import hdf5, images
 from deepspark.data.datum import (DataError, check_datum, checked_records, decode_datum, encode_datum,
                                   load_mean)
 from deepspark.data.feeder import DataFeeder, feeder_for
 from deepspark.data.lmdb_io import shard_range
 from deepspark.data.parquet import is_parquet, is_uri, reader
 from deepspark.data.transform import Transformer
+from deepspark.proto import deepspark_pb2 as pb
 
-__all__ = ["DataError", "DataFeeder", "Transformer", "check_datum", "checked_records", "count", "decode_datum",
-           "encode_datum", "feeder_for", "is_parquet", "load_mean", "missing_source", "peek_shape", "shard_range",
-           "source_shape"]
+__all__ = ["SOURCE_PARAMS", "absolute_sources", "check_listed", "DataError", "DataFeeder", "Transformer", "check_datum", "checked_records", "count",
+           "decode_datum", "encode_datum", "feeder_for", "is_parquet", "load_mean", "missing_source", "peek_shape",
+           "shard_range", "source_of", "source_shape"]
 
 
 def count(source):
@@ -26,7 +28,48 @@ def peek_shape(source):
     return tuple(int(d) for d in array.shape)
 
 
+# The data layers that read a source of their own, and the parameter message that names it.
+SOURCE_PARAMS = {"Data": "data_param", "HDF5Data": "hdf5_data_param", "ImageData": "image_data_param",
+                 "WindowData": "window_data_param"}
+
+
+def source_of(layer_param):
+    """The source a data layer names (an LMDB, a list file, a window file), as written."""
+    return getattr(layer_param, SOURCE_PARAMS[layer_param.type]).source
+
+
 def source_shape(layer_param, data_shape=None):
+    """What a data layer's shapes need from its source: (C, H, W) of a Data or ImageData layer's images
+    before transform, {top: row shape} of an HDF5Data layer's datasets; or a warning string if it cannot tell.
+    Other layers (WindowData, Input, ...) take their shapes from the prototxt: None."""
+    if layer_param.type not in SOURCE_PARAMS or layer_param.type == "WindowData":
+        return None
+    if layer_param.type != "Data":
+        return _listed_shape(layer_param, data_shape)
+    return _data_shape(layer_param, data_shape)
+
+
+def _given_shape(layer_param, data_shape):
+    """--data-shape: (C, H, W), or a dict by layer name or first top; None if it does not name this layer."""
+    if isinstance(data_shape, dict):
+        data_shape = next((data_shape[k] for k in [layer_param.name, *layer_param.top[:1]] if k in data_shape), None)
+    return None if data_shape is None else tuple(int(d) for d in data_shape)
+
+
+def _listed_shape(layer_param, data_shape):
+    """source_shape of an HDF5Data or ImageData layer: its first listed file's, else --data-shape (the first
+    top's row, for HDF5Data), else why not."""
+    if os.path.exists(source_of(layer_param)):
+        if layer_param.type == "HDF5Data":
+            return hdf5.row_shapes(layer_param)
+        return images.source_shape(layer_param)
+    given = _given_shape(layer_param, data_shape)
+    if given is not None and (layer_param.type == "ImageData" or len(layer_param.top) == 1):
+        return given if layer_param.type == "ImageData" else {layer_param.top[0]: given}
+    return missing_source(layer_param)
+
+
+def _data_shape(layer_param, data_shape=None):
     """(C, H, W) of a Data layer's records before crop, or a warning string if it cannot tell.
 
     In order: the LMDB or Parquet dataset at data_param.source (relative to cwd) if
@@ -44,11 +87,9 @@ def source_shape(layer_param, data_shape=None):
             if os.path.exists(source):
                 raise
             unread = str(error)  # a URI this process cannot open: the prototxt may still tell
-    if isinstance(data_shape, dict):
-        data_shape = next((data_shape[k] for k in [layer_param.name, *layer_param.top[:1]]
-                           if k in data_shape), None)
-    if data_shape is not None:
-        return tuple(int(d) for d in data_shape)
+    given = _given_shape(layer_param, data_shape)
+    if given is not None:
+        return given
     tp = layer_param.transform_param
     if tp.mean_file and os.path.exists(tp.mean_file):
         return tuple(int(d) for d in load_mean(tp.mean_file).shape)
@@ -58,13 +99,41 @@ def source_shape(layer_param, data_shape=None):
     return unread or missing_source(layer_param)
 
 
+def absolute_sources(net):
+    """A copy of `net` whose list-reading data layers name their lists (and an ImageData layer its image folder)
+    by absolute paths, as the driver sees them: an executor's working directory is not the driver's."""
+    out = pb.NetParameter()
+    out.CopyFrom(net)
+    for layer in out.layer:
+        if layer.type in ("HDF5Data", "ImageData") and source_of(layer):
+            param = getattr(layer, SOURCE_PARAMS[layer.type])
+            param.source = os.path.abspath(param.source)
+            if layer.type == "ImageData" and not os.path.isabs(param.root_folder):
+                # Caffe joins root_folder and the listed path as strings: keep a trailing separator's meaning.
+                param.root_folder = os.path.join(os.getcwd(), param.root_folder) if param.root_folder else \
+                    os.getcwd() + os.sep
+    return out
+
+
+def check_listed(layer_param):
+    """A one-line error at the list's line for the first file an HDF5Data or ImageData layer's list names
+    that is not there (or, for HDF5, lacks a dataset the layer's tops name)."""
+    if layer_param.type == "HDF5Data":
+        source = layer_param.hdf5_data_param.source
+        for path, line in hdf5.read_list(source):
+            hdf5.file_rows(path, line, source, list(layer_param.top))
+    elif layer_param.type == "ImageData":
+        images.listed_images(layer_param)
+
+
 def missing_source(layer_param):
-    """The one line that says a Data layer's source is not there (and where a relative one was looked
+    """The one line that says a data layer's source is not there (and where a relative one was looked
     for), or None when it exists. A URI (`hdfs://`, `file:`, ...) is not checked here: its readers
     say whether they can open it."""
-    source = layer_param.data_param.source
+    source = source_of(layer_param)
     if not source:
-        return f"layer {layer_param.name!r}: no data_param.source; its data shape is unknown"
+        return (f"layer {layer_param.name!r}: no {SOURCE_PARAMS[layer_param.type]}.source; its data shape "
+                "is unknown")
     if os.path.exists(source) or is_uri(source):
         return None
     where = "" if os.path.isabs(source) else \

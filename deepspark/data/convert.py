@@ -86,15 +86,20 @@ def convert_mnist(images, labels, out, overwrite=False):
 # ---------------------------------------------------------------------------
 # Image folders (Caffe's convert_imageset)
 
-def read_list_file(listfile):
-    """[(filename, label, line_number)] of a `FILENAME LABEL` list file."""
+def read_list_text(listfile, what="list file"):
+    """The text of a list file (convert-imageset's, an ImageData or HDF5Data layer's source); one line if not."""
     try:
         with open(listfile, encoding="utf-8") as f:
-            text = f.read()
+            return f.read()
     except OSError as e:
-        raise DataError(f"cannot read the list file ({e.strerror})", listfile) from None
+        raise DataError(f"cannot read the {what} ({e.strerror})", listfile) from None
     except UnicodeDecodeError:
-        raise DataError("the list file is not UTF-8 text", listfile) from None
+        raise DataError(f"the {what} is not UTF-8 text", listfile) from None
+
+
+def read_list_file(listfile):
+    """[(filename, label, line_number)] of a `FILENAME LABEL` list file."""
+    text = read_list_text(listfile)
     entries = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -120,8 +125,9 @@ def _match_ext(filename, encode_type):
     return aliases.get(ext, ext) == aliases.get(encode_type, encode_type)
 
 
-def _read_image_datum(path, label, color, resize, encode_type):
-    """Caffe's ReadImageToDatum: a Datum of the image at path (raw pixels, or encoded bytes)."""
+def read_image(path, color, resize=None):
+    """Caffe's ReadImageToCVMat: (the file's bytes, whether it is a colour image, uint8 CHW pixels in Caffe's
+    channel order: colour as BGR, or one gray channel), resized to (height, width) when `resize` is given."""
     from PIL import Image, ImageOps
     with open(path, "rb") as f:
         raw = f.read()
@@ -132,7 +138,12 @@ def _read_image_datum(path, label, color, resize, encode_type):
         if resize:
             image = image.convert("RGB" if color else "L").resize(
                 (resize[1], resize[0]), Image.BILINEAR)
-        array = image_to_array(image, color)
+        return raw, own_color, image_to_array(image, color)
+
+
+def _read_image_datum(path, label, color, resize, encode_type):
+    """Caffe's ReadImageToDatum: a Datum of the image at path (raw pixels, or encoded bytes)."""
+    raw, own_color, array = read_image(path, color, resize)
     if not encode_type:
         return make_datum(array, label)
     # Like Caffe, an encoded Datum carries no channels/height/width.

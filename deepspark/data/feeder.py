@@ -8,8 +8,9 @@ import threading
 import numpy as np
 
 from deepspark.errors import ConfigError
-from deepspark.data import lmdb_io, parquet
+from deepspark.data import hdf5, images, lmdb_io, parquet
 from deepspark.data.datum import DataError, decode_datum, decode_datums
+from deepspark.data.resume import Resumable
 from deepspark.data.transform import Transformer, _phase
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -37,7 +38,7 @@ def _color(transform_param):
     return None
 
 
-class DataFeeder:
+class DataFeeder(Resumable):
     """Batches {top: array} for one Data layer: data float32 NCHW, label float32 (N,).
 
     Reads records [start, stop) (shard `shard` of `num_shards`) of the LMDB in key
@@ -92,19 +93,15 @@ class DataFeeder:
         if memory_limit is None:
             memory_limit = TEST_MEMORY_LIMIT if self.phase == pb.TEST else MEMORY_LIMIT
         self.in_memory = self.size * first.nbytes <= memory_limit
+        self._stream = None
         if self.in_memory:
             self._images, self._labels = self._load()
         else:
             if self.shuffle and self._io is parquet:
                 raise ConfigError(f"layer {self.name!r}: a shuffled shard of a Parquet dataset must fit in "
                                   f"memory ({memory_limit} bytes); Parquet has no lookup by key")
-            self._keys = (list(lmdb_io.read_records(self.path, self.start, self.stop,
-                                                    keys_only=True)) if self.shuffle else None)
-            self._txn = None
-            self._chunks = None
-            self._window = (0, (), ())
-            self._window_size = max(self.batch_size,
-                                    min(8192, STREAM_WINDOW_BYTES // max(first.nbytes, 1)))
+            self._stream = StreamedShard(self._io, self.path, self.start, self.stop, self._decode, first,
+                                         self.batch_size, self.shuffle)
         self._order = None
         self._position = 0
         self.epoch = 0
@@ -118,16 +115,13 @@ class DataFeeder:
     def _decode(self, keys, values):
         return decode_datums(keys, values, self.path, self._color, self.source_shape, self._dtype)
 
-    def _decode_block(self, block):
-        return self._decode([key for key, _ in block], [value for _, value in block])
-
     def _load(self, chunk=8192):
         images = np.empty((self.size,) + self.source_shape, dtype=self._dtype)
         labels = np.empty(self.size, dtype=np.float32)
         filled = 0
         for block in self._io.read_chunks(self.path, self.start, self.stop, chunk):
             end = filled + len(block)
-            images[filled:end], labels[filled:end] = self._decode_block(block)
+            images[filled:end], labels[filled:end] = decode_block(self._decode, block)
             filled = end
         return images, labels
 
@@ -151,43 +145,6 @@ class DataFeeder:
                 log.debug("%s: Restarting data prefetching from start.", self.name)
         return out
 
-    def _read_streamed(self, indices):
-        if self._keys is not None:
-            # Shuffled: one lookup per record, in this epoch's order.
-            if self._txn is None:
-                self._txn = lmdb_io.open_db(self.path).begin(buffers=False)
-            keys = [self._keys[index] for index in indices]
-            return self._decode(keys, [self._txn.get(key) for key in keys])
-        # In order: decode a window of records at a time; a batch takes runs of it.
-        images = np.empty((len(indices),) + self.source_shape, dtype=self._dtype)
-        labels = np.empty(len(indices), dtype=np.float32)
-        j = 0
-        while j < len(indices):
-            index = int(indices[j])
-            first, window_images, window_labels = self._window
-            if not first <= index < first + len(window_images):
-                self._window = self._next_window(index)
-                continue
-            run = min(len(indices) - j, first + len(window_images) - index)
-            images[j:j + run] = window_images[index - first:index - first + run]
-            labels[j:j + run] = window_labels[index - first:index - first + run]
-            j += run
-        return images, labels
-
-    def _next_window(self, index):
-        """The decoded window of records starting at shard position `index`."""
-        first, window_images, _ = self._window
-        if self._chunks is None or index != first + len(window_images):
-            if self._chunks is not None:
-                self._chunks.close()
-            self._chunks = self._io.read_chunks(self.path, self.start + index, self.stop,
-                                                self._window_size)
-        block = next(self._chunks, None)
-        if block is None:
-            raise DataError(f"the dataset changed while being read (record {self.start + index} "
-                            "is gone)", self.path)
-        return (index,) + self._decode_block(block)
-
     def _assemble(self):
         indices = self._next_indices(self.batch_size)
         if self.in_memory:
@@ -197,7 +154,7 @@ class DataFeeder:
                 images = self._images[indices]
             labels = self._labels[indices]
         else:
-            images, labels = self._read_streamed(indices)
+            images, labels = self._stream.read(indices)
         batch = {self.tops[0]: self.transformer.apply(images)}
         if len(self.tops) > 1:
             batch[self.tops[1]] = labels
@@ -248,25 +205,11 @@ class DataFeeder:
                 return
 
     def get_state(self):
-        """Where the feeder is: (position, epoch, RNG states) as JSON-able values and this epoch's order.
-
-        With `set_state` another feeder of the same shard goes on with the same batches
-        (no prefetch: a queue of assembled batches would be ahead of the position).
-        """
+        """Where the feeder is (Resumable's), for another feeder of the same shard to go on with the same
+        batches; not of a prefetching feeder: a queue of assembled batches would be ahead of the position."""
         if self._prefetch > 0:
             raise ValueError(f"{self.name}: a prefetching feeder has no single position")
-        meta = {"position": self._position, "epoch": self.epoch, "size": self.size,
-                "order_rng": self.order_rng.bit_generator.state,
-                "transform_rng": self.transformer.rng.bit_generator.state}
-        return meta, self._order
-
-    def set_state(self, meta, order):
-        if meta["size"] != self.size or (order is not None and len(order) != self.size):
-            raise ValueError(f"{self.name}: the state is of a shard of {meta['size']} records, not {self.size}")
-        self._position, self.epoch = int(meta["position"]), int(meta["epoch"])
-        self.order_rng.bit_generator.state = meta["order_rng"]
-        self.transformer.rng.bit_generator.state = meta["transform_rng"]
-        self._order = None if order is None else np.asarray(order, dtype=np.int64)
+        return super().get_state()
 
     def __iter__(self):
         return self
@@ -280,14 +223,8 @@ class DataFeeder:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if not self.in_memory:
-            if self._chunks is not None:
-                self._chunks.close()
-                self._chunks = None
-            if self._txn is not None:
-                self._txn.abort()
-                self._txn = None
-                lmdb_io.close_db(self.path)
+        if self._stream is not None:
+            self._stream.close()
 
     def __enter__(self):
         return self
@@ -302,6 +239,74 @@ class DataFeeder:
             pass
 
 
+def decode_block(decode, block):
+    """decode(keys, values) of a block of (key, value) records."""
+    return decode([key for key, _ in block], [value for _, value in block])
+
+
+class StreamedShard:
+    """Records [start, stop) of an LMDB or Parquet dataset (`io`: lmdb_io or parquet) read as a batch asks for
+    them, never held whole: in order a decoded window of records at a time, or (shuffle, an LMDB) one lookup
+    per record by its key. decode(keys, values) gives (images, labels); `first` is the shard's first image."""
+
+    def __init__(self, io, path, start, stop, decode, first, batch_size, shuffle):
+        self._io, self.path, self.start, self.stop, self._decode = io, path, start, stop, decode
+        self._shape, self._dtype = tuple(first.shape), first.dtype
+        self._keys = list(lmdb_io.read_records(path, start, stop, keys_only=True)) if shuffle else None
+        self._txn = None
+        self._chunks = None
+        self._window = (0, (), ())
+        self._window_size = max(batch_size, min(8192, STREAM_WINDOW_BYTES // max(first.nbytes, 1)))
+
+    def read(self, indices):
+        """(images, labels) of the records at shard positions `indices`."""
+        if self._keys is not None:
+            # Shuffled: one lookup per record, in this epoch's order.
+            if self._txn is None:
+                self._txn = lmdb_io.open_db(self.path).begin(buffers=False)
+            keys = [self._keys[index] for index in indices]
+            return self._decode(keys, [self._txn.get(key) for key in keys])
+        # In order: decode a window of records at a time; a batch takes runs of it.
+        images = np.empty((len(indices),) + self._shape, dtype=self._dtype)
+        labels = np.empty(len(indices), dtype=np.float32)
+        j = 0
+        while j < len(indices):
+            index = int(indices[j])
+            first, window_images, window_labels = self._window
+            if not first <= index < first + len(window_images):
+                self._window = self._next_window(index)
+                continue
+            run = min(len(indices) - j, first + len(window_images) - index)
+            images[j:j + run] = window_images[index - first:index - first + run]
+            labels[j:j + run] = window_labels[index - first:index - first + run]
+            j += run
+        return images, labels
+
+    def _next_window(self, index):
+        """The decoded window of records starting at shard position `index`."""
+        first, window_images, _ = self._window
+        if self._chunks is None or index != first + len(window_images):
+            if self._chunks is not None:
+                self._chunks.close()
+            self._chunks = self._io.read_chunks(self.path, self.start + index, self.stop,
+                                                self._window_size)
+        block = next(self._chunks, None)
+        if block is None:
+            raise DataError(f"the dataset changed while being read (record {self.start + index} "
+                            "is gone)", self.path)
+        return (index,) + decode_block(self._decode, block)
+
+    def close(self):
+        """Release the chunk reader and the LMDB."""
+        if self._chunks is not None:
+            self._chunks.close()
+            self._chunks = None
+        if self._txn is not None:
+            self._txn.abort()
+            self._txn = None
+            lmdb_io.close_db(self.path)
+
+
 def _merged_transform(layer_param):
     """transform_param with Caffe's deprecated data_param scale/mean_file/crop_size/mirror folded in."""
     tp = pb.TransformationParameter()
@@ -313,11 +318,25 @@ def _merged_transform(layer_param):
     return tp
 
 
-def feeder_for(layer_param, phase=pb.TRAIN, **kwargs):
-    """A batch source for a data layer: DataFeeder for Data; other types are the backends' own."""
+# What keeps WindowData off a training run, said once.
+WINDOW_DATA_UNTRAINED = ("WindowData (R-CNN's window sampler: foreground and background windows drawn per batch "
+                         "from whole images, cropped with context and warped) is read and described, not trained "
+                         "on: crop and warp the windows into an LMDB once, and train from a Data layer")
+
+
+def feeder_for(layer_param, phase=pb.TRAIN, shard=0, num_shards=1, seed=None, batch_size=None, **kwargs):
+    """The batch source of a data layer that reads its own source: Data (LMDB, Parquet), HDF5Data (.h5 files
+    from a list), ImageData (images from a list). kwargs: DataFeeder's own (shuffle, prefetch, ...)."""
+    where = dict(shard=shard, num_shards=num_shards, seed=seed, batch_size=batch_size)
     if layer_param.type == "Data":
-        return DataFeeder(layer_param, phase, **kwargs)
-    raise ConfigError(f"layer {layer_param.name!r}: the data pipeline reads Data layers (LMDB, Parquet); "
+        return DataFeeder(layer_param, phase, **where, **kwargs)
+    if layer_param.type == "HDF5Data":
+        return hdf5.HDF5Feeder(layer_param, **where)
+    if layer_param.type == "ImageData":
+        return images.ImageFeeder(layer_param, phase, mean=kwargs.get("mean"), **where)
+    if layer_param.type == "WindowData":
+        raise ConfigError(f"layer {layer_param.name!r}: {WINDOW_DATA_UNTRAINED}")
+    raise ConfigError(f"layer {layer_param.name!r}: the data pipeline reads Data, HDF5Data and ImageData layers; "
                       f"{layer_param.type} is handled by the backend")
 
 

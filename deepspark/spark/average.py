@@ -206,6 +206,6 @@ def release(job_id):
     for key in [k for k in _TRAINERS if k[0] == job_id]:
         trainer, shard_path = _TRAINERS.pop(key)
         trainer.close()
-        shutil.rmtree(shard_path, ignore_errors=True)
+        executor.remove_shard(shard_path)
     shutil.rmtree(executor.job_dir(job_id), ignore_errors=True)
     return []

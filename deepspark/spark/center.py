@@ -164,7 +164,7 @@ class CenterCadence:
             return state, (f" (with the solver history of {len(workers)} workers)" if workers else "")
 
         return engine.write_snapshot(self.log, self.param.snapshot_prefix, iteration, self.graph, self.arrays(),
-                                     state_of)[0]
+                                     state_of, engine.hdf5_snapshots(self.param))[0]
 
     def worker_states(self):
         """The workers' solver histories for a snapshot (WorkerSolverStates): each training worker is asked
@@ -194,7 +194,8 @@ class CenterCadence:
         test, unless done there already; (the final .caffemodel if snapshotted there, the last test values)."""
         if self.param.snapshot_after_train and self.snapshotted != final:
             self.snapshot(final)
-        weights = checkpoint.snapshot_paths(self.param.snapshot_prefix, final)[0] if self.snapshotted == final else None
+        weights = (checkpoint.snapshot_paths(self.param.snapshot_prefix, final, engine.hdf5_snapshots(self.param))[0]
+                   if self.snapshotted == final else None)
         values = self.last_test_values
         if self.solver.test_nets and self.multiples.tests(final) and self.tested != final:  # Caffe's last test
             values = self.test(final)

@@ -24,7 +24,7 @@ from deepspark.exchange import ExchangeClient
 from deepspark.exchange.protocol import E_DIVERGED
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
-from deepspark.spark.shards import Range, unreadable_lmdb
+from deepspark.spark.shards import Listed, Range, unreadable_lmdb
 
 # Seconds a worker tries to reach the driver's exchanger before it gives up (capped by exchange_timeout):
 # long enough for a driver busy starting its other workers' tasks.
@@ -62,10 +62,10 @@ class Task:
         return pb.SolverParameter.FromString(self.solver)
 
     def solver_for(self, shard_path):
-        """The job's solver with the train net's Data layers reading the local shard."""
+        """The job's solver with the train net's Data layers reading the local shard (None: as they are)."""
         net = pb.NetParameter.FromString(self.train_net)
         for layer in net.layer:
-            if layer.type == "Data":
+            if layer.type == "Data" and shard_path is not None:
                 layer.data_param.source = shard_path
         return Solver(self.param, self.solver_path, net, SourceMap(self.solver_path), [])
 
@@ -217,13 +217,13 @@ def spill(payload, job_id, worker):
 
 
 def payload_of(items):
-    """A partition's shard, never held whole: its one Range to read, or the stream of its (index, Datum
-    bytes) records."""
+    """A partition's shard, never held whole: its one Range to read or Listed share, or the stream of its
+    (index, Datum bytes) records."""
     items = iter(items)
     first = next(items, None)
     if first is None:
         return iter(())
-    if isinstance(first, Range):
+    if isinstance(first, (Range, Listed)):
         drain(items)  # to its end, which PySpark must see to reuse this Python worker
         return first
     return itertools.chain([first], items)
@@ -277,10 +277,13 @@ def check_finite(worker, client, trainer, loss):
 
 
 def build(worker, payload, task):
-    """Spill the shard and build the worker's Trainer: (trainer, shard path, Prepared)."""
+    """Spill the shard and build the worker's Trainer: (trainer, shard path or None, Prepared)."""
     set_threads(task.threads)
     reset_peak_rss()
-    shard_path, records, spill_seconds = spill(payload, task.job_id, worker)
+    if isinstance(payload, Listed):  # the net's own layers read this worker's share: nothing to spill
+        shard_path, records, spill_seconds, shard, shards = None, 0, 0.0, payload.shard, payload.shards
+    else:
+        (shard_path, records, spill_seconds), shard, shards = spill(payload, task.job_id, worker), 0, 1
     ready_at, spill_rss = time.time(), peak_rss_mb()
     try:
         began = time.monotonic()
@@ -289,10 +292,11 @@ def build(worker, payload, task):
         # The log goes to the executor's stderr, which Spark keeps in the executor's log.
         log, solver = Log(progress=False), task.solver_for(shard_path)
         gpu, device = place(worker, solver, log)
-        trainer = nets.trainer(solver, log, seed_offset=worker, threads=task.threads, evaluate=False)
+        trainer = nets.trainer(solver, log, shard=shard, num_shards=shards, seed_offset=worker, threads=task.threads,
+                               evaluate=False)
         trainer.on_step = functools.partial(check_finite, worker, None)  # until it joins the center
     except BaseException:
-        shutil.rmtree(shard_path, ignore_errors=True)
+        remove_shard(shard_path)
         raise
     prepared = Prepared(records, spill_seconds, spill_rss, ready_at, import_seconds=imported - began,
                         build_seconds=time.monotonic() - imported, gpu=gpu, device=device)
@@ -394,4 +398,10 @@ def run(worker, items, task, train, timeout):
         return summary
     finally:
         trainer.close()
+        remove_shard(shard_path)
+
+
+def remove_shard(shard_path):
+    """Delete a worker's spilled shard (None: it spilled none)."""
+    if shard_path:
         shutil.rmtree(shard_path, ignore_errors=True)

@@ -4,14 +4,17 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import shutil
+import tempfile
 import time
 import uuid
 
 import numpy as np
 
-from deepspark import checkpoint, fillers, schedule
+from deepspark import checkpoint, fillers, pylayer, schedule
 from deepspark.config import host_port, random_seed
-from deepspark.data import source_shape
+from deepspark.data import absolute_sources, source_shape
+from deepspark.errors import ConfigError
 from deepspark.exchange import ExchangeServer
 from deepspark.graph import Graph
 from deepspark.log import Log
@@ -40,6 +43,31 @@ def warn_if_the_secret_is_readable(sc, log):
     log.warning(f"{master}: Spark's RPC is not authenticated and encrypted, so the exchange secret travels to the "
                 "executors readable by anyone on the network; set spark.authenticate=true (with "
                 "spark.authenticate.secret, or YARN/Kubernetes' own) and spark.network.crypto.enabled=true")
+
+
+def ship_python_layers(sc, solver):
+    """Each module a Python layer of the train net names, to every executor with the job (sc.addPyFile): found
+    where the layer finds it, beside the net's prototxt or on sys.path; a package goes as a zip of its folder."""
+    folder = pylayer.source_folder(solver.train_map.filename)
+    for module in dict.fromkeys(layer.python_param.module for layer in solver.train_net.layer
+                                if layer.type == "Python"):
+        try:
+            path = pylayer.module_file(module, folder)
+        except pylayer.PythonLayerError as error:
+            raise ConfigError(str(error), solver.train_map.filename) from None
+        if os.path.basename(path) == "__init__.py":
+            package = os.path.dirname(path)
+            zipped = os.path.join(tempfile.mkdtemp(prefix="deepspark-pylayer-"), os.path.basename(package))
+            path = shutil.make_archive(zipped, "zip", os.path.dirname(package), os.path.basename(package))
+        sc.addPyFile(path)
+
+
+def batch_size(graph):
+    """Items per worker iteration, for the bars' images/s: the first fed top's first axis, else (a net that makes
+    its own data: a Python data layer, DummyData) the first top of its first layer without bottoms; 0 if none."""
+    shapes = list(graph.fed_tops().values()) or [shape for layer in graph.layers if not layer.bottoms
+                                                 for shape in layer.top_shapes]
+    return shapes[0][0] if shapes and shapes[0] else 0
 
 
 def initial_center(solver, log, history_sets, weights=None, snapshot=None, shape=None):
@@ -125,7 +153,7 @@ class Job:
     def watch(self, run_tasks):
         """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch); its result."""
         return Watch(self.sc, self.server, self.cadence, self.log, self.workers, self.param.max_iter,
-                     self.ds.connect_timeout, next(iter(self.graph.fed_tops().values()))[0]).run(run_tasks)
+                     self.ds.connect_timeout, batch_size(self.graph)).run(run_tasks)
 
     # -- the run ----------------------------------------------------------------
 
@@ -149,6 +177,7 @@ class Job:
                     stack.callback(self.stop_session)
             stack.enter_context(quiet_tasks(self.sc))
             warn_if_the_secret_is_readable(self.sc, self.log)
+            ship_python_layers(self.sc, self.solver)
             self.task = self.start(stack)
             self.log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
                           f"({self.ds.backend} backend, {self.title})")
@@ -178,7 +207,8 @@ class Job:
         stack.callback(self.cadence.close)
         self.cadence.start(os.path.join(self.output, "tensorboard"))
         return Task(job_id=uuid.uuid4().hex[:12], solver=self.param.SerializeToString(),
-                    train_net=self.solver.train_net.SerializeToString(), solver_path=self.solver.path,
+                    train_net=absolute_sources(self.solver.train_net).SerializeToString(),
+                    solver_path=self.solver.path,
                     address=self.exchange_address(), secret=secret, threads=worker_threads(self.sc, self.workers))
 
     def load_center(self, shape):

@@ -1,4 +1,4 @@
-"""The shards of a training job, planned on the driver, which never holds a record: an LMDB's record ranges, or a Parquet dataset's or a DataFrame's rows moved into one partition per worker."""
+"""The shards of a training job, planned on the driver, which never holds a record: an LMDB's record ranges, a Parquet dataset's or a DataFrame's rows moved into one partition per worker, or each worker's share of what a net reads itself."""
 
 import dataclasses
 import itertools
@@ -22,9 +22,13 @@ STREAMED = "each task streams its partition into its local LMDB; the driver hold
 def plan(sc, solver, data, workers, ship_records, log):
     """The RDD of the workers' shards, one partition each, and the (C, H, W) of their images when the plan
     read it (None: the net's Data layer says it); the plan's line logged. data: a DataFrame, else the train
-    net's LMDB or Parquet dataset."""
+    net's LMDB or Parquet dataset, or the data its own layers read."""
     source = None if data is not None else train_source(solver)
-    if source is not None and is_parquet(source):
+    if data is None and source is None:
+        shards, shape = sc.parallelize([Listed(worker, workers) for worker in range(workers)], workers), None
+        log.info(f"Sharded the train net's own data sources into {workers} shards (each executor reads its share "
+                 "of them itself; nothing is spilled)")
+    elif source is not None and is_parquet(source):
         shards, shape, total = parquet_shards(sql_session(sc), source, workers)
         log.info(f"Planned {workers} shards of the {total} records of the Parquet dataset {source} ({STREAMED})")
     elif data is not None:
@@ -40,22 +44,32 @@ def plan(sc, solver, data, workers, ship_records, log):
         shards, shape = sc.parallelize(ranges, workers), None
         log.info(f"Sharded {total} records into {workers} shards (each executor reads its record range of "
                  f"{ranges[0].source} itself; no records pass through the driver)")
-    if ship_records and (data is not None or is_parquet(source)):
+    if ship_records and (data is not None or source is None or is_parquet(source)):
         log.warning("ship_records applies to an LMDB source; this job's shards are read by the executors")
     return shards, shape
 
 
 def train_source(solver):
-    """The LMDB or Parquet dataset the train net's one Data layer reads in the TRAIN phase; a one-line
-    error if there is not exactly one, or it is not there."""
+    """The LMDB or Parquet dataset the train net's one Data layer reads in the TRAIN phase, or None for a net
+    that reads its data through its own layers (HDF5Data, ImageData, a Python data layer, DummyData: each
+    executor reads its share itself); a one-line error if there is not exactly one Data layer or none, or its
+    source is not there, or the net has a WindowData layer."""
+    nets.check_sources(solver.train_net, solver.train_map, pb.TRAIN)  # each source there; WindowData refused
     train = pb.NetState(phase=pb.TRAIN)
-    sources = {layer.data_param.source for layer in solver.train_net.layer
-               if layer.type == "Data" and layer_included(layer, train)}
+    included = [layer for layer in solver.train_net.layer if layer_included(layer, train)]
+    sources = {layer.data_param.source for layer in included if layer.type == "Data"}
+    if not sources and any(map(reads_its_own_data, included)):
+        return None
     if len(sources) != 1:
         raise ConfigError("the Spark job needs exactly one Data layer (an LMDB or a Parquet dataset) in the TRAIN "
                           "phase of the train net", solver.path)
-    nets.check_sources(solver.train_net, solver.train_map, pb.TRAIN)
     return sources.pop()
+
+
+def reads_its_own_data(layer):
+    """A data layer that is not an LMDB's: it reads its own list, or makes its data (a Python layer without
+    bottoms, DummyData)."""
+    return layer.type in ("HDF5Data", "ImageData", "DummyData") or (layer.type == "Python" and not layer.bottom)
 
 
 def shard_of(index, total, shards):
@@ -241,6 +255,16 @@ class Range:
     start: int
     stop: int
     total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """A shard of a net that reads its data through its own layers (HDF5Data and ImageData lists, a Python
+    data layer, DummyData): shard `shard` of `shards`, which the executor's feeders read themselves, nothing
+    spilled (its partition's one item)."""
+
+    shard: int
+    shards: int
 
 
 def unreadable_lmdb(source, total, who, ways_on=""):

@@ -52,6 +52,17 @@ def data(layer, graph, keep_data):
     return out
 
 
+@layer("HDF5Output")
+def hdf5_output(layer, graph, keep_data):
+    """DeepSpark's HDF5Output writer as a pycaffe Python layer (Caffe's own aborts on its second forward: it
+    makes the file's datasets again); the same file as the TensorFlow backend writes."""
+    out = pb.LayerParameter(name=layer.name, type="Python", bottom=layer.bottoms)
+    out.python_param.module = "deepspark.backends.caffe.hdf5_output"
+    out.python_param.layer = "HDF5OutputLayer"
+    out.python_param.param_str = layer.param.hdf5_output_param.file_name
+    return out
+
+
 @layer("DummyData",
        "Convolution", "Deconvolution", "Pooling", "LRN",
        "InnerProduct", "Dropout", "BatchNorm", "Scale", "Bias", "Eltwise", "Concat", "Slice", "Split", "Silence",
@@ -61,7 +72,7 @@ def data(layer, graph, keep_data):
        "Crop", "Tile", "Reduction", "MVN", "SPP", "Filter", "BatchReindex", "Embed", "Im2col", "Parameter",
        "Threshold", "Clip", "Swish",
        "ContrastiveLoss", "HingeLoss", "MultinomialLogisticLoss",
-       "LSTM", "RNN", "LSTMUnit")
+       "LSTM", "RNN", "LSTMUnit", "Python")
 def passed_through(layer, graph, keep_data):
     """Caffe's own layer of the same type, as the prototxt defines it."""
     out = pb.LayerParameter()

@@ -9,7 +9,7 @@ import numpy as np
 
 from deepspark import checkpoint, fillers
 from deepspark.backends import base
-from deepspark.backends.caffe import compiler, layers, runtime
+from deepspark.backends.caffe import compiler, layers, python_layer, runtime
 from deepspark.graph import fmt
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -52,6 +52,7 @@ class Model(base.Model):
         if self.seed is not None:
             caffe.set_random_seed(self.seed)
         net = compiler.to_caffe(ours, caffe.proto.caffe_pb2.NetParameter)
+        python_layer.prepare(self.graph)
         if self.train:
             solver = compiler.to_caffe(compiler.solver_param(self.solver_param, self.iter_size),
                                        caffe.proto.caffe_pb2.SolverParameter)
@@ -167,6 +168,12 @@ class Model(base.Model):
         self.iter = self._caffe_iter = int(self._solver.iter)
         self._caffe_current_step = self.current_step
         return float(np.mean(self._pass_losses))
+
+    def train_outputs(self):
+        if self._solver is None or not self.iter:
+            return None
+        blobs = self._net.blobs  # as the last forward of the last step left them
+        return {name: np.array(blobs[name].data, np.float32) for name in self.graph.outputs}
 
     def forward(self, batch):
         self._load(batch)

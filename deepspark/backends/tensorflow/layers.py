@@ -17,8 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from deepspark import fillers
+from deepspark import checkpoint, fillers
 from deepspark.backends.base import infogain_matrix
+from deepspark.backends.tensorflow import python_layer
 from deepspark.backends.tensorflow.runtime import tf
 from deepspark.graph import (FED_TYPES, RECURRENT_STATES, Layer, canonical_axis, check_table, conv_geometry, count,
                              crop_offsets, pool_geometry, recurrent_inputs, spp_levels)
@@ -160,6 +161,26 @@ def dummy_data(layer, bottoms, params, ctx):
             value = tf.constant(fillers.fill(filler, shape, np.random.default_rng(ctx.seed)))
         tops.append(Blob(value))
     return tops
+
+
+@layer("Python")
+def python(layer, bottoms, params, ctx):
+    """Caffe's Python layer: the user's module on numpy, its backward as the gradient (python_layer)."""
+    return [Blob(top) for top in python_layer.run(layer, [b.caffe for b in bottoms], ctx.graph)]
+
+
+@layer("HDF5Output")
+def hdf5_output(layer, bottoms, params, ctx):
+    """Caffe's HDF5Output: every forward writes its two bottoms to the file (a stateful op the pass runs)."""
+    path = layer.param.hdf5_output_param.file_name
+
+    def write(data, label):
+        checkpoint.write_hdf5_output(path, data, label)
+        return np.float32(0)
+
+    tf.numpy_function(write, [bottoms[0].caffe, bottoms[1].caffe], tf.float32, stateful=True,
+                      name=layer.name.replace("/", "_") + "_write")
+    return []
 
 
 # -- vision ---------------------------------------------------------------------

@@ -90,7 +90,8 @@ class Model(base.Model):
 
     def _solve(self, grads, rate, iteration):
         if self.solver_type in ("SGD", "Nesterov"):
-            return self._solve_momentum(grads, rate)
+            return solve_momentum(self.solver_param, self._variables, self._history, grads, rate, self._lr_mults,
+                                  self._decay_mults)
         weights, history = schedule.apply_update(
             self.solver_param, self._variables, grads, self._history, rate, iteration,
             self._lr_mults, self._decay_mults, ops=TF_OPS)
@@ -99,37 +100,21 @@ class Model(base.Model):
         for variable, value in zip(self._history, history):
             variable.assign(value)
 
-    def _solve_momentum(self, grads, rate):
-        """Caffe's SGD and Nesterov through TF's fused momentum kernel, one op per blob.
-
-        With lr = 1 and grad = local_rate * g the kernel's accumulator is Caffe's
-        history v = m v + local_rate g, and it subtracts v (SGD) or
-        local_rate g + m v, which equals Caffe's (1+m) v - m v_prev (Nesterov).
-        """
-        param = self.solver_param
-        grads = schedule.effective_grads(param, self._variables, grads, self._decay_mults, TF_OPS)
-        one = tf.constant(1.0, tf.float32)
-        for i, (weight, grad, history) in enumerate(zip(self._variables, grads, self._history)):
-            step = grad * schedule.local_rate(rate, self._lr_mults[i])
-            if self._lr_mults[i] == 0:  # a zero lr_mult leaves the blob as it is
-                history.assign(param.momentum * history + step)
-                continue
-            tf.raw_ops.ResourceApplyMomentum(var=weight.handle, accum=history.handle, lr=one, grad=step,
-                                             momentum=tf.constant(param.momentum, tf.float32),
-                                             use_nesterov=self.solver_type == "Nesterov")
+    def _outputs(self, blobs):
+        return {name: blobs[name].caffe for name in self.graph.outputs}
 
     def _step(self, inputs, rate, iteration):
-        loss, _, grads, updates = self._pass(inputs, True)
+        loss, blobs, grads, updates = self._pass(inputs, True)
         self._apply_running(updates)
         self._solve(grads, rate, iteration)
-        return loss
+        return loss, self._outputs(blobs)
 
     def _accumulate(self, inputs):
-        loss, _, grads, updates = self._pass(inputs, True)
+        loss, blobs, grads, updates = self._pass(inputs, True)
         self._apply_running(updates)
         for total, grad in zip(self._accumulated, grads):
             total.assign_add(grad)
-        return loss
+        return loss, self._outputs(blobs)
 
     def _apply_accumulated(self, rate, iteration):
         self._solve([total.read_value() for total in self._accumulated], rate, iteration)
@@ -139,7 +124,7 @@ class Model(base.Model):
     def _forward(self, inputs):
         _, blobs, _, updates = self._pass(inputs, False)
         self._apply_running(updates)
-        return {name: blobs[name].caffe for name in self.graph.outputs}
+        return self._outputs(blobs)
 
     def _gradients(self, inputs):
         loss, _, grads, _ = self._pass(inputs, True)
@@ -181,12 +166,18 @@ class Model(base.Model):
         rate = tf.constant(self.next_rate(), tf.float32)
         iteration = tf.constant(float(self.iter), tf.float32)
         if self.iter_size == 1:
-            loss = self._step_fn(self.feed(batches[0]), rate, iteration)
+            loss, self._train_outputs = self._step_fn(self.feed(batches[0]), rate, iteration)
         else:
-            loss = tf.add_n([self._accumulate_fn(self.feed(b)) for b in batches]) / self.iter_size
+            passes = [self._accumulate_fn(self.feed(b)) for b in batches]
+            loss = tf.add_n([pass_loss for pass_loss, _ in passes]) / self.iter_size
+            self._train_outputs = passes[-1][1]
             self._apply_fn(rate, iteration)
         self.iter += 1
         return float(loss)
+
+    def train_outputs(self):
+        outputs = getattr(self, "_train_outputs", None)
+        return None if outputs is None else {name: value.numpy() for name, value in outputs.items()}
 
     def forward(self, batch):
         return {name: value.numpy() for name, value in self._forward_fn(self.feed(batch)).items()}
@@ -273,6 +264,26 @@ class Model(base.Model):
         arrays = self.check_arrays(arrays, self.history_shapes, "history blob")
         for i, (variable, array) in enumerate(zip(self._history, arrays)):
             variable.assign(self._store(i, array))
+
+
+def solve_momentum(param, variables, histories, grads, rate, lr_mults, decay_mults):
+    """Caffe's SGD and Nesterov (the solver `param`'s) on `variables` and their `histories` through TF's fused
+    momentum kernel, one op per blob.
+
+    With lr = 1 and grad = local_rate * g the kernel's accumulator is Caffe's
+    history v = m v + local_rate g, and it subtracts v (SGD) or
+    local_rate g + m v, which equals Caffe's (1+m) v - m v_prev (Nesterov).
+    """
+    grads = schedule.effective_grads(param, variables, grads, decay_mults, TF_OPS)
+    one = tf.constant(1.0, tf.float32)
+    nesterov = schedule.solver_type(param) == "Nesterov"
+    for weight, grad, history, lr_mult in zip(variables, grads, histories, lr_mults):
+        step = grad * schedule.local_rate(rate, lr_mult)
+        if lr_mult == 0:  # a zero lr_mult leaves the blob as it is
+            history.assign(param.momentum * history + step)
+            continue
+        tf.raw_ops.ResourceApplyMomentum(var=weight.handle, accum=history.handle, lr=one, grad=step,
+                                         momentum=tf.constant(param.momentum, tf.float32), use_nesterov=nesterov)
 
 
 def _traced_layer(layer, ctx, layouts, tensors, values):
