@@ -31,11 +31,15 @@ import tempfile
 import time
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import _results  # noqa: E402  (bench/_results.py)
+from deepspark.exchange import protocol  # noqa: E402
+from deepspark.exchange.transport import recv_exact  # noqa: E402
 
 HOST = "127.0.0.1"
 HEADER = 36
@@ -75,15 +79,13 @@ class Poly:
     tag_size = 16
 
     def __init__(self, key):
-        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms  # deferred: an optional library
-        from cryptography.hazmat.primitives.poly1305 import Poly1305
-        self.key, self.sequence, self.cipher, self.algorithm, self.poly = key, 0, Cipher, algorithms, Poly1305
+        self.key, self.sequence = key, 0
 
     def tag(self, header, payload):
         nonce = struct.pack("<QQ", 0, self.sequence)
         self.sequence += 1
-        one_time = self.cipher(self.algorithm.ChaCha20(self.key, nonce), None).encryptor().update(bytes(32))
-        mac = self.poly(one_time)
+        one_time = Cipher(algorithms.ChaCha20(self.key, nonce), None).encryptor().update(bytes(32))
+        mac = Poly1305(one_time)
         mac.update(header)
         mac.update(payload)
         return mac.finalize()
@@ -93,8 +95,7 @@ class Gmac:
     tag_size = 16
 
     def __init__(self, key):
-        from deepspark.exchange import protocol  # the exchanger's own seal
-        self.sealer = protocol.Sealer(key)
+        self.sealer = protocol.Sealer(key)  # the exchanger's own seal
 
     def tag(self, header, payload):
         mac = self.sealer.begin(header)
@@ -103,15 +104,6 @@ class Gmac:
 
 
 SEALS = {"hmac-sha256": Hmac, "blake2b": Blake, "poly1305": Poly, "aes-gmac": Gmac}
-
-
-def recv_exact(sock, view):
-    got = 0
-    while got < len(view):
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise ConnectionError("peer closed")
-        got += k
 
 
 def pin(core):
