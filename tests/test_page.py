@@ -7,7 +7,7 @@ from conftest import load_script
 
 page = load_script("bench/_page.py", "bench_page")
 
-SECTIONS = 8  # the page's "## " sections but the targets'
+SECTIONS = 10  # the page's "## " sections but the targets'
 
 
 def run(name, points, peak, workers=2, period=10, **extra):
@@ -57,10 +57,10 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
     assert "| 0.85 | 4 | 2.05 |" in text and "| 0.88 | 2 | 1.00 |" in text and "| 0.88 | 4 | > 1.37 |" in text
     # The targets, computed: 40.2 s against 30.0 s is 1.34x, not within 1.3x; 1,890 MB is above TorchDistributor's.
     assert "easgd 40.2 s, single 30.0 s: 1.34x | **no** | easgd needed 1.00x single's samples to 0.85" in text
-    # The run at the scaled learning rate has rows of its own (35.0 s: 1.17x), and stays out of the d table.
+    # The run at the scaled learning rate has target rows of its own (35.0 s: 1.17x), and a d row of its own.
     assert ("| loopback, tests off the clock: easgd (period 10, base_lr x2: linear scaling to its global batch of 2 x "
             "64) within 1.3x of single's time to 0.88 | easgd 35.0 s, single 30.0 s: 1.17x | yes |  |") in text
-    assert "not in the table), easgd at period 10 needed d = 1.00 to 0.85, 1.00 to 0.88." in text
+    assert "| 0.85 | 2, base_lr x2 | 1.00 |" in text and "| 0.88 | 2, base_lr x2 | 1.00 |" in text
     assert "| easgd 1,890 MB, Elephas's lowest —, TorchDistributor 1,300 MB | **no** |" in text
     # The 1 Gbit/s target at single's learning rate and again with all three at base_lr x2, each from its runs.
     assert ("| emulated 1 Gbit/s: easgd (period 10) reaches 0.88 before sync and average | easgd not in its 45 s "
@@ -69,7 +69,8 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
     assert ("| emulated 1 Gbit/s, base_lr x2 for all three: easgd (period 10) reaches 0.88 before sync and average | "
             "easgd 30.0 s; sync not in its 40 s (30,080 samples; best test 0.8600); average 42.0 s | yes |  |") in text
     # The sections with no records say so, each once.
-    assert text.count("_Not measured yet") == SECTIONS - 3
+    assert text.count("_Not measured yet") == SECTIONS - 4  # all but the accuracy runs', d's, the network's and its
+    # slow-link regime's (the 1 Gbit/s run at base_lr x2)
     assert text.count("\n## ") == SECTIONS + 1
     # The README's comparison between its markers, the rest of it as it was.
     written = readme.read_text()
@@ -94,3 +95,75 @@ def test_the_accuracy_section_names_the_largest_fall_of_a_run_that_ends_above_th
         "snapshots; a time to a target is the first snapshot at or above it, and a run can end below a target it "
         "reached.")
     assert noise_line([run("c", [[1.0, 1, 0.80], [2.0, 2, 0.90]], 1, epochs=2.5)]) == "Runs train 2.5 epochs of samples."
+
+
+FLOAT32_FRAME, INT4_FRAME = 36 + 4 * 431_080 + 16, 36 + 222_276 + 16  # header, payload, tag
+
+
+def slow(name, points, frame, period, seconds_per_iteration, share, codec="float32"):
+    """A LeNet record of bench/network.py at 100 Mbit/s, trained to accuracy at base_lr x2."""
+    return {**run(name, points, 0, period=period), "bench": "network", "model": "lenet", "network": "100M",
+            "gbit": 0.1, "algorithm": "easgd", "codec": codec, "learning_rate_times": 2, "frame_bytes": frame,
+            "bytes_per_iteration": round(frame / period), "seconds_per_iteration": seconds_per_iteration,
+            "exchange_share": share, "sent_mb_per_worker": 30.0, "histories_mb_per_worker": 12.5}
+
+
+def test_the_slow_link_section_prices_sync_and_reports_the_targets_and_the_seal(tmp_path, monkeypatch):
+    tta = page.time_to_accuracy
+    data = tmp_path / "data"
+    data.mkdir()
+    write(data, "time_to_accuracy", [
+        run("single", [[10.0, 60000, 0.86], [30.0, 120000, 0.881]], 650, workers=1, period=None),
+        run(tta.SYNC_SCALED, [[20.0, 59904, 0.86], [40.0, 119808, 0.8807]], 1000, period=None, learning_rate_times=2),
+        run(tta.COMPRESSED, [[20.0, 124800, 0.8761], [21.0, 129792, 0.8812]], 1000, period=16, learning_rate_times=2,
+            codec="int4", milestone_samples=4992),
+        run(tta.COMPRESSED_TWIN, [[20.0, 134784, 0.8795], [21.0, 139776, 0.8804]], 1000, period=16,
+            learning_rate_times=2, milestone_samples=4992)])
+    write(data, "network", [
+        slow("easgd period 10, learning rate x2", [[30.0, 60160, 0.86], [72.0, 134784, 0.881]], FLOAT32_FRAME, 10,
+             0.057, 0.76),
+        slow(tta.COMPRESSED, [[12.0, 59904, 0.86], [25.0, 129792, 0.8812]], INT4_FRAME, 16, 0.0125, 0.02, "int4"),
+        {"bench": "network", "model": "lenet", "network": "100M", "gbit": 0.1, "run": "sync", "algorithm": "sync",
+         "codec": "float32", "seconds_per_iteration": 0.58, "exchange_share": 0.96, "frame_bytes": FLOAT32_FRAME,
+         "bytes_per_iteration": FLOAT32_FRAME}])
+    write(data, "seal", [
+        {"bench": "seal", "seal": "hmac-sha256", "floats": 431080, "round_trips_per_s": 150.0,
+         "unsealed_round_trips_per_s": 700.0, "ratio_to_unsealed": 0.214},
+        {"bench": "seal", "seal": "aes-gmac", "floats": 431080, "round_trips_per_s": 500.0,
+         "unsealed_round_trips_per_s": 700.0, "ratio_to_unsealed": 0.714},
+        {"bench": "seal", "figure": "choice", "fastest": "aes-gmac", "ratio": 0.714, "exchanger": "aes-gmac",
+         "exchanger_ratio": 0.714, "target": 0.6, "met": True, "load_average": 2.1}])
+    readme = tmp_path / "README.md"
+    readme.write_text("| what | result |\n|---|---|\n| round trips sealed with AES-GMAC (the exchanger's seal, the "
+                      "default), different CPUs, LeNet | old | old |\n| next | row |\n")
+    out = tmp_path / "docs" / "results.md"
+    monkeypatch.setattr(sys, "argv", ["_page.py", "--data", str(data), "--out", str(out), "--readme", str(readme)])
+    page.main()
+    text = out.read_text()
+    # 72.0 s against 25.0 s; sync's 1,724,372 bytes an iteration over its 936 iterations to 0.88 on loopback, against
+    # int4's 13,895 an iteration over its own 1,014.
+    assert ("| emulated 100 Mbit/s, base_lr x2: easgd int4 period 16 reaches 0.88 in under half float32 easgd period "
+            "10's time | int4 25.0 s, float32 72.0 s: 2.88x faster | yes |  |") in text
+    assert ("| ... and sends at least 100x fewer bytes to reach it than sync would at its bytes an iteration | int4 "
+            "14.1 MB a worker to 0.88; sync 1,614 MB at its samples to 0.88 (115x), 124x at int4's own samples "
+            "(1,724 kB against 13.9 kB an iteration) | yes |  |") in text
+    assert ("| loopback, base_lr x2: int4's samples to 0.88 within 10% of float32's at the same period (16) | int4 "
+            "129,792, float32 139,776: -7.1% (snapshots every 4,992 samples) | yes |  |") in text
+    assert text.count("| emulated 100 Mbit/s, base_lr x2:") == 2  # in the targets at the top and in its section
+    assert ("| 100M | easgd period 16, int4 | 0.0125 s | 2.0% | 13.9 kB | 25.0 s | 129,792 | 14.1 MB | measured (sent "
+            "in all: 30.0 MB, of which the snapshots' solver histories 12.5 MB) |") in text
+    assert ("| 100M | sync, float32 (computed) | 0.5800 s | 96.0% | 1,724.4 kB | 542.9 s | 119,808 | 1,614.0 MB | "
+            "computed: its samples to 0.88 on loopback (`sync, learning rate x2`) at its seconds and bytes an "
+            "iteration here (`sync`), training alone |") in text
+    assert "by the frame sizes alone, sync's one float32 frame an iteration over easgd's one a period: float32 at " \
+           "period 10 10x, int4 at period 16 124x" in text
+    for plot in ("slow_links_seconds.png", "slow_links_bytes.png", "divergence.png", "time_to_accuracy.png"):
+        assert (tmp_path / "docs" / plot).stat().st_size > 10_000 and f"]({plot})" in text
+    # The d table has the codec's row and its float32 twin's, each at base_lr x2.
+    assert "| 0.88 | 2, base_lr x2 | 1.16 |" in text and "| 0.88 | 2, int4, base_lr x2 | 1.08 |" in text
+    assert ("| aes-gmac (the exchanger's) | 500.0 | 700.0 | 0.71x | 16 bytes |" in text
+            and "the exchanger's aes-gmac 0.71x, met" in text)
+    assert readme.read_text() == (
+        "| what | result |\n|---|---|\n| round trips sealed with AES-GMAC (the exchanger's seal, the default), "
+        "different CPUs, LeNet | 500 per s: 0.71× (HMAC-SHA256, the seal before it: 0.21×) | the same frames unsealed: "
+        "700 per s (`make bench`, `bench/seal.py`; docs/data/seal.jsonl) |\n| next | row |\n")
