@@ -206,7 +206,7 @@ class CodecCosts(dict):
         codec = codec_of(knobs)
         if codec not in self:
             self.param.deepspark_param.exchange_codec = codec
-            step_ms = 1e3 * self[pb.DeepSparkParameter.FLOAT32].step if self else 0
+            step_ms = 1e3 * next(iter(self.values())).step if self else 0  # timed with the first codec
             self[codec] = plan.measure(self.net, self.source, self.param, pb.PlanParameter(cores=1, step_ms=step_ms),
                                        self.shape)
         return self[codec]

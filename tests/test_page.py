@@ -184,3 +184,14 @@ def test_the_codec_may_need_fewer_samples_than_float32_but_not_over_10_percent_m
     assert not more[2] and "+15.4%" in more[1] and more[3] == "more than 10% above float32's"
     short = twin_row(run("int4", [[10.0, 100000, 0.881]], 1000), run("twin", [[10.0, 120000, 0.87]], 1000))
     assert short[2] and "float32 not in 120,000: -16.7%" in short[1]  # float32 short of 0.88: a bound
+
+
+def test_a_float32_run_stopped_short_of_0_88_gives_the_time_ratio_as_a_bound():
+    tta, slow_links = page.time_to_accuracy, page._slow_links
+    records = [slow("easgd period 10, learning rate x2", [[150.0, 164736, 0.878]], FLOAT32_FRAME, 10, 0.09, 0.5),
+               slow(tta.COMPRESSED, [[20.0, 139776, 0.881]], INT4_FRAME, 32, 0.014, 0.01, "int4")]
+    target, measured, met, _ = slow_links.targets(records, [])[0]
+    assert met and measured == "int4 20.0 s, float32 > 150.0 s: float32 took > 7.50x int4's time"
+    records[1] = slow(tta.COMPRESSED, [[20.0, 139776, 0.879]], INT4_FRAME, 32, 0.014, 0.01, "int4")
+    assert slow_links.targets(records, [])[0][1:] == ("int4 > 20.0 s, float32 > 150.0 s", False,
+                                                     "int4 did not reach 0.88 within its run")
