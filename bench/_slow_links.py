@@ -254,6 +254,7 @@ def page_section(records, accuracy, data, folder):
         return missing("the compressed exchange on slow links", "OPENBLAS_NUM_THREADS=1 python bench/network.py "
                        "--only lenet")
     checks = targets(records, accuracy)
+    sync_slow = next((f["seconds_per_iteration"] for f in found if f["run"] == SYNC and f["network"] == SLOWEST), None)
     header = ["link", "run", "s / iteration", "exchange share", "sent / iteration", "seconds to 0.88",
               "samples to 0.88", "sent to 0.88", "how"]
     plots = [(os.path.join(folder, "slow_links_seconds.png"), "seconds", "seconds to 0.88 test accuracy", 1.0),
@@ -273,7 +274,9 @@ def page_section(records, accuracy, data, folder):
         "history a worker sends at each snapshot, float32 whatever the codec: the benchmark snapshots every "
         "~15,000 samples to test each afterwards, where a job snapshotting as Caffe's solvers do (every 5,000 "
         "iterations) sends one or two; at 100 Mbit/s the histories are also on its clock. Sync is not run to "
-        f"0.88 on the slow links (~0.6 s an iteration at 100 Mbit/s): its rows are computed, its samples to 0.88 "
+        "0.88 on the slow links (" + (f"{cell(sync_slow, 2, ' s')} an iteration at 100 Mbit/s here" if sync_slow
+                                      else "too slow an iteration at 100 Mbit/s") +
+        "): its rows are computed, its samples to 0.88 "
         f"on loopback at base_lr x2 (`{tta.SYNC_SCALED}`, bench/time_to_accuracy.py) times its seconds and bytes "
         "an iteration measured on that link, training alone (no start-up: the measured rows hold a few seconds "
         "of it). Average moves its float32 models through Spark: its bytes are S each way a round; its one "
