@@ -75,11 +75,11 @@ demo: setup
 peers-env:
 	@bash tools/peers-env.sh
 
-# The benchmarks behind docs/results.md (#14), each writing docs/data/NAME.jsonl afresh, then the page from them
+# The benchmarks behind docs/results.md (#14, #27), each writing docs/data/NAME.jsonl afresh, then the page from them
 # (and the README's comparison); docs/data/timing.jsonl says how long each took (timing_quick.jsonl for QUICK=1,
 # so that the page can say both). One BLAS thread, so that numpy's own threads do not blur the figures. QUICK=1:
 # each bench's --quick subset.
-PAGE_BENCHES := startup plan_check communication time_to_accuracy peers network backends data_integration
+PAGE_BENCHES := startup seal plan_check communication time_to_accuracy peers network backends data_integration
 QUICK ?=
 TIMING = docs/data/timing$(if $(QUICK),_quick).jsonl
 bench: setup peers-env

@@ -15,8 +15,10 @@ import communication  # noqa: E402  (bench/communication.py)
 import data_integration  # noqa: E402  (bench/data_integration.py)
 import network  # noqa: E402  (bench/network.py)
 import plan_check  # noqa: E402  (bench/plan_check.py)
+import seal  # noqa: E402  (bench/seal.py)
 import startup as start_up  # noqa: E402  (bench/startup.py)
 import time_to_accuracy  # noqa: E402  (bench/time_to_accuracy.py)
+import _slow_links  # noqa: E402  (bench/_slow_links.py)
 from _tables import cell, load, missing, table  # noqa: E402  (bench/_tables.py)
 
 
@@ -116,6 +118,7 @@ def targets(accuracy, emulated, startup):
     for run, how in ((easgd, ""), (scaled, ", base_lr x2: linear scaling to its global batch of 2 x 64")):
         if single and run:
             rows.extend(_loopback_rows(accuracy, single, run, how, elephas))
+    rows.extend(_slow_links.targets(emulated, accuracy))
     torch = _run(accuracy, "torchdistributor")
     if easgd and (elephas or torch):
         peak = easgd.get("peak_pss_mb")
@@ -182,6 +185,24 @@ def rewrite_readme(block, path=os.path.join(ROOT, "README.md")):
     return True
 
 
+def rewrite_readme_row(row, path=os.path.join(ROOT, "README.md")):
+    """Replace the README's row that begins as `row` does (its first cell) with `row` (None: leave it)."""
+    if row is None:
+        return False
+    with open(path) as stream:
+        text = stream.read()
+    first = row.split(" | ")[0] + " | "
+    lines = text.split("\n")
+    at = next((i for i, line in enumerate(lines) if line.startswith(first)), None)
+    if at is None or lines[at] == row:
+        return at is not None
+    lines[at] = row
+    with open(path + ".tmp", "w") as stream:
+        stream.write("\n".join(lines))
+    os.replace(path + ".tmp", path)
+    return True
+
+
 def section(module, data):
     """The section bench/MODULE.py draws of the records it wrote into `data` (its page_section), or what is
     missing."""
@@ -235,11 +256,15 @@ def main():
         "## Time to accuracy (RQ1, RQ2)",
         time_to_accuracy.page_section(ours + peers, args.data, os.path.join(folder, "time_to_accuracy.png")),
         "## The divergence penalty d(α, τ, n) (RQ5)",
-        time_to_accuracy.divergence_section(ours, args.data),
+        time_to_accuracy.divergence_section(ours, args.data, os.path.join(folder, "divergence.png")),
         "## Time blocked on the exchange, overlapped and not (RQ3)",
         section(communication, args.data),
         "## A commodity network, emulated (RQ1, RQ3)",
         network.page_section(network_records, args.data),
+        "## The slow-link regime: the compressed exchange (#27)",
+        _slow_links.page_section(network_records, ours, args.data, folder),
+        "## The seal: per-frame integrity and its cost (#27)",
+        section(seal, args.data),
         "## The throughput model against runs here",
         section(plan_check, args.data),
         "## The Caffe and TensorFlow backends side by side",
@@ -254,6 +279,8 @@ def main():
     print(f"wrote {args.out}")
     if args.readme and rewrite_readme(compare_block(ours + peers), args.readme):
         print(f"wrote the comparison in {args.readme}")
+    if args.readme and rewrite_readme_row(seal.readme_row(load(args.data, "seal")), args.readme):
+        print(f"wrote the seal's row in {args.readme}")
 
 
 if __name__ == "__main__":

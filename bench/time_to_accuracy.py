@@ -5,8 +5,9 @@
 Each run is `deepspark train` on models/lenet in a process of its own (2 workers on local[2], or `single`), with the
 solver's hyperparameters and its deepspark.prototxt. The clock starts at the driver's "Solving" line: Spark's session is up and the shards are
 planned, so it holds the workers' start-up (task launch, TensorFlow, the spill, the backend build) and their training.
-Tests are off the clock, as the peers' clocks have them: the run snapshots every ~15,000 samples (0.25 epoch) and each
-snapshot is tested afterwards on the 10,000 test images. `easgd` at period 10 also runs with the driver's tests on the
+Tests are off the clock, as the peers' clocks have them: the run snapshots every ~15,000 samples (0.25 epoch; the
+compressed exchange and its float32 twin at every exchange, MILESTONES) and each snapshot is tested afterwards on the
+10,000 test images. `easgd` at period 10 also runs with the driver's tests on the
 clock, to show what testing the center on the workers' cores costs in local mode. Each run
 stops after `--epochs` epochs of samples (the run the loopback target names: at least TARGET_EPOCHS). Peak memory is the PSS of the run's whole process tree (driver, JVM, Python
 workers), sampled every 0.25 s.
@@ -42,6 +43,12 @@ AT_SECONDS = 180
 # 4 workers keep β at 0.9 (RQ5's d(α, τ, n); they oversubscribe the 2 cores, two a core). One worker is `single`
 # (d = 1 by definition); 4 workers run at periods 10 and 64 only, for the page's hour.
 SCALED = "easgd period 10, learning rate x2"
+# The compressed exchange of the slow-link regime (#27; bench/network.py says why this one), and its float32 twin.
+CODEC, CODEC_PERIOD = "int4", 32
+COMPRESSED_KNOBS = {"algorithm": "easgd", "period": CODEC_PERIOD, "exchange_codec": CODEC}
+COMPRESSED = f"easgd period {CODEC_PERIOD}, {CODEC}, learning rate x2"
+COMPRESSED_TWIN = f"easgd period {CODEC_PERIOD}, learning rate x2"
+SYNC_SCALED = "sync, learning rate x2"
 RUNS = {
     "single": {"algorithm": "single"},
     "easgd period 1": {"algorithm": "easgd", "period": 1},
@@ -56,17 +63,27 @@ RUNS = {
     "easgd 4 workers period 10": {"algorithm": "easgd", "workers": 4, "period": 10, "moving_rate": 0.225},
     "easgd 4 workers period 64": {"algorithm": "easgd", "workers": 4, "period": 64, "moving_rate": 0.225},
     SCALED: {"algorithm": "easgd", "period": 10},
+    # The slow-link regime's runs (#27), on loopback at the scaled rate: the compressed exchange bench/network.py
+    # runs at 100 Mbit/s beside its float32 twin at the same period (their samples to 0.88 within 10%), and sync,
+    # whose samples to 0.88 the slow links' section prices at its bytes and seconds an iteration there.
+    COMPRESSED_TWIN: {"algorithm": "easgd", "period": CODEC_PERIOD},
+    COMPRESSED: COMPRESSED_KNOBS,
+    SYNC_SCALED: {"algorithm": "sync"},
 }
 # Solver changes of a run: the scaled run's workers step at base_lr x workers, Goyal et al.'s linear rule for their
 # global batch (2 x 64 a step against single's 64; TorchDistributor keeps single's global batch instead, 2 x 32).
-LEARNING_RATE_TIMES = {SCALED: 2}
+LEARNING_RATE_TIMES = {SCALED: 2, COMPRESSED_TWIN: 2, COMPRESSED: 2, SYNC_SCALED: 2}
+# The codec's pair snapshots at every exchange (a period: 4,096 samples, ~3% of the ~135,000 to 0.88), so that 10%
+# can be told apart: the driver snapshots the center when it hears of a milestone, at an exchange, and a milestone
+# that is not a multiple of the period would fall on one exchange or the next.
+MILESTONES = {COMPRESSED_TWIN: CODEC_PERIOD * BATCH * WORKERS, COMPRESSED: CODEC_PERIOD * BATCH * WORKERS}
 QUICK = ("single", "easgd period 10")
 ON_CLOCK = ("easgd period 10",)  # the single run's own tests are in its process: only the workers' share cores
 EPOCHS, QUICK_EPOCHS = 2.5, 1.5  # single reaches 0.88 in ~2.3 epochs here; the page's hour allows no more (at 4 the
 # page's benches came to ~70 minutes)
 # The run the loopback target names trains TARGET_EPOCHS: easgd needs more samples than single to reach 0.88 (d > 1.11
 # at 2.5 epochs, RQ5), and the target asks when it gets there, not whether within single's samples.
-TARGET_RUNS, TARGET_EPOCHS = ("easgd period 10", SCALED), 3.5
+TARGET_RUNS, TARGET_EPOCHS = ("easgd period 10", SCALED, COMPRESSED_TWIN, COMPRESSED, SYNC_SCALED), 3.5
 
 def solver_copy(folder, every, on_clock, solver=SOLVER, learning_rate_times=1):
     """A copy of `solver` in `folder` (its deepspark.prototxt embedded) that snapshots every `every` iterations and
@@ -187,7 +204,7 @@ def figures(name, points, peak_mb, wall, on_clock, workers=None, period=None):
 
 def run(name, knobs, epochs, on_clock, folder):
     per_iteration = samples_per_iteration(knobs)
-    every = max(1, round(MILESTONE_SAMPLES / per_iteration))
+    every = max(1, round(MILESTONES.get(name, MILESTONE_SAMPLES) / per_iteration))
     iterations = round(epochs * TRAIN_IMAGES / per_iteration)
     solver = solver_copy(folder, every, on_clock, learning_rate_times=LEARNING_RATE_TIMES.get(name, 1))
     started = time.monotonic()
@@ -203,7 +220,21 @@ def run(name, knobs, epochs, on_clock, folder):
         points = on_clock_points(lines, per_iteration)
     else:
         points = [(s, n, accuracy(path)) for s, n, path in snapshot_points(lines, per_iteration)]
-    return figures(name, points, peak, wall, on_clock, workers_of(knobs), knobs.get("period"))
+    return {**figures(name, points, peak, wall, on_clock, workers_of(knobs), knobs.get("period")),
+            "codec": knobs.get("exchange_codec", "float32"), "milestone_samples": every * per_iteration}
+
+
+def run_names(listed, known=RUNS):
+    """The run names of a comma-separated list, where a name may hold commas itself ("sync, learning rate x2"):
+    at each place the longest that names a run of `known`."""
+    parts, names, i = listed.split(","), [], 0
+    while i < len(parts):
+        j = next((j for j in range(len(parts), i, -1) if ",".join(parts[i:j]).strip() in known), None)
+        if j is None:
+            raise SystemExit(f"no run named {parts[i].strip()!r} (known: {'; '.join(known)})")
+        names.append(",".join(parts[i:j]).strip())
+        i = j
+    return names
 
 
 def main():
@@ -214,7 +245,7 @@ def main():
     parser.add_argument("--only", help="comma-separated run names")
     parser.add_argument("--out", default=_results.results_path("time_to_accuracy"))
     args = parser.parse_args()
-    names = args.only.split(",") if args.only else list(QUICK if args.quick else RUNS)
+    names = run_names(args.only) if args.only else list(QUICK if args.quick else RUNS)
     epochs = QUICK_EPOCHS if args.quick else args.epochs
     plans = [(name, False) for name in names] + \
         ([] if args.quick else [(name, True) for name in names if name in ON_CLOCK])
@@ -328,16 +359,30 @@ def d_value(run, single, target):
     return f"{samples / base:.2f}" if samples else f"> {run['points'][-1][1] / base:.2f}"
 
 
-def divergence_section(records, data):
-    """RQ5: d(α, τ, n), the samples an EASGD run needs to reach a test accuracy over `single`'s, by workers and
-    period, at 0.85 and 0.88 (a run that did not reach it gives a lower bound: its samples over single's)."""
+def divergence_rows(records):
+    """{row label: {period: run}} of the easgd runs off the clock, a row per worker count, codec and learning rate
+    (single's samples the base of all)."""
+    groups = {}
+    for r in records:
+        if r.get("run", "").startswith("easgd") and r.get("tests") == "off the clock" and r.get("workers") \
+                and r.get("points"):
+            codec, times = r.get("codec", "float32"), r.get("learning_rate_times")
+            key = (r["workers"], codec != "float32", codec, times or 1)
+            label = f"{r['workers']}" + (f", {codec}" if codec != "float32" else "") + \
+                (f", base_lr x{times}" if times else "")
+            groups.setdefault(key, (label, {}))[1][r["period"]] = r
+    return dict(groups[key] for key in sorted(groups))
+
+
+def divergence_section(records, data, plot):
+    """RQ5: d(α, τ, n), the samples an EASGD run needs to reach a test accuracy over `single`'s, by workers, codec,
+    learning rate and period, at 0.85 and 0.88 (a run that did not reach it gives a lower bound: its samples over
+    single's), as a table and a plot."""
     single = next((r for r in records if r.get("run") == "single" and r.get("tests") == "off the clock"), None)
-    easgd = [r for r in records if r.get("run", "").startswith("easgd") and r.get("tests") == "off the clock"
-             and not r.get("learning_rate_times")
-             and r.get("workers") and r.get("points")]
-    if not single or not easgd:
+    groups = divergence_rows(records)
+    if not single or not groups:
         return missing("single and easgd at several periods and worker counts", "make bench")
-    periods = sorted({r["period"] for r in easgd})
+    periods = sorted({p for runs in groups.values() for p in runs})
     header = ["target", "workers ↓ period →", *[str(p) for p in periods]]
     rows = []
     for target in LABELS:
@@ -346,25 +391,63 @@ def divergence_section(records, data):
             rows.append([target, "—", *[f"single did not reach {target}"] + [""] * (len(periods) - 1)])
             continue
         rows.append([target, "1 (single)", *["1.00" if i == 0 else "" for i in range(len(periods))]])
-        for workers in sorted({r["workers"] for r in easgd}):
-            row = [target, str(workers)]
-            for period in periods:
-                run = next((r for r in easgd if r["workers"] == workers and r["period"] == period), None)
-                row.append("" if run is None else d_value(run, single, target))
-            rows.append(row)
+        for label, runs in groups.items():
+            rows.append([target, label, *["" if p not in runs else d_value(runs[p], single, target)
+                                          for p in periods]])
     bases = ", ".join(f"{cell(single.get(f'samples_to_{t}'))} to {t}" for t in LABELS)
-    scaled = next((r for r in records if r.get("run") == SCALED and r.get("points")), None)
-    scaled_line = None if scaled is None else (
-        f"With its learning rate scaled to its global batch (`{SCALED}`, not in the table), easgd at period 10 "
-        "needed d = " + ", ".join(f"{d_value(scaled, single, t)} to {t}" for t in LABELS
-                                  if d_value(scaled, single, t)) + ".")
+    milestones = sorted({r["milestone_samples"] for runs in groups.values() for r in runs.values()
+                         if r.get("milestone_samples")})
+    drawn = draw_divergence(groups, single, plot)
     return "\n\n".join(filter(None, [
         table(header, rows),
+        f"![d(α, τ, n) against the period]({os.path.basename(plot)})" if drawn else None,
         f"d = the samples a run needed to reach the target test accuracy / `single`'s ({bases}); \"> x\": not "
         "reached within its samples (x of single's). The moving rate keeps β = p·α = 0.9 (α = 0.45 and 0.225 for 2 "
-        "and 4 workers); a blank cell was not run. Samples are counted at the snapshots (every ~15,000 samples), so "
-        "d moves in steps of that over single's samples. 4 workers oversubscribe the 2 cores (two a core): the table "
-        f"compares samples, not seconds. From `{os.path.relpath(data, ROOT)}/time_to_accuracy.jsonl`.", scaled_line]))
+        "and 4 workers); a blank cell was not run. A row with base_lr x2 steps at twice single's learning rate "
+        "(Goyal et al.'s linear rule for its global batch of 2 x 64); a codec's row sends its exchanges in it (the "
+        "slow-link section's runs, on loopback here). Samples are counted at the snapshots (every ~15,000 samples"
+        + (", " + " or ".join(cell(m) for m in milestones) + " where a run says so" if milestones else "") +
+        "), so d moves in steps of that over single's samples. 4 workers oversubscribe the 2 cores (two a core): "
+        f"the table compares samples, not seconds. From `{os.path.relpath(data, ROOT)}/time_to_accuracy.jsonl`."]))
+
+
+def draw_divergence(groups, single, path):
+    """d against the period, a panel per target and a line per row of the table; a hollow ^ where the run stopped
+    short (its samples over single's: a lower bound). False when nothing can be drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, panels = plt.subplots(1, len(LABELS), figsize=(10, 4.2), sharey=True)
+    drawn = False
+    for axes, target in zip(panels, LABELS):
+        base = single.get(f"samples_to_{target}")
+        for i, (label, runs) in enumerate(groups.items()):
+            colour = plt.get_cmap("tab10").colors[i % 10]
+            points = []
+            for period, r in sorted(runs.items()):
+                samples = r.get(f"samples_to_{target}")
+                if base:
+                    points.append((period, (samples or r["points"][-1][1]) / base, samples is None))
+            if not points:
+                continue
+            drawn = True
+            axes.plot([p for p, _, _ in points], [d for _, d, _ in points], color=colour, label=label)
+            for period, d, lower in points:
+                axes.plot(period, d, marker="^" if lower else "o", color=colour, markersize=7,
+                          markerfacecolor="none" if lower else colour)
+        axes.axhline(1.0, color="grey", linewidth=0.6, linestyle="--")
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("period τ (iterations between exchanges)")
+        axes.set_title(f"to {target} test accuracy", fontsize=10)
+    panels[0].set_ylabel("d: samples / single's")
+    panels[-1].legend(fontsize=7, title="workers, codec, rate; hollow ^: a lower bound", title_fontsize=7)
+    figure.tight_layout()
+    if drawn:
+        figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return drawn
 
 
 if __name__ == "__main__":

@@ -249,7 +249,7 @@ def worker_seconds(model, flat, integrity, codec="float32"):
     """A worker's own time per exchange: its parameters read out and written back, the snapshot copied,
     d applied (x -= d), x coded and d decoded (a codec other than float32), and the tags of both frames."""
     snapshot, d = np.empty_like(flat), np.zeros_like(flat)
-    link = None if codec == "float32" else codecs.Link(codecs.get(codec), flat.size)
+    link = None if codec == "float32" else codecs.Channel(codecs.get(codec), flat.size)
     sealer = protocol.Sealer(b"k" * 32)
     header = bytes(protocol.HEADER_SIZE)
 

@@ -7,7 +7,7 @@ from conftest import load_script
 
 page = load_script("bench/_page.py", "bench_page")
 
-SECTIONS = 8  # the page's "## " sections but the targets'
+SECTIONS = 10  # the page's "## " sections but the targets'
 
 
 def run(name, points, peak, workers=2, period=10, **extra):
@@ -57,10 +57,10 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
     assert "| 0.85 | 4 | 2.05 |" in text and "| 0.88 | 2 | 1.00 |" in text and "| 0.88 | 4 | > 1.37 |" in text
     # The targets, computed: 40.2 s against 30.0 s is 1.34x, not within 1.3x; 1,890 MB is above TorchDistributor's.
     assert "easgd 40.2 s, single 30.0 s: 1.34x | **no** | easgd needed 1.00x single's samples to 0.85" in text
-    # The run at the scaled learning rate has rows of its own (35.0 s: 1.17x), and stays out of the d table.
+    # The run at the scaled learning rate has target rows of its own (35.0 s: 1.17x), and a d row of its own.
     assert ("| loopback, tests off the clock: easgd (period 10, base_lr x2: linear scaling to its global batch of 2 x "
             "64) within 1.3x of single's time to 0.88 | easgd 35.0 s, single 30.0 s: 1.17x | yes |  |") in text
-    assert "not in the table), easgd at period 10 needed d = 1.00 to 0.85, 1.00 to 0.88." in text
+    assert "| 0.85 | 2, base_lr x2 | 1.00 |" in text and "| 0.88 | 2, base_lr x2 | 1.00 |" in text
     assert "| easgd 1,890 MB, Elephas's lowest —, TorchDistributor 1,300 MB | **no** |" in text
     # The 1 Gbit/s target at single's learning rate and again with all three at base_lr x2, each from its runs.
     assert ("| emulated 1 Gbit/s: easgd (period 10) reaches 0.88 before sync and average | easgd not in its 45 s "
@@ -69,7 +69,8 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
     assert ("| emulated 1 Gbit/s, base_lr x2 for all three: easgd (period 10) reaches 0.88 before sync and average | "
             "easgd 30.0 s; sync not in its 40 s (30,080 samples; best test 0.8600); average 42.0 s | yes |  |") in text
     # The sections with no records say so, each once.
-    assert text.count("_Not measured yet") == SECTIONS - 3
+    assert text.count("_Not measured yet") == SECTIONS - 4  # all but the accuracy runs', d's, the network's and its
+    # slow-link regime's (the 1 Gbit/s run at base_lr x2)
     assert text.count("\n## ") == SECTIONS + 1
     # The README's comparison between its markers, the rest of it as it was.
     written = readme.read_text()
@@ -94,3 +95,103 @@ def test_the_accuracy_section_names_the_largest_fall_of_a_run_that_ends_above_th
         "snapshots; a time to a target is the first snapshot at or above it, and a run can end below a target it "
         "reached.")
     assert noise_line([run("c", [[1.0, 1, 0.80], [2.0, 2, 0.90]], 1, epochs=2.5)]) == "Runs train 2.5 epochs of samples."
+
+
+FLOAT32_FRAME, INT4_FRAME = 36 + 4 * 431_080 + 16, 36 + 222_276 + 16  # header, payload, tag
+
+
+def slow(name, points, frame, period, seconds_per_iteration, share, codec="float32"):
+    """A LeNet record of bench/network.py at 100 Mbit/s, trained to accuracy at base_lr x2."""
+    return {**run(name, points, 0, period=period), "bench": "network", "model": "lenet", "network": "100M",
+            "gbit": 0.1, "algorithm": "easgd", "codec": codec, "learning_rate_times": 2, "frame_bytes": frame,
+            "bytes_per_iteration": round(frame / period), "seconds_per_iteration": seconds_per_iteration,
+            "exchange_share": share, "sent_mb_per_worker": 30.0, "histories_mb_per_worker": 12.5}
+
+
+def test_the_slow_link_section_prices_sync_and_reports_the_targets_and_the_seal(tmp_path, monkeypatch):
+    tta = page.time_to_accuracy
+    data = tmp_path / "data"
+    data.mkdir()
+    write(data, "time_to_accuracy", [
+        run("single", [[10.0, 60000, 0.86], [30.0, 120000, 0.881]], 650, workers=1, period=None),
+        run(tta.SCALED, [[20.0, 134784, 0.881]], 1000, learning_rate_times=2),
+        run(tta.SYNC_SCALED, [[20.0, 59904, 0.86], [40.0, 119808, 0.8807]], 1000, period=None, learning_rate_times=2),
+        run(tta.COMPRESSED, [[20.0, 129792, 0.8812], [21.0, 134784, 0.8790]], 1000, period=32, learning_rate_times=2,
+            codec="int4", milestone_samples=4096),
+        run(tta.COMPRESSED_TWIN, [[20.0, 129792, 0.8772], [21.0, 134784, 0.8810], [22.0, 139776, 0.8804]], 1000,
+            period=32, learning_rate_times=2, milestone_samples=4096)])
+    write(data, "network", [
+        slow("easgd period 10, learning rate x2", [[30.0, 60160, 0.86], [72.0, 134784, 0.881]], FLOAT32_FRAME, 10,
+             0.057, 0.76),
+        slow(tta.COMPRESSED, [[12.0, 59904, 0.86], [25.0, 139776, 0.8817]], INT4_FRAME, 32, 0.0125, 0.02, "int4"),
+        {"bench": "network", "model": "lenet", "network": "100M", "gbit": 0.1, "run": "sync", "algorithm": "sync",
+         "codec": "float32", "seconds_per_iteration": 0.58, "exchange_share": 0.96, "frame_bytes": FLOAT32_FRAME,
+         "bytes_per_iteration": FLOAT32_FRAME}])
+    write(data, "seal", [
+        {"bench": "seal", "seal": "hmac-sha256", "floats": 431080, "round_trips_per_s": 150.0,
+         "unsealed_round_trips_per_s": 700.0, "ratio_to_unsealed": 0.214},
+        {"bench": "seal", "seal": "aes-gmac", "floats": 431080, "round_trips_per_s": 500.0,
+         "unsealed_round_trips_per_s": 700.0, "ratio_to_unsealed": 0.714},
+        {"bench": "seal", "figure": "choice", "fastest": "aes-gmac", "ratio": 0.714, "exchanger": "aes-gmac",
+         "exchanger_ratio": 0.714, "target": 0.6, "met": True, "load_average": 2.1}])
+    readme = tmp_path / "README.md"
+    readme.write_text("| what | result |\n|---|---|\n| round trips sealed with AES-GMAC (the exchanger's seal, the "
+                      "default), different CPUs, LeNet | old | old |\n| next | row |\n")
+    out = tmp_path / "docs" / "results.md"
+    monkeypatch.setattr(sys, "argv", ["_page.py", "--data", str(data), "--out", str(out), "--readme", str(readme)])
+    page.main()
+    text = out.read_text()
+    # 72.0 s against 25.0 s; sync's 1,724,372 bytes an iteration over its 936 iterations to 0.88 on loopback, against
+    # int4's 6,948 (a 222,328-byte frame every 32 iterations) over its own 1,092.
+    assert ("| emulated 100 Mbit/s, base_lr x2: easgd int4 period 32 reaches 0.88 in under half float32 easgd period "
+            "10's time | int4 25.0 s, float32 72.0 s: float32 took 2.88x int4's time | yes |  |") in text
+    assert ("| ... and sends at least 100x fewer bytes to reach it than sync would at its bytes an iteration | int4 "
+            "7.6 MB a worker to 0.88; sync 1,614 MB at its samples to 0.88 (213x), 248x at int4's own samples "
+            "(1,724 kB against 6.9 kB an iteration) | yes |  |") in text
+    assert ("| loopback, base_lr x2: int4's samples to 0.88 within 10% of float32's at the same period (32), no more "
+            "than 10% above them | int4 129,792, float32 134,784: -3.7% (snapshots every 4,096 samples); at the 2 "
+            "snapshots both took, int4's test accuracy minus float32's: +0.10 points on average, -0.20 to +0.40 | yes "
+            "|  |") in text
+    assert text.count("| emulated 100 Mbit/s, base_lr x2:") == 2  # in the targets at the top and in its section
+    assert ("| 100M | easgd period 32, int4 | 0.0125 s | 2.0% | 6.9 kB | 25.0 s | 139,776 | 7.6 MB | measured (sent "
+            "in all: 30.0 MB, of which the snapshots' solver histories 12.5 MB) |") in text
+    assert ("| 100M | sync, float32 (computed) | 0.5800 s | 96.0% | 1,724.4 kB | 542.9 s | 119,808 | 1,614.0 MB | "
+            "computed: its samples to 0.88 on loopback (`sync, learning rate x2`) at its seconds and bytes an "
+            "iteration here (`sync`), training alone |") in text
+    # Why int4 at period 32: the frames' arithmetic, and easgd's samples over sync's (134,784 / 119,808 = 1.125).
+    assert ("easgd sends sync's bytes an iteration over: float32 at period 10 10x, float32 at period 64 64x, int4 at "
+            "period 16 124x, int4 at period 32 248x.") in text
+    assert ("so 100x fewer bytes to 0.88 asks 112x or more an iteration: at period 16 int4 would send 110x fewer to "
+            "0.88 at that ratio, within 10% of the target, and period 32 doubles it.") in text
+    for plot in ("slow_links_seconds.png", "slow_links_bytes.png", "divergence.png", "time_to_accuracy.png"):
+        assert (tmp_path / "docs" / plot).stat().st_size > 10_000 and f"]({plot})" in text
+    # The d table has the codec's row and its float32 twin's, each at base_lr x2.
+    assert "| 0.88 | 2, base_lr x2 | 1.12 | 1.12 |" in text and "| 0.88 | 2, int4, base_lr x2 |  | 1.08 |" in text
+    assert ("| aes-gmac (the exchanger's) | 500.0 | 700.0 | 0.71x | 16 bytes |" in text
+            and "the exchanger's aes-gmac 0.71x, met" in text)
+    assert readme.read_text() == (
+        "| what | result |\n|---|---|\n| round trips sealed with AES-GMAC (the exchanger's seal, the default), "
+        "different CPUs, LeNet | 500 per s: 0.71× (HMAC-SHA256, the seal before it: 0.21×) | the same frames unsealed: "
+        "700 per s (`make bench`, `bench/seal.py`; docs/data/seal.jsonl) |\n| next | row |\n")
+
+
+def test_the_codec_may_need_fewer_samples_than_float32_but_not_over_10_percent_more():
+    twin_row = page._slow_links._twin_row
+    twin = run("twin", [[10.0, 100000, 0.87], [20.0, 130000, 0.881]], 1000)
+    fewer = twin_row(run("int4", [[10.0, 100000, 0.881]], 1000, milestone_samples=4096), twin)
+    assert fewer[2] and "-23.1% (int4 fewer: a first snapshot at or above 0.88 moves this much" in fewer[1]
+    more = twin_row(run("int4", [[10.0, 100000, 0.85], [20.0, 150000, 0.881]], 1000), twin)
+    assert not more[2] and "+15.4%" in more[1] and more[3] == "more than 10% above float32's"
+    short = twin_row(run("int4", [[10.0, 100000, 0.881]], 1000), run("twin", [[10.0, 120000, 0.87]], 1000))
+    assert short[2] and "float32 not in 120,000: -16.7%" in short[1]  # float32 short of 0.88: a bound
+
+
+def test_a_float32_run_stopped_short_of_0_88_gives_the_time_ratio_as_a_bound():
+    tta, slow_links = page.time_to_accuracy, page._slow_links
+    records = [slow("easgd period 10, learning rate x2", [[150.0, 164736, 0.878]], FLOAT32_FRAME, 10, 0.09, 0.5),
+               slow(tta.COMPRESSED, [[20.0, 139776, 0.881]], INT4_FRAME, 32, 0.014, 0.01, "int4")]
+    target, measured, met, _ = slow_links.targets(records, [])[0]
+    assert met and measured == "int4 20.0 s, float32 > 150.0 s: float32 took > 7.50x int4's time"
+    records[1] = slow(tta.COMPRESSED, [[20.0, 139776, 0.879]], INT4_FRAME, 32, 0.014, 0.01, "int4")
+    assert slow_links.targets(records, [])[0][1:] == ("int4 > 20.0 s, float32 > 150.0 s", False,
+                                                     "int4 did not reach 0.88 within its run")

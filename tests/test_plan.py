@@ -99,3 +99,11 @@ def test_a_net_without_a_loss_is_one_line():
     assert err.strip().splitlines()[-1] == (
         "deepspark plan: error: models/lenet/deploy.prototxt: plan times a training step, and this net has no "
         "loss: give a model folder, its solver or its train_val.prototxt")
+
+
+def test_a_job_in_a_codec_times_the_worker_coding_its_frames():
+    net, source, param, shape = plan.training_net("models/lenet")
+    param.deepspark_param.exchange_codec = pb.DeepSparkParameter.INT4
+    costs = plan.measure(net, source, param, pb.PlanParameter(cores=1, step_ms=5, server_ms=1), shape)
+    # 431,080 codes two a byte and a float32 scale per 256 of them.
+    assert costs.codec == "int4" and costs.bytes == 431_080 // 2 + 4 * 1684 and costs.worker > 0
