@@ -57,16 +57,17 @@ $(DATA)/fashion_mnist_test_lmdb: | $(STAMPS)/venv $(STAMPS)/system
 # cores busy; more would crowd the Spark tests (each runs two workers) on a machine this size.
 # --dist loadscope sends each module whole to one process, so that a module's fixture (a trained model,
 # a standalone cluster, a Spark session) is set up once: split across processes, or interleaved with
-# other modules' tests, it was set up twice (~5 minutes of the suite).
+# other modules' tests, it was set up twice (~5 minutes of the suite). --no-loadscope-reorder keeps conftest.py's
+# order (modules with a slow test first, then Spark's), not xdist's (most tests first), so the long ones start early.
 TEST_PROCESSES ?= 2
 test: setup
-	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadscope --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadscope --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 # The fast tier: every test not marked `spark` or `caffe` (conftest.py's --fast). A JVM or pycaffe in one of them
 # fails it, so that the markers stay complete; it needs no pycaffe build and no JVM class archive. Two processes,
 # each module whole to one, as `make test` runs them.
 test-fast: system venv data
-	$(BIN)/python -m pytest --fast -n $(TEST_PROCESSES) --dist loadscope --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --fast -n $(TEST_PROCESSES) --dist loadscope --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/python tools/demo.py

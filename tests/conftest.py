@@ -134,3 +134,16 @@ def pytest_ignore_collect(collection_path, config):
     if GUARD and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
         return bool(marked_whole(collection_path) & set(MODULE_MARKS)) or None
     return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules with a test marked slow first, then those that start Spark, then the rest, each kind in file
+    order. `make test` hands whole modules to its processes in this order (--no-loadscope-reorder), so that the
+    long ones start early and the processes end close together, not one of them alone on a long module handed
+    out last."""
+    rank = {}
+    for item in items:
+        marks = {mark.name for mark in item.iter_markers()}
+        module = item.nodeid.split("::")[0]
+        rank[module] = min(rank.get(module, 2), 0 if "slow" in marks else 1 if "spark" in marks else 2)
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])

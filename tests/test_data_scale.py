@@ -136,6 +136,7 @@ def peaks(tmp_path_factory):
     return driver_peaks(tmp_path_factory.mktemp("scale"), [SMALL, LARGE], ["lmdb", "parquet", "dataframe"])
 
 
+@pytest.mark.slow  # its fixture trains on two sizes of each kind
 @pytest.mark.parametrize("kind", ["lmdb", "parquet", "dataframe"])
 def test_the_drivers_peak_rss_does_not_grow_with_the_training_set(peaks, kind):
     result, log = peaks

@@ -82,6 +82,7 @@ def exported(tmp_path_factory):
 
 
 @pytest.mark.caffe
+@pytest.mark.slow  # its fixture exports and runs every zoo net
 @pytest.mark.parametrize("name", ZOO)
 def test_the_saved_model_gives_pycaffes_outputs_without_deepspark(exported, name):
     served, caffe_outputs = exported[name]

@@ -76,6 +76,7 @@ def accuracy(rows):
 
 
 @pytest.mark.spark
+@pytest.mark.slow  # its fixture fits a model
 @pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
 def test_transform_score_and_caffes_test_agree_on_the_10000_test_images(fitted, backend):
     pipeline_model, _ = fitted

@@ -104,6 +104,7 @@ def run(script, tmp_path, env):
     return done
 
 
+@pytest.mark.slow
 def test_a_spark_users_pipeline_fits_scaled_pixels_as_it_fits_integers_and_reloads_to_identical_outputs(tmp_path):
     if not os.path.exists(os.path.join(FASHION, "t10k-labels-idx1-ubyte.gz")):
         pytest.skip("needs the dataset-fashion-mnist Debian package (make setup)")
