@@ -95,9 +95,6 @@ def test_three_workers_killed_in_one_sync_run_rerun_the_stage_and_it_ends_within
 # Seconds a lost worker may take to rejoin once no worker trains (and, on a cluster, to connect at the start:
 # the executors' Python workers import TensorFlow).
 CLUSTER_CONNECT_TIMEOUT = 45
-# Where nothing can rejoin (the last Spark Worker lost), the job waits out connect_timeout: a shorter one, still
-# long enough for a worker to start on a loaded machine.
-NOWHERE_CONNECT_TIMEOUT = 25
 # One executor core trains the tiny net at a few hundred iterations a second once TensorFlow has traced its
 # step, which takes a worker seconds: long enough that both workers train together for a while.
 CLUSTER_MAX_ITER = 3000
@@ -160,16 +157,16 @@ def test_a_spark_worker_jvm_killed_for_good_never_hangs_the_job(tmp_path):
         # job fails with one line naming what was lost, connect_timeout after no worker trains; never hangs.
         (tmp_path / "one").mkdir()
         solver = make_job(tmp_path / "one", max_iter=CLUSTER_MAX_ITER, test_interval=CLUSTER_MAX_ITER,
-                          connect_timeout=NOWHERE_CONNECT_TIMEOUT)
+                          connect_timeout=CLUSTER_CONNECT_TIMEOUT)
         status, log, kill, seconds = lose_a_spark_worker(solver, cluster_dir, 2, CLUSTER_MAX_ITER, "--workers", "1",
                                                          "--master", master)
         assert status == 1, log[-3000:]
         assert re.search(rf"Worker 0 lost at iteration [1-9]\d*: Spark lost executor \d+ on 127\.0\.0\.1:\d+ and has "
                          rf"none left; its shard is re-placed if Spark gets an executor within "
-                         rf"{NOWHERE_CONNECT_TIMEOUT}s \(connect_timeout\), else the job fails", log), log[-3000:]
+                         rf"{CLUSTER_CONNECT_TIMEOUT}s \(connect_timeout\), else the job fails", log), log[-3000:]
         last = log.strip().splitlines()[-1]
         assert re.fullmatch(rf"deepspark train: error: lost worker 0 at iteration [1-9]\d* with executor \d+ on "
-                            rf"127\.0\.0\.1:\d+; no worker has trained for {NOWHERE_CONNECT_TIMEOUT}s "
+                            rf"127\.0\.0\.1:\d+; no worker has trained for {CLUSTER_CONNECT_TIMEOUT}s "
                             rf"\(connect_timeout\) and no executor took up the lost work; Spark reports .*; resume "
                             rf"from the last snapshot \(--snapshot\)", last), log[-3000:]
-        assert NOWHERE_CONNECT_TIMEOUT < seconds < NOWHERE_CONNECT_TIMEOUT + 120  # bounded: it did not hang
+        assert CLUSTER_CONNECT_TIMEOUT < seconds < CLUSTER_CONNECT_TIMEOUT + 120  # bounded: it did not hang
