@@ -53,6 +53,16 @@ def test_zeros_and_a_zero_block_survive():
         assert np.array_equal(out, values)
 
 
+def test_a_block_of_subnormals_is_sent_as_zeros_and_the_next_block_is_untouched():
+    # The largest subnormal over 127 has no finite float32 inverse: dividing by it once made NaN codes.
+    values = np.full(2 * codec.BLOCK, 1e-40, np.float32)
+    values[codec.BLOCK:] = 2.0
+    for name in ("int8", "int4"):
+        with np.errstate(over="raise", invalid="raise", divide="raise"):
+            out, _ = roundtrip(codec.get(name), values)
+        assert (out[:codec.BLOCK] == 0).all() and (out[codec.BLOCK:] == 2.0).all()
+
+
 def test_bfloat16_rounds_to_nearest_even():
     # bfloat16 keeps 7 mantissa bits: 1 + 2^-8 lies halfway between 1 and 1 + 2^-7 (odd), 1 + 3·2^-8 between
     # 1 + 2^-7 (odd) and 1 + 2^-6 (even).

@@ -91,6 +91,9 @@ class BFloat16:
             raise CodecError("bfloat16 payload holds a NaN or an infinity")
 
 
+SMALLEST_INVERTIBLE = np.float32(1) / np.finfo(np.float32).max
+
+
 class Blockwise:
     """Integer codes in [−top, top] with one float32 scale per BLOCK floats."""
 
@@ -120,6 +123,8 @@ class Blockwise:
         blocks = padded.reshape(-1, BLOCK)
         np.max(np.abs(blocks), axis=1, out=scales)
         scales /= self.top
+        # A block whose scale has no finite inverse (subnormal values) is sent as zeros; error feedback keeps it.
+        scales[scales < SMALLEST_INVERTIBLE] = 0
         inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales > 0)
         blocks *= inverse[:, None]
         q = np.rint(padded[:n], out=padded[:n]).astype(np.int8)
