@@ -177,29 +177,7 @@ def chunks(items, size):
         yield chunk
 
 
-# -- the three uses --------------------------------------------------------------------------
-
-
-def rows_with_outputs(forward, input_index, columns):
-    """The mapPartitionsWithIndex function of a transform: each row with its new `columns` appended, from
-    the input at row[input_index]. columns: [(kind, output)] with kind "prediction" (the argmax of the
-    output, a double), or "vector" (the output's values for the row, a Spark ML DenseVector)."""
-    from pyspark.ml.linalg import DenseVector  # deferred: pyspark is imported on the executors only here
-
-    def run(partition, rows):
-        for chunk in chunks(enumerate(rows), forward.batch_size):
-            outputs = forward.forward_batch(
-                [(f"DataFrame row {offset} of partition {partition}", row[input_index]) for offset, row in chunk],
-                pad=True)
-            n = len(chunk)
-            # Per column, a value per row: argmaxes as floats, or rows of the output as float64 vectors.
-            values = [outputs[name].reshape(n, -1).argmax(axis=1).astype(float).tolist() if kind == "prediction"
-                      else [DenseVector(v) for v in outputs[name].reshape(n, -1).astype(np.float64)]
-                      for kind, name in columns]
-            for i, (_, row) in enumerate(chunk):
-                yield tuple(row) + tuple(column[i] for column in values)
-
-    return run
+# -- the two uses --------------------------------------------------------------------------
 
 
 def output_sums(forward, source):
