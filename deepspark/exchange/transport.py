@@ -258,8 +258,8 @@ class Connection:
     def send(self, type_, payload=None, iteration=0, value=math.nan, tag_after=False, flags=0, length=None):
         """A frame from this connection's worker id: the header (packed in place), its payload and its tag.
 
-        The tag goes out with the frame in one syscall, or with tag_after (the server's replies,
-        which a worker reads to the end) just after it, hashed while the peer reads. `length`:
+        The tag goes out with the frame in one syscall, or with tag_after (model frames, which
+        the peer reads to the end) just after it, hashed while the peer reads and hashes. `length`:
         the whole payload's, when `payload` is only its first slice (send_sliced's).
         """
         whole = length is None
