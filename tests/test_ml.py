@@ -9,8 +9,10 @@ starts the new one the tests after it use.
 import os
 import subprocess
 import sys
+from typing import Iterator
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from deepspark import nets
@@ -23,6 +25,7 @@ from pyspark.ml import Pipeline, PipelineModel  # noqa: E402  (after the skip)
 from pyspark.ml.classification import LogisticRegression  # noqa: E402
 from pyspark.ml.linalg import VectorUDT  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
+from pyspark.sql import functions as F  # noqa: E402
 
 from deepspark.ml import DeepSparkEstimator, DeepSparkModel  # noqa: E402
 from deepspark.spark import scoring  # noqa: E402
@@ -97,14 +100,17 @@ def test_transform_score_and_caffes_test_agree_on_the_10000_test_images(fitted, 
 
 
 def python_workers(spark):
-    """The PIDs of the Python workers a 16-task job runs on, with whether each holds a built net."""
+    """The PIDs of the Python workers a 16-task job of Arrow UDFs (the transform's kind) runs on, with whether each
+    holds a built net."""
 
-    def probe(_):
+    def probe(ids: Iterator[pa.Array]) -> Iterator[pa.Array]:
         from deepspark.spark import scoring as executor_side
 
-        return os.getpid(), bool(executor_side._BUILT)
+        for batch in ids:
+            yield pa.array([f"{os.getpid()} {int(bool(executor_side._BUILT))}"] * len(batch))
 
-    return dict(spark.sparkContext.parallelize(range(16), 16).map(probe).collect())
+    found = spark.range(0, 16, 1, 16).select(F.arrow_udf(probe, "string")("id").alias("probe")).collect()
+    return {int(pid): bool(int(built)) for pid, built in (row.probe.split() for row in found)}
 
 
 @pytest.mark.spark

@@ -22,6 +22,7 @@ RESET = "reset"      # parameters were replaced by the center (non-finite refusa
 # Refusals that only mean "this connection is over": the worker rejoins (a frame changed on the way,
 # by a bad network or someone on it, ends that connection; a new one is authenticated again).
 _CONNECTION_LOST = (P.E_TIMEOUT, P.E_SHUTDOWN, P.E_INTEGRITY)
+TAG_AFTER = 1 << 16  # payload bytes past which a frame's tag is sent after it (a small frame goes in one syscall)
 
 
 class NonFiniteError(P.RefusedError):
@@ -142,7 +143,9 @@ class Link:
     def _request(self, type_, payload=None, iteration=0, value=math.nan, reply=None):
         """Send a frame and read the header of its reply, which must be a `reply` frame; an ERROR frame
         becomes RefusedError (NonFiniteError for non-finite parameters)."""
-        self._conn.send(type_, payload, iteration, value)
+        # A model's tag goes after its payload: the server hashes each slice as it arrives while this side hashes
+        # what it sent, rather than after this side has hashed it all.
+        self._conn.send(type_, payload, iteration, value, tag_after=payload is not None and len(payload) > TAG_AFTER)
         h = self._conn.read_header(len(self._conn.view))
         error = handshake.refused(self._conn, h)
         if error is not None:

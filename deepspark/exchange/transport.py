@@ -16,11 +16,13 @@ from . import protocol
 # Below PIPELINE_BYTES the reply goes back whole: each extra send costs the worker a wake-up. Above it the
 # server adds d to x̃ and sends it SLICE_FLOATS at a time, so the worker applies while the server adds.
 # The worker's x −= d runs in APPLY_SLICE pieces as d arrives at every size (one numpy call for all the
-# whole slices a read brings).
+# whole slices a read brings). A sealed model frame goes SEAL_SLICE bytes at a time, each hashed after it went, so
+# that the receiver's hashing of one slice overlaps the sender's of the next (its tag after the last).
 RECV_SLICE = 1 << 16
 SLICE_FLOATS = 1 << 18
 PIPELINE_BYTES = 16 << 20
 APPLY_SLICE = 1 << 17
+SEAL_SLICE = 1 << 18
 
 
 def slice_floats(n, chunk=None):
@@ -258,8 +260,8 @@ class Connection:
     def send(self, type_, payload=None, iteration=0, value=math.nan, tag_after=False, flags=0, length=None):
         """A frame from this connection's worker id: the header (packed in place), its payload and its tag.
 
-        The tag goes out with the frame in one syscall, or with tag_after (the server's replies,
-        which a worker reads to the end) just after it, hashed while the peer reads. `length`:
+        The tag goes out with the frame in one syscall, or with tag_after (model frames, which
+        the peer reads to the end) just after it, hashed while the peer reads and hashes. `length`:
         the whole payload's, when `payload` is only its first slice (send_sliced's).
         """
         whole = length is None
@@ -278,13 +280,20 @@ class Connection:
                 mac.update(payload)
             send_frame(self.sock, self.out_header, payload, mac.digest())
             return
-        send_frame(self.sock, self.out_header, payload)
-        if payload is not None and len(payload):
-            mac.update(payload)  # while the peer reads it
-        if whole:
-            self.sock.sendall(mac.digest())
-        else:
+        # Slice by slice, each hashed just after it went: the peer reads and hashes a slice while this side hashes
+        # it and sends the next, and the tag follows the last.
+        first = payload[:SEAL_SLICE] if whole and payload is not None else payload
+        send_frame(self.sock, self.out_header, first)
+        if first is not None and len(first):
+            mac.update(first)
+        if not whole:
             self._sending = mac
+            return
+        for start in range(SEAL_SLICE, length, SEAL_SLICE):
+            part = payload[start:start + SEAL_SLICE]
+            self.sock.sendall(part)
+            mac.update(part)
+        self.sock.sendall(mac.digest())
 
     def send_sliced(self, type_, view, step, before, iteration=0, flags=0):
         """A model frame from `view` (a float32 buffer's bytes) sent `step` floats at a time, before(start, end)

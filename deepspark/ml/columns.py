@@ -1,16 +1,13 @@
-"""A Model's transform on the executors: the mapInArrow function that runs the net over each Arrow batch of rows and
-appends its outputs as columns (a prediction as a double, a blob as a Spark ML vector), in classic Spark and
-under Spark Connect alike."""
+"""A Model's transform on the executors: the Arrow UDF that runs the net over each Arrow batch of the input column and
+gives its outputs as columns (a prediction as a double, a blob as a list of doubles the Model makes a vector), in
+classic Spark and under Spark Connect alike."""
+
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
 
 from deepspark.ml import images
-
-# A Spark ML DenseVector as Arrow carries it (VectorUDT's sqlType, `type` 1).
-VECTOR_TYPE = pa.struct([pa.field("type", pa.int8(), nullable=False), ("size", pa.int32()),
-                         ("indices", pa.list_(pa.int32())), ("values", pa.list_(pa.float64()))])
-DENSE = 1
 
 
 class Held:
@@ -21,40 +18,47 @@ class Held:
         self.value = value
 
 
-def dense_vectors(matrix):
-    """An Arrow column of Spark ML DenseVectors, one per row of `matrix`."""
+def double_lists(matrix):
+    """An Arrow column of float64 lists, one per row of `matrix` (Spark ML's array_to_vector makes them vectors:
+    an Arrow UDF cannot return a vector inside its struct)."""
     n, width = matrix.shape
-    values = pa.ListArray.from_arrays(pa.array(np.arange(0, n * width + 1, width, dtype=np.int32)),
-                                      pa.array(np.ascontiguousarray(matrix, np.float64).ravel()))
-    return pa.StructArray.from_arrays([pa.array(np.full(n, DENSE, np.int8)), pa.nulls(n, pa.int32()),
-                                       pa.nulls(n, pa.list_(pa.int32())), values], fields=list(VECTOR_TYPE))
+    return pa.ListArray.from_arrays(pa.array(np.arange(0, n * width + 1, width, dtype=np.int32)),
+                                    pa.array(np.ascontiguousarray(matrix, np.float64).ravel()))
 
 
-def with_outputs(forward, inputs, columns, skip):
-    """The mapInArrow function of a transform: each batch with its new `columns` appended, from the images of
-    inputs.column (frames.Inputs); columns: [(kind, output, column name)] with kind "prediction" (the argmax of the
-    output, a double) or "vector" (the output's values for the row). A row with no image of the net's shape stops the task
-    with one line naming it, or, with `skip`, is left out."""
+def outputs_of(forward, inputs, columns, skip):
+    """The scalar-iterator Arrow UDF function of a transform: per Arrow array of inputs.column (frames.Inputs), a
+    struct array of the new `columns`, [(kind, output, column name)] with kind "prediction" (the argmax of the output,
+    a double) or "vector" (the output's values for the row). Only the input column travels to the Python worker and
+    only the outputs back. A row with no image of the net's shape stops the task with one line naming it, or, with
+    `skip`, gets a null struct (the transform leaves it out)."""
 
-    def run(batches):
-        for number, batch in enumerate(batches):
-            values = batch.column(batch.schema.get_field_index(inputs.column))
+    def run(arrays: Iterator[pa.Array]) -> Iterator[pa.Array]:  # the hints say which kind of Arrow UDF
+        for number, values in enumerate(arrays):
+            if isinstance(values, pa.ChunkedArray):
+                values = values.combine_chunks()
             what = f"inputCol '{inputs.column}' (Arrow batch {number} of a partition)"
+            ok = None
             if inputs.kind == images.DATUM and not skip and not values.null_count:
                 found = values.to_pylist()  # the Forward decodes a batch's Datums at once, and names a bad one
             else:
                 found, ok = images.column_images(values, inputs.kind, inputs.shape)
-                if not ok.all():
-                    if not skip:
-                        raise images.bad_row(values, inputs.kind, inputs.shape, ok, what)
-                    batch = batch.filter(pa.array(ok))
+                if ok.all():
+                    ok = None
+                elif not skip:
+                    raise images.bad_row(values, inputs.kind, inputs.shape, ok, what)
             outputs = run_net(forward, found, what)
-            for kind, name, column in columns:
-                flat = outputs[name].reshape(len(found), -1)
-                batch = batch.append_column(
-                    column, pa.array(flat.argmax(axis=1).astype(np.float64)) if kind == "prediction"
-                    else dense_vectors(flat))
-            yield batch
+            fields = []
+            for kind, name, _ in columns:
+                flat = outputs[name].reshape(len(found), -1) if len(found) else np.zeros((0, 1), np.float32)
+                if ok is not None:  # the skipped rows' places, filled with zeros under the struct's null
+                    full = np.zeros((len(ok), flat.shape[1]), flat.dtype)
+                    full[ok] = flat
+                    flat = full
+                fields.append(pa.array(flat.argmax(axis=1).astype(np.float64)) if kind == "prediction"
+                              else double_lists(flat))
+            mask = None if ok is None else pa.array(~ok)
+            yield pa.StructArray.from_arrays(fields, names=[column for _, _, column in columns], mask=mask)
 
     return run
 

@@ -1,14 +1,16 @@
 """DeepSparkModel: a deploy net and its weights as a pyspark.ml Transformer whose transform runs the net on the
-executors through mapInArrow (classic Spark and Spark Connect alike)."""
+executors through an Arrow UDF (classic Spark and Spark Connect alike)."""
 
 import dataclasses
 
 import numpy as np
 from google.protobuf import text_format
 from pyspark.ml import Model
+from pyspark.ml.functions import array_to_vector, vector_to_array
 from pyspark.ml.linalg import VectorUDT
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import MLReadable, MLWritable
+from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from deepspark import checkpoint, config, nets
@@ -17,8 +19,8 @@ from deepspark.errors import ConfigError
 from deepspark.graph import Graph, crop_shape, fmt, tap_name, with_batch_size, with_taps
 from deepspark.log import Log
 from deepspark.ml import frames, images
-from deepspark.ml.columns import Held, with_outputs
-from deepspark.ml.images import ARRAY, DATUM
+from deepspark.ml.columns import Held, outputs_of
+from deepspark.ml.images import ARRAY, DATUM, VECTOR
 from deepspark.ml.params import Stage, with_accessors, with_schema
 from deepspark.ml.persist import ModelReader, ModelWriter
 from deepspark.proto import deepspark_pb2 as pb
@@ -45,6 +47,14 @@ def parse_shape(text, param="inputShape"):
     if len(shape) not in (2, 3) or min(shape) < 1:
         raise ConfigError(f"{param} is '{text}'; it takes C,H,W (or H,W for one channel): '1,28,28'")
     return shape if len(shape) == 3 else (1,) + shape
+
+
+COLUMNAR_INPUT = "spark.sql.execution.arrow.pythonUDF.columnarInput.enabled"
+
+
+def quoted(name):
+    """The column `name` as a Column, whatever characters it holds (a dot, a backtick)."""
+    return F.col("`%s`" % name.replace("`", "``"))
 
 
 def net_input(net):
@@ -205,8 +215,28 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         if taken:
             raise ConfigError(f"the DataFrame already has a column '{taken[0]}'; name another output column")
         forward = self.forward_spec(dataset, [name for _, name, _ in columns], self.scale_for(dataset, inputs))
-        run = with_outputs(forward, inputs, columns, self.getOrDefault("handleInvalid") == "skip")
-        return dataset.mapInArrow(run, T.StructType(dataset.schema.fields + fields))
+        skip = self.getOrDefault("handleInvalid") == "skip"
+        carried = [T.StructField(f.name, T.ArrayType(T.DoubleType()) if isinstance(f.dataType, VectorUDT)
+                                 else f.dataType) for f in fields]
+        taken = dataclasses.replace(inputs, kind=ARRAY, depth=1) if inputs.kind == VECTOR else inputs
+        net = F.arrow_udf(outputs_of(forward, taken, columns, skip), T.StructType(carried))
+        # One struct column from the UDF, then its fields: Spark evaluates the UDF once (it does not inline an
+        # expensive expression into each field's reference), and the other columns never leave the JVM.
+        held = "__deepspark_outputs"
+        while held in dataset.columns:
+            held += "_"
+        if any(isinstance(field.dataType, T.UserDefinedType) for field in dataset.schema.fields):
+            # Spark's columnar input to Arrow UDFs converts every column of a columnar scan (Parquet's) to Arrow, and
+            # has no conversion for a user-defined type such as a Spark ML vector: off, the rows go as they always did.
+            dataset.sparkSession.conf.set(COLUMNAR_INPUT, "false")
+        # An Arrow UDF takes no vectors: Spark's vector_to_array makes them arrays of doubles.
+        out = dataset.withColumn(held, net(vector_to_array(quoted(inputs.column)) if inputs.kind == VECTOR
+                                           else quoted(inputs.column)))
+        if skip:
+            out = out.filter(F.col(held).isNotNull())
+        return out.select(*(quoted(name) for name in dataset.columns),
+                          *((array_to_vector(F.col(held)[f.name]) if isinstance(f.dataType, VectorUDT)
+                             else F.col(held)[f.name]).alias(f.name) for f in fields))
 
     def inputs_of(self, dataset):
         """Where the images are in `dataset` and their (C, H, W) (image_shape)."""

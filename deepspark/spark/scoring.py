@@ -20,6 +20,7 @@ import os
 import time
 
 import numpy as np
+import pyarrow as pa
 from pyspark import StorageLevel
 
 from deepspark import checkpoint, engine
@@ -36,7 +37,7 @@ from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.executor import set_threads
 from deepspark.spark.failures import failed
 from deepspark.spark.session import spark_session, stop_context, worker_threads
-from deepspark.spark.shards import parquet_records, unreadable_lmdb
+from deepspark.spark.shards import parquet_located, unreadable_lmdb
 
 # Records per partition of a dataset that score or extract-features read (more partitions than cores
 # balance the executors; each builds its net once whatever their number).
@@ -177,29 +178,7 @@ def chunks(items, size):
         yield chunk
 
 
-# -- the three uses --------------------------------------------------------------------------
-
-
-def rows_with_outputs(forward, input_index, columns):
-    """The mapPartitionsWithIndex function of a transform: each row with its new `columns` appended, from
-    the input at row[input_index]. columns: [(kind, output)] with kind "prediction" (the argmax of the
-    output, a double), or "vector" (the output's values for the row, a Spark ML DenseVector)."""
-    from pyspark.ml.linalg import DenseVector  # deferred: pyspark is imported on the executors only here
-
-    def run(partition, rows):
-        for chunk in chunks(enumerate(rows), forward.batch_size):
-            outputs = forward.forward_batch(
-                [(f"DataFrame row {offset} of partition {partition}", row[input_index]) for offset, row in chunk],
-                pad=True)
-            n = len(chunk)
-            # Per column, a value per row: argmaxes as floats, or rows of the output as float64 vectors.
-            values = [outputs[name].reshape(n, -1).argmax(axis=1).astype(float).tolist() if kind == "prediction"
-                      else [DenseVector(v) for v in outputs[name].reshape(n, -1).astype(np.float64)]
-                      for kind, name in columns]
-            for i, (_, row) in enumerate(chunk):
-                yield tuple(row) + tuple(column[i] for column in values)
-
-    return run
+# -- the two uses --------------------------------------------------------------------------
 
 
 def output_sums(forward, source):
@@ -235,6 +214,43 @@ def feature_rows(forward, source):
     return run
 
 
+# A score's per-partition sums as rows: an output's name, the records summed, and its sum (flat) and shape.
+SUMS = "output string, records long, sum array<double>, shape array<long>"
+# Extract-features' rows: the record's index and label, and the Forward's outputs for it (float32 bytes, shapes).
+FEATURES = "index long, label long, values array<binary>, shapes array<array<long>>"
+
+
+def arrow_sums(forward, source):
+    """The mapInArrow function of a score over RECORDS: output_sums as rows of SUMS."""
+
+    def run(batches):
+        for total, sums in output_sums(forward, source)(arrow_records(batches)):
+            yield pa.RecordBatch.from_pylist([{"output": name, "records": total, "sum": value.ravel().tolist(),
+                                               "shape": list(value.shape)} for name, value in sums.items()])
+
+    return run
+
+
+def arrow_features(forward, source):
+    """The mapInArrow function of extract-features over RECORDS: feature_rows as rows of FEATURES."""
+
+    def run(batches):
+        for chunk in chunks(feature_rows(forward, source)(arrow_records(batches)), ROWS_PER_BATCH):
+            yield pa.RecordBatch.from_pylist([{"index": index, "label": int(label),
+                                               "values": [v.tobytes() for v in values],
+                                               "shapes": [list(v.shape) for v in values]}
+                                              for index, label, values in chunk])
+
+    return run
+
+
+def feature_values(rows):
+    """feature_rows' (index, label, [float32 arrays]) of FEATURES' rows, on the driver."""
+    for row in rows:
+        yield row["index"], row["label"], [np.frombuffer(v, np.float32).reshape(shape)
+                                           for v, shape in zip(row["values"], row["shapes"])]
+
+
 def where(source, index, key):
     """How an error names a record: its LMDB key, or its place in a Parquet dataset; and the source."""
     name = key.decode("utf-8", "backslashreplace") if key is not None else str(index)
@@ -252,46 +268,77 @@ def batch_ranges(total, batch_size, partitions):
     return [(start, min(stop, total)) for start, stop in zip(bounds, bounds[1:]) if start < min(stop, total)]
 
 
-def lmdb_range(source, total):
-    """The flatMap function that reads a record range of the LMDB at `source` on an executor: (index, key,
-    Datum bytes) in order."""
+# Each record as a DataFrame row: its index, its LMDB key (null for Parquet) and its Datum bytes.
+RECORDS = "index long, key binary, datum binary"
+ROWS_PER_BATCH = 1024  # records per Arrow batch that reads an LMDB's range
 
-    def run(bounds):
-        start, stop = bounds
+
+def arrow_batches(records, size=ROWS_PER_BATCH):
+    """Arrow record batches of RECORDS of (index, key, Datum bytes) items."""
+    for chunk in chunks(records, size):
+        index, key, datum = zip(*chunk)
+        yield pa.RecordBatch.from_arrays([pa.array(index, pa.int64()), pa.array(key, pa.binary()),
+                                          pa.array(datum, pa.binary())], names=["index", "key", "datum"])
+
+
+def arrow_records(batches):
+    """(index, key, Datum bytes) items of Arrow batches of RECORDS (or of more columns, those first)."""
+    for batch in batches:
+        yield from zip(*(batch.column(i).to_pylist() for i in range(3)))
+
+
+def lmdb_ranges(source, total, ranges):
+    """The mapInArrow function over spark.range(len(ranges)) that reads each id's record range of the LMDB at
+    `source` on an executor, as RECORDS in order."""
+
+    def run(batches):
         unreadable = unreadable_lmdb(source, total, "the executor")
         if unreadable:
             raise DataError(unreadable)
-        for index, (key, value) in enumerate(lmdb_io.read_records(source, start, stop), start):
-            yield index, key, value
+        for batch in batches:
+            for i in batch.column(0).to_pylist():
+                start, stop = ranges[i]
+                yield from arrow_batches((index, bytes(key), bytes(value)) for index, (key, value)
+                                         in enumerate(lmdb_io.read_records(source, start, stop), start))
 
     return run
 
 
-def partitions_for(sc, total, batch_size):
+def parquet_rows(indexed):
+    """The mapInArrow function that makes parquet_located's (part file, row, Datum bytes) RECORDS, each checked."""
+
+    def run(batches):
+        rows = (row for batch in batches for row in zip(*(column.to_pylist() for column in batch.columns)))
+        yield from arrow_batches((index, None, datum) for index, datum in indexed(rows))
+
+    return run
+
+
+def partitions_for(spark, total, batch_size):
     """How many partitions to read `total` records in: at least one per core, one per RECORDS_PER_PARTITION,
     at most one per batch."""
     batches = -(-total // batch_size)
-    return max(1, min(batches, max(sc.defaultParallelism, total // RECORDS_PER_PARTITION)))
+    return max(1, min(batches, max(spark.sparkContext.defaultParallelism, total // RECORDS_PER_PARTITION)))
 
 
-def dataset_records(spark, source, batch_size):
-    """(an RDD of (index, key or None, Datum bytes) of the LMDB or Parquet dataset at `source`, its partitions
-    holding whole batches of `batch_size` in index order; the record count)."""
-    sc = spark.sparkContext
+def dataset_frame(spark, source, batch_size):
+    """(a DataFrame of RECORDS of the LMDB or Parquet dataset at `source`, its partitions holding whole batches of
+    `batch_size` in index order; the record count; the partition count): DataFrame operations, which Spark
+    Connect serves too."""
     if is_parquet(source):
-        indexed, _, total = parquet_records(spark, source)
-        count = partitions_for(sc, total, batch_size)
-        batches = -(-total // batch_size)
-        by_batch = indexed.repartitionAndSortWithinPartitions(
-            count, lambda index: (index // batch_size) * count // batches)
-        return by_batch.map(lambda pair: (pair[0], None, pair[1])), total
+        located, indexed, _, total = parquet_located(spark, source)
+        count = partitions_for(spark, total, batch_size)
+        frame = located.mapInArrow(parquet_rows(indexed), RECORDS)
+        return frame.repartitionByRange(count, "index").sortWithinPartitions("index"), total, count
     if not lmdb_io.is_lmdb(source):
         raise ConfigError("not an LMDB or a Parquet dataset", source)
     total = lmdb_io.count(source)
     if not total:
         raise ConfigError("the LMDB is empty", source)
-    ranges = batch_ranges(total, batch_size, partitions_for(sc, total, batch_size))
-    return sc.parallelize(ranges, len(ranges)).flatMap(lmdb_range(os.path.abspath(source), total)), total
+    ranges = batch_ranges(total, batch_size, partitions_for(spark, total, batch_size))
+    frame = spark.range(0, len(ranges), 1, len(ranges)).mapInArrow(
+        lmdb_ranges(os.path.abspath(source), total, ranges), RECORDS)
+    return frame, total, len(ranges)
 
 
 # -- the driver's side of score and extract-features: a net that reads its own data, as Caffe's tools take --
@@ -347,15 +394,14 @@ def tap_name_or_error(graph, blob):
 @contextlib.contextmanager
 def on_spark(path, weights, source, backend, batch_size, ds, blobs=None):
     """forward_of's net checked here, then a Spark session (the caller's, or one started and stopped here):
-    yields (the SparkContext, the shipped Forward, the net's Graph, the source, its records RDD (dataset_records),
-    their count)."""
+    yields (the SparkContext, the shipped Forward, the net's Graph, the source, its records (dataset_frame: the
+    DataFrame, the count, the partitions))."""
     forward, graph, source = forward_of(path, weights, source, backend or ds.backend, batch_size, blobs)
     session, started = spark_session(ds, ds.workers)
     try:
         sc = session.sparkContext
         forward = forward.shipped(sc)
-        records, total = dataset_records(session, source, forward.batch_size)
-        yield sc, forward, graph, source, records, total
+        yield sc, forward, graph, source, dataset_frame(session, source, forward.batch_size)
     finally:
         if started:
             stop_context(session.sparkContext)
@@ -367,17 +413,18 @@ def score(path, weights, source=None, backend=None, batch_size=0, ds=None, log=N
     logs them; {output: mean}."""
     log = log or Log()
     with on_spark(path, weights, source, backend, batch_size, ds or pb.DeepSparkParameter()) as (
-            sc, forward, graph, source, records, total):
-        log.info(f"Scoring {total} records of {source} on {sc.master} ({records.getNumPartitions()} partitions, "
+            sc, forward, graph, source, (records, total, partitions)):
+        log.info(f"Scoring {total} records of {source} on {sc.master} ({partitions} partitions, "
                  f"batches of {forward.batch_size}, {forward.backend} backend)")
         try:
-            counted = records.mapPartitions(output_sums(forward, source)).collect()
+            counted = records.mapInArrow(arrow_sums(forward, source), SUMS).collect()
         except Exception as error:
             raise failed(error, sc) from None
         sums = collections.OrderedDict()
-        for _, part in counted:
-            for name, value in part.items():
-                sums[name] = sums[name] + value if name in sums else value
+        for row in counted:
+            name, value = row["output"], np.array(row["sum"], np.float64).reshape(row["shape"])
+            sums[name] = sums[name] + value if name in sums else value
+        sums = collections.OrderedDict((name, sums[name]) for name in forward.outputs if name in sums)
         means = collections.OrderedDict((name, value / total) for name, value in sums.items())
         engine.log_outputs(log, graph, means, "")
         return means
@@ -405,16 +452,16 @@ def extract_features(path, weights, blobs, outputs, source=None, backend=None, b
     for out in outputs:
         lmdb_io.refuse_existing(out, overwrite)
     with on_spark(path, weights, source, backend, batch_size, ds or pb.DeepSparkParameter(), blobs) as (
-            sc, forward, _, source, records, total):
+            sc, forward, _, source, (records, total, partitions)):
         log.info(f"Extracting {', '.join(blobs)} of {total} records of {source} on {sc.master} "
-                 f"({records.getNumPartitions()} partitions, batches of {forward.batch_size})")
-        features = records.mapPartitions(feature_rows(forward, source))
+                 f"({partitions} partitions, batches of {forward.batch_size})")
+        features = records.mapInArrow(arrow_features(forward, source), FEATURES)
         if len(blobs) > 1:
             features = features.persist(StorageLevel.MEMORY_AND_DISK)  # one pass on the executors, one write each
         written = {}
         try:
             for i, (blob, out) in enumerate(zip(blobs, outputs)):
-                rows = features.toLocalIterator()
+                rows = feature_values(features.toLocalIterator())
                 if writes_parquet(out):  # beside Caffe's Datum, the record's label and the blob as a Spark ML vector
                     written[blob] = write_parquet(out, ((b"%010d" % index, feature_datum(values[i], label),
                                                          values[i].ravel()) for index, label, values in rows),

@@ -171,7 +171,14 @@ def parquet_shards(spark, source, workers):
 
 def parquet_records(spark, source):
     """(an RDD of (index, Datum bytes) of a Parquet dataset, the (C, H, W) of its images, its record count),
-    read by Spark's own reader.
+    read by Spark's own reader (parquet_located)."""
+    located, indexed, shape, total = parquet_located(spark, source)
+    return located.rdd.mapPartitions(indexed), shape, total
+
+
+def parquet_located(spark, source):
+    """(a DataFrame of a Parquet dataset's (part file, row in it, Datum bytes), the function that makes a partition's
+    rows of it (index, Datum bytes), the (C, H, W) of its images, its record count), read by Spark's own reader.
 
     A record's index is its place in the files taken in sorted path order, row by row (the
     order the single-process reader reads them in): from its file's start, summed from
@@ -219,7 +226,7 @@ def parquet_records(spark, source):
             for row, datum in checked_records(present(run, file), file, shape, dtype):
                 yield starts[file] + row, datum
 
-    return located.rdd.mapPartitions(indexed), shape, total
+    return located, indexed, shape, total
 
 
 def dataframe_shards(df, workers, what="the DataFrame"):
