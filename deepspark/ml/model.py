@@ -218,8 +218,9 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         skip = self.getOrDefault("handleInvalid") == "skip"
         carried = [T.StructField(f.name, T.ArrayType(T.DoubleType()) if isinstance(f.dataType, VectorUDT)
                                  else f.dataType) for f in fields]
-        taken = dataclasses.replace(inputs, kind=ARRAY, depth=1) if inputs.kind == VECTOR else inputs
-        net = F.arrow_udf(outputs_of(forward, taken, columns, skip), T.StructType(carried))
+        # An Arrow UDF takes no vectors: Spark's vector_to_array makes them flat arrays of doubles (below).
+        arrays = dataclasses.replace(inputs, kind=ARRAY, depth=1) if inputs.kind == VECTOR else inputs
+        net = F.arrow_udf(outputs_of(forward, arrays, columns, skip), T.StructType(carried))
         # One struct column from the UDF, then its fields: Spark evaluates the UDF once (it does not inline an
         # expensive expression into each field's reference), and the other columns never leave the JVM.
         held = "__deepspark_outputs"
@@ -229,7 +230,6 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
             # Spark's columnar input to Arrow UDFs converts every column of a columnar scan (Parquet's) to Arrow, and
             # has no conversion for a user-defined type such as a Spark ML vector: off, the rows go as they always did.
             dataset.sparkSession.conf.set(COLUMNAR_INPUT, "false")
-        # An Arrow UDF takes no vectors: Spark's vector_to_array makes them arrays of doubles.
         out = dataset.withColumn(held, net(vector_to_array(quoted(inputs.column)) if inputs.kind == VECTOR
                                            else quoted(inputs.column)))
         if skip:

@@ -22,6 +22,7 @@ import time
 import numpy as np
 import pyarrow as pa
 from pyspark import StorageLevel
+from pyspark.sql import functions as F
 
 from deepspark import checkpoint, engine
 from deepspark.backends import create_model
@@ -214,8 +215,8 @@ def feature_rows(forward, source):
     return run
 
 
-# A score's per-partition sums as rows: an output's name, the records summed, and its sum (flat) and shape.
-SUMS = "output string, records long, sum array<double>, shape array<long>"
+# A score's per-partition sums as rows: an output's name, and its sum (flat) and shape.
+SUMS = "output string, sum array<double>, shape array<long>"
 # Extract-features' rows: the record's index and label, and the Forward's outputs for it (float32 bytes, shapes).
 FEATURES = "index long, label long, values array<binary>, shapes array<array<long>>"
 
@@ -224,8 +225,8 @@ def arrow_sums(forward, source):
     """The mapInArrow function of a score over RECORDS: output_sums as rows of SUMS."""
 
     def run(batches):
-        for total, sums in output_sums(forward, source)(arrow_records(batches)):
-            yield pa.RecordBatch.from_pylist([{"output": name, "records": total, "sum": value.ravel().tolist(),
+        for _, sums in output_sums(forward, source)(arrow_records(batches)):
+            yield pa.RecordBatch.from_pylist([{"output": name, "sum": value.ravel().tolist(),
                                                "shape": list(value.shape)} for name, value in sums.items()])
 
     return run
@@ -329,7 +330,9 @@ def dataset_frame(spark, source, batch_size):
         located, indexed, _, total = parquet_located(spark, source)
         count = partitions_for(spark, total, batch_size)
         frame = located.mapInArrow(parquet_rows(indexed), RECORDS)
-        return frame.repartitionByRange(count, "index").sortWithinPartitions("index"), total, count
+        # Ranges of batch numbers: a range partitioning never splits a key, so no batch straddles two partitions.
+        batch = F.floor(F.col("index") / batch_size)
+        return frame.repartitionByRange(count, batch).sortWithinPartitions("index"), total, count
     if not lmdb_io.is_lmdb(source):
         raise ConfigError("not an LMDB or a Parquet dataset", source)
     total = lmdb_io.count(source)
