@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 from pyspark.ml.functions import vector_to_array
-from pyspark.ml.linalg import VectorUDT
+from pyspark.ml.linalg import SparseVector, VectorUDT
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -19,6 +19,9 @@ from deepspark.ml.images import ARRAY, DATUM, VECTOR
 
 # Rows of the input a fit or transform looks at to tell the scale of its values (the first ones: no full pass).
 SAMPLE_ROWS = 64
+# A Spark ML vector as toArrow gives it (VectorUDT's sqlType; images.SPARSE).
+VECTOR_ARROW = pa.struct([("type", pa.int8()), ("size", pa.int32()), ("indices", pa.list_(pa.int32())),
+                          ("values", pa.list_(pa.float64()))])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +82,25 @@ def label_column(df, column, required):
     return column
 
 
-def sample(df, column, kind, shape):
-    """The images of the first SAMPLE_ROWS rows (those that hold one), on the driver."""
-    table = df.select(column).limit(SAMPLE_ROWS).toArrow()
-    return images.column_images(table.column(0), kind, shape)[0]
+def head(df, column):
+    """The first SAMPLE_ROWS values of `column` that are not null, on the driver, as the Arrow array toArrow gives:
+    one small job, that an image's shape and the scale of its values are both read from. Collected as rows: a
+    collected limit reads the first partition (more only where it falls short), where toArrow's shuffles the first
+    rows of every partition into one (twice the time here)."""
+    values = [row[0] for row in df.select(column).dropna().limit(SAMPLE_ROWS).collect()]
+    kind = df.schema[column].dataType
+    if isinstance(kind, T.BinaryType):
+        return pa.array([bytes(value) for value in values], pa.binary())
+    if isinstance(kind, VectorUDT):
+        return pa.array([{"type": images.SPARSE, "size": v.size, "indices": v.indices.tolist(),
+                          "values": v.values.tolist()} if isinstance(v, SparseVector) else
+                         {"type": 1, "values": v.values.tolist()} for v in values], VECTOR_ARROW)
+    return pa.array(values)
+
+
+def sample(df, column, kind, shape, first=None):
+    """The images of the first SAMPLE_ROWS rows that hold one, on the driver; `first`: head(df, column) if taken."""
+    return images.column_images(head(df, column) if first is None else first, kind, shape)[0]
 
 
 def checked(df, inputs, skip):

@@ -2,6 +2,7 @@
 executors through an Arrow UDF (classic Spark and Spark Connect alike)."""
 
 import dataclasses
+import functools
 
 import numpy as np
 from google.protobuf import text_format
@@ -66,13 +67,13 @@ def net_input(net):
     return top, tuple(shape[1:])
 
 
-def image_shape(dataset, column, kind, depth, given, net):
+def image_shape(dataset, column, kind, depth, given, net, head=None):
     """(C, H, W) of the images in `column`: `given` (inputShape), else a nested array's or a Datum's own (the first
-    row's), else the deploy `net`'s input."""
+    row's), else the deploy `net`'s input. `head`: a function that returns frames.head(dataset, column)."""
     if given:
         return parse_shape(given)
     if kind == DATUM or (kind == ARRAY and depth > 1):
-        first = dataset.select(column).dropna().limit(1).toArrow().column(0)
+        first = head() if head else frames.head(dataset, column)
         if not len(first):
             raise ConfigError(f"inputCol '{column}' holds no image (every row is null)")
         if kind == DATUM:
@@ -196,7 +197,9 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
     # -- transform ------------------------------------------------------------------------
 
     def _transform(self, dataset):
-        inputs = self.inputs_of(dataset)
+        # The input's first rows, taken once (one Spark job) where its shape or its scale is read from them.
+        head = functools.cache(lambda: frames.head(dataset, self.getOrDefault("inputCol")))
+        inputs = self.inputs_of(dataset, head)
         columns, fields = [], []
         prediction, probability = self.getOrDefault("predictionCol"), self.getOrDefault("probabilityCol")
         if prediction or probability:
@@ -214,7 +217,7 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         taken = [field.name for field in fields if field.name in dataset.columns]
         if taken:
             raise ConfigError(f"the DataFrame already has a column '{taken[0]}'; name another output column")
-        forward = self.forward_spec(dataset, [name for _, name, _ in columns], self.scale_for(dataset, inputs))
+        forward = self.forward_spec(dataset, [name for _, name, _ in columns], self.scale_for(dataset, inputs, head))
         skip = self.getOrDefault("handleInvalid") == "skip"
         carried = [T.StructField(f.name, T.ArrayType(T.DoubleType()) if isinstance(f.dataType, VectorUDT)
                                  else f.dataType) for f in fields]
@@ -238,22 +241,22 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
                           *((array_to_vector(F.col(held)[f.name]) if isinstance(f.dataType, VectorUDT)
                              else F.col(held)[f.name]).alias(f.name) for f in fields))
 
-    def inputs_of(self, dataset):
+    def inputs_of(self, dataset, head=None):
         """Where the images are in `dataset` and their (C, H, W) (image_shape)."""
         column = self.getOrDefault("inputCol")
         kind, depth = frames.input_kind(dataset, column)
-        shape = image_shape(dataset, column, kind, depth, self.getOrDefault("inputShape"), self.deploy)
+        shape = image_shape(dataset, column, kind, depth, self.getOrDefault("inputShape"), self.deploy, head)
         check_shape(column, shape, self.deploy, parse_transform(self.getOrDefault("transformParam")))
         return frames.Inputs(column, kind, depth, shape)
 
-    def scale_for(self, dataset, inputs):
+    def scale_for(self, dataset, inputs, head=None):
         """inputScale as set, else as a sample of the input needs it (images.input_scale), said in one line where
         that is not what the model was fitted with (its default: what its training data needed)."""
         if self.isSet("inputScale") and self.getOrDefault("inputScale") > 0:
             return self.getOrDefault("inputScale")
         fitted = self.getOrDefault("inputScale") or 1.0
         scale = parse_transform(self.getOrDefault("transformParam")).scale
-        found = frames.sample(dataset, inputs.column, inputs.kind, inputs.shape)
+        found = frames.sample(dataset, inputs.column, inputs.kind, inputs.shape, head() if head else None)
         if not found.size:
             return fitted
         wanted = images.input_scale(found, scale)
