@@ -4,6 +4,7 @@ bench/_page.py draws it from docs/data/network.jsonl (bench/network.py) and time
 """
 
 import os
+import statistics
 
 import network  # noqa: E402  (bench/network.py)
 import time_to_accuracy as tta  # noqa: E402  (bench/time_to_accuracy.py)
@@ -30,8 +31,13 @@ def _lenet(records, network_name, run):
 
 
 def _loopback(accuracy, run):
-    return next((r for r in accuracy if r.get("run") == run and r.get("tests", "off the clock") == "off the clock"
-                 and r.get("points")), None)
+    return next(iter(_loopbacks(accuracy, run)), None)
+
+
+def _loopbacks(accuracy, run):
+    """Every loopback record of `run` off the clock, the first made first (tta.REPEATS makes some more than once)."""
+    return sorted((r for r in accuracy if r.get("run") == run and r.get("tests", "off the clock") == "off the clock"
+                   and r.get("points")), key=lambda r: r.get("repeat", 1))
 
 
 def _last(record):
@@ -142,31 +148,58 @@ def targets(records, accuracy):
                     f"{cell(coded['bytes_per_iteration'] / 1e3, 1, ' kB')} an iteration)", met,
                     "" if met else f"{tta.CODEC} did not reach 0.88 within its run" if coded["lower"] else
                     f"under {BYTES_FEWER:.0f}x"))
-    twin, pair = _loopback(accuracy, tta.COMPRESSED_TWIN), _loopback(accuracy, tta.COMPRESSED)
-    if twin and pair:
-        out.append(_twin_row(pair, twin))
+    twins, pairs = _loopbacks(accuracy, tta.COMPRESSED_TWIN), _loopbacks(accuracy, tta.COMPRESSED)
+    if twins and pairs:
+        out.append(_twin_row(pairs, twins))
     return out
 
 
-def _twin_row(pair, twin):
-    """The loopback target: the codec's samples to 0.88 no more than 10% above its float32 twin's (the quantization
-    costs no accuracy; fewer is no cost), with how far apart their test accuracy was at the snapshots they share."""
-    a, b = pair.get("samples_to_0.88"), twin.get("samples_to_0.88")
-    off = a / b - 1 if a and b else a / _last(twin)[1] - 1 if a else None  # float32 short of it: a bound
+def _samples(record):
+    """(samples to 0.88, or the last snapshot's where the run stopped short of it; whether it stopped short)."""
+    reached = record.get("samples_to_0.88")
+    return (reached, False) if reached else (_last(record)[1], True)
+
+
+def _median(records):
+    """The median run's (samples to 0.88, stopped short) of runs alike: one that stopped short of 0.88 ranks above
+    every one that reached it (it needed more than it had)."""
+    ranked = sorted(map(_samples, records), key=lambda found: (found[1], found[0]))
+    return ranked[(len(ranked) - 1) // 2] if len(ranked) % 2 else \
+        (statistics.mean(n for n, _ in ranked[len(ranked) // 2 - 1:len(ranked) // 2 + 1]),
+         any(short for _, short in ranked[len(ranked) // 2 - 1:len(ranked) // 2 + 1]))
+
+
+def _twin_row(pairs, twins):
+    """The loopback target: the codec's median samples to 0.88 over its runs no more than 10% above its float32
+    twin's (the quantization costs no accuracy; fewer is no cost), each run's beside them, with how far apart the
+    test accuracy of each run and the other's run made in the same turn was at the snapshots they share."""
+    (a, a_short), (b, b_short) = _median(pairs), _median(twins)
+    off = None if a_short else a / b - 1  # float32 short of it: a bound
     met = off is not None and off <= SAMPLES_WITHIN
-    shared = {n: acc for _, n, acc in twin["points"]}
-    gaps = [acc - shared[n] for _, n, acc in pair["points"] if n in shared]
+    gaps = []
+    for pair, twin in zip(pairs, twins):
+        shared = {n: acc for _, n, acc in twin["points"]}
+        gaps += [acc - shared[n] for _, n, acc in pair["points"] if n in shared]
+    paired = " (each run beside the other's run made in the same turn)" if len(pairs) > 1 else ""
     curves = "" if not gaps else (
-        f"; at the {len(gaps)} snapshots both took, {tta.CODEC}'s test accuracy minus float32's: "
+        f"; at the {len(gaps)} snapshots both took{paired}, {tta.CODEC}'s test accuracy minus float32's: "
         f"{100 * sum(gaps) / len(gaps):+.2f} points on average, {100 * min(gaps):+.2f} to {100 * max(gaps):+.2f}")
+
+    def each(records):
+        return " / ".join(cell(n) if not short else "not in " + cell(n) for n, short in map(_samples, records))
+
+    def median(n, short, records):
+        return ("not in " if short else "") + cell(round(n)) + (f" (median of {len(records)}: {each(records)})"
+                                                                if len(records) > 1 else "")
     return (f"loopback, base_lr x2: {tta.CODEC}'s samples to 0.88 within 10% of float32's at the same period "
             f"({tta.CODEC_PERIOD}), no more than 10% above them",
-            f"{tta.CODEC} {cell(a) if a else 'not in ' + cell(_last(pair)[1])}, float32 "
-            f"{cell(b) if b else 'not in ' + cell(_last(twin)[1])}" + (f": {100 * off:+.1f}%" if off is not None else "")
+            f"{tta.CODEC} {median(a, a_short, pairs)}, float32 {median(b, b_short, twins)}"
+            + (f": {100 * off:+.1f}%" + (" or less (float32's median run stopped short)" if b_short else "")
+               if off is not None else "")
             + (f" ({tta.CODEC} fewer: a first snapshot at or above 0.88 moves this much between runs alike)"
                if off is not None and off < -SAMPLES_WITHIN else "")
-            + f" (snapshots every {cell(pair.get('milestone_samples'))} samples){curves}", met,
-            "" if met else f"{tta.CODEC} did not reach 0.88" if a is None else "more than 10% above float32's")
+            + f" (snapshots every {cell(pairs[0].get('milestone_samples'))} samples){curves}", met,
+            "" if met else f"{tta.CODEC} did not reach 0.88" if a_short else "more than 10% above float32's")
 
 
 def draw(found, path, key, label, log_y=False, scale=1.0):
