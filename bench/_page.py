@@ -162,7 +162,8 @@ def compare_block(accuracy):
     rows = [[r["run"], _reach(r), cell(r.get("samples_to_0.88")), cell(r.get("seconds_to_0.85"), 1, " s"),
              cell(r.get("peak_pss_mb"), 0, " MB")]
             for r in accuracy if "points" in r and r.get("tests") == "off the clock"
-            and (r.get("workers") in (None, 1, 2)) and not r["run"].startswith("easgd 1 worker") and not r.get("repeat")]
+            and (r.get("workers") in (None, 1, 2)) and not r["run"].startswith("easgd 1 worker")
+            and not r.get("repeat")]
     if not rows:
         return None
     return table(["run (LeNet, Fashion-MNIST, 2 cores)", "seconds to 0.88", "samples to 0.88", "seconds to 0.85",
