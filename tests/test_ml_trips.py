@@ -23,7 +23,8 @@ from pyspark.sql import SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 from pyspark.sql import types as T  # noqa: E402
 
-from deepspark.ml import DeepSparkEstimator, DeepSparkModel  # noqa: E402
+from deepspark.ml import DeepSparkEstimator, DeepSparkModel, frames, images  # noqa: E402
+from deepspark.ml.model import image_shape  # noqa: E402
 from deepspark.spark.failures import JobError  # noqa: E402
 from deepspark.spark.session import spark_session  # noqa: E402
 
@@ -196,3 +197,28 @@ def test_a_failure_on_the_executors_is_one_line_with_the_whole_report_in_the_fit
     assert "Traceback" not in console and "\tat org.apache" not in console, console[-3000:]
     (log,) = tmp_path.glob("fit-*/train.log")
     assert "Traceback (most recent call last)" in log.read_text()  # Spark's whole report, for whoever digs
+
+
+def test_the_first_rows_read_for_shape_and_scale_are_the_images_spark_arrow_gives_for_every_input_kind(spark):
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (5, 1, 4, 4)).astype(np.float64)
+    sparse = Vectors.sparse(16, [1, 7], [3.0, 255.0])
+    columns = {
+        "vector": (VectorUDT(), [Vectors.dense(p.ravel()) for p in pixels[:4]] + [sparse], images.VECTOR, 0),
+        "flat": (T.ArrayType(T.DoubleType()), [p.ravel().tolist() for p in pixels], images.ARRAY, 1),
+        "nested": (T.ArrayType(T.ArrayType(T.ArrayType(T.DoubleType()))), [p.tolist() for p in pixels],
+                   images.ARRAY, 3),
+        "datum": (T.BinaryType(), [encode_datum(p.astype(np.uint8), 0) for p in pixels], images.DATUM, 0)}
+    schema = T.StructType([T.StructField(name, kind) for name, (kind, _, _, _) in columns.items()])
+    rows = [tuple(values[i] for _, values, _, _ in columns.values()) for i in range(5)]
+    df = spark.createDataFrame([(None,) * 4] + rows, schema).repartition(3)  # a null row: left out
+    for name, (_, _, kind, depth) in columns.items():
+        ours = images.column_images(frames.head(df, name), kind, (1, 4, 4))[0]
+        arrow = images.column_images(df.select(name).dropna().limit(64).toArrow().column(0), kind, (1, 4, 4))[0]
+        assert len(ours) == 5 and sorted(map(bytes, ours)) == sorted(map(bytes, arrow)), name
+    wanted = np.zeros(16)
+    wanted[[1, 7]] = [3.0, 255.0]
+    assert any(np.array_equal(image.ravel(), wanted)
+               for image in images.column_images(frames.head(df, "vector"), images.VECTOR, (1, 4, 4))[0])
+    assert image_shape(df, "nested", images.ARRAY, 3, "", None) == (1, 4, 4)
+    assert image_shape(df, "datum", images.DATUM, 0, "", None) == (1, 4, 4)
