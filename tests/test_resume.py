@@ -198,3 +198,26 @@ def test_a_snapshot_keeps_each_workers_history_beside_the_centers_zeros(tmp_path
     histories = checkpoint.worker_histories(state, shapes, 1)
     assert sorted(histories) == [0, 1]
     assert all((h[2] == w + 1).all() for w, h in histories.items())
+
+
+def test_the_start_test_is_of_the_center_as_the_job_started_however_late_the_driver_first_sees_the_workers(tmp_path):
+    """Caffe tests the net as it starts (test_initialization); the driver sees the workers now and then, and a short
+    job may be past the next test_interval multiple when it first does: the start's test is still made, of x̃ as it
+    started, not skipped and not of x̃ as it is then."""
+    solver = load_solver(make_job(tmp_path, max_iter=40, test_interval=20))
+    log = Log(progress=False)
+    graph, center0 = initial_center(solver, log, 1)[:2]
+    center = np.concatenate([a.reshape(-1) for a in center0]).astype(np.float32)
+    cadence = CenterCadence(solver, graph, 0, lambda: center, log)
+    cadence.start(str(tmp_path / "tensorboard"))
+    try:
+        at_start = cadence.test(0)
+        center[:] = 0  # the workers' exchanges moved x̃ before the driver first saw them, at iteration 25
+        cadence.due(25)
+        tests = [(iteration, values) for _, iteration, _, values in cadence.history]
+        assert [iteration for iteration, _ in tests] == [0, 0, 20]
+        assert tests[1][1] == at_start and tests[2][1] != at_start  # x̃ as it started, then as it is
+        cadence.due(40)
+        assert [iteration for _, iteration, _, values in cadence.history if values][3:] == [40]
+    finally:
+        cadence.close()

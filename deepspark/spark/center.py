@@ -74,6 +74,7 @@ class CenterCadence:
         # Iterations of the last test and snapshot, and the last test's outputs.
         self.tested, self.snapshotted, self.last_test_values = None, None, {}
         self.evaluator = None  # the test nets: test_nets() builds them
+        self.initial = None  # x̃ as the job starts, while Caffe's test of the start iteration is owed: start() keeps it
 
     def start(self, folder):
         """The test nets, when the solver tests, and TensorBoard's scalars in `folder`. The test nets load
@@ -81,6 +82,8 @@ class CenterCadence:
         never tests, and never builds them; the scalars then write without it."""
         if self.param.test_interval:
             self.test_nets()
+            if self.multiples.next_test == self.multiples.start:  # test_initialization: Caffe tests x̃ as it starts
+                self.initial = self.read().copy()
         self.scalars = Scalars(folder, self.log)
 
     def test_nets(self):
@@ -116,15 +119,22 @@ class CenterCadence:
         number, as Caffe's do (lenet_iter_5000), and a line says where the workers were.
         """
         tested = self.multiples.test_due(iteration)
+        if tested is not None and self.initial is not None:
+            # The start's test is of x̃ as the job started, whenever the driver first sees the workers (a short job
+            # may be past the next multiple by then, and x̃ has moved since the start).
+            initial, self.initial = self.initial, None
+            self.test(self.multiples.start, flat=initial)
+            if tested == self.multiples.start:
+                tested = None
         if tested is not None:
             self.test(tested, observed=iteration)
         snapshotted = self.multiples.snapshot_due(iteration)
         if snapshotted is not None:
             self.snapshot(snapshotted, observed=iteration)
 
-    def arrays(self):
-        """x̃ as the train net's parameter arrays."""
-        flat = self.read()
+    def arrays(self, flat=None):
+        """x̃ (or `flat`, a copy of it) as the train net's parameter arrays."""
+        flat = self.read() if flat is None else flat
         sizes = [int(np.prod(p.shape)) for p in self.graph.params]
         offsets = np.cumsum([0] + sizes)
         return [flat[a:b].reshape(p.shape) for p, a, b in zip(self.graph.params, offsets, offsets[1:])]
@@ -133,10 +143,10 @@ class CenterCadence:
         if observed is not None and observed != iteration:
             self.log.info(f"{what} x̃ as iteration {iteration}; the slowest worker is at iteration {observed}")
 
-    def test(self, iteration, observed=None):
+    def test(self, iteration, observed=None, flat=None):
         self.tested = iteration
         self._note_observed("Testing", iteration, observed)
-        values = engine.first_values(self.test_nets().test(iteration, self.graph, self.arrays()))
+        values = engine.first_values(self.test_nets().test(iteration, self.graph, self.arrays(flat)))
         for tag, value in values.items():
             self.scalars.add(tag, value, iteration)
         self.history.append((time.monotonic() - self.started, iteration, float("nan"), values))
