@@ -164,9 +164,8 @@ def _median(records):
     """The median run's (samples to 0.88, stopped short) of runs alike: one that stopped short of 0.88 ranks above
     every one that reached it (it needed more than it had)."""
     ranked = sorted(map(_samples, records), key=lambda found: (found[1], found[0]))
-    return ranked[(len(ranked) - 1) // 2] if len(ranked) % 2 else \
-        (statistics.mean(n for n, _ in ranked[len(ranked) // 2 - 1:len(ranked) // 2 + 1]),
-         any(short for _, short in ranked[len(ranked) // 2 - 1:len(ranked) // 2 + 1]))
+    middle = ranked[(len(ranked) - 1) // 2:len(ranked) // 2 + 1]  # the middle run, or the two about the middle
+    return statistics.mean(n for n, _ in middle), any(short for _, short in middle)
 
 
 def _twin_row(pairs, twins):

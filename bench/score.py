@@ -72,14 +72,24 @@ def single_process(backend, datums, batch_size, threads):
         model.close()
 
 
-def in_process_of_its_own(call, threads):
-    """The float `call` (an expression over this module, `score`) prints, run in a new Python process with
-    `threads` compute threads: TensorFlow fixes its thread pools once per process, OpenBLAS at its load."""
+def process_of_its_own(call, threads):
+    """The command and environment of a new Python process with `threads` compute threads that prints the float
+    `call` (an expression over this module, `score`): TensorFlow fixes its thread pools once per process, OpenBLAS
+    at its load."""
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import score; "
             f"print(score.{call})")
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return [sys.executable, "-c", code], {**os.environ, "OPENBLAS_NUM_THREADS": str(threads),
+                                          "OMP_NUM_THREADS": str(threads)}
+
+
+def printed(out):
+    return float(out.strip().splitlines()[-1])
+
+
+def in_process_of_its_own(call, threads):
+    """The float `call` prints in a process of its own (process_of_its_own)."""
+    command, env = process_of_its_own(call, threads)
+    return printed(subprocess.run(command, capture_output=True, text=True, env=env, check=True).stdout)
 
 
 def forward_only(backend, batch_size, threads, batches=300, barrier=None):
@@ -113,16 +123,14 @@ def executors_ceiling(backend, batch_size, executors=2):
     """Images/s of `executors` one-thread forward passes alone (forward_only) timed at the same time, each in a
     process of its own: what the executors could do at best with nothing but the forward pass. Two vCPUs need not
     give twice one alone (they share caches, memory and the host's clocks), so they are measured together."""
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); import score; "
-            "print(score.forward_only({!r}, {}, 1, barrier=({!r}, {}, {})))")
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as folder:
-        processes = [subprocess.Popen([sys.executable, "-c", code.format(backend, batch_size, folder, i, executors)],
-                                      stdout=subprocess.PIPE, text=True, env=env) for i in range(executors)]
+        each = [process_of_its_own(f"forward_only({backend!r}, {batch_size}, 1, barrier=({folder!r}, {i}, "
+                                   f"{executors}))", 1) for i in range(executors)]
+        processes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) for command, env in each]
         outs = [process.communicate()[0] for process in processes]
     if any(process.returncode for process in processes):
         raise SystemExit(f"the forward passes of the ceiling failed ({backend})")
-    return sum(float(out.strip().splitlines()[-1]) for out in outs)
+    return sum(map(printed, outs))
 
 
 def single_process_of_the_dataset(backend, batch_size, threads):
