@@ -9,8 +9,8 @@ over `--repeats` runs, each writing its prediction column to Spark's `noop` sink
 benchmarks: every row is made and none kept), and again collecting it to the driver. The ceiling is what the two
 one-thread executors could do with nothing but the forward pass: two one-thread forward passes alone over the
 dataset's images already decoded and transformed (no decode, no Spark), each in a process of its own, timed at the
-same time, measured right after each timed transform; the target is a transform at >= TARGET of it (the median of
-the repeats' shares). The baseline decodes, transforms (scale) and forwards the same records in the same batches in
+same time, measured just before and just after each timed transform (the share is of their mean); the target is a
+transform at >= TARGET of it (the median of the repeats' shares). The baseline decodes, transforms (scale) and forwards the same records in the same batches in
 one process with the backend's threads on every core (and at one thread). One JSON line per backend and batch size:
 
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/score.py [--backends tensorflow,caffe]
@@ -162,11 +162,12 @@ def main():
             model.transform(frame).select("prediction").collect()
             warm = time.monotonic() - warm
             builds, build_seconds = model.counters[0].value, model.counters[1].value
-            # Each timed transform, then the ceiling at once: the machine's speed drifts over minutes (one
-            # ceiling came 9,071 and 11,430 images/s in two runs of this bench minutes apart), so each share is of
-            # its own ceiling. The transform is timed into Spark's `noop` sink (its benchmarking sink: every row
-            # made, none kept) and again collecting its predictions to the driver.
-            times, collected, ceilings = [], [], []
+            # Each timed transform between two ceilings, its share of their mean: the machine's speed drifts within
+            # a minute (one run's ceilings went 12,047 to 8,604 images/s, its transforms 5.7 to 7.6 s), and a
+            # ceiling on one side only would take the drift as the transform's. The transform is timed into Spark's
+            # `noop` sink (its benchmarking sink: every row made, none kept), then, after the next ceiling, again
+            # collecting its predictions to the driver: ceilings, noop, ceiling, collected, ceiling, noop, ...
+            times, collected, ceilings = [], [], [executors_ceiling(backend, batch_size)]
             for _ in range(args.repeats):
                 started = time.monotonic()
                 model.transform(frame).select("prediction").write.format("noop").mode("overwrite").save()
@@ -176,10 +177,12 @@ def main():
                 rows = model.transform(frame).select("prediction").collect()
                 collected.append(time.monotonic() - started)
                 assert len(rows) == len(datums)
-            shares = [len(datums) / t / c for t, c in zip(times, ceilings)]
+                ceilings.append(executors_ceiling(backend, batch_size))
+            around = [(a + b) / 2 for a, b in zip(ceilings, ceilings[1:])]  # each timed run's: noop, collected, ...
+            shares = [len(datums) / t / c for t, c in zip(times, around[::2])]
             share, spark_rate, ceiling = (statistics.median(shares), len(datums) / statistics.median(times),
                                           statistics.median(ceilings))
-            with_collect = statistics.median(len(datums) / t / c for t, c in zip(collected, ceilings))
+            with_collect = statistics.median(len(datums) / t / c for t, c in zip(collected, around[1::2]))
             cores = os.cpu_count()
             # The baseline at the backend's threads on every core (how one process runs by default), and
             # at one thread (Caffe's OpenBLAS is faster so here): each process of its own.

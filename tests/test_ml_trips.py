@@ -2,7 +2,8 @@
 Spark (local[2]) and Fashion-MNIST: labels out of range or not whole, nulls and malformed rows (handleInvalid),
 flat arrays with double labels in another column, Datum bytes with a label column, fits with no test data of the
 solver's and with validation rows, the summary's accuracy that of the final model, a model fitted on pixels given
-pixels already in [0, 1], a stable uid across save and load, and pandas for toPandas.
+pixels already in [0, 1], Datums scored as Caffe takes them (with no job before the action), a stable uid across
+save and load, and pandas for toPandas.
 
 One SparkSession serves the module."""
 
@@ -12,8 +13,11 @@ import shutil
 import numpy as np
 import pytest
 
+from deepspark import checkpoint, fillers
 from deepspark.data import decode_datum, encode_datum, lmdb_io
 from deepspark.errors import ConfigError
+from deepspark.graph import Graph
+from deepspark.nets import deploy_net
 from deepspark.proto import deepspark_pb2 as pb
 
 pytestmark = pytest.mark.spark
@@ -222,3 +226,42 @@ def test_the_first_rows_read_for_shape_and_scale_are_the_images_spark_arrow_give
                for image in images.column_images(frames.head(df, "vector"), images.VECTOR, (1, 4, 4))[0])
     assert image_shape(df, "nested", images.ARRAY, 3, "", None) == (1, 4, 4)
     assert image_shape(df, "datum", images.DATUM, 0, "", None) == (1, 4, 4)
+
+
+def test_datums_are_scored_as_caffe_takes_them_with_no_spark_job_before_the_action(spark, tmp_path, capfd):
+    graph = Graph(deploy_net(os.path.join(LENET, "deploy.prototxt"), "test")[0], pb.TEST)
+    weights = str(tmp_path / "lenet.caffemodel")
+    checkpoint.save_caffemodel(weights, graph, fillers.init_params(graph, 3))
+    model = DeepSparkModel.from_caffe(LENET, weights, transform="scale: 0.00390625", inputCol="datum", batchSize=50)
+    images_, labels = fashion(TEST, 100)
+    # Float Datums already within [0, 1]: Caffe would scale them by 1/256 again, and so does the Model (Datums are
+    # Caffe's own records), where a vector or an array in [0, 1] would take inputScale 255.
+    frame = spark.createDataFrame([(i, encode_datum(x[None] / 255.0, int(y))) for i, (x, y) in
+                                   enumerate(zip(images_, labels))], "id long, datum binary").coalesce(2)
+    tracker = spark.sparkContext.statusTracker()
+    jobs = len(tracker.getJobIdsForGroup())
+    out = model.transform(frame)
+    assert len(tracker.getJobIdsForGroup()) == jobs  # neither a shape nor a scale was read from the rows
+
+    def probabilities(scored):
+        return np.array([row.probability.toArray() for row in scored.orderBy("id").collect()])
+
+    found = probabilities(out)
+    np.testing.assert_array_equal(found, probabilities(model.copy({model.inputScale: 1.0}).transform(frame)))
+    assert not np.allclose(found, probabilities(model.copy({model.inputScale: 255.0}).transform(frame)))
+    # A model fitted on values in [0, 1] (inputScale 255 its default) given Datums says that it takes them as Caffe
+    # does.
+    fitted = model.copy()
+    fitted._setDefault(inputScale=255.0)
+    capfd.readouterr()
+    np.testing.assert_array_equal(probabilities(fitted.transform(frame)), found)
+    said = [line for line in capfd.readouterr().err.splitlines() if "DeepSparkModel: inputCol 'datum'" in line]
+    assert len(said) == 1 and said[0].endswith("holds Caffe Datums, which take the net's transform_param as Caffe "
+                                               "gives it them: inputScale 1 (it was fitted with 255; set inputScale "
+                                               "to choose)")
+    # Datums of another shape: each is checked as the executors decode it, the first named.
+    colour = spark.createDataFrame([(encode_datum(np.zeros((3, 32, 32), np.uint8), 0),)], "datum binary")
+    with pytest.raises(Exception) as error:
+        model.transform(colour).collect()
+    assert str(error.value).strip().endswith("DataError: inputCol 'datum' (Arrow batch 0 of a partition), row 0: its "
+                                             "image is 3x32x32; the net takes 1x28x28")

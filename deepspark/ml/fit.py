@@ -181,10 +181,13 @@ class Fit:
         return frames.Inputs(column, kind, depth, tuple(shape), label, classes, ignored)
 
     def scale(self, data, inputs):
-        """inputScale as set, else as a sample of the data needs it (said in one line)."""
+        """inputScale as set, else as a sample of the data needs it (said in one line); Datums, Caffe's own records,
+        take the transform_param as Caffe gives it them (1)."""
         scale = self.est.getOrDefault("inputScale")
         if self.est.isSet("inputScale") and scale > 0:
             return scale
+        if inputs.kind == DATUM:
+            return 1.0
         train_scale = next((layer.transform_param.scale for layer in self.solver.train_net.layer
                             if layer.type in DATA_TYPES and layer_included(layer, pb.NetState(phase=pb.TRAIN))), 1.0)
         found = frames.sample(data, inputs.column, inputs.kind, inputs.shape)

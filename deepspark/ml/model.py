@@ -67,11 +67,15 @@ def net_input(net):
     return top, tuple(shape[1:])
 
 
-def image_shape(dataset, column, kind, depth, given, net, head=None):
+def image_shape(dataset, column, kind, depth, given, net, head=None, transform=None):
     """(C, H, W) of the images in `column`: `given` (inputShape), else a nested array's or a Datum's own (the first
-    row's), else the deploy `net`'s input. `head`: a function that returns frames.head(dataset, column)."""
+    row's), else the deploy `net`'s input. `head`: a function that returns frames.head(dataset, column).
+    `transform`: Caffe's transform_param the images are to take; where it crops nothing, Datums are taken to be of
+    the net's input shape with no job to read one (a transform's executors check each Datum as they decode it)."""
     if given:
         return parse_shape(given)
+    if kind == DATUM and transform is not None and not (transform.crop_size or transform.crop_h):
+        return net_input(net)[1]
     if kind == DATUM or (kind == ARRAY and depth > 1):
         first = head() if head else frames.head(dataset, column)
         if not len(first):
@@ -245,16 +249,25 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         """Where the images are in `dataset` and their (C, H, W) (image_shape)."""
         column = self.getOrDefault("inputCol")
         kind, depth = frames.input_kind(dataset, column)
-        shape = image_shape(dataset, column, kind, depth, self.getOrDefault("inputShape"), self.deploy, head)
-        check_shape(column, shape, self.deploy, parse_transform(self.getOrDefault("transformParam")))
+        transform = parse_transform(self.getOrDefault("transformParam"))
+        shape = image_shape(dataset, column, kind, depth, self.getOrDefault("inputShape"), self.deploy, head,
+                            transform)
+        check_shape(column, shape, self.deploy, transform)
         return frames.Inputs(column, kind, depth, shape)
 
     def scale_for(self, dataset, inputs, head=None):
-        """inputScale as set, else as a sample of the input needs it (images.input_scale), said in one line where
-        that is not what the model was fitted with (its default: what its training data needed)."""
+        """inputScale as set, else as a sample of the input needs it (images.input_scale; Datums, Caffe's own
+        records, take the transform_param as Caffe gives it them: 1), said in one line where that is not what the
+        model was fitted with (its default: what its training data needed)."""
         if self.isSet("inputScale") and self.getOrDefault("inputScale") > 0:
             return self.getOrDefault("inputScale")
         fitted = self.getOrDefault("inputScale") or 1.0
+        if inputs.kind == DATUM:
+            if fitted != 1:
+                Log().info(f"DeepSparkModel: inputCol '{inputs.column}' holds Caffe Datums, which take the net's "
+                           f"transform_param as Caffe gives it them: inputScale 1 (it was fitted with {fitted:g}; "
+                           "set inputScale to choose)")
+            return 1.0
         scale = parse_transform(self.getOrDefault("transformParam")).scale
         found = frames.sample(dataset, inputs.column, inputs.kind, inputs.shape, head() if head else None)
         if not found.size:

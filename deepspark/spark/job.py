@@ -23,8 +23,8 @@ from deepspark.spark import shards
 from deepspark.spark.center import HISTORY_SECONDS, CenterCadence
 from deepspark.spark.executor import Task
 from deepspark.spark.failures import JobError
-from deepspark.spark.session import (is_local, on_loopback, quiet_tasks, spark_context, stop_context, this_python,
-                                     worker_threads)
+from deepspark.spark.session import (is_local, on_loopback, quiet_tasks, setting, spark_context, stop_context,
+                                     this_python, worker_threads)
 from deepspark.spark.watch import Watch
 
 _WARNED = set()  # masters already warned about, in this process
@@ -33,11 +33,11 @@ _WARNED = set()  # masters already warned about, in this process
 def warn_if_the_secret_is_readable(sc, log):
     """Once per master: a cluster whose Spark RPC is neither authenticated nor encrypted carries the job's
     exchange secret (in the task closure) in clear to every executor; anyone on that network can read it."""
-    conf, master = sc.getConf(), sc.master
+    master = sc.master
     if is_local(master) or master in _WARNED:
         return
-    if conf.get("spark.authenticate", "false") == "true" and conf.get("spark.network.crypto.enabled",
-                                                                      "false") == "true":
+    if setting(sc, "spark.authenticate", "false") == "true" and setting(sc, "spark.network.crypto.enabled",
+                                                                        "false") == "true":
         return
     _WARNED.add(master)
     log.warning(f"{master}: Spark's RPC is not authenticated and encrypted, so the exchange secret travels to the "
@@ -192,7 +192,7 @@ class Job:
         self.shards, shape = shards.plan(self.sc, self.solver, self.options.data, self.workers, self.ds.ship_records,
                                          self.log)
         self.load_center(shape)
-        host = "127.0.0.1" if on_loopback(self.sc.master) else self.sc.getConf().get("spark.driver.host")
+        host = "127.0.0.1" if on_loopback(self.sc.master) else setting(self.sc, "spark.driver.host")
         secret = secrets.token_hex(32)
         self.server = self.hold_center(np.concatenate([a.reshape(-1) for a in self.center0]).astype(np.float32),
                                        host, secret)

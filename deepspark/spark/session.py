@@ -54,12 +54,17 @@ def is_local(master):
     return master.startswith("local")
 
 
+def setting(sc, key, default=None):
+    """One setting of `sc`'s conf: one call into the JVM, where sc.getConf() copies every setting (a call each)."""
+    return sc._conf.get(key, default)
+
+
 def worker_threads(sc, concurrent):
     """Compute threads per Python worker when `concurrent` tasks run at once: the cores shared out in local
     mode, an executor's cores on a cluster."""
     if is_local(sc.master):
         return max(1, (os.cpu_count() or 1) // max(concurrent, 1))
-    return int(sc.getConf().get("spark.executor.cores", "1"))
+    return int(setting(sc, "spark.executor.cores", "1"))
 
 
 def start_python_workers(sc, count):
@@ -150,7 +155,7 @@ def this_python(sc):
     the user chose one (PYSPARK_PYTHON, spark.pyspark.python): a context the user started from a Python whose venv
     is not activated (a notebook's kernel, an IDE, cron) would run `python3` from PATH, which may not have it.
     pyspark reads sc.pythonExec as it ships each function."""
-    chosen = os.environ.get("PYSPARK_PYTHON") or sc.getConf().get("spark.pyspark.python", None)
+    chosen = os.environ.get("PYSPARK_PYTHON") or setting(sc, "spark.pyspark.python")
     if is_local(sc.master) and not chosen:
         sc.pythonExec = sys.executable
     return sc
