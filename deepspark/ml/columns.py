@@ -9,6 +9,9 @@ import pyarrow as pa
 
 from deepspark.ml import images
 
+# Bytes of Datums an Arrow batch's are decoded in at a time (their images as many bytes again, at most).
+DECODE_BYTES = 16 << 20
+
 
 class Held:
     """A value a task carries in its closure, read as a Spark broadcast is (`.value`): the weights under Spark
@@ -65,14 +68,23 @@ def outputs_of(forward, inputs, columns, skip):
 
 def run_net(forward, found, what):
     """{output: its values for each of the images `found` (arrays, or Datum bytes)}, forward.batch_size images at a
-    time (the last batch padded)."""
+    time (the last batch padded). Datums are decoded DECODE_BYTES of them at a time, not a batch at a time: decoding
+    costs per call more than per byte."""
     size = forward.batch_size
+    datums = len(found) and isinstance(found[0], bytes)
+    group = max(1, DECODE_BYTES // max(len(found[0]) * size, 1)) * size if datums else size
     parts = {}
-    for start in range(0, len(found), size):
-        chunk = found[start:start + size]
-        out = forward.forward_batch([(f"{what}, row {start + i}", image) for i, image in enumerate(chunk)], pad=True)
-        for name in forward.outputs:
-            parts.setdefault(name, []).append(np.asarray(out[name]))
+    for first in range(0, len(found), group):
+        values = found[first:first + group]
+        decoded = forward.decoded(values, forward.built(size)[1]) if datums else None
+        for start in range(0, len(values), size):
+            if decoded is not None:
+                out = forward.forward_images(decoded[0][start:start + size], decoded[1][start:start + size], pad=True)
+            else:  # not Datums of one size the net takes: batch by batch, each row checked and a bad one named
+                out = forward.forward_batch([(f"{what}, row {first + start + i}", image)
+                                             for i, image in enumerate(values[start:start + size])], pad=True)
+            for name in forward.outputs:
+                parts.setdefault(name, []).append(np.asarray(out[name]))
     if not parts:
         return {name: np.zeros((0, 1), np.float32) for name in forward.outputs}
     return {name: np.concatenate(chunks) for name, chunks in parts.items()}

@@ -135,28 +135,38 @@ class Forward:
             raise DataError(f"{what}: its image is {fmt(array.shape)}; the net takes {fmt(self.shape)}{crop}")
         return array, label
 
+    def decoded(self, values, transformer):
+        """(N x C x H x W images, N labels) of `values` where they are Caffe's Datums of one size that the net takes,
+        decoded all at once (data.decode_datums); None for anything else (images_of's one-by-one path names it)."""
+        if not len(values) or not all(isinstance(value, bytes) for value in values):
+            return None
+        try:
+            images, labels = decode_datums([None] * len(values), values)
+        except DataError:
+            return None
+        return (images, labels) if transformer.output_shape(images.shape[1:]) == self.shape else None
+
     def images_of(self, items, transformer):
         """(N x C x H x W images, N labels) of (what, value) items: Caffe's raw Datums of one size decoded
-        all at once (data.decode_datums), anything else one by one (image_of, which names a bad one)."""
-        values = [value for _, value in items]
-        if all(isinstance(value, bytes) for value in values):
-            try:
-                images, labels = decode_datums([None] * len(values), values)
-            except DataError:
-                pass  # a bad or odd record: the one-by-one path names it
-            else:
-                if transformer.output_shape(images.shape[1:]) == self.shape:
-                    return images, labels
+        all at once (decoded), anything else one by one (image_of, which names a bad one)."""
+        found = self.decoded([value for _, value in items], transformer)
+        if found is not None:
+            return found
         pairs = [self.image_of(value, what, transformer) for what, value in items]
         return np.stack([image for image, _ in pairs]), np.array([label for _, label in pairs], np.float32)
 
     def forward_batch(self, items, pad):
         """{output: array of the n records} of one batch of n <= batch_size (what, value) items. pad: fill a
         short batch up to batch_size (else run it at its own size)."""
-        n = len(items)
+        _, transformer = self.built(self.batch_size if pad or len(items) == self.batch_size else len(items))
+        return self.forward_images(*self.images_of(items, transformer), pad)
+
+    def forward_images(self, images, labels, pad):
+        """{output: array of the n images} of one batch of n <= batch_size images as decoded (N x C x H x W, before
+        transform_param) and their labels. pad: as forward_batch's."""
+        n = len(images)
         model, transformer = self.built(self.batch_size if pad or n == self.batch_size else n)
         size = self.batch_size if pad else n
-        images, labels = self.images_of(items, transformer)
         batch = np.zeros((size,) + self.shape, np.float32)
         transformer.apply(images, out=batch[:n])
         feed = {self.image: batch}
