@@ -141,7 +141,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="tensorflow,caffe")
     parser.add_argument("--batch-sizes", default="64", help="comma-separated; 64 is the deploy net's")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", default=_results.results_path("score"))
     args = parser.parse_args()
     from deepspark.ml import DeepSparkModel  # deferred: pyspark
