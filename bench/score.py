@@ -10,8 +10,9 @@ benchmarks: every row is made and none kept), and again collecting it to the dri
 one-thread executors could do with nothing but the forward pass: two one-thread forward passes alone over the
 dataset's images already decoded and transformed (no decode, no Spark), each in a process of its own, timed at the
 same time, measured just before and just after each timed transform (the share is of their mean); the target is a
-transform at >= TARGET of it (the median of the repeats' shares). The baseline decodes, transforms (scale) and forwards the same records in the same batches in
-one process with the backend's threads on every core (and at one thread). One JSON line per backend and batch size:
+transform at >= TARGET of it (the median of the repeats' shares). The baseline decodes, transforms (scale) and
+forwards the same records in the same batches in one process with the backend's threads on every core (and at one
+thread). One JSON line per backend and batch size:
 
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/score.py [--backends tensorflow,caffe]
 """

@@ -110,6 +110,10 @@ class Forward:
                 self.counters[1].add(time.monotonic() - started)
         return _BUILT[key]
 
+    def built_for(self, n, pad):
+        """built() for a batch of n records: at batch_size when padded (or full), else at n."""
+        return self.built(self.batch_size if pad or n == self.batch_size else n)
+
     def image_of(self, value, what, transformer):
         """(C x H x W image, label) of one input: Datum bytes, an image array (nested or flat) or a Spark ML
         vector; a DataError naming `what` when it is not an image the net takes."""
@@ -158,14 +162,13 @@ class Forward:
     def forward_batch(self, items, pad):
         """{output: array of the n records} of one batch of n <= batch_size (what, value) items. pad: fill a
         short batch up to batch_size (else run it at its own size)."""
-        _, transformer = self.built(self.batch_size if pad or len(items) == self.batch_size else len(items))
-        return self.forward_images(*self.images_of(items, transformer), pad)
+        return self.forward_images(*self.images_of(items, self.built_for(len(items), pad)[1]), pad)
 
     def forward_images(self, images, labels, pad):
         """{output: array of the n images} of one batch of n <= batch_size images as decoded (N x C x H x W, before
         transform_param) and their labels. pad: as forward_batch's."""
         n = len(images)
-        model, transformer = self.built(self.batch_size if pad or n == self.batch_size else n)
+        model, transformer = self.built_for(n, pad)
         size = self.batch_size if pad else n
         batch = np.zeros((size,) + self.shape, np.float32)
         transformer.apply(images, out=batch[:n])
