@@ -31,6 +31,7 @@ setup(
         "tensorflow": ["tensorflow-cpu>=2.16"],
         "gpu": ["tensorflow[and-cuda]>=2.16"],  # TensorFlow with CUDA's libraries, for GPU nodes
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "import-linter>=2.1",
+                 "pytest-timeout>=2.3",  # a test that hangs fails alone, its threads' stacks printed
                  "pyspark[connect]>=3.5",  # a local Spark Connect server for deepspark.ml's transform
                  "mlflow-skinny>=3.0"],  # mlflow.pyspark.ml.autolog over a fit (a local file store)
         "connect": ["pyspark[connect]>=3.5"],
