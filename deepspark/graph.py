@@ -777,11 +777,15 @@ def _memory(lp, bottoms, ctx):
     return [(p.batch_size, p.channels, p.height, p.width), (p.batch_size,)][:len(lp.top)], []
 
 
+def crop_of(transform):
+    """(height, width) that transform_param crops to: crop_h and crop_w, else crop_size for both; 0 where unset."""
+    return transform.crop_h or transform.crop_size, transform.crop_w or transform.crop_size
+
+
 def crop_shape(transform, shape):
     """(C, H, W) after transform_param's crop."""
     c, h, w = shape
-    crop_h = transform.crop_h or transform.crop_size
-    crop_w = transform.crop_w or transform.crop_size
+    crop_h, crop_w = crop_of(transform)
     if crop_h and crop_w:
         if crop_h > h or crop_w > w:
             raise ShapeError(f"crop {crop_h}x{crop_w} is larger than the {h}x{w} images")

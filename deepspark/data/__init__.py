@@ -9,6 +9,7 @@ from deepspark.data.feeder import DataFeeder, feeder_for
 from deepspark.data.lmdb_io import shard_range
 from deepspark.data.parquet import is_parquet, is_uri, reader
 from deepspark.data.transform import Transformer
+from deepspark.graph import crop_of
 from deepspark.proto import deepspark_pb2 as pb
 
 __all__ = ["SOURCE_PARAMS", "absolute_sources", "check_listed", "DataError", "DataFeeder", "Transformer", "check_datum", "checked_records", "count",
@@ -93,7 +94,7 @@ def _data_shape(layer_param, data_shape=None):
     tp = layer_param.transform_param
     if tp.mean_file and os.path.exists(tp.mean_file):
         return tuple(int(d) for d in load_mean(tp.mean_file).shape)
-    crop_h, crop_w = tp.crop_h or tp.crop_size, tp.crop_w or tp.crop_size
+    crop_h, crop_w = crop_of(tp)
     if crop_h and crop_w and len(tp.mean_value) > 1:
         return (len(tp.mean_value), crop_h, crop_w)
     return unread or missing_source(layer_param)

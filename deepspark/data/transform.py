@@ -4,7 +4,7 @@ import numpy as np
 
 from deepspark.errors import ConfigError
 from deepspark.data.datum import load_mean
-from deepspark.graph import crop_shape
+from deepspark.graph import crop_of, crop_shape
 from deepspark.proto import deepspark_pb2 as pb
 
 
@@ -30,8 +30,7 @@ class Transformer:
         self.param = transform_param if transform_param is not None else pb.TransformationParameter()
         self.phase = _phase(phase)
         self.scale = np.float32(self.param.scale)
-        self.crop_h = self.param.crop_h or self.param.crop_size
-        self.crop_w = self.param.crop_w or self.param.crop_size
+        self.crop_h, self.crop_w = crop_of(self.param)
         if bool(self.crop_h) != bool(self.crop_w):
             raise ConfigError("transform_param: crop_h and crop_w go together (or use crop_size)")
         self.mirror = bool(self.param.mirror) and self.phase == pb.TRAIN

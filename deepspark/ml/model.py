@@ -17,7 +17,7 @@ from pyspark.sql import types as T
 from deepspark import checkpoint, config, nets
 from deepspark.data import load_mean
 from deepspark.errors import ConfigError
-from deepspark.graph import Graph, crop_shape, fmt, tap_name, with_batch_size, with_taps
+from deepspark.graph import Graph, crop_of, crop_shape, fmt, tap_name, with_batch_size, with_taps
 from deepspark.log import Log
 from deepspark.ml import frames, images
 from deepspark.ml.columns import Held, outputs_of
@@ -74,7 +74,7 @@ def image_shape(dataset, column, kind, depth, given, net, head=None, transform=N
     the net's input shape with no job to read one (a transform's executors check each Datum as they decode it)."""
     if given:
         return parse_shape(given)
-    if kind == DATUM and transform is not None and not (transform.crop_size or transform.crop_h):
+    if kind == DATUM and transform is not None and not all(crop_of(transform)):
         return net_input(net)[1]
     if kind == DATUM or (kind == ARRAY and depth > 1):
         first = head() if head else frames.head(dataset, column)
@@ -90,7 +90,7 @@ def check_shape(column, shape, net, transform):
     """One line unless images of `shape` are what the deploy `net` takes after Caffe's `transform` (its crop)."""
     wanted = net_input(net)[1]
     if crop_shape(transform, shape) != wanted:
-        crop = " after transform_param's crop" if transform.crop_size or transform.crop_h else ""
+        crop = " after transform_param's crop" if all(crop_of(transform)) else ""
         raise ConfigError(f"inputCol '{column}' holds {fmt(shape)} images (its first row's); the net takes "
                           f"{fmt(wanted)}{crop}")
 
