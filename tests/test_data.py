@@ -2,11 +2,14 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from google.protobuf import text_format
 
+from conftest import ROOT
 from deepspark import checkpoint
 from deepspark.data import DataFeeder, peek_shape, source_shape
 from deepspark.data import lmdb_io
@@ -324,6 +327,42 @@ def test_streamed_and_in_memory_feeders_give_identical_batches(ten, monkeypatch,
         np.testing.assert_array_equal(x["data"], y["data"])
         np.testing.assert_array_equal(x["label"], y["label"])
     b.close()
+
+
+# A streamed feeder dropped in a reference cycle holds its LMDB open until a collection closes it, and a collection
+# runs at whatever allocation comes next: here the one inside open_db's lmdb.open for another LMDB.
+COLLECTED_INSIDE_OPEN = """
+import gc, sys
+import lmdb
+from google.protobuf import text_format
+from deepspark.data import DataFeeder, lmdb_io
+from deepspark.proto import deepspark_pb2 as pb
+
+first, second = sys.argv[1:]
+layer = text_format.Parse(f'name: "data" type: "Data" top: "data" top: "label" '
+                          f'data_param {{ source: "{first}" batch_size: 2 backend: LMDB }}', pb.LayerParameter())
+feeder = DataFeeder(layer, "TRAIN", memory_limit=0)
+feeder.next_batch()
+assert list(lmdb_io._environments) == [first]
+feeder.itself = feeder
+del feeder
+opening = lmdb.open
+lmdb.open = lambda *args, **kwargs: (gc.collect(), opening(*args, **kwargs))[1]
+with lmdb_io.opened(second) as env:
+    print(env.stat()["entries"], list(lmdb_io._environments) == [second])
+"""
+
+
+def test_a_feeder_collected_inside_open_db_closes_its_lmdb_and_the_open_goes_on(ten, tmp_path):
+    second = make_lmdb(tmp_path / "three_lmdb", [np.zeros((1, 2, 2), np.uint8)] * 3)
+    try:
+        done = subprocess.run([sys.executable, "-c", COLLECTED_INSIDE_OPEN, os.path.realpath(ten),
+                               os.path.realpath(second)], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+    except subprocess.TimeoutExpired:
+        pytest.fail("open_db waited for ever: the collector's close_db found open_db's lock held by its own thread")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["3", "True"]  # the collected feeder's LMDB closed, the other one open
 
 
 def test_feeder_errors(ten, tmp_path):

@@ -24,7 +24,12 @@ def is_lmdb(path):
 # describe step and a converter may all want the same database: share one
 # environment per path, counted.
 _environments = {}
-_environments_lock = threading.Lock()
+# Re-entrant: a feeder dropped in a reference cycle is closed by the garbage collector, which runs at whatever
+# allocation comes next, in whichever thread, open_db's own (inside lmdb.open) included; its close_db then takes
+# this lock in the thread that already holds it. With a plain Lock that thread waited for itself for ever (the
+# suite hung there, test_data's feeders). The books stay whole: open_db reads them before lmdb.open and writes
+# its own entry after it, and a close_db in between touches another path's entry (this path has none yet).
+_environments_lock = threading.RLock()
 
 
 def open_db(path):
