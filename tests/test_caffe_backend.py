@@ -2,6 +2,7 @@
 
 import ctypes
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -201,6 +202,21 @@ def test_test_phase_forward_and_errors():
         model.forward({"data": batch["data"]})
     with pytest.raises(ValueError, match="shape"):
         model.forward({"data": batch["data"][:2], "label": batch["label"]})
+
+
+def test_a_test_net_leaves_no_scratch_folder_and_a_training_one_keeps_its_own_until_close(tmp_path, monkeypatch):
+    # A Spark Python worker leaves by os._exit: what a scoring net left in the temp dir stayed there, one folder a task.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    scoring = create_model("caffe", net(), None, phase=pb.TEST, seed=1)
+    assert os.listdir(tmp_path) == []
+    assert scoring.forward(batches(1)[0])["loss"].shape == ()
+    training = create_model("caffe", net(), solver(), seed=1)
+    (folder,) = os.listdir(tmp_path)  # its solver's snapshots go there
+    assert folder.startswith("deepspark-caffe-")
+    training.step(batches(1)[0])
+    assert training.get_state().iter == 1
+    training.close()
+    assert os.listdir(tmp_path) == []
 
 
 def test_bad_net_is_our_error_not_a_caffe_abort():

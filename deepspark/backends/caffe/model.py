@@ -65,6 +65,9 @@ class Model(base.Model):
         else:
             path = self._write("net.prototxt", compiler.to_text(net))
             self._net = caffe.Net(path, caffe.TEST)
+            # Read once: a process that ends without close() or a collection (a Spark Python worker leaves by
+            # os._exit) would leave the folder in the temp dir, one per scoring task.
+            self._drop_scratch()
         self._blobs = self._param_blobs()
         self._views = [blob.data for blob in self._blobs]  # parameters never reshape
         self._loss_tops = [(top, weight) for layer in self.graph.layers
@@ -100,14 +103,16 @@ class Model(base.Model):
         """Drop the Caffe net and solver and their scratch folder."""
         self._solver = self._net = None
         self._blobs, self._views = [], []
+        self._drop_scratch()
+
+    def _drop_scratch(self):
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
     def __del__(self):
         try:
-            if self._dir:
-                shutil.rmtree(self._dir, ignore_errors=True)
+            self._drop_scratch()
         except Exception:  # interpreter shutdown
             pass
 
