@@ -10,13 +10,14 @@ DATA    := data
 FASHION := /usr/share/datasets/fashion-mnist
 PYTEST_ARGS ?=
 
-.PHONY: help setup system venv caffe data jvm-archive test test-fast demo bench bench-all peers-env proto pack-env clean
+.PHONY: help setup system venv caffe data jvm-archive test test-fast demo docs bench bench-all peers-env proto pack-env clean
 
 help:
 	@echo "make demo    LeNet on Fashion-MNIST: 2 Spark workers, async EASGD, local[2]"
 	@echo "make test    the test suite (sets up venv, Debian packages, pycaffe, data)"
 	@echo "make test-fast  every test that needs no JVM and no pycaffe (no Spark, no Caffe build), in minutes"
 	@echo "make bench   docs/results.md: DeepSpark against its peers (QUICK=1: a subset); make bench-all: every bench"
+	@echo "make docs    the documentation site (mkdocs.yml, docs/) in site/"
 	@echo "make caffe   build pycaffe into $(VENV) (cached in ~/.cache/deepspark)"
 	@echo "make proto   regenerate deepspark/proto from proto/deepspark.proto"
 	@echo "make pack-env  dist/deepspark-env.tar.gz: the executors' Python for --executor-env (venv-pack)"
@@ -72,6 +73,10 @@ test-fast: system venv data
 demo: setup
 	$(BIN)/python tools/demo.py
 
+# The documentation site from docs/ (mkdocs.yml): warnings are errors, as in the suite's build of it.
+docs: $(STAMPS)/venv
+	$(BIN)/python -m mkdocs build --strict
+
 # The external peers (#14: Elephas, TorchDistributor) run in a venv of their own: elephas pins TensorFlow < 2.20.
 peers-env:
 	@bash tools/peers-env.sh
@@ -92,7 +97,7 @@ bench: setup peers-env
 	        >> $(TIMING); done
 	@$(BIN)/python bench/_page.py
 
-# Every benchmark in bench/ (the README's "Measured here" figures; some take long: data_scale writes GBs), JSON
+# Every benchmark in bench/ (docs/measured.md's figures; some take long: data_scale writes GBs), JSON
 # lines in bench/results/.
 bench-all: setup peers-env
 	@mkdir -p bench/results
@@ -107,4 +112,4 @@ pack-env: $(STAMPS)/venv
 	@bash tools/pack-env.sh dist/deepspark-env.tar.gz
 
 clean:
-	rm -rf $(STAMPS) output
+	rm -rf $(STAMPS) output site

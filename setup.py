@@ -33,7 +33,9 @@ setup(
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "import-linter>=2.1",
                  "pytest-timeout>=2.3",  # a test that hangs fails alone, its threads' stacks printed
                  "pyspark[connect]>=3.5",  # a local Spark Connect server for deepspark.ml's transform
-                 "mlflow-skinny>=3.0"],  # mlflow.pyspark.ml.autolog over a fit (a local file store)
+                 "mlflow-skinny>=3.0",  # mlflow.pyspark.ml.autolog over a fit (a local file store)
+                 "mkdocs>=1.6", "mkdocstrings-python>=1.10"],  # the docs site, built in the suite (tests/test_docs.py)
+        "docs": ["mkdocs>=1.6", "mkdocstrings-python>=1.10"],
         "connect": ["pyspark[connect]>=3.5"],
         "caffe": ["six"],
         "bench": ["matplotlib>=3.8"],

@@ -186,8 +186,9 @@ def rewrite_readme(block, path=os.path.join(ROOT, "README.md")):
     return True
 
 
-def rewrite_readme_row(row, path=os.path.join(ROOT, "README.md")):
-    """Replace the README's row that begins as `row` does (its first cell) with `row` (None: leave it)."""
+def rewrite_row(row, path=os.path.join(ROOT, "docs", "measured.md")):
+    """Replace the row of the page at `path` that begins as `row` does (its first cell) with `row` (None: leave
+    it)."""
     if row is None:
         return False
     with open(path) as stream:
@@ -242,6 +243,8 @@ def main():
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "results.md"))
     parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"), help="whose \"How it compares\" "
                         "table to rewrite (\"\": none)")
+    parser.add_argument("--measured", default=os.path.join(ROOT, "docs", "measured.md"), help="whose \"Measured "
+                        "here\" row of the seal to rewrite (\"\": none)")
     args = parser.parse_args()
     folder = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(folder, exist_ok=True)
@@ -280,8 +283,8 @@ def main():
     print(f"wrote {args.out}")
     if args.readme and rewrite_readme(compare_block(ours + peers), args.readme):
         print(f"wrote the comparison in {args.readme}")
-    if args.readme and rewrite_readme_row(seal.readme_row(load(args.data, "seal")), args.readme):
-        print(f"wrote the seal's row in {args.readme}")
+    if args.measured and rewrite_row(seal.measured_row(load(args.data, "seal")), args.measured):
+        print(f"wrote the seal's row in {args.measured}")
 
 
 if __name__ == "__main__":

@@ -303,7 +303,7 @@ def main():
                    "met": exchanger >= TARGET, "load_average": round(os.getloadavg()[0], 1)}, args.out)
 
 
-# ---- the page's section (bench/_page.py) and the README's row ------------------------------------------------
+# ---- the page's section (bench/_page.py) and docs/measured.md's row ------------------------------------------------
 
 def page_section(records, data):
     """The candidates' round trips against the unsealed ones, the exchanger's own, and its seal against the target."""
@@ -334,8 +334,8 @@ def page_section(records, data):
         f"ratios; the machine's 1-minute load average at the end: {cell(choice.get('load_average'), 1)} on 2 cores.")
 
 
-def readme_row(records):
-    """The README's "Measured here" row of the exchanger's seal (None without records)."""
+def measured_row(records):
+    """docs/measured.md's row of the exchanger's seal (None without records)."""
     ours = next((r for r in records if r.get("figure") == "exchanger"), None)
     if ours is None:
         return None

@@ -47,7 +47,8 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
     readme = tmp_path / "README.md"
     readme.write_text("# x\n\n<!-- compare:begin (bench/_page.py writes this) -->\nold\n<!-- compare:end -->\n\nrest\n")
     out = tmp_path / "docs" / "results.md"
-    monkeypatch.setattr(sys, "argv", ["_page.py", "--data", str(data), "--out", str(out), "--readme", str(readme)])
+    monkeypatch.setattr(sys, "argv", ["_page.py", "--data", str(data), "--out", str(out), "--readme", str(readme),
+                                      "--measured", ""])
     page.main()
     text = out.read_text()
     assert "| easgd period 10 | 31.0 s | 40.2 s | 30,080 | 45,120 | 0.8840 | 0.8840 | 1,890 MB |" in text
@@ -136,11 +137,12 @@ def test_the_slow_link_section_prices_sync_and_reports_the_targets_and_the_seal(
          "unsealed_round_trips_per_s": 600.0, "ratio_to_unsealed": 0.7},
         {"bench": "seal", "figure": "choice", "fastest": "aes-gmac", "ratio": 0.714, "exchanger": "aes-gmac",
          "exchanger_ratio": 0.7, "target": 0.6, "met": True, "load_average": 2.1}])
-    readme = tmp_path / "README.md"
-    readme.write_text("| what | result |\n|---|---|\n| EASGD round trips sealed with AES-GMAC (the exchanger's seal, "
+    measured = tmp_path / "measured.md"
+    measured.write_text("| what | result |\n|---|---|\n| EASGD round trips sealed with AES-GMAC (the exchanger's seal, "
                       "the default), different CPUs, LeNet | old | old |\n| next | row |\n")
     out = tmp_path / "docs" / "results.md"
-    monkeypatch.setattr(sys, "argv", ["_page.py", "--data", str(data), "--out", str(out), "--readme", str(readme)])
+    monkeypatch.setattr(sys, "argv", ["_page.py", "--data", str(data), "--out", str(out), "--readme", "",
+                                      "--measured", str(measured)])
     page.main()
     text = out.read_text()
     # 72.0 s against 25.0 s; sync's 1,724,372 bytes an iteration over its 936 iterations to 0.88 on loopback, against
@@ -172,7 +174,7 @@ def test_the_slow_link_section_prices_sync_and_reports_the_targets_and_the_seal(
     assert ("| aes-gmac (echo) | 500.0 | 700.0 | 0.71x | 16 bytes |" in text
             and "| the exchanger's EASGD round trip (aes-gmac) | 420.0 | 600.0 | 0.70x |" in text
             and "the exchanger's (aes-gmac) 0.70x, met" in text)
-    assert readme.read_text() == (
+    assert measured.read_text() == (
         "| what | result |\n|---|---|\n| EASGD round trips sealed with AES-GMAC (the exchanger's seal, the default), "
         "different CPUs, LeNet | 420 per s: 0.70× (HMAC-SHA256 in the echo, the seal before it: 0.21×) | the same "
         "exchanges unsealed: 600 per s (`make bench`, `bench/seal.py`; docs/data/seal.jsonl) |\n| next | row |\n")
