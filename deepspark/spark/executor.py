@@ -257,7 +257,8 @@ class Prepared:
 
 
 class Diverged(WorkerError):
-    """A worker's loss is no longer finite: the job stops rather than spread it (DESIGN's divergence rule)."""
+    """A worker's loss is no longer finite: the job stops rather than spread it (a worker restarted from the
+    center at the same rate would diverge again)."""
 
 
 def check_finite(worker, client, trainer, loss):
