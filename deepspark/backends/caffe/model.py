@@ -1,5 +1,6 @@
 """The Caffe backend's Model: a real pycaffe Net (and Caffe solver) behind base.Model's contract."""
 
+import contextlib
 import functools
 import os
 import shutil
@@ -35,7 +36,6 @@ class Model(base.Model):
     def __init__(self, net_param, solver_param=None, phase=pb.TRAIN, source=None, batch_size=None,
                  seed=None, stages=None, data_shape=None, threads=None, data_layers="input"):
         self._solver = self._net = None
-        self._dir = None  # before base's checks can raise: close and __del__ read it
         super().__init__(net_param, solver_param, phase, source=source, batch_size=batch_size, seed=seed,
                          stages=stages, data_shape=data_shape, threads=threads)
         if data_layers not in DATA_LAYERS:
@@ -48,26 +48,25 @@ class Model(base.Model):
         if missing:
             raise missing
         self.feeds = compiler.fed_tops(self.graph, ours)  # a Data layer Caffe reads itself is not fed
+        # The scratch folder is there only while Caffe reads a file from it (_in_scratch): a process that ends
+        # without a collection (a Spark Python worker leaves by os._exit, a chaos test's by SIGKILL) would
+        # otherwise leave one in the temp dir per net.
         self._dir = tempfile.mkdtemp(prefix="deepspark-caffe-")
-        if self.seed is not None:
-            caffe.set_random_seed(self.seed)
-        net = compiler.to_caffe(ours, caffe.proto.caffe_pb2.NetParameter)
-        python_layer.prepare(self.graph)
-        if self.train:
-            solver = compiler.to_caffe(compiler.solver_param(self.solver_param, self.iter_size),
-                                       caffe.proto.caffe_pb2.SolverParameter)
-            solver.net_param.CopyFrom(net)
-            solver.snapshot_prefix = os.path.join(self._dir, "state")
-            path = self._write("solver.prototxt", compiler.to_text(solver))
-            self._solver = caffe.get_solver(path)
-            self._net = self._solver.net
-            self._solver.add_callback(self._on_start, self._on_gradients_ready)
-        else:
-            path = self._write("net.prototxt", compiler.to_text(net))
-            self._net = caffe.Net(path, caffe.TEST)
-            # Read once: a process that ends without close() or a collection (a Spark Python worker leaves by
-            # os._exit) would leave the folder in the temp dir, one per scoring task.
-            self._drop_scratch()
+        with self._in_scratch():
+            if self.seed is not None:
+                caffe.set_random_seed(self.seed)
+            net = compiler.to_caffe(ours, caffe.proto.caffe_pb2.NetParameter)
+            python_layer.prepare(self.graph)
+            if self.train:
+                solver = compiler.to_caffe(compiler.solver_param(self.solver_param, self.iter_size),
+                                           caffe.proto.caffe_pb2.SolverParameter)
+                solver.net_param.CopyFrom(net)
+                solver.snapshot_prefix = os.path.join(self._dir, "state")
+                self._solver = caffe.get_solver(self._write("solver.prototxt", compiler.to_text(solver)))
+                self._net = self._solver.net
+                self._solver.add_callback(self._on_start, self._on_gradients_ready)
+            else:
+                self._net = caffe.Net(self._write("net.prototxt", compiler.to_text(net)), caffe.TEST)
         self._blobs = self._param_blobs()
         self._views = [blob.data for blob in self._blobs]  # parameters never reshape
         self._loss_tops = [(top, weight) for layer in self.graph.layers
@@ -100,21 +99,19 @@ class Model(base.Model):
         return blobs
 
     def close(self):
-        """Drop the Caffe net and solver and their scratch folder."""
+        """Drop the Caffe net and solver."""
         self._solver = self._net = None
         self._blobs, self._views = [], []
-        self._drop_scratch()
 
-    def _drop_scratch(self):
-        if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-    def __del__(self):
+    @contextlib.contextmanager
+    def _in_scratch(self):
+        """The scratch folder, there for the `with` block alone: Caffe's solver writes its snapshots under the
+        snapshot_prefix it read from the solver's file, in that folder."""
+        os.makedirs(self._dir, exist_ok=True)
         try:
-            self._drop_scratch()
-        except Exception:  # interpreter shutdown
-            pass
+            yield
+        finally:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- iteration counters: Caffe's solver keeps its own, synced before a step ------
 
@@ -224,27 +221,17 @@ class Model(base.Model):
 
     # -- solver state: Caffe's own SolverState files ------------------------------
 
-    def _state_files(self):
-        return [os.path.join(self._dir, name) for name in os.listdir(self._dir) if name.startswith("state")]
-
     def _snapshot(self):
         """Caffe's SolverState of the solver as it is (iter, current_step, history)."""
-        for path in self._state_files():
-            os.unlink(path)
-        self._solver.snapshot()
-        (path,) = [p for p in self._state_files() if p.endswith(".solverstate")]
-        state = checkpoint.read_solverstate(path)
-        for path in self._state_files():
-            os.unlink(path)
-        return state
+        with self._in_scratch():
+            self._solver.snapshot()
+            (name,) = [name for name in os.listdir(self._dir) if name.endswith(".solverstate")]
+            return checkpoint.read_solverstate(os.path.join(self._dir, name))
 
     def _restore(self, state):
         """Load a SolverState without learned_net (the weights stay) into Caffe's solver."""
-        path = self._write("restore.solverstate", state.SerializeToString())
-        try:
-            self._solver.restore(path)
-        finally:
-            os.unlink(path)
+        with self._in_scratch():
+            self._solver.restore(self._write("restore.solverstate", state.SerializeToString()))
         self.iter = self._caffe_iter = int(state.iter)
         self.current_step = self._caffe_current_step = int(state.current_step)
 
