@@ -3,6 +3,7 @@
 import contextlib
 import datetime
 import importlib
+import logging
 import os
 import re
 import sys
@@ -13,6 +14,26 @@ import time
 # One console: a Log's lines, its progress line and other processes' lines (echo) never cut into each other.
 _CONSOLE = threading.RLock()
 _DRAWING = []  # the Logs whose progress line is on the screen now
+
+
+class _Forward(logging.Handler):
+    """The standard-library loggers under `deepspark` (the exchanger's, the data feeder's) into the Log that keeps
+    a file, the job's: their warnings go to train.log and above the progress line, in glog's form, where
+    Python's last-resort handler wrote them bare into the progress line and never to the file."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)  # their INFO lines (a worker joined, left) the job says in its own words
+        self.logs = []  # the Logs with a file, newest last: the one a record goes to
+
+    def emit(self, record):
+        if self.logs:
+            self.logs[-1].info(self.format(record), "E" if record.levelno >= logging.ERROR else "W")
+        else:  # no job's log in this process (an executor's worker): stderr, above any progress line
+            echo(self.format(record))
+
+
+_FORWARD = _Forward()
+logging.getLogger("deepspark").addHandler(_FORWARD)
 
 
 class Log:
@@ -28,6 +49,7 @@ class Log:
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.file = open(path, "a" if append else "w", encoding="utf-8")
+            _FORWARD.logs.append(self)
         self.progress_enabled = self.stream.isatty() if progress is None else progress
         self._progress = ""
 
@@ -87,6 +109,8 @@ class Log:
 
     def close(self):
         self.end_progress()
+        if self in _FORWARD.logs:
+            _FORWARD.logs.remove(self)
         if self.file:
             self.file.close()
             self.file = None
