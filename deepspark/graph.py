@@ -40,6 +40,8 @@ class LayerSpec:
     labelled: its second bottom is a label; learned: False where the blobs are
     statistics that Caffe keeps out of the solver (BatchNorm).
     bottoms: how many bottoms it needs at least (a data layer none).
+    tops: how many tops it needs at least (Caffe's MinTopBlobs/ExactNumTopBlobs); a loss layer given none
+    gets Caffe's automatic one.
     no_backward: the bottoms (by position; negative from the last) Caffe's
     Backward refuses a diff for, with a glog abort: labels, indices, sequence
     markers, a Threshold's input. TensorFlow gives them none either.
@@ -55,6 +57,7 @@ class LayerSpec:
     labelled: bool = False
     learned: bool = True
     bottoms: int = 1
+    tops: int = 1
     no_backward: tuple = ()
     unforced: tuple = ()
 
@@ -159,7 +162,7 @@ def _split(lp, bottoms, ctx):
     return [bottoms[0]] * len(lp.top), []
 
 
-@layer_type("Silence")
+@layer_type("Silence", tops=0)
 def _silence(lp, bottoms, ctx):
     return [], []
 
@@ -853,7 +856,7 @@ def _window_data(lp, bottoms, ctx):
     return [(batch, 3, crop, crop), (batch,)], []  # windows of colour images, warped square
 
 
-@layer_type("HDF5Output", bottoms=2)
+@layer_type("HDF5Output", bottoms=2, tops=0)
 def _hdf5_output(lp, bottoms, ctx):
     if len(bottoms) != 2 or lp.top:
         raise ShapeError("HDF5Output takes two bottoms (data, label) and has no tops")
@@ -869,7 +872,7 @@ def _hdf5_output(lp, bottoms, ctx):
 _python_shapes = {}  # (layer, bottom shapes, folder, phase) -> its top shapes: setup runs once per process
 
 
-@layer_type("Python", bottoms=0)
+@layer_type("Python", bottoms=0, tops=0)
 def _python(lp, bottoms, ctx):
     key = (lp.SerializeToString(), tuple(bottoms), ctx.folder, ctx.phase)
     if key not in _python_shapes:
@@ -1073,6 +1076,9 @@ class Graph:
         if len(layer.bottoms) < row.min_bottoms:
             needed = "a bottom" if row.min_bottoms == 1 else f"{row.min_bottoms} bottoms"
             raise self._error(f"layer '{lp.name}' ({lp.type}) needs {needed}", index)
+        if len(layer.tops) < row.tops:
+            raise self._error(f"layer '{lp.name}' ({lp.type}) needs a top (Caffe aborts; it names one itself for "
+                              "a loss layer only)", index)
         if any(shape is None for shape in layer.bottom_shapes):
             tops, params = [None] * len(layer.tops), [None] * row.blob_count(shaped)
         else:

@@ -731,13 +731,15 @@ def accuracy(layer, bottoms, params, ctx):
         return tf.reduce_any(tf.equal(_heap_top_k(scores, param.top_k), safe[:, None]), axis=1)
 
     correct = tf.cond(tf.reduce_any(tf.math.is_nan(scores)), unordered, ordered) & valid
-    correct = tf.cast(correct, tf.float32)
-    tops = [Blob(tf.reduce_sum(correct) / tf.reduce_sum(tf.cast(valid, tf.float32)))]
+    # Counts as float64, each quotient rounded once to float32: Caffe's float division (TF's float32 division
+    # can be an ulp off it).
+    correct = tf.cast(correct, tf.float64)
+    weights = tf.cast(valid, tf.float64)
+    tops = [Blob(tf.cast(tf.reduce_sum(correct) / tf.reduce_sum(weights), tf.float32))]
     if len(layer.tops) > 1:
-        weights = tf.cast(valid, tf.float32)
         hits = tf.math.unsorted_segment_sum(correct, safe, shape[axis])
         totals = tf.math.unsorted_segment_sum(weights, safe, shape[axis])
-        tops.append(Blob(tf.where(totals > 0, hits / tf.maximum(totals, 1.0), 0.0)))
+        tops.append(Blob(tf.cast(tf.where(totals > 0, hits / tf.maximum(totals, 1.0), 0.0), tf.float32)))
     return tops
 
 
