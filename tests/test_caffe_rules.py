@@ -7,14 +7,14 @@ import os
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_cli
-from test_zoo_layers import L, caffe, check_backends, close, normal, seeded  # noqa: F401 (fixtures)
 
+from conftest import ROOT, run_cli
 from deepspark.backends import create_model
 from deepspark.config import load_net, parse_net
 from deepspark.errors import ConfigError
 from deepspark.graph import AUTOMATIC, Graph
 from deepspark.proto import deepspark_pb2 as pb
+from test_zoo_layers import L, caffe, check_backends, close, normal, seeded  # noqa: F401 (caffe, seeded: fixtures)
 
 pytestmark = pytest.mark.caffe
 
