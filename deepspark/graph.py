@@ -20,6 +20,9 @@ class ShapeError(ValueError):
 # each checked against this one when it is imported (check_table).
 
 
+AUTOMATIC = "(automatic)"  # Caffe's name for a top the prototxt does not name (Net::AppendTop)
+
+
 def _no_blobs(lp):
     return []
 
@@ -37,6 +40,8 @@ class LayerSpec:
     labelled: its second bottom is a label; learned: False where the blobs are
     statistics that Caffe keeps out of the solver (BatchNorm).
     bottoms: how many bottoms it needs at least (a data layer none).
+    tops: how many tops it needs at least (Caffe's MinTopBlobs/ExactNumTopBlobs); a loss layer given none
+    gets Caffe's automatic one.
     no_backward: the bottoms (by position; negative from the last) Caffe's
     Backward refuses a diff for, with a glog abort: labels, indices, sequence
     markers, a Threshold's input. TensorFlow gives them none either.
@@ -52,6 +57,7 @@ class LayerSpec:
     labelled: bool = False
     learned: bool = True
     bottoms: int = 1
+    tops: int = 1
     no_backward: tuple = ()
     unforced: tuple = ()
 
@@ -156,7 +162,7 @@ def _split(lp, bottoms, ctx):
     return [bottoms[0]] * len(lp.top), []
 
 
-@layer_type("Silence")
+@layer_type("Silence", tops=0)
 def _silence(lp, bottoms, ctx):
     return [], []
 
@@ -385,7 +391,16 @@ def _conv_output(lp, shape):
 
 @layer_type("Convolution", "Deconvolution", fillers=lambda lp: _weight_and_bias(lp.convolution_param))
 def _convolution(lp, bottoms, ctx):
+    """One top per bottom, all through the same blobs (Caffe's BaseConvolutionLayer: EqualNumBottomTopBlobs,
+    every bottom of bottom[0]'s shape)."""
     param, shape = lp.convolution_param, bottoms[0]
+    if len(lp.top) != len(bottoms):
+        raise ShapeError(f"{lp.type} makes one top per bottom: {len(bottoms)} bottom{'s' * (len(bottoms) != 1)}, "
+                         f"{len(lp.top)} top{'s' * (len(lp.top) != 1)}")
+    for other in bottoms[1:]:
+        if other != shape:
+            raise ShapeError(f"{lp.type}'s bottoms must all have one shape (they share its blobs), got "
+                             f"{', '.join(fmt(s) for s in bottoms)}")
     axis, kernel, out = _conv_output(lp, shape)
     channels, outputs, group = shape[axis], param.num_output, param.group
     if not outputs:
@@ -397,7 +412,7 @@ def _convolution(lp, bottoms, ctx):
     else:
         weights = (outputs, channels // group) + tuple(kernel)
     params = [weights] + ([(outputs,)] if param.bias_term else [])
-    return [shape[:axis] + (outputs,) + tuple(out)], params
+    return [shape[:axis] + (outputs,) + tuple(out)] * len(bottoms), params
 
 
 def pool_geometry(param, height, width):
@@ -841,7 +856,7 @@ def _window_data(lp, bottoms, ctx):
     return [(batch, 3, crop, crop), (batch,)], []  # windows of colour images, warped square
 
 
-@layer_type("HDF5Output", bottoms=2)
+@layer_type("HDF5Output", bottoms=2, tops=0)
 def _hdf5_output(lp, bottoms, ctx):
     if len(bottoms) != 2 or lp.top:
         raise ShapeError("HDF5Output takes two bottoms (data, label) and has no tops")
@@ -857,7 +872,7 @@ def _hdf5_output(lp, bottoms, ctx):
 _python_shapes = {}  # (layer, bottom shapes, folder, phase) -> its top shapes: setup runs once per process
 
 
-@layer_type("Python", bottoms=0)
+@layer_type("Python", bottoms=0, tops=0)
 def _python(lp, bottoms, ctx):
     key = (lp.SerializeToString(), tuple(bottoms), ctx.folder, ctx.phase)
     if key not in _python_shapes:
@@ -928,6 +943,7 @@ class Layer:
     param_shapes: list = field(default_factory=list)
     loss_weights: list = field(default_factory=list)
     blob_params: list = field(default_factory=list)  # index into Graph.params of each of its blobs (shared too)
+    automatic: int = 0  # how many of its last tops Caffe's Net made, the prototxt naming none (a loss layer's)
 
     def param_spec(self, i):
         """lr_mult, decay_mult and share name of parameter blob i (Caffe's defaults when unset)."""
@@ -935,6 +951,11 @@ class Layer:
         if not REGISTRY[self.type].learned:
             return 0.0, 0.0, given.name
         return given.lr_mult, given.decay_mult, given.name
+
+    @property
+    def named_tops(self):
+        """Its tops that other layers can read and the net can output: all but the automatic ones."""
+        return self.tops[:len(self.tops) - self.automatic]
 
     @property
     def in_place(self):
@@ -1032,27 +1053,37 @@ class Graph:
 
     def _add(self, index, lp):
         layer = Layer(lp.name, lp.type, list(lp.bottom), list(lp.top), lp, index)
+        row = REGISTRY[lp.type]
+        shaped = lp  # what the shape function reads: the prototxt's layer, its automatic top added
+        if row.loss and not lp.top:
+            # Caffe's Net::AppendTop for a LossLayer (AutoTopBlobs, one top): a top named "(automatic)" that
+            # carries the loss (its loss_weight, 1 by default) and that no later layer can read
+            layer.tops, layer.automatic = [AUTOMATIC], 1
+            shaped = copy.deepcopy(lp)
+            shaped.top.append(AUTOMATIC)
         for b, bottom in enumerate(layer.bottoms):
             if bottom not in self.blobs:
                 raise self._error(f"layer '{lp.name}': bottom '{bottom}' is not produced by any earlier layer "
                                   f"in phase {pb.Phase.Name(self.phase)}", index, "bottom")
             layer.bottom_shapes.append(self.blobs[bottom])
             self.consumers.setdefault(bottom, []).append(lp.name)
-        for t, top in enumerate(layer.tops):
+        for t, top in enumerate(layer.named_tops):
             in_place = t < len(layer.bottoms) and layer.bottoms[t] == top
             if top in self.blobs and not in_place:
                 raise self._error(f"layer '{lp.name}': top '{top}' is already produced by layer "
                                   f"'{self.producers[top]}' (only in-place use may reuse a blob name)",
                                   index, "top")
-        row = REGISTRY[lp.type]
         if len(layer.bottoms) < row.min_bottoms:
             needed = "a bottom" if row.min_bottoms == 1 else f"{row.min_bottoms} bottoms"
             raise self._error(f"layer '{lp.name}' ({lp.type}) needs {needed}", index)
+        if len(layer.tops) < row.tops:
+            raise self._error(f"layer '{lp.name}' ({lp.type}) needs a top (Caffe aborts; it names one itself for "
+                              "a loss layer only)", index)
         if any(shape is None for shape in layer.bottom_shapes):
-            tops, params = [None] * len(layer.tops), [None] * row.blob_count(lp)
+            tops, params = [None] * len(layer.tops), [None] * row.blob_count(shaped)
         else:
             try:
-                tops, params = row.shapes(lp, [tuple(s) for s in layer.bottom_shapes], self.context)
+                tops, params = row.shapes(shaped, [tuple(s) for s in layer.bottom_shapes], self.context)
             except ShapeError as error:
                 raise self._error(f"layer '{lp.name}' ({lp.type}): {error}", index) from None
         if len(tops) < len(layer.tops):
@@ -1068,7 +1099,7 @@ class Graph:
         else:
             default = 1.0 if row.loss else 0.0
             layer.loss_weights = [default] + [0.0] * (len(layer.tops) - 1) if layer.tops else []
-        for top, shape in zip(layer.tops, layer.top_shapes):
+        for top, shape in zip(layer.named_tops, layer.top_shapes):
             self.blobs[top] = shape
             self.producers[top] = lp.name
         self.layers.append(layer)
@@ -1107,7 +1138,7 @@ class Graph:
         result = []
         for i, layer in enumerate(self.layers):
             later = self.layers[i + 1:]
-            for top in layer.tops:
+            for top in layer.named_tops:  # an automatic top is not one: Caffe's Net leaves it out
                 if top not in result and not any(top in l.bottoms or top in l.tops for l in later):
                     result.append(top)
         return result
@@ -1258,7 +1289,7 @@ def with_taps(net, graph, blobs=None):
             added.ClearField(field_name)
         if layer.type in DATA_TYPES:
             continue
-        for top in layer.tops:
+        for top in layer.named_tops:
             if top in outputs or any(top in later.tops for later in graph.layers[i + 1:]):
                 continue  # already an output, or rewritten in place later: tapped there
             name = TAP.format(top=top, layer=layer.name)

@@ -69,8 +69,7 @@ class Model(base.Model):
                 self._net = caffe.Net(self._write("net.prototxt", compiler.to_text(net)), caffe.TEST)
         self._blobs = self._param_blobs()
         self._views = [blob.data for blob in self._blobs]  # parameters never reshape
-        self._loss_tops = [(top, weight) for layer in self.graph.layers
-                           for top, weight in zip(layer.tops, layer.loss_weights) if weight]
+        self._loss_tops = self._loss_blobs()
         self._pass_losses = []
         self._pending = []  # the batches of the passes before Caffe's own, for on_start
         self._caffe_iter, self._caffe_current_step = 0, 0
@@ -84,6 +83,13 @@ class Model(base.Model):
         with open(path, "wb") as stream:
             stream.write(content.encode() if isinstance(content, str) else content)
         return path
+
+    def _loss_blobs(self):
+        """(Caffe's blob, loss weight) of each loss top, by position: every automatic top is "(automatic)"."""
+        net, blobs = self._net, self._net._blobs
+        positions = compiler.layer_positions(self.graph, list(net._layer_names))
+        return [(blobs[blob], weight) for layer, at in zip(self.graph.layers, positions)
+                for blob, weight in zip(net._top_ids(at), layer.loss_weights) if weight]
 
     def _param_blobs(self):
         """Caffe's blob of each graph.params entry (its owner's: sharers share its memory)."""
@@ -128,8 +134,7 @@ class Model(base.Model):
             blobs[top].data[...] = array
 
     def _loss(self):
-        blobs = self._net.blobs
-        return float(sum(weight * float(np.sum(blobs[top].data, dtype=np.float64)) for top, weight in self._loss_tops))
+        return float(sum(weight * float(np.sum(blob.data, dtype=np.float64)) for blob, weight in self._loss_tops))
 
     # -- running ------------------------------------------------------------------
 

@@ -211,43 +211,48 @@ def dilate_kernel(weights, dilation):
 
 @layer("Convolution", param_order={0: HWIO})
 def convolution(layer, bottoms, params, ctx):
+    """Each bottom through the same blobs, a top each (Caffe's N bottoms to N tops)."""
     _check_2d(layer, "convolution")
     param = layer.param.convolution_param
     kernel, pad, stride, dilation = conv_geometry(param, 2)
     weights = dilate_kernel(params[0], dilation)  # HWIO (its param_order)
-    x = bottoms[0].as_nhwc
     # TF has no grouped-convolution gradient on CPU: one convolution per group.
     group = param.group
-    inputs = tf.split(x, group, axis=3) if group > 1 else [x]
     filters = tf.split(weights, group, axis=3) if group > 1 else [weights]
-    ys = [tf.nn.conv2d(xg, wg, strides=[1, *stride, 1], padding=_explicit_pad(pad)) for xg, wg in zip(inputs, filters)]
-    y = tf.concat(ys, axis=3) if group > 1 else ys[0]
-    if param.bias_term:
-        y = tf.nn.bias_add(y, params[1])
-    return [Blob(y, True)]
+
+    def convolve(x):
+        inputs = tf.split(x, group, axis=3) if group > 1 else [x]
+        ys = [tf.nn.conv2d(xg, wg, strides=[1, *stride, 1], padding=_explicit_pad(pad))
+              for xg, wg in zip(inputs, filters)]
+        y = tf.concat(ys, axis=3) if group > 1 else ys[0]
+        return tf.nn.bias_add(y, params[1]) if param.bias_term else y
+
+    return [Blob(convolve(bottom.as_nhwc), True) for bottom in bottoms]
 
 
 @layer("Deconvolution", param_order={0: HWIO})
 def deconvolution(layer, bottoms, params, ctx):
-    """The adjoint of Caffe's convolution with the same (C_in, C_out/group, kh, kw) blob."""
+    """The adjoint of Caffe's convolution with the same (C_in, C_out/group, kh, kw) blob; each bottom through
+    the same blobs, a top each."""
     _check_2d(layer, "deconvolution")
     param = layer.param.convolution_param
     kernel, pad, stride, dilation = conv_geometry(param, 2)
-    x = bottoms[0].as_nhwc
     n, _, h, w = layer.bottom_shapes[0]
     group, outputs = param.group, param.num_output
     full = [s * (size - 1) + d * (k - 1) + 1 for size, k, s, d in zip((h, w), kernel, stride, dilation)]
     weights = dilate_kernel(params[0], dilation)  # (kh, kw, C_out/group, C_in): Caffe's blob in HWIO order
-    inputs = tf.split(x, group, axis=3) if group > 1 else [x]
     filters = tf.split(weights, group, axis=3) if group > 1 else [weights]
-    ys = [tf.nn.conv2d_transpose(xg, wg, [n, *full, outputs // group], strides=[1, *stride, 1], padding="VALID")
-          for xg, wg in zip(inputs, filters)]
-    y = tf.concat(ys, axis=3) if group > 1 else ys[0]
     out_h, out_w = layer.top_shapes[0][2:]
-    y = y[:, pad[0]:pad[0] + out_h, pad[1]:pad[1] + out_w, :]
-    if param.bias_term:
-        y = tf.nn.bias_add(y, params[1])
-    return [Blob(y, True)]
+
+    def deconvolve(x):
+        inputs = tf.split(x, group, axis=3) if group > 1 else [x]
+        ys = [tf.nn.conv2d_transpose(xg, wg, [n, *full, outputs // group], strides=[1, *stride, 1],
+                                     padding="VALID") for xg, wg in zip(inputs, filters)]
+        y = tf.concat(ys, axis=3) if group > 1 else ys[0]
+        y = y[:, pad[0]:pad[0] + out_h, pad[1]:pad[1] + out_w, :]
+        return tf.nn.bias_add(y, params[1]) if param.bias_term else y
+
+    return [Blob(deconvolve(bottom.as_nhwc), True) for bottom in bottoms]
 
 
 def average_divisor(size, out, kernel, pad, stride):
@@ -628,12 +633,84 @@ def sigmoid_cross_entropy_loss(layer, bottoms, params, ctx):
     return [Blob(tf.reduce_sum(entropy) / items(logits))]
 
 
+def _ranks_above(scores, classes, mine, label):
+    """Caffe's pair order (std::greater on (score, class)): whether (scores, classes) come before (mine, label).
+
+    Ties go to the higher class; a NaN is neither above nor below, so the class decides against it too.
+    (Not `~(scores < mine)`: Grappler rewrites that to `scores >= mine`, false where a NaN is.)
+    """
+    not_below = (scores >= mine) | tf.math.is_nan(scores) | tf.math.is_nan(mine)
+    return (mine < scores) | (not_below & (label < classes))
+
+
+def _heap_top_k(scores, k):
+    """The classes of each row that libstdc++'s std::partial_sort puts first, k per row, with Caffe's pair order:
+    its __heap_select (a heap of the first k, then each later pair that ranks above the heap's top replaces it)
+    step for step, one row per lane.
+
+    Where a row holds a NaN the order is no strict weak order and which classes end first is what the algorithm
+    does with it, not a sort; elsewhere it is the k highest.
+    """
+    n = scores.shape[1]
+    depth = k.bit_length() + 1  # a heap of k holds no path longer
+    classes = tf.zeros_like(scores, tf.int32) + tf.range(n)  # (a row count known when traced stays known)
+    first = tf.zeros_like(classes[:, 0])
+
+    def get(heap, pos):
+        return tuple(tf.gather(h, pos[:, None], batch_dims=1)[:, 0] for h in heap)
+
+    def put(heap, pos, pair, where):
+        spot = tf.one_hot(pos, k, on_value=True, off_value=False) & where[:, None]
+        return tuple(tf.where(spot, p[:, None], h) for h, p in zip(heap, pair))
+
+    def adjust(heap, hole, pair, where):
+        """__adjust_heap: sink the hole at `hole` to a leaf, then __push_heap `pair` up from there."""
+        top, second = hole, hole
+        for _ in range(depth):
+            going = where & (second < (k - 1) // 2)
+            second = tf.where(going, 2 * (second + 1), second)
+            right, left = get(heap, second), get(heap, tf.maximum(second - 1, 0))
+            second = tf.where(going & _ranks_above(*right, *left), second - 1, second)
+            heap = put(heap, hole, get(heap, second), going)
+            hole = tf.where(going, second, hole)
+        if k % 2 == 0:
+            last = where & (second == (k - 2) // 2)
+            child = tf.minimum(2 * second + 1, k - 1)  # the only child, in the rows that have it
+            heap = put(heap, hole, get(heap, child), last)
+            hole = tf.where(last, child, hole)
+        for _ in range(depth):
+            parent = tf.maximum((hole - 1) // 2, 0)
+            going = where & (hole > top) & _ranks_above(*get(heap, parent), *pair)
+            heap = put(heap, hole, get(heap, parent), going)
+            hole = tf.where(going, parent, hole)
+        return put(heap, hole, pair, where)
+
+    everywhere = tf.ones_like(first, tf.bool)
+    heap = (scores[:, :k], classes[:, :k])
+
+    def make(parent, heap):  # __make_heap
+        at = first + parent
+        return parent - 1, adjust(heap, at, get(heap, at), everywhere)
+
+    def select(i, heap):  # __heap_select's loop: __pop_heap where the pair ranks above the top
+        pair = (scores[:, i], classes[:, i])
+        above = _ranks_above(*pair, *get(heap, first))
+        return i + 1, adjust(heap, first, pair, above)
+
+    if k > 1:
+        heap = tf.while_loop(lambda parent, heap: parent >= 0, make, (tf.constant((k - 2) // 2), heap))[1]
+    return tf.while_loop(lambda i, heap: i < n, select, (tf.constant(k), heap))[1][1]
+
+
 @layer("Accuracy")
 def accuracy(layer, bottoms, params, ctx):
-    """Caffe's Accuracy: correct when fewer than top_k classes rank above the label.
+    """Caffe's Accuracy: correct when std::partial_sort puts the label among the first top_k (score, class) pairs.
 
-    Caffe sorts (score, class) pairs descending, so a class ranks above the label
-    when its score is greater, or equal with a higher class index.
+    Caffe sorts the pairs descending, so a class ranks above the label when its
+    score is greater, or equal with a higher class index: without a NaN, the
+    label is correct when fewer than top_k classes rank above it. With a NaN
+    the pairs have no order and the result is what libstdc++'s partial_sort
+    does with them (_heap_top_k): all NaN, only the last top_k classes count.
     """
     param = layer.param.accuracy_param
     shape = layer.bottom_shapes[0]
@@ -645,15 +722,24 @@ def accuracy(layer, bottoms, params, ctx):
     safe = tf.where(valid, labels, 0)
     mine = tf.gather(scores, safe, batch_dims=1)[:, None]
     classes = tf.range(shape[axis])[None, :]
-    above = (scores > mine) | ((scores == mine) & (classes > safe[:, None]))
-    correct = (tf.reduce_sum(tf.cast(above, tf.int32), axis=1) < param.top_k) & valid
-    correct = tf.cast(correct, tf.float32)
-    tops = [Blob(tf.reduce_sum(correct) / tf.reduce_sum(tf.cast(valid, tf.float32)))]
+
+    def ordered():
+        above = _ranks_above(scores, classes, mine, safe[:, None])
+        return tf.reduce_sum(tf.cast(above, tf.int32), axis=1) < param.top_k
+
+    def unordered():
+        return tf.reduce_any(tf.equal(_heap_top_k(scores, param.top_k), safe[:, None]), axis=1)
+
+    correct = tf.cond(tf.reduce_any(tf.math.is_nan(scores)), unordered, ordered) & valid
+    # Counts as float64, each quotient rounded once to float32: Caffe's float division (TF's float32 division
+    # can be an ulp off it).
+    correct = tf.cast(correct, tf.float64)
+    weights = tf.cast(valid, tf.float64)
+    tops = [Blob(tf.cast(tf.reduce_sum(correct) / tf.reduce_sum(weights), tf.float32))]
     if len(layer.tops) > 1:
-        weights = tf.cast(valid, tf.float32)
         hits = tf.math.unsorted_segment_sum(correct, safe, shape[axis])
         totals = tf.math.unsorted_segment_sum(weights, safe, shape[axis])
-        tops.append(Blob(tf.where(totals > 0, hits / tf.maximum(totals, 1.0), 0.0)))
+        tops.append(Blob(tf.cast(tf.where(totals > 0, hits / tf.maximum(totals, 1.0), 0.0), tf.float32)))
     return tops
 
 
