@@ -1,6 +1,7 @@
 """`train --iterations N` stops at iteration N and leaves the solver's learning-rate schedule as it is: the rates a
 run logs equal those pycaffe's own solver logs for the solver's real max_iter, policy by policy."""
 
+import json
 import os
 import re
 import subprocess
@@ -141,3 +142,30 @@ def test_poly_refuses_iterations_past_max_iter_and_a_missing_max_iter(tmp_path):
         stream.write(text)
     with pytest.raises(ConfigError, match="lr_policy 'poly' needs max_iter"):
         load_solver(path)
+
+
+@pytest.mark.spark
+def test_every_spark_algorithm_stops_at_iterations_with_max_iter_left_alone(tmp_path):
+    """easgd, sync and average on local[2]: a poly solver of max_iter 1000 trained with iterations=8 stops at 8 on
+    every worker, says so in one line, and snapshots its end there (snapshot_after_train)."""
+    from sparkjobs import start_runs
+
+    solvers = []
+    for algorithm in ("easgd", "sync", "average"):
+        folder = tmp_path / algorithm
+        folder.mkdir()
+        path = make_job(folder, max_iter=1000, test_interval=0)
+        text = open(path).read().replace('lr_policy: "inv"', 'lr_policy: "poly"')
+        with open(path, "w") as stream:
+            stream.write(text.replace("deepspark_param {", f"deepspark_param {{ algorithm: {algorithm.upper()}"))
+        solvers.append(path)
+    runs = start_runs(solvers, iterations=8, workers=2)
+    out, err = runs.communicate(timeout=600)
+    assert runs.returncode == 0, err[-3000:]
+    summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [s["iterations"] for s in summaries] == [8, 8, 8], err[-3000:]
+    for algorithm, summary in zip(("easgd", "sync", "average"), summaries):
+        log = (tmp_path / algorithm / "out" / "train.log").read_text()
+        assert "Stopping at iteration 8 (iterations), not max_iter 1000" in log, algorithm
+        assert re.findall(r"Worker \d on \S+ \(in [^)]*\): (\d+) iterations", log) == ["8", "8"], algorithm
+        assert summary["weights"].endswith("tiny_iter_8.caffemodel"), algorithm
