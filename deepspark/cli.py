@@ -81,7 +81,8 @@ def add_fields(parser, message, only=None):
             default = field.enum_type.values_by_number[default].name.lower()
         if isinstance(default, float):
             default = f"{default:g}"
-        help_text = comments.get(field.name, "") + (f" (default {default})" if default not in ("", None) else "")
+        shown = field.has_default_value and default not in ("", None)  # a field without one says what unset means
+        help_text = comments.get(field.name, "") + (f" (default {default})" if shown else "")
         help_text = help_text.replace("%", "%%")
         if field.type == FieldDescriptor.TYPE_BOOL:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
@@ -116,7 +117,7 @@ PLAN_FIELDS = ("algorithm", "workers", "period", "overlap", "backend", "exchange
 def cmd_train(args):
     from deepspark import spark  # deferred: deepspark.spark imports pyspark, which the other verbs need not
 
-    spark.train(args.solver, deepspark=args.deepspark, weights=args.weights, snapshot=args.snapshot, iterations=args.iterations,
+    spark.train(args.solver, deepspark=args.deepspark, weights=args.weights, snapshot=args.snapshot,
                 output=args.output, **fields_of(args, pb.DeepSparkParameter))
     return 0
 
@@ -266,7 +267,6 @@ def add_training_verbs(verbs):
     train.add_argument("--weights", help="initial weights .caffemodel (fine-tuning)")
     train.add_argument("--snapshot", help="resume from this .solverstate")
     train.add_argument("--output", help="folder for snapshots, logs and plots (default: the snapshot_prefix's)")
-    train.add_argument("--iterations", type=positive, help="override the solver's max_iter")
     add_fields(train, pb.DeepSparkParameter)
     train.set_defaults(run=cmd_train)
 

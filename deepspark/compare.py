@@ -2,7 +2,9 @@
 
 The forward pass is compared in the TEST phase (dropout off, no random crop
 or mirror); with a solver, each backend trains K iterations from the same
-weights on the same batches and the loss trajectories are compared. A blob's
+weights on the same batches and the loss trajectories are compared, and each
+step from the first backend's weights and history is compared blob by blob
+(Dropout switched off there: each backend draws its own masks). A blob's
 relative difference is its largest absolute difference over the larger of
 the two blobs' largest magnitudes, so values near zero do not blow it up.
 """
@@ -99,6 +101,19 @@ def with_dummy_data_fed(net):
     return net
 
 
+def with_dropout_off(net):
+    """A copy of `net` whose Dropout layers have dropout_ratio 0 (Caffe's Dropout in TRAIN is then the identity),
+    and the names of the layers switched off: each backend draws its own masks, so a training comparison with
+    them on compares two draws."""
+    net = copy.deepcopy(net)
+    names = []
+    for layer in net.layer:
+        if layer.type == "Dropout" and layer.dropout_param.dropout_ratio != 0:
+            layer.dropout_param.dropout_ratio = 0
+            names.append(layer.name)
+    return net, names
+
+
 def batch_source(model, phase):
     """Real batches when every data layer's source exists, else seeded synthetic ones."""
     data = sourced(model)
@@ -131,6 +146,37 @@ def difference(a, b):
     absolute = float(np.max(np.abs(a - b)))
     scale = max(float(np.max(np.abs(a))), float(np.max(np.abs(b))))
     return absolute, (absolute / scale if scale > 0 else absolute)
+
+
+def param_blobs(graph):
+    """Each parameter blob in Caffe's order as (name, the indices of its layer's blobs): the name `layer[k]`,
+    pycaffe's net.params[layer][k] (a shared blob by its first owner)."""
+    blobs = [None] * len(graph.params)
+    for layer in graph.layers:
+        for k, index in enumerate(layer.blob_params):
+            blobs[index] = blobs[index] or (f"{layer.name}[{k}]", list(layer.blob_params))
+    return blobs
+
+
+def weight_difference(reference, other, blobs):
+    """(worst relative difference, its blob's name, its absolute difference) between two parameter lists in Caffe's
+    blob order; blobs: param_blobs'. A blob's largest absolute difference is taken relative to the largest
+    magnitude of its layer's blobs: a bias a step has just moved from 0 holds values near 0, and the float32
+    rounding of its gradient's sum, relative to them, says nothing of the layer. The first blob's on a tie;
+    (0.0, None, 0.0) for a net without parameters."""
+    def magnitude(array):
+        array = np.abs(np.asarray(array, np.float64))
+        array = array[np.isfinite(array)]
+        return float(np.max(array)) if array.size else 0.0
+
+    worst = (0.0, None, 0.0)
+    for (name, layer), a, b in zip(blobs, reference, other, strict=True):
+        absolute = difference(a, b)[0]
+        scale = max(max(magnitude(reference[i]), magnitude(other[i])) for i in layer)
+        relative = absolute / scale if scale > 0 and np.isfinite(absolute) else absolute
+        if worst[1] is None or relative > worst[0]:
+            worst = (relative, name, absolute)
+    return worst
 
 
 # -- the runs -----------------------------------------------------------------------------
@@ -242,7 +288,8 @@ def compare_training(models, plan):
 
 
 def compare_steps(models, plan, params, state):
-    """Each iteration from the first backend's exact state: {backend: [(loss rel, params rel)]}.
+    """Each iteration from the first backend's exact state: {backend: [(loss rel, weights rel, blob)]}, the
+    weights' the worst blob's (weight_difference) and `blob` its name.
 
     Starting every backend's step from the same weights and history separates
     a difference in one step (a bug) from float32 rounding that free-running
@@ -251,19 +298,21 @@ def compare_steps(models, plan, params, state):
     """
     names = list(models)
     reference = models[names[0]]
+    blobs = param_blobs(reference.graph)
     reference.set_params(params)
     reference.set_state(state)
     steps = {name: [] for name in names[1:]}
     for batch in plan:
         params, state = reference.get_params(), reference.get_state()
         loss = reference.step(batch)
-        after = reference.get_flat()
+        after = reference.get_params()
         for name in names[1:]:
             model = models[name]
             model.set_params(params)
             model.set_state(state)
             other = model.step(batch)
-            steps[name].append((abs(other - loss) / max(abs(loss), 1e-12), difference(after, model.get_flat())[1]))
+            relative, blob, _ = weight_difference(after, model.get_params(), blobs)
+            steps[name].append((abs(other - loss) / max(abs(loss), 1e-12), relative, blob))
     return steps
 
 
@@ -291,7 +340,7 @@ def run(model_path, weights=None, solver_path=None, out=sys.stdout, data_shape=N
     """The comparison `deepspark compare` prints; returns a dict of results with 'ok'.
 
     options: CompareParameter fields by name (backends as a comma-separated string or a
-    list, iterations, batch_size, forward_tolerance, loss_tolerance). data_shape: (C, H, W)
+    list, iterations, batch_size, forward_tolerance, loss_tolerance, weight_tolerance). data_shape: (C, H, W)
     of the data layers whose source is absent, as `describe --data-shape` takes it. With a
     solver, the forward pass is the TEST phase of its first test net's state (test_state stages).
     """
@@ -319,7 +368,7 @@ def run(model_path, weights=None, solver_path=None, out=sys.stdout, data_shape=N
                          finder, stages)
     if solver:
         compare_training_run(out, result, backends, solver, path, batch_size, weights, param.iterations,
-                             param.loss_tolerance, data_shape)
+                             param.loss_tolerance, data_shape, param.weight_tolerance)
     out.write("OK: within tolerance\n" if result["ok"] else "FAILED: differences exceed tolerance\n")
     return result
 
@@ -360,12 +409,12 @@ def compare_forward_pass(out, result, backends, net, path, batch_size, weights, 
 
 
 def compare_training_run(out, result, backends, solver, path, batch_size, weights, iterations, loss_tolerance,
-                         data_shape=None):
-    """The training table: each backend's loss at each iteration from the same weights and batches; fills
-    result["training"]."""
+                         data_shape=None, weight_tolerance=pb.CompareParameter().weight_tolerance):
+    """The training table: each backend's loss at each iteration from the same weights and batches, and each
+    step's weights from the same state; fills result["training"]."""
     others = backends[1:]
     solver_path = solver.path
-    train_net = with_batch_size(with_dummy_data_fed(solver.train_net), batch_size)
+    train_net, dropped = with_dropout_off(with_batch_size(with_dummy_data_fed(solver.train_net), batch_size))
     models = build(backends, train_net, solver.param, pb.TRAIN, solver.train_map, batch_size,
                    shape_finder(solver.param.net or solver.param.train_net or path, data_shape), weights,
                    stages=list(solver.param.train_state.stage) or None)
@@ -381,7 +430,11 @@ def compare_training_run(out, result, backends, solver, path, batch_size, weight
         steps = compare_steps(models, plan, params, state)
         diffs = loss_differences(losses)
         out.write(f"\ntraining: {solver_path}, {iterations} iterations ({kind} data, batch "
-                  f"{images(None, models[backends[0]])}; loss tolerance {loss_tolerance:g} absolute)\n")
+                  f"{images(None, models[backends[0]])}; loss tolerance {loss_tolerance:g} absolute, weight "
+                  f"tolerance {weight_tolerance:g} relative)\n")
+        if dropped:
+            out.write(f"compare: Dropout switched off in layers {', '.join(dropped)} (each backend draws its own "
+                      "masks)\n")
         out.write("(diff: free-running absolute loss difference; step: one step from the same weights and "
                   "history, loss and weights relative difference)\n")
         table = [("iter",) + tuple(f"{name} loss" for name in backends)
@@ -394,13 +447,41 @@ def compare_training_run(out, result, backends, solver, path, batch_size, weight
         worst_loss = max((float(np.max(d)) if len(d) else 0.0 for d in diffs.values()), default=0.0)
         if not np.isfinite(worst_loss):
             worst_loss = float("inf")
-        worst_step = max((max(loss for loss, _ in rows) for rows in steps.values() if rows), default=0.0)
+        worst_step = max((max(row[0] for row in rows) for rows in steps.values() if rows), default=0.0)
+        weights_at = worst_weights(steps)
         _verdict(out, result, "training", {"losses": losses, "worst_absolute": worst_loss, "steps": steps,
-                                           "worst_step_relative": worst_step}, speed, worst_loss, loss_tolerance,
+                                           "worst_step_relative": worst_step, "worst_weights": weights_at,
+                                           "dropout_off": dropped}, speed, worst_loss, loss_tolerance,
                  "LOSS DIFFERS: worst absolute difference",
-                 f"worst loss difference: free-running {worst_loss:.3g}, one step from the same state {worst_step:.3g}")
+                 f"worst loss difference: free-running {worst_loss:.3g}, one step from the same state {worst_step:.3g}",
+                 weights_line(weights_at))
+        judge_weights(out, result, weights_at, weight_tolerance)
     finally:
         close_all(models)
+
+
+def worst_weights(steps):
+    """The worst blob over every step and backend of compare_steps' rows: {"relative", "blob", "iteration",
+    "backend"} (relative 0.0 and blob None where no step was compared)."""
+    worst = {"relative": 0.0, "blob": None, "iteration": None, "backend": None}
+    for backend, rows in steps.items():
+        for i, (_, relative, blob) in enumerate(rows):
+            if worst["blob"] is None or relative > worst["relative"]:
+                worst = {"relative": relative, "blob": blob, "iteration": i, "backend": backend}
+    return worst
+
+
+def weights_line(worst):
+    where = f" ({worst['blob']} on {worst['backend']}, iteration {worst['iteration']})" if worst["blob"] else ""
+    return f"worst weight difference one step from the same state: {worst['relative']:.3g} relative{where}"
+
+
+def judge_weights(out, result, worst, tolerance):
+    """The failure line, naming the blob, when a step's weights differ by more than `tolerance` (relative)."""
+    if worst["blob"] is not None and worst["relative"] > tolerance:
+        result["ok"] = False
+        out.write(f"WEIGHTS DIFFER: {worst['blob']} on {worst['backend']} after the step of iteration "
+                  f"{worst['iteration']}, relative difference {worst['relative']:.3g} > {tolerance:g}\n")
 
 
 def _verdict(out, result, part, record, speed, worst, tolerance, failure, *lines):

@@ -300,6 +300,8 @@ def check_solver(param, path, text=""):
             raise error(f"lr_policy '{policy}' needs {field}", "lr_policy")
     if policy == "step" and param.stepsize <= 0:
         raise error("stepsize must be positive for lr_policy 'step'", "stepsize")
+    if policy == "poly" and param.max_iter <= 0:
+        raise error("max_iter must be positive for lr_policy 'poly' (its rate falls to 0 there)", "max_iter")
     if list(param.stepvalue) != sorted(param.stepvalue):
         raise error("stepvalue must be increasing", "stepvalue")
     if param.regularization_type not in ("L1", "L2"):
@@ -317,6 +319,8 @@ def check_deepspark(ds, path):
         raise ConfigError(f"workers must be at least 1, not {ds.workers}", path)
     if ds.period < 1:
         raise ConfigError(f"period must be at least 1, not {ds.period}", path)
+    if ds.HasField("iterations") and ds.iterations < 1:  # unset: max_iter
+        raise ConfigError(f"iterations must be at least 1, not {ds.iterations}", path)
     if not 0.0 < ds.moving_rate <= 1.0:
         raise ConfigError(f"moving_rate must be in (0, 1], not {ds.moving_rate:g}", path)
     if ds.moving_rate_limit < 0:
@@ -373,14 +377,15 @@ def set_fields(message, values, path="<options>"):
     return message
 
 
-def override(solver, iterations=None, output=None, **knobs):
+def override(solver, output=None, **knobs):
     """Options over a loaded solver, as `deepspark train`'s flags give them: DeepSparkParameter fields by
-    name (knobs), max_iter (iterations) and the folder snapshots and logs go to (output)."""
+    name (knobs; `iterations` stops training there, max_iter and the schedule as the solver says) and the
+    folder snapshots and logs go to (output)."""
     set_fields(solver.param.deepspark_param, knobs, solver.path)
-    if iterations is not None:
-        if iterations < 1:
-            raise ConfigError(f"iterations must be at least 1, not {iterations}", solver.path)
-        solver.param.max_iter = iterations
+    param = solver.param
+    if (param.lr_policy or "fixed") == "poly" and schedule.stop_iteration(param) > param.max_iter:
+        raise ConfigError(f"iterations {schedule.stop_iteration(param)} goes past max_iter {param.max_iter}, where "
+                          "lr_policy 'poly' has brought the learning rate to 0", solver.path)
     if output:
         prefix = os.path.basename(solver.param.snapshot_prefix or solver.train_net.name or "snapshot")
         solver.param.snapshot_prefix = os.path.join(output, prefix)

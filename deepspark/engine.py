@@ -268,9 +268,10 @@ class Cadence:
         return last_multiple(iteration, self.param.snapshot, self.start)
 
     def steps_from(self, iteration, period):
-        """Steps from `iteration` to the end of a round of at most `period`: rounds end at max_iter and at the
-        next test and snapshot multiples, so that those fall on their iterations."""
-        return int(min(period, self.param.max_iter - iteration, self.next_test - iteration,
+        """Steps from `iteration` to the end of a round of at most `period`: rounds end where training stops
+        (schedule.stop_iteration) and at the next test and snapshot multiples, so that those fall on their
+        iterations."""
+        return int(min(period, schedule.stop_iteration(self.param) - iteration, self.next_test - iteration,
                        self.next_snapshot - iteration))
 
 
@@ -400,10 +401,13 @@ class Trainer:
     def solve(self):
         """Caffe's Solver::Solve: test every test_interval, display, snapshot; returns the last test results."""
         p, log, cadence = self.param, self.log, Cadence(self.param)
+        stop = schedule.stop_iteration(p)
         log.info(f"Solving {self.model.graph.name}")
         log.info(f"Learning Rate Policy: {p.lr_policy or 'fixed'}")
+        if schedule.stop_note(p):
+            log.info(schedule.stop_note(p))
         started, last_time, last_iter, results = time.monotonic(), time.monotonic(), self.iter, []
-        while self.iter < p.max_iter:
+        while self.iter < stop:
             if cadence.tests(self.iter) and (self.iter > 0 or p.test_initialization):
                 results = self.test_all()
             rate = self.model.learning_rate()
@@ -416,7 +420,7 @@ class Trainer:
                 self.log_train_outputs(loss)
                 log.info(f"Iteration {iteration}, lr = {rate:.6g}")
                 last_time, last_iter = now, iteration
-            log.progress(progress_bar(self.iter, p.max_iter, started=started,
+            log.progress(progress_bar(self.iter, stop, started=started,
                                       extra=f"loss {self.smoothed_loss:.4f}"))
             if cadence.snapshots(self.iter):
                 self.snapshot()

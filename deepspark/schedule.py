@@ -19,7 +19,7 @@ SOLVER_TYPES = {"SGD": 1, "Nesterov": 1, "AdaGrad": 1, "RMSProp": 1, "AdaDelta":
 
 # Caffe's learning-rate policies, each with the SolverParameter fields it needs.
 LR_POLICIES = {"fixed": (), "step": ("gamma", "stepsize"), "exp": ("gamma",), "inv": ("gamma", "power"),
-               "multistep": ("gamma", "stepvalue"), "poly": ("power",), "sigmoid": ("gamma", "stepsize")}
+               "multistep": ("gamma", "stepvalue"), "poly": ("power", "max_iter"), "sigmoid": ("gamma", "stepsize")}
 
 
 def solver_type(param):
@@ -58,6 +58,23 @@ def learning_rate(param, iteration, current_step=0):
     else:
         raise ValueError(f"unknown lr_policy '{policy}'")
     return float(rate), current_step
+
+
+def stop_iteration(param):
+    """The iteration training stops at: deepspark_param.iterations where set (`train --iterations`), else
+    max_iter. learning_rate keeps reading max_iter, so a run cut short follows the start of the solver's own
+    schedule (Caffe's Solver::Step(n) against Solve's Step(max_iter - iter))."""
+    ds = param.deepspark_param
+    return ds.iterations if ds.HasField("iterations") else param.max_iter
+
+
+def stop_note(param):
+    """The log's line for a run that stops elsewhere than max_iter, else None."""
+    stop = stop_iteration(param)
+    if stop == param.max_iter:
+        return None
+    return (f"Stopping at iteration {stop} (iterations), not max_iter {param.max_iter}; the learning rate follows "
+            f"max_iter's schedule")
 
 
 def history_sets(param):

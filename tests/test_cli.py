@@ -85,3 +85,23 @@ def test_bad_values_are_one_line_errors(tmp_path):
         override(load_solver(solver.path), wrokers=2)
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["train", "--solver", solver.path, "--workers", "-3"])
+
+
+HDF5_NET = """name: "h5"
+layer { name: "data" type: "HDF5Data" top: "data" top: "label" hdf5_data_param { source: "absent_list.txt"
+  batch_size: 4 } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" inner_product_param { num_output: 3 } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def test_an_hdf5_layer_without_its_files_takes_the_data_shape_its_warning_advises(tmp_path):
+    from deepspark import nets
+
+    net = tmp_path / "net.prototxt"
+    net.write_text(HDF5_NET)
+    table, warnings = nets.describe(str(net))
+    assert len(warnings) == 1 and warnings[0].endswith("or give --data-shape C,H,W") and "data ?" in table
+    table, warnings = nets.describe(str(net), data_shape=(1, 5, 5))
+    assert warnings == [], warnings
+    assert "data 4x1x5x5, label 4" in table and "3x25, 3" in table and "total parameters: 78" in table

@@ -160,3 +160,111 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
     _, losses = compare.compare_training(models, plan)
     np.testing.assert_allclose(losses["tensorflow"], losses["caffe"], rtol=1e-5)
     np.testing.assert_allclose(models["tensorflow"].get_flat(), models["caffe"].get_flat(), rtol=1e-4, atol=1e-6)
+
+
+# A small net with Dropout in TRAIN: drop1 with its ratio written, drop2 with Caffe's default (0.5).
+DROPOUT_NET = """name: "drop"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 8 dim: 1 dim: 6 dim: 6 } shape { dim: 8 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+  inner_product_param { num_output: 16 weight_filler { type: "xavier" } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }
+layer { name: "drop1" type: "Dropout" bottom: "ip1" top: "ip1" dropout_param { dropout_ratio: 0.4 } }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+  inner_product_param { num_output: 12 weight_filler { type: "xavier" } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "drop2" type: "Dropout" bottom: "ip2" top: "ip2" }
+layer { name: "ip3" type: "InnerProduct" bottom: "ip2" top: "ip3"
+  inner_product_param { num_output: 4 weight_filler { type: "xavier" } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip3" bottom: "label" top: "loss" }
+"""
+DROPOUT_SOLVER = """net: "{net}"
+base_lr: 0.1
+momentum: 0.9
+weight_decay: 0.001
+lr_policy: "fixed"
+max_iter: 100
+random_seed: 5
+"""
+
+
+def dropout_job(folder):
+    (folder / "net.prototxt").write_text(DROPOUT_NET)
+    (folder / "solver.prototxt").write_text(DROPOUT_SOLVER.format(net=folder / "net.prototxt"))
+    return str(folder / "net.prototxt"), str(folder / "solver.prototxt")
+
+
+def test_with_dropout_the_training_comparison_switches_it_off_and_says_so(tmp_path):
+    net, solver = dropout_job(tmp_path)
+    status, out, err = run_compare("--model", net, "--solver", solver, "--iterations", "4")
+    assert status == 0, out + err
+    lines = [line for line in out.splitlines() if line.startswith("compare: Dropout")]
+    assert lines == ["compare: Dropout switched off in layers drop1, drop2 (each backend draws its own masks)"], out
+    assert re.search(r"^worst weight difference one step from the same state: \S+ relative \(ip\d\[\d\] on "
+                     r"tensorflow, iteration \d\)$", out, re.M), out
+    assert "OK: within tolerance" in out
+    # What it avoids: with the masks on, each backend draws its own, and the same step gives another loss.
+    models = compare.build(["caffe", "tensorflow"], parse_net(DROPOUT_NET)[0],
+                           pb.SolverParameter(base_lr=0.1, lr_policy="fixed", random_seed=5), pb.TRAIN)
+    rng = np.random.default_rng(1)
+    plan = [{"data": rng.standard_normal((8, 1, 6, 6)).astype(np.float32),
+             "label": rng.integers(0, 4, 8).astype(np.float32)} for _ in range(2)]
+    _, losses = compare.compare_training(models, plan)
+    compare.close_all(models)
+    assert np.max(np.abs(np.subtract(losses["caffe"], losses["tensorflow"]))) > 1e-3, losses
+
+
+def test_a_step_whose_weights_differ_fails_naming_the_blob(tmp_path):
+    """Real steps on both backends from the same state, one net with ip2's bias at lr_mult 3: the judge names it.
+    Then the command's failing path: any difference exceeds a negative tolerance, exit status 1, blob named."""
+    net = parse_net("\n".join(line for line in DROPOUT_NET.splitlines() if '"Dropout"' not in line))[0]
+    other = parse_net(str(net).replace('name: "ip2"\n  type: "InnerProduct"',
+                                       'name: "ip2"\n  type: "InnerProduct"\n  param { lr_mult: 1 }\n'
+                                       '  param { lr_mult: 3 }'))[0]
+    assert len(other.layer[3].param) == 2
+    param = pb.SolverParameter(base_lr=0.1, momentum=0.9, lr_policy="fixed", random_seed=5)
+    models = {"caffe": create_model("caffe", net, param, phase=pb.TRAIN, seed=5),
+              "tensorflow": create_model("tensorflow", other, param, phase=pb.TRAIN, seed=5)}
+    try:
+        rng = np.random.default_rng(2)
+        plan = [{"data": rng.standard_normal((8, 1, 6, 6)).astype(np.float32),
+                 "label": rng.integers(0, 4, 8).astype(np.float32)} for _ in range(3)]
+        first = models["caffe"]
+        steps = compare.compare_steps(models, plan, first.get_params(), first.get_state())
+    finally:
+        compare.close_all(models)
+    worst = compare.worst_weights(steps)
+    assert worst["blob"] == "ip2[1]" and worst["backend"] == "tensorflow" and worst["relative"] > 1e-3, steps
+    out, result = io.StringIO(), {"ok": True}
+    compare.judge_weights(out, result, worst, 1e-4)
+    assert not result["ok"] and out.getvalue().startswith("WEIGHTS DIFFER: ip2[1] on tensorflow after the step of "
+                                                          "iteration "), out.getvalue()
+    compare.judge_weights(out, result := {"ok": True}, {**worst, "relative": 5e-5}, 1e-4)
+    assert result["ok"]
+
+    solver_net, solver = dropout_job(tmp_path)
+    status, out, _ = run_compare("--model", solver_net, "--solver", solver, "--iterations", "2",
+                                 "--weight-tolerance", "-1")
+    assert status == 1 and "FAILED" in out and "LOSS DIFFERS" not in out, out
+    assert re.search(r"^WEIGHTS DIFFER: ip\d\[\d\] on tensorflow after the step of iteration \d, relative difference "
+                     r"\S+ > -1$", out, re.M), out
+
+
+def test_weight_difference_names_the_blob_that_differs_most():
+    blobs = [("conv1[0]", [0, 1]), ("conv1[1]", [0, 1]), ("ip[0]", [2])]
+    a = [np.ones((3, 2), np.float32), np.zeros(3, np.float32), np.full(4, 10.0, np.float32)]
+    b = [a[0] + 1e-6, a[1].copy(), a[2].copy()]
+    b[2][1] = 10.5
+    assert compare.weight_difference(a, b, blobs) == (pytest.approx(0.5 / 10.5), "ip[0]", pytest.approx(0.5))
+    assert compare.weight_difference(a, a, blobs) == (0.0, "conv1[0]", 0.0)
+    # A bias near 0 is judged at its layer's scale (the weights' 1), not at its own 1e-8.
+    b = [a[0].copy(), np.full(3, 1e-8, np.float32), a[2].copy()]
+    c = [a[0].copy(), np.full(3, 1.1e-8, np.float32), a[2].copy()]
+    assert compare.weight_difference(b, c, blobs)[:2] == (pytest.approx(1e-9, rel=1e-3), "conv1[1]")
+    c[1][0] = 0.5  # a bias that really moved otherwise
+    assert compare.weight_difference(b, c, blobs)[:2] == (pytest.approx(0.5), "conv1[1]")
+    c[2][0] = np.nan  # NaN on one side only
+    assert compare.weight_difference(b, c, blobs)[:2] == (float("inf"), "ip[0]")
+    steps = {"tensorflow": [(0.0, 1e-7, "conv1[0]"), (0.0, 0.2, "ip[0]")], "other": [(0.0, 0.1, "conv1[1]")]}
+    assert compare.worst_weights(steps) == {"relative": 0.2, "blob": "ip[0]", "iteration": 1, "backend": "tensorflow"}
+    graph = Graph(parse_net(DROPOUT_NET)[0], pb.TRAIN)
+    assert compare.param_blobs(graph) == [(f"ip{i}[{k}]", [2 * i - 2, 2 * i - 1]) for i in (1, 2, 3) for k in (0, 1)]

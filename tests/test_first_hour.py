@@ -44,7 +44,7 @@ def test_a_missing_lmdb_is_named_with_where_a_relative_source_was_read(tmp_path,
     (["--workers", "0"], "workers must be at least 1, not 0"),
     (["--period", "0"], "period must be at least 1, not 0"),
     (["--moving-rate", "-0.5"], r"moving_rate must be in \(0, 1\], not -0.5"),
-    (["--iterations", "0"], "argument --iterations: must be positive, not 0"),
+    (["--iterations", "0"], "iterations must be at least 1, not 0"),
     (["--workers", "-3"], "argument --workers: must not be negative, not -3"),
     (["--algorithm", "hogwild"], "argument --algorithm: invalid choice: 'hogwild'"),
 ])

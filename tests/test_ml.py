@@ -282,7 +282,7 @@ def test_the_params_are_the_schemas_fields_with_their_comments_and_defaults():
     for message, stages in ((pb.DeepSparkParameter, [estimator]), (pb.ScoreParameter, [estimator, model])):
         comments = field_comments(message.DESCRIPTOR.name)
         for field in message.DESCRIPTOR.fields:
-            if field.name in ("master", "executor_env", "ship_records"):
+            if field.name in ("master", "executor_env", "ship_records", "iterations"):  # iterations: maxIter
                 assert not estimator.hasParam(field.name)
                 continue
             default = field.default_value if field.enum_type is None else \

@@ -59,14 +59,14 @@ def _given_shape(layer_param, data_shape):
 
 def _listed_shape(layer_param, data_shape):
     """source_shape of an HDF5Data or ImageData layer: its first listed file's, else --data-shape (the first
-    top's row, for HDF5Data), else why not."""
+    top's row, for HDF5Data: hdf5.given_rows), else why not."""
     if os.path.exists(source_of(layer_param)):
         if layer_param.type == "HDF5Data":
             return hdf5.row_shapes(layer_param)
         return images.source_shape(layer_param)
     given = _given_shape(layer_param, data_shape)
-    if given is not None and (layer_param.type == "ImageData" or len(layer_param.top) == 1):
-        return given if layer_param.type == "ImageData" else {layer_param.top[0]: given}
+    if given is not None:
+        return given if layer_param.type == "ImageData" else hdf5.given_rows(layer_param, given)
     return missing_source(layer_param)
 
 

@@ -72,6 +72,13 @@ def row_shapes(layer_param):
     return file_rows(path, line, source, list(layer_param.top))[1]
 
 
+def given_rows(layer_param, shape):
+    """{top: the shape of one row} of an HDF5Data layer given a (C, H, W) in place of its files (`--data-shape`
+    when its list is absent): its first top's rows that shape, each other top's one value (a label, as Caffe's
+    HDF5 examples store it)."""
+    return {top: tuple(shape) if i == 0 else () for i, top in enumerate(layer_param.top)}
+
+
 class HDF5Feeder:
     """Batches {top: float32 array} for one HDF5Data layer: rows [start, stop) of all its files together
     (shard `shard` of `num_shards`), file by file as Caffe's HDF5DataLayer goes, looping."""

@@ -13,8 +13,8 @@ from deepspark.ml.params import Stage, enum_name, with_accessors, with_schema
 from deepspark.proto import deepspark_pb2 as pb
 
 # DeepSparkParameter fields that say where a job runs and how its data gets there: the DataFrame's session and its
-# rows decide both for fit.
-NOT_FOR_FIT = {"master", "ship_records"}
+# rows decide both for fit. (iterations is fit's maxIter, Spark ML's name.)
+NOT_FOR_FIT = {"master", "ship_records", "iterations"}
 
 
 def _shown(value):

@@ -23,7 +23,8 @@ def train(solver, data=None, *, deepspark=None, weights=None, snapshot=None, ite
     DeepSparkParameter prototxt (default: deepspark.prototxt beside the solver,
     if there is one) over the solver's own deepspark_param block. weights: a
     .caffemodel to start from; snapshot: a .solverstate to resume; iterations:
-    overrides max_iter; output: the folder for snapshots and logs; knobs: any
+    the iteration training stops at (max_iter, and so the learning-rate
+    schedule, as the solver says); output: the folder for snapshots and logs; knobs: any
     DeepSparkParameter field by name (workers=4, algorithm="sync", period=10,
     moving_rate=0.45, ...), over both.
     """

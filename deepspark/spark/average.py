@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from deepspark import rules
+from deepspark.schedule import stop_iteration
 from deepspark.spark import executor
 from deepspark.spark.failures import failed, first_line
 from deepspark.spark.job import Job
@@ -55,7 +56,7 @@ class AverageJob(Job):
         try:
             while True:
                 self.cadence.due(iteration)
-                if iteration >= p.max_iter:
+                if iteration >= stop_iteration(p):
                     break
                 steps = self.cadence.multiples.steps_from(iteration, ds.period)
                 started = time.monotonic()

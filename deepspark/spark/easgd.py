@@ -3,6 +3,7 @@
 import math
 
 from deepspark import rules
+from deepspark.schedule import stop_iteration
 from deepspark.exchange import EasgdHandler
 from deepspark.spark import executor
 from deepspark.spark.job import Job
@@ -39,7 +40,8 @@ def train_worker(trainer, client, params):
     ds = param.deepspark_param
     schedule = rules.ExchangeSchedule(ds.period, adaptive=ds.adaptive_period)
     loss = math.nan
-    while model.iter < param.max_iter:
+    stop = stop_iteration(param)
+    while model.iter < stop:
         loss = trainer.step()
         if client.pending and client.ready:
             params = executor.read_params(client, model, params)

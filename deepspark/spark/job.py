@@ -126,7 +126,7 @@ class Job:
         raise NotImplementedError
 
     def train(self, task):
-        """Train the workers to max_iter (driving test, snapshot and display); their Summaries."""
+        """Train the workers to schedule.stop_iteration (driving test, snapshot and display); their Summaries."""
         raise NotImplementedError
 
     def center_flat(self):
@@ -152,7 +152,7 @@ class Job:
 
     def watch(self, run_tasks):
         """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch); its result."""
-        return Watch(self.sc, self.server, self.cadence, self.log, self.workers, self.param.max_iter,
+        return Watch(self.sc, self.server, self.cadence, self.log, self.workers, schedule.stop_iteration(self.param),
                      self.ds.connect_timeout, batch_size(self.graph)).run(run_tasks)
 
     # -- the run ----------------------------------------------------------------
@@ -181,6 +181,8 @@ class Job:
             self.task = self.start(stack)
             self.log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
                           f"({self.ds.backend} backend, {self.title})")
+            if schedule.stop_note(self.param):
+                self.log.info(schedule.stop_note(self.param))
             self.submitted = time.time()  # the workers' ready_at is in the same clock
             results = self.train(self.task)
             self.stop_session()  # its executors and Python workers are done: their memory goes before the last test

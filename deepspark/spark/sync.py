@@ -7,6 +7,7 @@ import zlib
 import numpy as np
 
 from deepspark.exchange import RefusedError, RoundsHandler
+from deepspark.schedule import stop_iteration
 from deepspark.spark import executor
 from deepspark.spark.job import Job
 
@@ -57,7 +58,8 @@ def train_worker(trainer, client, params):
     round cannot complete without every worker (Spark reruns the whole stage instead)."""
     model, where = trainer.model, f"worker {client.worker_id} on {socket.gethostname()}"
     loss = math.nan
-    while model.iter < trainer.param.max_iter:
+    stop = stop_iteration(trainer.param)
+    while model.iter < stop:
         loss = trainer.step()
         params = executor.read_params(client, model, params)
         try:
