@@ -22,7 +22,6 @@ RESET = "reset"      # parameters were replaced by the center (non-finite refusa
 # Refusals that only mean "this connection is over": the worker rejoins (a frame changed on the way,
 # by a bad network or someone on it, ends that connection; a new one is authenticated again).
 _CONNECTION_LOST = (P.E_TIMEOUT, P.E_SHUTDOWN, P.E_INTEGRITY)
-TAG_AFTER = 1 << 16  # payload bytes past which a frame's tag is sent after it (a small frame goes in one syscall)
 
 
 class NonFiniteError(P.RefusedError):
@@ -108,10 +107,8 @@ class Link:
                 raise ValueError("params hold %d values, shapes %d" % (size, n))
             self._fingerprint = P.fingerprint(self._shapes)
             self._apply_step = apply_floats(n, self._chunk)
-            self._conn = Connection(None, "%s:%d" % self.address, self.worker_id).allocate(n)
+            self._conn = Connection(None, "%s:%d" % self.address, self.worker_id).allocate(n, codec=self.codec.name)
             self._conn.history_bytes = 4 * self.history_sets * n
-            if self.codec.name != "float32":
-                self._conn.channel = C.Channel(self.codec, n)
         delay = self.backoff
         for attempt in range(1, self.retries + 1):
             try:
@@ -136,16 +133,17 @@ class Link:
         bound = bytes([P.CODEC_IDS[self.codec.name]]) + self._fingerprint  # the codec, then the model
         self.server_iteration = self.resume_iteration = handshake.join(
             conn, self._secret, self.worker_id, bound, self.integrity, "%s:%d" % self.address)
-        if conn.channel is not None:
-            conn.channel.restart()  # as the server's new connection starts it
+        conn.frames.restart()  # as the server's new connection starts it
         conn.sock.settimeout(self.timeout)
 
-    def _request(self, type_, payload=None, iteration=0, value=math.nan, reply=None):
-        """Send a frame and read the header of its reply, which must be a `reply` frame; an ERROR frame
-        becomes RefusedError (NonFiniteError for non-finite parameters)."""
-        # A model's tag goes after its payload: the server hashes each slice as it arrives while this side hashes
-        # what it sent, rather than after this side has hashed it all.
-        self._conn.send(type_, payload, iteration, value, tag_after=payload is not None and len(payload) > TAG_AFTER)
+    def _request(self, type_, params=None, iteration=0, value=math.nan, reply=None):
+        """Send a frame (with the parameters `params`, in the job's codec) and read the header of its reply,
+        which must be a `reply` frame; an ERROR frame becomes RefusedError (NonFiniteError for non-finite
+        parameters)."""
+        if params is None:
+            self._conn.send(type_, None, iteration, value)
+        else:
+            self._conn.frames.send_params(type_, params, iteration, value)
         h = self._conn.read_header(len(self._conn.view))
         error = handshake.refused(self._conn, h)
         if error is not None:
@@ -205,35 +203,27 @@ class Link:
 
     def _exchange_once(self, send_from, apply_to, iteration, loss):
         conn = self._conn
-        buf, channel = conn.buf, conn.channel
-        h = self._request(P.EXCHANGE, byte_view(send_from) if channel is None else channel.send_toward(send_from),
-                          iteration, loss, reply=P.DIFF)
+        h = self._request(P.EXCHANGE, send_from, iteration, loss, reply=P.DIFF)
         self.server_iteration = h.iteration
         self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
-        if channel is not None:
-            # A coded d comes whole (a quarter of float32's bytes or less) and is checked as it decodes;
-            # one that does not decode (CodecError, a ProtocolError) makes the round trip rejoin.
-            conn.receive(channel.payload)
-            channel.receive_difference(buf)
-            if apply_to is not None:
-                rules.apply_to_worker(apply_to, buf)
-        elif apply_to is None:
-            conn.receive(conn.view)
+        if apply_to is None:
+            conn.frames.receive_difference()
         else:
+            buf = conn.buf
+
             def apply(start, end):
                 rules.apply_to_worker(apply_to[start:end], buf[start:end])
             # x −= d slice by slice while the rest of d is still arriving; a d that fails its check
-            # (ProtocolError) makes the round trip rejoin and reset x from the center.
-            conn.receive(conn.view, apply, self._apply_step)
+            # (ProtocolError, or a coded one that does not decode) makes the round trip rejoin and reset x
+            # from the center.
+            conn.frames.receive_difference(apply, self._apply_step)
         self.exchanges += 1
         return APPLIED
 
     def _pull_into(self, out):
         h = self._request(P.PULL, reply=P.CENTER)
-        self._conn.receive(byte_view(out))
+        self._conn.frames.receive_center(out)  # where the server's picture of this worker now starts
         self.server_iteration = h.iteration
-        if self._conn.channel is not None:
-            self._conn.channel.restart(out)  # where the server's picture of this worker now starts
         return out
 
 
@@ -270,16 +260,8 @@ class ExchangeClient(Link):
         params = _check_params(params)
         with self.blocking():
             self._ensure(params.size)
-            conn, channel = self._conn, self._conn.channel
-            h = self._request(P.AVERAGE, byte_view(params) if channel is None else channel.send_toward(params),
-                              iteration, loss, reply=P.CENTER)
-            if bool(h.flags & P.F_CODED) != (channel is not None):
-                raise P.ProtocolError("a CENTER %s the job's codec" % ("outside" if channel else "in"))
-            if channel is None:
-                conn.receive(byte_view(params))
-            else:
-                conn.receive(channel.payload)
-                channel.receive_toward(params)
+            h = self._request(P.AVERAGE, params, iteration, loss, reply=P.CENTER)
+            self._conn.frames.receive_mean(h, params)
             self.server_iteration = h.iteration
             self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
             self.exchanges += 1

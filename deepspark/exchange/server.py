@@ -237,17 +237,7 @@ class ExchangeServer:
     def send_center(self, conn):
         """The reply to PULL: x̃ as it is, in float32 whatever the codec (the worker starts over from it)."""
         with self.handler.send_lock:
-            if conn.channel is not None:
-                np.copyto(conn.buf, self._center)  # lock-free, x̃ moves: both ends start from what went out
-                conn.send(P.CENTER, conn.view, iteration=self._exchanges, tag_after=True)
-                conn.channel.restart(conn.buf)
-            elif conn.sealed:
-                # Lock-free, other workers move x̃ while it is sent: the tag must cover the bytes that went
-                # out, so a snapshot in this connection's buffer (free: the worker waits) goes.
-                np.copyto(conn.buf, self._center)
-                conn.send(P.CENTER, conn.view, iteration=self._exchanges, tag_after=True)
-            else:
-                conn.send(P.CENTER, byte_view(self._center), iteration=self._exchanges)
+            conn.frames.send_center(self._center, self._exchanges)
 
 
 class Session:
@@ -269,9 +259,7 @@ class Session:
             server._handshake_over()
             handshaking = False
             sock.settimeout(server.idle_timeout)
-            conn.allocate(server.size, server.handler.scratch)
-            if server.codec.name != "float32":
-                conn.channel = C.Channel(server.codec, server.size)
+            conn.allocate(server.size, server.handler.scratch, server.codec.name)
             self.loop()
         except (P.Refusal, P.ProtocolError) as e:
             self.refuse(e.code, str(e))
