@@ -36,7 +36,9 @@ class Handler:
         self.server, self.center = server, center
 
     def serve(self, conn, header):
-        """Answer one `frame` frame whose header has been read; raise protocol.Refusal to end the connection."""
+        """Answer one `frame` frame whose header has been read, through the connection's frames (conn.frames:
+        float32 arrays in and out, whatever the codec); raise protocol.Declined to refuse the frame and go on,
+        protocol.Refusal to end the connection."""
         raise NotImplementedError
 
     def start_iteration(self, worker_id):
@@ -76,6 +78,14 @@ class EasgdHandler(Handler):
         self.lock = threading.Lock() if consistent else contextlib.nullcontext()
         self.copy_lock = self.send_lock = self.lock
         self.chunk = chunk
+
+    @classmethod
+    def of(cls, options, **kwargs):
+        """The rule of a job's ExchangeOptions: its moving rate, the rate's decay and floor, and the server factor
+        (kwargs: consistent, chunk)."""
+        return cls(options.moving_rate, server_factor=options.server_factor,
+                   moving_rate_gamma=options.moving_rate_gamma, moving_rate_step=options.moving_rate_step,
+                   moving_rate_limit=options.moving_rate_limit, **kwargs)
 
     def attach(self, server, center):
         super().attach(server, center)
@@ -125,8 +135,7 @@ class EasgdHandler(Handler):
                 reason = ("worker %d sent NaN or Inf parameters at iteration %d; reset from the center"
                           % (wid, h.iteration))
                 log.warning(reason)
-                conn.send_frame_bytes(P.encode_error(P.E_NONFINITE, reason, wid))
-                return
+                raise P.Declined(P.E_NONFINITE, reason)
             # Committed: counted before the reply so that a worker never sees its
             # exchange done before the server's books do.
             server.committed((wid,))
@@ -159,7 +168,7 @@ class RoundsHandler(Handler):
     workers        N: the AVERAGE frames of N workers for the same iteration form a round; the
                    center becomes their mean (rules.average_models, in worker-id order) and each
                    worker gets it back as CENTER
-    round_timeout  seconds a worker waits for the rest of its round (default: the server's idle_timeout)
+    round_timeout  seconds a worker waits for the rest of its round (default: the server's options' timeout)
 
     A round that cannot complete (a worker left, or round_timeout passed) is failed for
     every worker in it, with the reason. Every (re)joining worker restarts at the last

@@ -24,7 +24,8 @@ SLICE_FLOATS = 1 << 18
 PIPELINE_BYTES = 16 << 20
 APPLY_SLICE = 1 << 17
 SEAL_SLICE = 1 << 18
-TAG_AFTER = 1 << 16  # payload bytes past which a worker's frame has its tag sent after it (a small one: one syscall)
+# Payload bytes past which a worker's model frame has its tag sent after it (a small frame goes in one syscall).
+TAG_AFTER = 1 << 16
 
 
 def slice_floats(n, chunk=None):
