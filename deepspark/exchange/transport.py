@@ -3,6 +3,7 @@
 import math
 import mmap
 import socket
+import weakref
 
 import numpy as np
 
@@ -331,7 +332,9 @@ class Float32Frames:
     coded_bytes = None  # a model frame is model_bytes long
 
     def __init__(self, conn):
-        self.conn = conn
+        # A proxy, not a reference: with no cycle between them, a connection's buffers are unmapped as soon as its
+        # thread lets go of it, not at the next garbage collection (bench/exchange_load.py's reconnect loop).
+        self.conn = weakref.proxy(conn)
         self._received = 0  # bytes of parameters read ahead (prefetch_params)
 
     def restart(self, values=None):
