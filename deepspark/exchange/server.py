@@ -14,7 +14,7 @@ from . import handshake
 from . import protocol as P
 from .history import HistoryHandler
 from .options import ExchangeOptions
-from .transport import Connection, PeerClosed, byte_view, tune
+from .transport import Connection, PeerClosed, tune
 
 log = logging.getLogger("deepspark.exchange.server")
 
