@@ -70,14 +70,13 @@ def _status():
 def serve(n):
     """The exchange server as a job runs it, answering one JSON line per request on stdin: status, check, stop."""
     from deepspark import rules
-    from deepspark.exchange import ExchangeServer
+    from deepspark.exchange import ExchangeOptions, ExchangeServer
     from deepspark.proto import deepspark_pb2 as pb
     from deepspark.spark import easgd
 
     ds = pb.DeepSparkParameter()  # the defaults a job runs with
     center = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    server = ExchangeServer(center, SECRET, easgd.handler(ds), host=HOST, idle_timeout=ds.exchange_timeout,
-                            integrity=ds.exchange_integrity).start()
+    server = ExchangeServer(center, SECRET, easgd.handler(ds), host=HOST, options=ExchangeOptions.of(ds)).start()
     del center  # as the job's driver frees the temporaries it built the flat center from
     snapshot = server.pull()  # made (and paged in) now, so the final check adds nothing to RSS
 

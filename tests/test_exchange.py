@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from deepspark import rules
-from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer, NonFiniteError, RefusedError
+from deepspark.exchange import (EasgdHandler, ExchangeClient, ExchangeOptions, ExchangeServer, NonFiniteError,
+                                OverlappedExchange, RefusedError)
 from deepspark.exchange import protocol as P
 from deepspark.exchange.transport import PIPELINE_BYTES, RECV_SLICE, SLICE_FLOATS, slice_floats
+from deepspark.proto import deepspark_pb2 as pb
 
 import reference
 
@@ -28,7 +30,7 @@ def make_center(n=N):
 @pytest.fixture
 def server():
     srv = ExchangeServer(make_center(), SECRET, EasgdHandler(0.5, consistent=True, chunk=64), shapes=SHAPES,
-                         handshake_timeout=0.3, idle_timeout=10.0).start()
+                         handshake_timeout=0.3, timeout=10.0).start()
     yield srv
     srv.stop()
 
@@ -240,6 +242,90 @@ def test_overlapped_exchange_applies_difference_of_the_snapshot(server):
         client.exchange_async(params)
         assert client.wait(params)
         assert client.exchanges == 2
+
+
+class Worker:
+    """A worker's parameters outside the exchange (as a backend holds them), read and written as OverlappedExchange
+    reads and writes a model's."""
+
+    def __init__(self, values):
+        self.values = values.copy()
+        self.reads = self.writes = 0
+
+    def read(self, out):
+        self.reads += 1
+        np.copyto(out, self.values)
+        return out
+
+    def write(self, params):
+        self.writes += 1
+        np.copyto(self.values, params)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlapped_exchange_start_poll_finish(server, overlap):
+    """start() sends the snapshot and returns (the worker steps on); poll() applies d = α(snapshot − x̃) to the
+    current parameters once it is back; a second start() applies the first first, so that its snapshot holds it;
+    `before` runs with nothing in flight; finish() applies what is in flight and sends the final state."""
+    center = server.pull()
+    alpha = np.float32(0.5)
+    with ExchangeClient(server.address, SECRET, 2, shapes=SHAPES) as client:
+        worker = Worker(np.ones(N, np.float32))
+        exchange = OverlappedExchange(client, worker.read, worker.write, np.empty(N, np.float32), overlap=overlap)
+        assert not exchange.poll()  # nothing in flight
+        in_flight = []
+        exchange.start(1, 0.5, before=lambda: in_flight.append(client.pending))
+        snapshot = np.ones(N, np.float32)
+        d = alpha * (snapshot - center)
+        center = center + d
+        worker.values += 1.0  # the backend's next steps
+        if overlap:
+            wait_for(lambda: client.ready)
+            assert exchange.poll() and not client.pending
+        np.testing.assert_array_equal(worker.values, snapshot + 1.0 - d)
+        np.testing.assert_array_equal(server.pull(), center)
+        snapshot = worker.values.copy()
+        exchange.start(2, 0.5, before=lambda: in_flight.append(client.pending))
+        d = alpha * (snapshot - center)
+        center = center + d
+        worker.values += 1.0
+        final = worker.values.copy()
+        if overlap:
+            final -= d  # finish applies the second difference before the final exchange
+        exchange.finish(3, 0.5, before=lambda: in_flight.append(client.pending))
+        d_final = alpha * (final - center)
+        np.testing.assert_array_equal(server.pull(), center + d_final)
+        assert in_flight == [False, False, False] and client.exchanges == 3
+        assert client.blocked_seconds > 0
+
+
+def test_exchange_options_come_from_the_schema():
+    """One value of the exchanger's knobs, read from DeepSparkParameter: the schema's defaults, a job's own
+    values, changes over them; the server and the client take theirs from it."""
+    defaults = pb.DeepSparkParameter()
+    options = ExchangeOptions.of()
+    assert (options.codec, options.integrity, options.timeout) == \
+        ("float32", defaults.exchange_integrity, defaults.exchange_timeout)
+    assert options.moving_rate == defaults.moving_rate and options.server_factor == defaults.server_factor
+    ds = pb.DeepSparkParameter(exchange_codec=pb.DeepSparkParameter.INT8, exchange_integrity=False,
+                               exchange_timeout=7.0, moving_rate=0.25, moving_rate_step=3)
+    options = ExchangeOptions.of(ds, timeout=9.0)
+    assert (options.codec, options.integrity, options.timeout, options.moving_rate_step) == ("int8", False, 9.0, 3)
+    assert options.but(codec="float16").codec == "float16" and options.but() is options
+    with pytest.raises(ValueError, match="unknown exchange codec"):
+        ExchangeOptions.of(codec="float8")
+    with pytest.raises(TypeError):
+        ExchangeOptions.of(idle_timeout=3.0)
+    handler = EasgdHandler.of(options)
+    assert handler.base_moving_rate == 0.25 and handler.decay == (1.0, 3, 0.0)
+    with ExchangeServer(make_center(), SECRET, handler, options=options, shapes=SHAPES) as srv:
+        assert (srv.idle_timeout, srv.integrity, srv.codec.name) == (9.0, False, "int8")
+        client = ExchangeClient(srv.address, SECRET, 0, options=options, shapes=SHAPES)
+        assert (client.timeout, client.integrity, client.codec.name) == (9.0, False, "int8")
+        with client:
+            x = np.zeros(N, np.float32)
+            client.exchange(x)  # the same options on both ends: they speak
+            assert client.exchanges == 1
 
 
 def test_params_must_be_flat_float32(server):
@@ -474,7 +560,7 @@ def test_non_finite_payload_is_refused_and_the_worker_told(server, good, bad):
 
 
 def test_worker_dropped_for_idling_rejoins_and_resumes_from_the_center():
-    srv = ExchangeServer(make_center(), SECRET, EasgdHandler(0.5, consistent=True), idle_timeout=0.3).start()
+    srv = ExchangeServer(make_center(), SECRET, EasgdHandler(0.5, consistent=True), timeout=0.3).start()
     try:
         client = ExchangeClient(srv.address, SECRET, 3, backoff=0.01)
         x = np.zeros(N, dtype=np.float32)

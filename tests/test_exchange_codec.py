@@ -19,7 +19,7 @@ CODED = ["float16", "bfloat16", "int8", "int4"]
 
 def coded_server(codec, alpha=0.5, **kwargs):
     return ExchangeServer(make_center(), SECRET, EasgdHandler(alpha, consistent=True), shapes=SHAPES, codec=codec,
-                          handshake_timeout=0.5, idle_timeout=10.0, **kwargs).start()
+                          handshake_timeout=0.5, timeout=10.0, **kwargs).start()
 
 
 def decoded(codec, values):

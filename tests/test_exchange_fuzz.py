@@ -112,7 +112,7 @@ def _drain(sock):
 
 def test_live_server_survives_fuzzed_frames():
     center = np.linspace(-1, 1, N, dtype=np.float32)
-    srv = ExchangeServer(center, SECRET, EasgdHandler(0.5), handshake_timeout=0.5, idle_timeout=0.5).start()
+    srv = ExchangeServer(center, SECRET, EasgdHandler(0.5), handshake_timeout=0.5, timeout=0.5).start()
     good = ExchangeClient(srv.address, SECRET, 1)
     before = srv.pull()
 

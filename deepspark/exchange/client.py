@@ -13,6 +13,7 @@ from .. import rules
 from . import codec as C
 from . import handshake
 from . import protocol as P
+from .options import ExchangeOptions
 from .transport import Connection, apply_floats, byte_view, tune
 
 log = logging.getLogger("deepspark.exchange.client")
@@ -22,7 +23,6 @@ RESET = "reset"      # parameters were replaced by the center (non-finite refusa
 # Refusals that only mean "this connection is over": the worker rejoins (a frame changed on the way,
 # by a bad network or someone on it, ends that connection; a new one is authenticated again).
 _CONNECTION_LOST = (P.E_TIMEOUT, P.E_SHUTDOWN, P.E_INTEGRITY)
-TAG_AFTER = 1 << 16  # payload bytes past which a frame's tag is sent after it (a small frame goes in one syscall)
 
 
 class NonFiniteError(P.RefusedError):
@@ -36,21 +36,23 @@ class Link:
     address      (host, port) of the ExchangeServer, or "host:port"
     secret       the per-job secret
     worker_id    this worker's id (uint32)
+    options      ExchangeOptions (default: the schema's), as the server's: its timeout is the seconds to wait
+                 on the server before treating the connection as lost; integrity: tagged frames after the
+                 handshake (a reply that fails its tag ends the connection; the worker rejoins and resets
+                 from the center); codec: how model frames travel (codec.CODECS: float32, float16, bfloat16,
+                 int8, int4), a PULL's center always coming whole, in float32
+    **changes    options' fields over `options` (tests: integrity=False, timeout=0.5)
     shapes       blob shapes for the model fingerprint (default: one flat blob of the params' size)
-    timeout      seconds to wait on the server before treating the connection as lost
+    connect_timeout  seconds one connection attempt may take
     retries      connection attempts (with exponential back-off from `backoff` to `max_backoff`)
     on_nonfinite "reset": replace the parameters with the center; "raise": NonFiniteError
-    integrity    as the server's: tagged frames after the handshake (a reply that fails its tag ends the
-                 connection; the worker rejoins and resets from the center)
     history_sets as the server's: the worker's solver history is this many model-sized vectors
                  (send_history, pull_history); 0 exchanges none
-    codec        as the server's: how model frames travel (codec.CODECS: float32, float16, bfloat16, int8,
-                 int4); a PULL's center always comes whole, in float32
+    chunk        floats per slice of x −= d as d arrives (default: transport.apply_floats)
     """
 
-    def __init__(self, address, secret, worker_id, *, shapes=None, timeout=120.0,
-                 connect_timeout=10.0, retries=8, backoff=0.05, max_backoff=2.0,
-                 on_nonfinite="reset", chunk=None, integrity=True, history_sets=0, codec="float32"):
+    def __init__(self, address, secret, worker_id, *, options=None, shapes=None, connect_timeout=10.0, retries=8,
+                 backoff=0.05, max_backoff=2.0, on_nonfinite="reset", chunk=None, history_sets=0, **changes):
         if on_nonfinite not in ("reset", "raise"):
             raise ValueError("on_nonfinite must be 'reset' or 'raise'")
         if isinstance(address, str):
@@ -62,13 +64,14 @@ class Link:
         if not 0 <= self.worker_id < 2 ** 32:
             raise ValueError("worker_id must fit in 32 bits")
         self._shapes = None if shapes is None else P.normalize_shapes(shapes)
-        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.options = options = (options or ExchangeOptions.of()).but(**changes)
+        self.timeout, self.connect_timeout = options.timeout, connect_timeout
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.on_nonfinite = on_nonfinite
         self._chunk = chunk
-        self.integrity = bool(integrity)  # as the server's: tag every frame after the handshake
+        self.integrity = options.integrity  # as the server's: tag every frame after the handshake
         self.history_sets = int(history_sets)
-        self.codec = C.get(codec)
+        self.codec = C.get(options.codec)
         # The server asked for this worker's solver history (a reply's F_SEND_HISTORY): send_history it
         # once no exchange is in flight. Set by the thread that read the reply, before the result is handed over.
         self.history_wanted = False
@@ -108,10 +111,8 @@ class Link:
                 raise ValueError("params hold %d values, shapes %d" % (size, n))
             self._fingerprint = P.fingerprint(self._shapes)
             self._apply_step = apply_floats(n, self._chunk)
-            self._conn = Connection(None, "%s:%d" % self.address, self.worker_id).allocate(n)
+            self._conn = Connection(None, "%s:%d" % self.address, self.worker_id).allocate(n, codec=self.codec.name)
             self._conn.history_bytes = 4 * self.history_sets * n
-            if self.codec.name != "float32":
-                self._conn.channel = C.Channel(self.codec, n)
         delay = self.backoff
         for attempt in range(1, self.retries + 1):
             try:
@@ -136,16 +137,17 @@ class Link:
         bound = bytes([P.CODEC_IDS[self.codec.name]]) + self._fingerprint  # the codec, then the model
         self.server_iteration = self.resume_iteration = handshake.join(
             conn, self._secret, self.worker_id, bound, self.integrity, "%s:%d" % self.address)
-        if conn.channel is not None:
-            conn.channel.restart()  # as the server's new connection starts it
+        conn.frames.restart()  # as the server's new connection starts it
         conn.sock.settimeout(self.timeout)
 
-    def _request(self, type_, payload=None, iteration=0, value=math.nan, reply=None):
-        """Send a frame and read the header of its reply, which must be a `reply` frame; an ERROR frame
-        becomes RefusedError (NonFiniteError for non-finite parameters)."""
-        # A model's tag goes after its payload: the server hashes each slice as it arrives while this side hashes
-        # what it sent, rather than after this side has hashed it all.
-        self._conn.send(type_, payload, iteration, value, tag_after=payload is not None and len(payload) > TAG_AFTER)
+    def _request(self, type_, params=None, iteration=0, value=math.nan, reply=None):
+        """Send a frame (with the parameters `params`, in the job's codec) and read the header of its reply,
+        which must be a `reply` frame; an ERROR frame becomes RefusedError (NonFiniteError for non-finite
+        parameters)."""
+        if params is None:
+            self._conn.send(type_, None, iteration, value)
+        else:
+            self._conn.frames.send_params(type_, params, iteration, value)
         h = self._conn.read_header(len(self._conn.view))
         error = handshake.refused(self._conn, h)
         if error is not None:
@@ -205,35 +207,27 @@ class Link:
 
     def _exchange_once(self, send_from, apply_to, iteration, loss):
         conn = self._conn
-        buf, channel = conn.buf, conn.channel
-        h = self._request(P.EXCHANGE, byte_view(send_from) if channel is None else channel.send_toward(send_from),
-                          iteration, loss, reply=P.DIFF)
+        h = self._request(P.EXCHANGE, send_from, iteration, loss, reply=P.DIFF)
         self.server_iteration = h.iteration
         self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
-        if channel is not None:
-            # A coded d comes whole (a quarter of float32's bytes or less) and is checked as it decodes;
-            # one that does not decode (CodecError, a ProtocolError) makes the round trip rejoin.
-            conn.receive(channel.payload)
-            channel.receive_difference(buf)
-            if apply_to is not None:
-                rules.apply_to_worker(apply_to, buf)
-        elif apply_to is None:
-            conn.receive(conn.view)
+        if apply_to is None:
+            conn.frames.receive_difference()
         else:
+            buf = conn.buf
+
             def apply(start, end):
                 rules.apply_to_worker(apply_to[start:end], buf[start:end])
             # x −= d slice by slice while the rest of d is still arriving; a d that fails its check
-            # (ProtocolError) makes the round trip rejoin and reset x from the center.
-            conn.receive(conn.view, apply, self._apply_step)
+            # (ProtocolError, or a coded one that does not decode) makes the round trip rejoin and reset x
+            # from the center.
+            conn.frames.receive_difference(apply, self._apply_step)
         self.exchanges += 1
         return APPLIED
 
     def _pull_into(self, out):
         h = self._request(P.PULL, reply=P.CENTER)
-        self._conn.receive(byte_view(out))
+        self._conn.frames.receive_center(out)  # where the server's picture of this worker now starts
         self.server_iteration = h.iteration
-        if self._conn.channel is not None:
-            self._conn.channel.restart(out)  # where the server's picture of this worker now starts
         return out
 
 
@@ -270,16 +264,8 @@ class ExchangeClient(Link):
         params = _check_params(params)
         with self.blocking():
             self._ensure(params.size)
-            conn, channel = self._conn, self._conn.channel
-            h = self._request(P.AVERAGE, byte_view(params) if channel is None else channel.send_toward(params),
-                              iteration, loss, reply=P.CENTER)
-            if bool(h.flags & P.F_CODED) != (channel is not None):
-                raise P.ProtocolError("a CENTER %s the job's codec" % ("outside" if channel else "in"))
-            if channel is None:
-                conn.receive(byte_view(params))
-            else:
-                conn.receive(channel.payload)
-                channel.receive_toward(params)
+            h = self._request(P.AVERAGE, params, iteration, loss, reply=P.CENTER)
+            self._conn.frames.receive_mean(h, params)
             self.server_iteration = h.iteration
             self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
             self.exchanges += 1
@@ -446,6 +432,68 @@ class ExchangeClient(Link):
 
     def __exit__(self, *exc):
         self.close()
+
+
+class OverlappedExchange:
+    """A worker's elastic exchanges through its whole training loop, each overlapped with its next steps (the
+    client's exchange_async): start() every period, poll() after every step, finish() at the end.
+
+    client    the worker's ExchangeClient
+    read      read(out): the worker's parameters into `out` (a flat float32 vector), returned
+    write     write(params): `params` back into the worker
+    params    the vector they are read into
+    overlap   False: every exchange blocks (start returns with it applied)
+
+    Reading the parameters out and writing a result back count as blocked on the exchange
+    (client.blocked_seconds): the worker's own part of one, which its steps wait on as they
+    wait on the wire. `before` (start, finish) runs once no exchange is in flight, just before
+    the next is sent: the worker's solver history goes there, never while one is in flight.
+    """
+
+    def __init__(self, client, read, write, params, overlap=True):
+        self.client, self._read, self._write, self.params, self.overlap = client, read, write, params, overlap
+
+    def _read_params(self):
+        with self.client.blocking():
+            self.params = self._read(self.params)
+
+    def _write_params(self):
+        with self.client.blocking():
+            self._write(self.params)
+
+    def poll(self):
+        """The exchange in flight applied to the worker if its result has arrived, without waiting; True if so."""
+        if not self.client.ready:
+            return False
+        self._read_params()
+        self.client.poll(self.params)
+        self._write_params()
+        return True
+
+    def start(self, iteration, loss, before=None):
+        """The exchange in flight applied first (waiting for it), so that the snapshot includes it; before();
+        then a snapshot of the parameters sent, and back at once (overlap), or exchanged and applied."""
+        client = self.client
+        self._read_params()
+        if client.pending:
+            client.wait(self.params)
+            self._write_params()
+        if before is not None:
+            before()
+        if self.overlap:
+            client.exchange_async(self.params, iteration, loss)
+        else:
+            client.exchange(self.params, iteration, loss)
+            self._write_params()
+
+    def finish(self, iteration, loss, before=None):
+        """The exchange in flight applied, before(), then one last blocking exchange: the center gets the
+        worker's final state."""
+        self._read_params()
+        self.client.wait(self.params)
+        if before is not None:
+            before()
+        self.client.exchange(self.params, iteration, loss)
 
 
 class _Overlap:

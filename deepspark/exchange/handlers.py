@@ -8,7 +8,7 @@ import time
 from .. import rules
 from . import codec as C
 from . import protocol as P
-from .transport import byte_view, slice_floats
+from .transport import slice_floats
 
 log = logging.getLogger("deepspark.exchange.handlers")
 
@@ -36,7 +36,9 @@ class Handler:
         self.server, self.center = server, center
 
     def serve(self, conn, header):
-        """Answer one `frame` frame whose header has been read; raise protocol.Refusal to end the connection."""
+        """Answer one `frame` frame whose header has been read, through the connection's frames (conn.frames:
+        float32 arrays in and out, whatever the codec); raise protocol.Declined to refuse the frame and go on,
+        protocol.Refusal to end the connection."""
         raise NotImplementedError
 
     def start_iteration(self, worker_id):
@@ -77,6 +79,14 @@ class EasgdHandler(Handler):
         self.copy_lock = self.send_lock = self.lock
         self.chunk = chunk
 
+    @classmethod
+    def of(cls, options, **kwargs):
+        """The rule of a job's ExchangeOptions: its moving rate, the rate's decay and floor, and the server factor
+        (kwargs: consistent, chunk)."""
+        return cls(options.moving_rate, server_factor=options.server_factor,
+                   moving_rate_gamma=options.moving_rate_gamma, moving_rate_step=options.moving_rate_step,
+                   moving_rate_limit=options.moving_rate_limit, **kwargs)
+
     def attach(self, server, center):
         super().attach(server, center)
         self.step, self.span = slice_floats(center.size, self.chunk)
@@ -90,7 +100,7 @@ class EasgdHandler(Handler):
     def serve(self, conn, h):
         started = time.monotonic()  # the header has just arrived
         server, center = self.server, self.center
-        buf, view, ok, wid = conn.buf, conn.view, conn.ok, conn.worker_id
+        buf, ok, wid = conn.buf, conn.ok, conn.worker_id
         n, step = center.size, self.step
         count = server.exchanges
         alpha = rules.decayed(self.base_moving_rate, *self.decay, count)
@@ -107,31 +117,25 @@ class EasgdHandler(Handler):
                 if finite and not rules.all_finite(seg, ok[:hi - lo]):
                     finite = False
 
-        channel = conn.channel
-        if channel is None:
-            received = conn.fill(view) if self.consistent else 0  # outside the lock: a slow sender holds up nobody
-        else:
-            # A coded x comes whole, outside the lock, its tag checked; x is the server's picture of the worker.
-            conn.receive(channel.payload)
-            try:
-                channel.receive_toward(buf)
-            except C.CodecError:
-                finite = False
+        frames = conn.frames
+        try:
+            # Outside the lock: a consistent server reads x whole first (a slow sender holds up nobody); a coded
+            # x always comes whole, its tag checked, and decodes to the server's picture of the worker.
+            frames.prefetch_params(self.consistent)
+        except C.CodecError:
+            finite = False
         with self.lock:
-            if channel is None:
+            if finite:
                 # d = α(x − x̃) slice by slice as x arrives, in its receive buffer; a frame changed on the way
                 # raises here, before anything has touched the center.
-                conn.receive(view, difference, step, received)
-            elif finite:
-                difference(0, n)
+                frames.receive_params(difference, step)
             if not finite:
                 # Nothing has touched the center yet: refuse, keep the connection.
                 server.count(wid, "refused_nonfinite")
                 reason = ("worker %d sent NaN or Inf parameters at iteration %d; reset from the center"
                           % (wid, h.iteration))
                 log.warning(reason)
-                conn.send_frame_bytes(P.encode_error(P.E_NONFINITE, reason, wid))
-                return
+                raise P.Declined(P.E_NONFINITE, reason)
             # Committed: counted before the reply so that a worker never sees its
             # exchange done before the server's books do.
             server.committed((wid,))
@@ -139,27 +143,13 @@ class EasgdHandler(Handler):
             server.record(wid, latency=time.monotonic() - started)
 
     def _reply(self, conn, count):
-        """DIFF d to the worker and x̃ += server_factor·d, overlapped."""
-        center, buf, scratch, span, factor = self.center, conn.buf, conn.scratch, self.span, self.server_factor
-        flags = self.server.history.reply_flags(conn.worker_id)
-        if conn.channel is not None:
-            # The worker gets d in the codec, with what earlier replies' rounding left out; x̃ gets d exact.
-            conn.send(P.DIFF, conn.channel.send_difference(buf), iteration=count, tag_after=True, flags=flags)
-            for start in range(0, center.size, span):
-                end = min(start + span, center.size)
-                rules.apply_to_center(center[start:end], buf[start:end], factor, scratch[:end - start])
-            return
-        if span >= center.size:
-            # Reply first, then add d to x̃: the add overlaps the worker's own
-            # x −= d. This worker's next frame is read only after the add.
-            conn.send(P.DIFF, conn.view, iteration=count, tag_after=True, flags=flags)
-            rules.apply_to_center(center, buf, factor, scratch)
-            return
+        """DIFF d to the worker and x̃ += server_factor·d, overlapped (the transport's send_difference says how)."""
+        center, buf, scratch, factor = self.center, conn.buf, conn.scratch, self.server_factor
 
-        def add(start, end):  # big models: add and send slice by slice, so the worker applies while we add
+        def add(start, end):
             rules.apply_to_center(center[start:end], buf[start:end], factor, scratch[:end - start])
 
-        conn.send_sliced(P.DIFF, conn.view, span, add, iteration=count, flags=flags)
+        conn.frames.send_difference(count, self.server.history.reply_flags(conn.worker_id), self.span, add)
 
 
 class _Round:
@@ -178,7 +168,7 @@ class RoundsHandler(Handler):
     workers        N: the AVERAGE frames of N workers for the same iteration form a round; the
                    center becomes their mean (rules.average_models, in worker-id order) and each
                    worker gets it back as CENTER
-    round_timeout  seconds a worker waits for the rest of its round (default: the server's idle_timeout)
+    round_timeout  seconds a worker waits for the rest of its round (default: the server's options' timeout)
 
     A round that cannot complete (a worker left, or round_timeout passed) is failed for
     every worker in it, with the reason. Every (re)joining worker restarts at the last
@@ -227,16 +217,12 @@ class RoundsHandler(Handler):
 
     def serve(self, conn, h):
         """Add x to the round of its iteration; once all N are in, every worker gets their mean."""
-        wid, channel = conn.worker_id, conn.channel
-        if channel is None:
-            conn.receive(conn.view)
+        wid = conn.worker_id
+        try:
+            conn.frames.receive_params()  # the worker's x as the server sees it
             finite = rules.all_finite(conn.buf)
-        else:
-            conn.receive(channel.payload)
-            try:
-                finite = rules.all_finite(channel.receive_toward(conn.buf))  # the worker's x as the server sees it
-            except C.CodecError:
-                finite = False
+        except C.CodecError:
+            finite = False
         if not finite:
             # A round cannot go on without this worker's parameters: it fails for everyone.
             raise P.Refusal(P.E_NONFINITE, "worker %d sent NaN or Inf parameters at iteration %d; "
@@ -272,12 +258,7 @@ class RoundsHandler(Handler):
                 raise P.Refusal(P.E_TIMEOUT, rnd.failure)
             # The center changes again only when a round completes, which needs this
             # worker's next frame: sending it outside the lock is safe (and so is a PULL's).
-        flags = self.server.history.reply_flags(wid)
-        if channel is None:
-            conn.send(P.CENTER, byte_view(self.center), iteration=h.iteration, tag_after=True, flags=flags)
-        else:  # the mean in the codec: the worker's picture of it, and so its parameters, move by what decodes
-            conn.send(P.CENTER, channel.send_toward(self.center), iteration=h.iteration, tag_after=True,
-                      flags=flags | P.F_CODED)
+        conn.frames.send_mean(self.center, h.iteration, self.server.history.reply_flags(wid))
 
     def left(self, worker_id):
         """An open round it is in, or that waits for it, can never complete (the server calls this for a

@@ -112,6 +112,14 @@ class Refusal(Exception):
         self.code = code
 
 
+class Declined(Exception):
+    """This side declines one frame: an ERROR frame with `code` goes back, and the connection goes on."""
+
+    def __init__(self, code, reason):
+        super().__init__(reason)
+        self.code = code
+
+
 class RefusedError(Exception):
     """The peer sent an ERROR frame; `code` says why (see ERROR_NAMES)."""
 

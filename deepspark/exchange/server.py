@@ -13,7 +13,8 @@ from . import codec as C
 from . import handshake
 from . import protocol as P
 from .history import HistoryHandler
-from .transport import Connection, PeerClosed, byte_view, tune
+from .options import ExchangeOptions
+from .transport import Connection, PeerClosed, tune
 
 log = logging.getLogger("deepspark.exchange.server")
 
@@ -25,30 +26,30 @@ class ExchangeServer:
     secret        the per-job secret (str or bytes) both sides prove they hold
     handler       the application: handlers.EasgdHandler (asynchronous EASGD on EXCHANGE frames)
                   or handlers.RoundsHandler (synchronous averaging rounds on AVERAGE frames)
+    options       ExchangeOptions (default: the schema's): its timeout is the idle timeout (seconds an
+                  authenticated worker may stay silent before it is dropped; set it above the longest expected
+                  period: a dropped worker rejoins from x̃); integrity: tag every frame after the handshake and
+                  refuse one whose tag fails (the center untouched); codec: how model frames travel, the
+                  center's arithmetic staying float32 whatever it is. The workers' clients must say the same
+    **changes     options' fields over `options` (tests: integrity=False, codec="int8", timeout=0.5)
     shapes        blob shapes for the model fingerprint (default: one flat blob)
     resume_iteration  the iteration a worker id never seen before starts from (a resumed job's);
                   a rejoining worker is told its own last reported iteration instead, unless
                   the handler says otherwise
-    idle_timeout  seconds an authenticated worker may stay silent before it is dropped (set it
-                  above the longest expected period; a dropped worker rejoins from x̃)
     handshake_timeout  seconds a new connection has to complete the handshake
     max_handshakes  connections in their handshake at once; one more is closed as it is accepted,
                   unanswered (and noted in `refused`), so that strangers that connect and stay silent
                   hold at most this many threads, each for handshake_timeout
-    integrity     tag every frame after the handshake and refuse one whose tag fails (the
-                  center untouched); the workers' clients must say the same
     history_sets  the workers' solver history is this many model-sized vectors (Caffe's SolverState
                   history: 1 for SGD, 2 for Adam); 0 keeps none. The server then holds one history
                   per worker (history.HistoryHandler) for the driver's snapshots, and hands it back
                   to a worker that asks as it joins
     histories     {worker id: (iteration, current_step, float32 vector)} to hold from the start
-    codec         how model frames travel (codec.CODECS); the workers' clients must say the same. The
-                  center's arithmetic stays float32 whatever the codec
     """
 
-    def __init__(self, center, secret, handler, host="127.0.0.1", port=0, *, shapes=None,
-                 resume_iteration=0, idle_timeout=3600.0, handshake_timeout=10.0, max_handshakes=64,
-                 integrity=True, history_sets=0, histories=None, codec="float32"):
+    def __init__(self, center, secret, handler, host="127.0.0.1", port=0, *, options=None, shapes=None,
+                 resume_iteration=0, handshake_timeout=10.0, max_handshakes=64, history_sets=0, histories=None,
+                 **changes):
         center = np.asarray(center)
         if not np.issubdtype(center.dtype, np.floating) or center.size == 0:
             raise ValueError("center must be a non-empty float array")
@@ -62,12 +63,13 @@ class ExchangeServer:
         self._fingerprint = P.fingerprint(self._shapes)
         self._secret = P.as_secret(secret)
         self.resume_iteration = int(resume_iteration)
-        self.idle_timeout = idle_timeout
+        self.options = options = (options or ExchangeOptions.of()).but(**changes)
+        self.idle_timeout = options.timeout
         self.handshake_timeout = handshake_timeout
         self.max_handshakes = int(max_handshakes)
         self._handshaking = 0  # connections accepted and not yet through their handshake (under _books)
-        self.integrity = bool(integrity)  # tag every frame after the handshake (transport.Connection.seal)
-        self.codec = C.get(codec)
+        self.integrity = options.integrity  # tag every frame after the handshake (transport.Connection.seal)
+        self.codec = C.get(options.codec)
         self.history = HistoryHandler(int(history_sets) * self._center.size, histories)
         self._host, self._port = host, port
         self._books = threading.Lock()  # bookkeeping only, never held during the update
@@ -237,17 +239,7 @@ class ExchangeServer:
     def send_center(self, conn):
         """The reply to PULL: x̃ as it is, in float32 whatever the codec (the worker starts over from it)."""
         with self.handler.send_lock:
-            if conn.channel is not None:
-                np.copyto(conn.buf, self._center)  # lock-free, x̃ moves: both ends start from what went out
-                conn.send(P.CENTER, conn.view, iteration=self._exchanges, tag_after=True)
-                conn.channel.restart(conn.buf)
-            elif conn.sealed:
-                # Lock-free, other workers move x̃ while it is sent: the tag must cover the bytes that went
-                # out, so a snapshot in this connection's buffer (free: the worker waits) goes.
-                np.copyto(conn.buf, self._center)
-                conn.send(P.CENTER, conn.view, iteration=self._exchanges, tag_after=True)
-            else:
-                conn.send(P.CENTER, byte_view(self._center), iteration=self._exchanges)
+            conn.frames.send_center(self._center, self._exchanges)
 
 
 class Session:
@@ -269,9 +261,7 @@ class Session:
             server._handshake_over()
             handshaking = False
             sock.settimeout(server.idle_timeout)
-            conn.allocate(server.size, server.handler.scratch)
-            if server.codec.name != "float32":
-                conn.channel = C.Channel(server.codec, server.size)
+            conn.allocate(server.size, server.handler.scratch, server.codec.name)
             self.loop()
         except (P.Refusal, P.ProtocolError) as e:
             self.refuse(e.code, str(e))
@@ -349,7 +339,10 @@ class Session:
             me["last_contact"] = time.monotonic()
             if h.type == handler.frame:
                 conn.on_verified = lambda: Session.note(me, h)  # no cycle through this Session to conn
-                handler.serve(conn, h)  # which verifies the frame before the center moves
+                try:
+                    handler.serve(conn, h)  # which verifies the frame before the center moves
+                except P.Declined as e:
+                    conn.send_frame_bytes(P.encode_error(e.code, str(e), wid))
             elif h.type in history.frames:
                 history.serve(conn, h)
             elif h.type == P.PULL:

@@ -1,11 +1,13 @@
-"""Socket plumbing shared by the exchange server and client: per-connection buffers, exact reads, receive-while-applying, scatter sends."""
+"""The exchange's transport, shared by the server and the client: per-connection buffers, exact reads, receive-while-applying, scatter sends, the seal, and model frames in the job's codec (the application sees float32 arrays)."""
 
 import math
 import mmap
 import socket
+import weakref
 
 import numpy as np
 
+from . import codec as C
 from . import protocol
 
 
@@ -23,6 +25,8 @@ SLICE_FLOATS = 1 << 18
 PIPELINE_BYTES = 16 << 20
 APPLY_SLICE = 1 << 17
 SEAL_SLICE = 1 << 18
+# Payload bytes past which a worker's model frame has its tag sent after it (a small frame goes in one syscall).
+TAG_AFTER = 1 << 16
 
 
 def slice_floats(n, chunk=None):
@@ -152,7 +156,7 @@ class Connection:
         self.tag = memoryview(bytearray(protocol.TAG_SIZE))              # the tag being read
         self.buf = self.view = self.ok = self.scratch = None
         self.history_bytes = 0       # a HISTORY frame's payload: 0 while solver history is not exchanged
-        self.channel = None          # codec.Channel of a job whose codec is not float32
+        self.frames = Float32Frames(self)  # model frames in the job's codec (allocate)
         self.sent_bytes = self.received_bytes = 0  # on the wire, headers and tags included
         self.unseal()
 
@@ -224,20 +228,22 @@ class Connection:
         self.receive(view)
         return view
 
-    def allocate(self, n, scratch=0):
+    def allocate(self, n, scratch=0, codec="float32"):
         """The model buffer (x in, d or the mean out, in place) and `scratch` floats of scratch space, each on
-        a mapping of its own (`mapped`); scratch pages never touched (server_factor 1) take no memory."""
+        a mapping of its own (`mapped`); scratch pages never touched (server_factor 1) take no memory. Model
+        frames then travel in `codec` (a name of codec.CODECS)."""
         self.buf = mapped(n, np.float32)
         self.view = byte_view(self.buf)
         self.ok = mapped(scratch, bool)               # rules.all_finite's
         self.scratch = mapped(scratch, np.float32)    # rules.apply_to_center's
+        codec = C.get(codec)
+        self.frames = Float32Frames(self) if codec.name == "float32" else CodedFrames(self, C.Channel(codec, n))
         return self
 
     def read_header(self, model_bytes):
         """The next header, validated (model frames must be exactly `model_bytes` long); a sealed frame
         without a payload is verified here, one with a payload by `receive`."""
-        h = recv_header(self.sock, self.header, model_bytes, self.history_bytes,
-                        None if self.channel is None else len(self.channel.payload))
+        h = recv_header(self.sock, self.header, model_bytes, self.history_bytes, self.frames.coded_bytes)
         self.received_bytes += protocol.HEADER_SIZE + h.length + (protocol.TAG_SIZE if self._in is not None else 0)
         if self._in is not None:
             self._reading = self._in.begin(self.header)
@@ -312,3 +318,147 @@ class Connection:
         if self._sending is not None:
             mac, self._sending = self._sending, None
             self.sock.sendall(mac.digest())
+
+
+class Float32Frames:
+    """A connection's model frames in float32: a payload is an array's own bytes, received into the connection's
+    buffer slice by slice while the application applies what is in (recv_applying), sealed as it goes.
+
+    Parameters out (EXCHANGE, AVERAGE) and the elastic difference d back (DIFF), the round's mean back
+    (CENTER, the reply to AVERAGE) and the center whole (CENTER, the reply to PULL): each has a send and a
+    receive here, the same names in CodedFrames, so that the application never sees the codec.
+    """
+
+    coded_bytes = None  # a model frame is model_bytes long
+
+    def __init__(self, conn):
+        # A proxy, not a reference: with no cycle between them, a connection's buffers are unmapped as soon as its
+        # thread lets go of it, not at the next garbage collection (bench/exchange_load.py's reconnect loop).
+        self.conn = weakref.proxy(conn)
+        self._received = 0  # bytes of parameters read ahead (prefetch_params)
+
+    def restart(self, values=None):
+        """Both ends start over (a new connection: zeros; a PULL: `values`, the center sent whole)."""
+
+    def send_params(self, type_, values, iteration, value):
+        """The worker's parameters `values` (EXCHANGE, AVERAGE); a big frame's tag after it, so that the server
+        hashes each slice as it arrives while this side hashes what it sent."""
+        payload = byte_view(values)
+        self.conn.send(type_, payload, iteration, value, tag_after=len(payload) > TAG_AFTER)
+
+    def prefetch_params(self, whole):
+        """Ahead of receive_params, outside the application's lock: all of x when `whole` (a slow sender then
+        holds up nobody), else nothing."""
+        self._received = self.conn.fill(self.conn.view) if whole else 0
+
+    def receive_params(self, apply=None, step=1):
+        """The worker's x into the connection's buffer, apply(start, end) on its floats as they arrive, in
+        `step`-float slices; verified before this returns (a frame changed on the way raises here)."""
+        received, self._received = self._received, 0
+        self.conn.receive(self.conn.view, apply, step, received)
+
+    def send_difference(self, iteration, flags, step, add):
+        """DIFF d (the connection's buffer) back to the worker, add(start, end) run on every `step`-float slice
+        of it: a model of one slice goes whole and is added after (the add overlaps the worker's own x −= d);
+        a bigger one slice by slice, each added just before it goes, so that the worker applies while this adds."""
+        conn, n = self.conn, self.conn.buf.size
+        if step < n:
+            conn.send_sliced(protocol.DIFF, conn.view, step, add, iteration=iteration, flags=flags)
+            return
+        conn.send(protocol.DIFF, conn.view, iteration=iteration, tag_after=True, flags=flags)
+        add(0, n)
+
+    def receive_difference(self, apply=None, step=1):
+        """d into the connection's buffer, apply(start, end) on its floats as they arrive; one that fails its
+        check raises (ProtocolError) before this returns."""
+        self.conn.receive(self.conn.view, apply, step)
+
+    def send_mean(self, values, iteration, flags):
+        """CENTER: a synchronous round's mean `values` back to the worker."""
+        self.conn.send(protocol.CENTER, byte_view(values), iteration=iteration, tag_after=True, flags=flags)
+
+    def receive_mean(self, h, out):
+        """The round's mean into `out` (h: the CENTER's header)."""
+        if h.flags & protocol.F_CODED:
+            raise protocol.ProtocolError("a CENTER in the job's codec")
+        self.conn.receive(byte_view(out))
+
+    def send_center(self, center, iteration):
+        """CENTER: the reply to PULL, x̃ whole in float32 whatever the codec (the worker starts over from it)."""
+        conn = self.conn
+        if not conn.sealed:
+            conn.send(protocol.CENTER, byte_view(center), iteration=iteration)
+            return
+        # Lock-free, other workers move x̃ while it is sent: the tag must cover the bytes that went out, so a
+        # snapshot in this connection's buffer (free: the worker waits) goes.
+        np.copyto(conn.buf, center)
+        conn.send(protocol.CENTER, conn.view, iteration=iteration, tag_after=True)
+
+    def receive_center(self, out):
+        """PULL's reply: x̃ whole into `out`; both ends start over from it."""
+        self.conn.receive(byte_view(out))
+        self.restart(out)
+
+
+class CodedFrames(Float32Frames):
+    """A connection's model frames in a coded codec (float16, bfloat16, int8, int4) through its codec.Channel:
+    each comes whole and is checked as it decodes (CodecError for a payload that does not decode to finite
+    floats), the application's apply then runs once on all of it. PULL's center still goes whole in float32."""
+
+    def __init__(self, conn, channel):
+        super().__init__(conn)
+        self.channel = channel
+        self.coded_bytes = len(channel.payload)
+        self._decoded = False  # x already received and decoded (prefetch_params)
+
+    def restart(self, values=None):
+        self.channel.restart(values)
+
+    def send_params(self, type_, values, iteration, value):
+        payload = self.channel.send_toward(values)
+        self.conn.send(type_, payload, iteration, value, tag_after=len(payload) > TAG_AFTER)
+
+    def prefetch_params(self, whole):
+        """x whole and decoded (the server's picture of the worker), whatever `whole` says: CodecError, the
+        picture untouched, for one that does not decode."""
+        self.conn.receive(self.channel.payload)
+        self.channel.receive_toward(self.conn.buf)
+        self._decoded = True
+
+    def receive_params(self, apply=None, step=1):
+        if not self._decoded:
+            self.prefetch_params(True)
+        self._decoded = False
+        if apply is not None:
+            apply(0, self.conn.buf.size)
+
+    def send_difference(self, iteration, flags, step, add):
+        """d in the codec, with what earlier replies' rounding left out; add runs on d exact, after it went."""
+        conn, n = self.conn, self.conn.buf.size
+        conn.send(protocol.DIFF, self.channel.send_difference(conn.buf), iteration=iteration, tag_after=True,
+                  flags=flags)
+        for start in range(0, n, step):
+            add(start, min(start + step, n))
+
+    def receive_difference(self, apply=None, step=1):
+        self.conn.receive(self.channel.payload)
+        self.channel.receive_difference(self.conn.buf)
+        if apply is not None:
+            apply(0, self.conn.buf.size)
+
+    def send_mean(self, values, iteration, flags):
+        """The mean in the codec: the worker's picture of it, and so its parameters, move by what decodes."""
+        self.conn.send(protocol.CENTER, self.channel.send_toward(values), iteration=iteration, tag_after=True,
+                       flags=flags | protocol.F_CODED)
+
+    def receive_mean(self, h, out):
+        if not h.flags & protocol.F_CODED:
+            raise protocol.ProtocolError("a CENTER outside the job's codec")
+        self.conn.receive(self.channel.payload)
+        self.channel.receive_toward(out)
+
+    def send_center(self, center, iteration):
+        conn = self.conn
+        np.copyto(conn.buf, center)  # lock-free, x̃ moves: both ends start from what went out
+        conn.send(protocol.CENTER, conn.view, iteration=iteration, tag_after=True)
+        self.restart(conn.buf)

@@ -3,16 +3,15 @@
 import math
 
 from deepspark import rules
+from deepspark.exchange import EasgdHandler, ExchangeOptions, OverlappedExchange
 from deepspark.schedule import stop_iteration
-from deepspark.exchange import EasgdHandler
 from deepspark.spark import executor
 from deepspark.spark.job import Job
 
 
 def handler(ds):
     """The exchanger's EASGD rule with the job's moving rate, its decay and floor, and the server factor."""
-    return EasgdHandler(ds.moving_rate, server_factor=ds.server_factor, moving_rate_gamma=ds.moving_rate_gamma,
-                        moving_rate_step=ds.moving_rate_step, moving_rate_limit=ds.moving_rate_limit)
+    return EasgdHandler.of(ExchangeOptions.of(ds))
 
 
 class EasgdJob(Job):
@@ -39,29 +38,16 @@ def train_worker(trainer, client, params):
     model, param = trainer.model, trainer.param
     ds = param.deepspark_param
     schedule = rules.ExchangeSchedule(ds.period, adaptive=ds.adaptive_period)
+    exchange = OverlappedExchange(client, model.get_flat, model.set_flat, params, overlap=ds.overlap)
     loss = math.nan
     stop = stop_iteration(param)
     while model.iter < stop:
         loss = trainer.step()
-        if client.pending and client.ready:
-            params = executor.read_params(client, model, params)
-            client.poll(params)
-            executor.write_params(client, model, params)
+        exchange.poll()
         if schedule.step(loss):
-            params = executor.read_params(client, model, params)
-            if client.pending:  # the previous difference first, so the snapshot includes it
-                client.wait(params)
-                executor.write_params(client, model, params)
-            executor.send_history(client, model, asked=True)
-            if ds.overlap:
-                client.exchange_async(params, model.iter, loss)
-            else:
-                client.exchange(params, model.iter, loss)
-                executor.write_params(client, model, params)
-        elif not client.pending:
-            client.report(model.iter, loss)
-    params = model.get_flat(params)
-    client.wait(params)
-    executor.send_history(client, model)  # held for the job's last snapshot
-    client.exchange(params, model.iter, loss)  # the center gets the final state
+            exchange.start(model.iter, loss, before=lambda: executor.send_history(client, model, asked=True))
+        else:
+            client.report(model.iter, loss)  # nothing while an exchange is in flight
+    # The last solver history is held for the job's last snapshot.
+    exchange.finish(model.iter, loss, before=lambda: executor.send_history(client, model))
     return loss, {}

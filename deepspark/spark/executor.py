@@ -20,7 +20,7 @@ from deepspark.backends import backend_module, use_gpu
 from deepspark.config import Solver
 from deepspark.data import checked_records, decode_datum, lmdb_io
 from deepspark.errors import DeepSparkError, SourceMap
-from deepspark.exchange import ExchangeClient
+from deepspark.exchange import ExchangeClient, ExchangeOptions
 from deepspark.exchange.protocol import E_DIVERGED
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
@@ -333,10 +333,10 @@ def join_center(worker, task, model, timeout):
     """Connect to the driver's exchanger and start (or rejoin) from x̃ at the iteration it reports, with the
     solver history it holds for this worker (a resumed job's, or what this worker last sent before a
     retry), if any; (client, params, the iteration that history was taken at or None)."""
-    client = ExchangeClient(tuple(task.address), task.secret, worker, shapes=model.param_shapes,
-                            timeout=timeout, connect_timeout=min(timeout, CONNECT_SECONDS),
-                            integrity=task.param.deepspark_param.exchange_integrity,
-                            history_sets=model.history_sets, codec=task.param.deepspark_param.exchange_codec)
+    client = ExchangeClient(tuple(task.address), task.secret, worker,
+                            options=ExchangeOptions.of(task.param.deepspark_param, timeout=timeout),
+                            shapes=model.param_shapes, connect_timeout=min(timeout, CONNECT_SECONDS),
+                            history_sets=model.history_sets)
     history = np.empty(model.history_sets * model.param_count, np.float32)
     try:
         client.connect()

@@ -15,7 +15,7 @@ from deepspark import checkpoint, fillers, pylayer, schedule
 from deepspark.config import host_port, random_seed
 from deepspark.data import absolute_sources, source_shape
 from deepspark.errors import ConfigError
-from deepspark.exchange import ExchangeServer
+from deepspark.exchange import ExchangeOptions, ExchangeServer
 from deepspark.graph import Graph
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
@@ -145,10 +145,9 @@ class Job:
         timeouts, integrity and resume point, and the workers' solver histories held for its snapshots."""
         ds = self.ds
         return ExchangeServer(center, secret, handler, host=host, port=ds.exchange_port,
-                              shapes=[tuple(p.shape) for p in self.graph.params], idle_timeout=ds.exchange_timeout,
-                              resume_iteration=self.start_iter, integrity=ds.exchange_integrity,
-                              history_sets=self.history_sets, histories=self.resume_histories,
-                              codec=ds.exchange_codec).start()
+                              options=ExchangeOptions.of(ds), shapes=[tuple(p.shape) for p in self.graph.params],
+                              resume_iteration=self.start_iter, history_sets=self.history_sets,
+                              histories=self.resume_histories).start()
 
     def watch(self, run_tasks):
         """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch); its result."""

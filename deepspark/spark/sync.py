@@ -30,7 +30,7 @@ class SyncJob(Job):
 
     def hold_center(self, center, host, secret):
         ds = self.ds
-        server = self.exchange_server(center, host, secret, RoundsHandler(self.workers, round_timeout=ds.exchange_timeout))
+        server = self.exchange_server(center, host, secret, RoundsHandler(self.workers))
         self.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; {self.workers} workers "
                       f"averaged every iteration (synchronous rounds, timeout {ds.exchange_timeout:g}s)")
         if ds.HasField("period") and ds.period != 1:
