@@ -2,11 +2,16 @@
 
 The SavedModel's `serving_default` signature takes the net's inputs by name, as
 Caffe does (N x C x H x W float32, any N) and returns the blobs that nothing in
-the net consumes, by name (a deploy net's `prob`, say). It holds no DeepSpark
+the net consumes, by name (a deploy net's `prob`, say). A fully convolutional
+net takes any height and width and gives Caffe's outputs at each (Caffe's
+reshape); a net with a layer that fixes the size (InnerProduct, Reshape, ...)
+refuses any other with an error naming the shape it takes. It holds no DeepSpark
 code: `tf.saved_model.load` serves it wherever TensorFlow runs. The input is
 what the deploy net's Input layer takes: the training's transform_param (its
 scale, mean and crop) is the caller's to apply, as with pycaffe's Net.
 """
+
+import os
 
 from deepspark import checkpoint, nets
 from deepspark.backends import create_model
@@ -20,7 +25,7 @@ SIGNATURE = "serving_default"
 def export(model_path, weights, output, overwrite=False):
     """Write the SavedModel of the deploy net at `model_path` (a file or a model folder) with the parameters
     of the .caffemodel `weights` to the folder `output` (under a temporary name, renamed when complete);
-    returns ({input: shape}, [output names])."""
+    returns ({input: shape, its batch None and "any" where any size goes}, [output names])."""
     net, source = nets.deploy_net(model_path, "export")
     python = [i for i, layer in enumerate(net.layer) if layer.type == "Python"]
     if python:
@@ -30,6 +35,7 @@ def export(model_path, weights, output, overwrite=False):
     model = create_model("tensorflow", net, phase=pb.TEST, source=source)
     from deepspark.backends.tensorflow.runtime import tf  # deferred: TensorFlow loads only for this verb
 
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)  # TF Serving's name/version layout
     tmp = lmdb_io.temp_path(output)
     lmdb_io.remove_path(tmp)
     try:
@@ -44,4 +50,6 @@ def export(model_path, weights, output, overwrite=False):
         raise
     finally:
         model.close()
-    return {name: (None,) + tuple(shape[1:]) for name, shape in model.feeds.items()}, list(model.graph.outputs)
+    inputs = {name: tuple("any" if i and d is None else d for i, d in enumerate(shape))  # N x C x any x any
+              for name, shape in module.input_shapes.items()}
+    return inputs, list(model.graph.outputs)

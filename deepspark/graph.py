@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from deepspark import pylayer
 from deepspark.errors import SourceMap
 from deepspark.proto import deepspark_pb2 as pb
-from deepspark.upgrade import input_layer
+from deepspark.upgrade import input_layer, upgrade_input
 
 
 class ShapeError(ValueError):
@@ -1250,6 +1250,28 @@ def with_batch_size(net, batch_size):
         if net.input_dim:
             for i in range(0, len(net.input_dim), 4):
                 net.input_dim[i] = batch_size
+    return net
+
+
+def with_input_shapes(net, shapes):
+    """A copy of `net` whose inputs named in `shapes` ({top: shape}) take those shapes: its Input layers' tops
+    (legacy `input:` fields become an Input layer first, as Caffe upgrades them); a KeyError names a top that
+    is no input."""
+    net = copy.deepcopy(net)
+    upgrade_input(net)
+    found = set()
+    for layer in net.layer:
+        if layer.type != "Input" or not any(top in shapes for top in layer.top):
+            continue
+        given = [list(shape.dim) for shape in layer.input_param.shape]
+        given = given * len(layer.top) if len(given) == 1 else given
+        del layer.input_param.shape[:]
+        for top, dims in zip(layer.top, given):
+            layer.input_param.shape.add().dim.extend(shapes.get(top, dims))
+        found.update(layer.top)
+    missing = [top for top in shapes if top not in found]
+    if missing:
+        raise KeyError(f"'{missing[0]}' is not an input of this net")
     return net
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from deepspark import checkpoint, schedule
 from deepspark.config import random_seed
 from deepspark.errors import ConfigError
-from deepspark.graph import DATA_TYPES, Graph, ShapeError, count, fmt, legacy
+from deepspark.graph import DATA_TYPES, Graph, ShapeError, count, fmt, legacy, with_batch_size, with_input_shapes
 from deepspark.proto import deepspark_pb2 as pb
 
 
@@ -50,11 +50,12 @@ class Model(abc.ABC):
 
     def __init__(self, net_param, solver_param=None, phase=pb.TRAIN, source=None, batch_size=None,
                  seed=None, stages=None, data_shape=None, threads=None):
-        self.net_param = net_param
+        # The batch size is every fed layer's: a Data layer's batch_size and an Input layer's first axis alike.
+        self.net_param = with_batch_size(net_param, batch_size) if batch_size else net_param
         self.solver_param = pb.SolverParameter() if solver_param is None else solver_param
         self.threads = thread_count(threads)
-        self.graph = Graph(net_param, phase, stages=stages, source=source, data_shape=data_shape,
-                           batch_size=batch_size)
+        self._graph_options = dict(stages=stages, source=source, data_shape=data_shape, batch_size=batch_size)
+        self.graph = Graph(self.net_param, phase, **self._graph_options)
         self._check_shapes()
         if self.graph.phase == pb.TRAIN:
             self.graph.check_backward()  # before pycaffe could abort in its backward pass
@@ -160,6 +161,31 @@ class Model(abc.ABC):
         for i, array in zip(indices, arrays):
             params[i] = array
         self.set_params(params)
+
+    # -- input shapes -----------------------------------------------------------
+
+    def reshape(self, shapes):
+        """Caffe's Net::Reshape after its input blobs were reshaped: the net for the inputs `shapes` ({top: shape},
+        those not named keep theirs), every blob's shape recomputed by Caffe's rules; a ValueError where the
+        new shapes would change a parameter's (an InnerProduct's input size, say) or break a layer's rule."""
+        shapes = {top: tuple(int(d) for d in shape) for top, shape in shapes.items()}
+        if all(self.feeds.get(top) == shape for top, shape in shapes.items()):
+            return
+        net = with_input_shapes(self.net_param, shapes)
+        try:
+            graph = Graph(net, self.phase, **self._graph_options)
+        except ConfigError as error:
+            raise ValueError(f"inputs {_shapes_text(shapes)}: {error.message}") from None
+        for param, shape in zip(graph.params, self.param_shapes):
+            if tuple(param.shape) != shape:
+                raise ValueError(f"inputs {_shapes_text(shapes)}: layer '{param.layer}' would need a {fmt(param.shape)} "
+                                 f"parameter, its blob is {fmt(shape)} (the net takes no other input size there)")
+        self.net_param, self.graph = net, graph
+        self._reshaped()
+
+    def _reshaped(self):
+        """Make what the backend runs follow self.graph's new shapes (`reshape` has just replaced it)."""
+        self.feeds = self.graph.fed_tops()
 
     # -- running --------------------------------------------------------------
 
@@ -278,6 +304,10 @@ class Model(abc.ABC):
         self.iter = int(state.iter)
         self.current_step = int(state.current_step)
         self.set_history(arrays)
+
+
+def _shapes_text(shapes):
+    return ", ".join(f"'{top}' {fmt(shape)}" for top, shape in shapes.items())
 
 
 def thread_count(threads):

@@ -75,6 +75,15 @@ class Model(base.Model):
         self._caffe_iter, self._caffe_current_step = 0, 0
         self.set_params(fillers.init_params(self.graph, self.seed))
 
+    def _reshaped(self):
+        """pycaffe's own reshape: the fed blobs to the graph's new shapes, then Net::Reshape (the graph has
+        checked them already: Caffe would abort the process on a shape it refuses)."""
+        ours = compiler.net_param(self.graph, keep_data=self.data_layers == "caffe")
+        self.feeds = compiler.fed_tops(self.graph, ours)
+        for top, shape in self.feeds.items():
+            self._net.blobs[top].reshape(*shape)
+        self._net.reshape()
+
     # -- construction --------------------------------------------------------------
 
     def _write(self, name, content):

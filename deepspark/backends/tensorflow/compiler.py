@@ -8,6 +8,19 @@ from deepspark.backends.tensorflow.layers import LAYERS, Blob
 from deepspark.backends.tensorflow.runtime import tf
 from deepspark.graph import spec
 
+# Layer types whose functions read no blob's height or width from the graph (its shapes at the prototxt's
+# input size) when the tensors leave them unknown: a net of these alone serves any input size as Caffe
+# reshapes it (a fully convolutional net). Deconvolution, Crop, InnerProduct, Reshape and the rest fix it.
+SIZE_FREE = frozenset({
+    "Input", "Convolution", "Pooling", "ReLU", "PReLU", "Sigmoid", "TanH", "AbsVal", "ELU", "BNLL", "Power", "Exp",
+    "Log", "Softmax", "Concat", "Dropout", "Split", "Eltwise", "LRN", "Silence",
+})
+
+
+def size_fixers(graph):
+    """The layers of `graph` that fix its input's height and width (none: it serves any size)."""
+    return [layer for layer in graph.layers if layer.type not in SIZE_FREE]
+
 
 def wanted_order(layer_type, blob):
     """The axis order a layer function takes blob `blob` in (None: Caffe's)."""

@@ -273,6 +273,8 @@ def pooling(layer, bottoms, params, ctx):
     if param.pool not in (pb.PoolingParameter.MAX, pb.PoolingParameter.AVE):
         raise NotImplementedError(f"layer '{layer.name}': only MAX and AVE pooling are supported")
     is_max = param.pool == pb.PoolingParameter.MAX
+    if None in x.shape[1:3] and not param.global_pooling:  # a SavedModel of any size: the data's, not the graph's
+        return [Blob(pooling_any_size(x, kernel, pad, stride, param.ceil_mode, is_max), True)]
     if param.global_pooling or (tuple(kernel) == (h, w) and tuple(out) == (1, 1) and not any(pad)):
         y = tf.reduce_max(x, (1, 2), keepdims=True) if is_max else tf.reduce_mean(x, (1, 2), keepdims=True)
         return [Blob(y, True)]
@@ -294,6 +296,31 @@ def pooling(layer, bottoms, params, ctx):
     if not np.all(ratio == 1):
         y = y * tf.constant(ratio[:, :, None], tf.float32)
     return [Blob(y, True)]
+
+
+def pooling_any_size(x, kernel, pad, stride, ceil_mode, is_max):
+    """Caffe's pooling of an NHWC tensor whose height and width only the data knows (graph.pooled_size's rule
+    on tensors): padded after to the last window Caffe starts, an AVE window's divisor clipped to size+pad."""
+    sizes = tf.shape(x)[1:3]
+    needed, after = [], []
+    for i in range(2):
+        size, k, p, s = sizes[i], kernel[i], pad[i], stride[i]
+        span = size + 2 * p - k
+        out = (-(-span // s) if ceil_mode else span // s) + 1
+        if p:
+            out = tf.where((out - 1) * s >= size + p, out - 1, out)
+        needed.append((out - 1) * s + k)
+        after.append(tf.maximum(needed[i] - size - p, 0))
+    tf.debugging.assert_non_negative(tf.reduce_min(sizes + np.array(pad, np.int32) * 2 - np.array(kernel, np.int32)),
+                                     message=f"the pooling kernel {kernel} is larger than the padded input")
+    paddings = [[0, 0], [pad[0], after[0]], [pad[1], after[1]], [0, 0]]
+    fill = np.finfo(np.float32).min if is_max else 0.0
+    x = tf.pad(x, paddings, constant_values=fill)[:, :needed[0], :needed[1], :]
+    if is_max:
+        return tf.nn.max_pool2d(x, kernel, stride, "VALID")
+    inside = tf.pad(tf.ones(tf.concat([[1], sizes + np.array(pad, np.int32) * 2, [1]], 0)),  # 1 up to size+pad: Caffe's divisor
+                    [[0, 0], [0, after[0]], [0, after[1]], [0, 0]])[:, :needed[0], :needed[1], :]
+    return tf.nn.avg_pool2d(x, kernel, stride, "VALID") / tf.nn.avg_pool2d(inside, kernel, stride, "VALID")
 
 
 @layer("LRN")

@@ -41,7 +41,6 @@ class Model(base.Model):
         self._variables = [tf.Variable(self._store(i, array), name=f"param{i}")
                            for i, array in enumerate(fillers.init_params(graph, self.seed))]
         self._stored_shapes = [tuple(v.shape) for v in self._variables]
-        self._state = compiler.carried_state(graph)  # a recurrent layer's last hidden state
         rng_seed = self.seed if self.seed is not None else np.random.SeedSequence().entropy % 2 ** 63
         self._rng = tf.random.Generator.from_seed(rng_seed)
         self._random_seed = int(rng_seed)
@@ -51,17 +50,38 @@ class Model(base.Model):
         self._history = None
         self._accumulated = None
 
-        feed = {top: tf.TensorSpec(shape, tf.float32) for top, shape in self.feeds.items()}
         scalar = tf.TensorSpec((), tf.float32)
         flat = tf.TensorSpec((self.param_count,), tf.float32)
-        compile_options = dict(jit_compile=jit_compile, reduce_retracing=True)
-        self._step_fn = traced(self._step, input_signature=[feed, scalar, scalar], **compile_options)
-        self._accumulate_fn = traced(self._accumulate, input_signature=[feed], **compile_options)
-        self._apply_fn = traced(self._apply_accumulated, input_signature=[scalar, scalar], **compile_options)
-        self._forward_fn = traced(self._forward, input_signature=[feed], **compile_options)
-        self._gradients_fn = traced(self._gradients, input_signature=[feed], **compile_options)
+        self._compile_options = dict(jit_compile=jit_compile, reduce_retracing=True)
+        self._apply_fn = traced(self._apply_accumulated, input_signature=[scalar, scalar], **self._compile_options)
         self._get_flat_fn = traced(self._flat, input_signature=[])
         self._set_flat_fn = traced(self._assign_flat, input_signature=[flat])
+        self._shaped = {}  # the input shapes -> their graph, carried state and passes (see _compile)
+        self._compile()
+
+    def _compile(self):
+        """The passes for self.graph's input shapes: compiled once per shape, each traced (at its first call)
+        with its own graph, the shapes Caffe's rules give every blob at those inputs."""
+        key = tuple(sorted(self.feeds.items()))
+        if key not in self._shaped:
+            feed = {top: tf.TensorSpec(shape, tf.float32) for top, shape in self.feeds.items()}
+            scalar = tf.TensorSpec((), tf.float32)
+            options = self._compile_options
+            self._shaped[key] = SimpleNamespace(
+                graph=self.graph,
+                state=compiler.carried_state(self.graph),  # a recurrent layer's last hidden state
+                step=traced(self._step, input_signature=[feed, scalar, scalar], **options),
+                accumulate=traced(self._accumulate, input_signature=[feed], **options),
+                forward=traced(self._forward, input_signature=[feed], **options),
+                gradients=traced(self._gradients, input_signature=[feed], **options))
+        shaped = self._shaped[key]
+        self.graph, self._state = shaped.graph, shaped.state
+        self._step_fn, self._accumulate_fn = shaped.step, shaped.accumulate
+        self._forward_fn, self._gradients_fn = shaped.forward, shaped.gradients
+
+    def _reshaped(self):
+        super()._reshaped()
+        self._compile()
 
     # -- the traced computations -------------------------------------------------
 
@@ -186,23 +206,40 @@ class Model(base.Model):
         loss, grads = self._gradients_fn(self.feed(batch))
         return float(loss), [g.numpy() for g in grads]
 
-    def serving_module(self, batch_size=None):
+    def serving_module(self, batch_size=None, any_size=None):
         """A tf.Module that holds this net's parameters as they are now and whose `serve` is its forward pass,
         the TEST phase's, for tf.saved_model.save: inputs by the net's input names, N x C x H x W float32 as
         Caffe takes them (N: batch_size, None for any), outputs by the names of the blobs nothing consumes.
-        It needs neither DeepSpark nor this Model once saved."""
+        It needs neither DeepSpark nor this Model once saved.
+
+        any_size: serve every height and width Caffe would reshape the net to (a fully convolutional net:
+        compiler.size_fixers finds none; the default); otherwise an input of another shape than the net's is
+        refused by an assertion whose message names the shape expected, never answered wrongly.
+        """
         graph, orders = self.graph, self._orders
+        fixers = compiler.size_fixers(graph)
+        if any_size is None:
+            any_size = not fixers
+        elif any_size and fixers:
+            raise ValueError(f"layer '{fixers[0].name}' ({fixers[0].type}) fixes the input size: the net cannot "
+                             "be served at any size")
         module = tf.Module()
         module.params = [tf.Variable(v, trainable=False, name=f"param{i}") for i, v in enumerate(self._variables)]
         names = list(self.feeds)
-        specs = [tf.TensorSpec((batch_size,) + tuple(self.feeds[name][1:]), tf.float32, name=name) for name in names]
+        shapes = {name: (batch_size,) + tuple(self.feeds[name][1:]) for name in names}
+        if any_size:  # height and width left to the data; the channels stay the net's
+            shapes = {name: shape[:2] + (None,) * (len(shape) - 2) for name, shape in shapes.items()}
+        specs = [tf.TensorSpec((batch_size,) + (None,) * (len(shapes[name]) - 1), tf.float32, name=name)
+                 for name in names]
 
         def serve(*inputs):
-            ctx = compiler.Context(graph, dict(zip(names, inputs)), False, orders=orders)
+            fed = {name: _checked_input(name, x, shapes[name], fixers) for name, x in zip(names, inputs)}
+            ctx = compiler.Context(graph, fed, False, orders=orders)
             _, blobs = compiler.run(graph, module.params, ctx)
             return {name: blobs[name].caffe for name in graph.outputs}
 
         module.serve = traced(serve, input_signature=specs)
+        module.input_shapes = shapes  # what it serves, None where any size goes (not saved: for the caller)
         return module
 
     def layer_passes(self, batch):
@@ -284,6 +321,18 @@ def solve_momentum(param, variables, histories, grads, rate, lr_mults, decay_mul
             continue
         tf.raw_ops.ResourceApplyMomentum(var=weight.handle, accum=history.handle, lr=one, grad=step,
                                          momentum=tf.constant(param.momentum, tf.float32), use_nesterov=nesterov)
+
+
+def _checked_input(name, x, shape, fixers):
+    """Input `name` of a served net with the static `shape` (None: any) its layers are compiled for, after an
+    assertion that refuses, in one line naming the shape, an input the SavedModel would answer wrongly."""
+    expected = " x ".join("N" if i == 0 and d is None else "any" if d is None else str(d) for i, d in enumerate(shape))
+    why = f" (layer '{fixers[0].name}', {fixers[0].type}, fixes its size)" if fixers and None not in shape[1:] else ""
+    given = tf.shape(x)
+    fits = tf.reduce_all([tf.equal(given[i], d) for i, d in enumerate(shape) if d is not None] or [True])
+    check = tf.debugging.Assert(fits, [f"input '{name}' must be {expected}{why}; it is", given], summarize=8)
+    with tf.control_dependencies([check]):
+        return tf.ensure_shape(tf.identity(x), shape)
 
 
 def _traced_layer(layer, ctx, layouts, tensors, values):
