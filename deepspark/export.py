@@ -31,11 +31,18 @@ def export(model_path, weights, output, overwrite=False):
     if python:
         raise ConfigError(f"layer '{net.layer[python[0]].name}' is a Python layer: a SavedModel carries no Python "
                           "code, so export cannot hold it", *source.where(python[0]))
-    lmdb_io.refuse_existing(output, overwrite)
-    model = create_model("tensorflow", net, phase=pb.TEST, source=source)
+    made = missing_parent(output)  # TF Serving's name/version layout: made here, and removed if export fails
+    if made:
+        os.makedirs(os.path.dirname(os.path.abspath(output)))
+    try:
+        lmdb_io.refuse_existing(output, overwrite)
+        model = create_model("tensorflow", net, phase=pb.TEST, source=source)
+    except BaseException:
+        if made:
+            lmdb_io.remove_path(made)
+        raise
     from deepspark.backends.tensorflow.runtime import tf  # deferred: TensorFlow loads only for this verb
 
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)  # TF Serving's name/version layout
     tmp = lmdb_io.temp_path(output)
     lmdb_io.remove_path(tmp)
     try:
@@ -47,9 +54,19 @@ def export(model_path, weights, output, overwrite=False):
         lmdb_io.rename_into(tmp, output)
     except BaseException:
         lmdb_io.remove_path(tmp)
+        if made:
+            lmdb_io.remove_path(made)
         raise
     finally:
         model.close()
     inputs = {name: tuple("any" if i and d is None else d for i, d in enumerate(shape))  # N x C x any x any
               for name, shape in module.input_shapes.items()}
     return inputs, list(model.graph.outputs)
+
+
+def missing_parent(path):
+    """The outermost folder above `path` that does not exist (what making its parents creates), or None."""
+    missing, folder = None, os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder):
+        missing, folder = folder, os.path.dirname(folder)
+    return missing

@@ -88,7 +88,7 @@ class Net:
         self._model = create_model(backend, with_taps(net, self._graph), None, phase=phase, **options)
         self.backend = backend
         self.inputs = list(self._model.feeds)
-        self.outputs = list(self._graph.outputs)
+        self.outputs = sorted(self._graph.outputs)  # Caffe's Net lists them from a std::set: by name
         shapes = self._model.graph.blobs
         names = OrderedDict((top, None) for layer in self._graph.layers for top in layer.tops)
         self.blobs = OrderedDict((name, Blob(np.zeros(shapes[name], np.float32))) for name in names)

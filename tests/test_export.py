@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from deepspark import checkpoint, compare, config
+from deepspark import checkpoint, compare, config, export
 from deepspark.graph import with_batch_size
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -113,6 +113,96 @@ def test_export_refuses_bad_input_in_one_line_and_leaves_nothing(tmp_path):
         lines = err.strip().splitlines()
         assert status == 1 and lines[-1].startswith("deepspark export: error: ") and said in lines[-1], err[-2000:]
         assert not os.path.exists(out) and os.listdir(tmp_path) == ["cifar.caffemodel"]
+    nested = tmp_path / "serving" / "lenet" / "1"  # the folders export makes for it go again when it fails
+    status, _, err = run_cli("export", "--model", deploy, "--weights", wrong, "--output", str(nested))
+    assert status == 1 and "conv1" in err.strip().splitlines()[-1] and os.listdir(tmp_path) == ["cifar.caffemodel"]
     out.mkdir()
     status, _, err = run_cli("export", "--model", deploy, "--weights", wrong, "--output", str(out))
     assert status == 1 and "already exists" in err.strip().splitlines()[-1]
+
+
+# Runs SavedModels with plain TensorFlow where DeepSpark cannot be imported (-I drops PYTHONPATH and the current
+# folder; the editable install's finder is taken off sys.meta_path): FOLDER INPUTS.npz OUT triples, OUT.npz
+# getting the outputs, or OUT.txt the one line of the error that refused the inputs.
+SERVE_ALONE = """
+import sys
+sys.meta_path = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+try:
+    import deepspark
+except ImportError:
+    pass
+else:
+    raise SystemExit("deepspark is importable here: " + deepspark.__file__)
+import numpy as np
+import tensorflow as tf
+for folder, inputs, out in zip(sys.argv[1::3], sys.argv[2::3], sys.argv[3::3]):
+    serve = tf.saved_model.load(folder).signatures["serving_default"]
+    try:
+        outputs = serve(**{name: tf.constant(value) for name, value in np.load(inputs).items()})
+    except tf.errors.InvalidArgumentError as error:
+        with open(out + ".txt", "w") as stream:
+            stream.write("\\n".join(line for line in str(error).splitlines() if "assertion failed" in line))
+        continue
+    np.savez(out + ".npz", **{name: value.numpy() for name, value in outputs.items()})
+"""
+
+
+def serve_alone(runs, cwd):
+    """SERVE_ALONE over (folder, {input: array}, out) runs; [outputs dict, or the error line] per run."""
+    args = []
+    for i, (folder, inputs, out) in enumerate(runs):
+        np.savez(f"{out}_in.npz", **inputs)
+        args += [str(folder), f"{out}_in.npz", str(out)]
+    done = subprocess.run([sys.executable, "-I", "-c", SERVE_ALONE, *args], cwd=str(cwd), capture_output=True,
+                          text=True, timeout=600, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [dict(np.load(f"{out}.npz")) if os.path.exists(f"{out}.npz") else open(f"{out}.txt").read()
+            for _, _, out in runs]
+
+
+def test_a_saved_model_of_fixed_size_refuses_another_in_one_line(tmp_path):
+    """LeNet's InnerProduct fixes its input at 1x28x28: another size, or other channels, is refused by one
+    line naming the shape it takes and the layer that fixes it, never answered; its own size is served at
+    any batch."""
+    deploy = os.path.join(ROOT, "models", "lenet", "deploy.prototxt")
+    net, _ = config.load_net(deploy)
+    model = compare.build(["tensorflow"], net, phase=pb.TEST)["tensorflow"]
+    weights = str(tmp_path / "lenet.caffemodel")
+    checkpoint.save_caffemodel(weights, model.graph, model.get_params())
+    model.close()
+    saved = tmp_path / "lenet"
+    inputs, outputs = export.export(deploy, weights, str(saved))
+    assert inputs == {"data": (None, 1, 28, 28)} and outputs == ["prob"]
+    rng = np.random.default_rng(0)
+    runs = [(saved, {"data": rng.uniform(0, 1, shape).astype(np.float32)}, tmp_path / f"run{i}")
+            for i, shape in enumerate([(1, 1, 32, 32), (2, 3, 28, 28), (3, 1, 28, 28)])]
+    wider, channels, right = serve_alone(runs, tmp_path)
+    for refused, given in ((wider, "1 1 32 32"), (channels, "2 3 28 28")):
+        assert isinstance(refused, str) and "\n" not in refused, refused
+        assert ("input data must be N x 1 x 28 x 28 (layer ip1, InnerProduct, fixes its size); it is] "
+                f"[{given}]") in refused, refused
+    assert right["prob"].shape == (3, 10)
+
+
+@pytest.mark.caffe
+def test_a_fully_convolutional_saved_model_gives_caffes_outputs_at_every_size(tmp_path):
+    """MTCNN's P-Net exported once (to TF Serving's serving/name/version, its folders made) serves pycaffe's
+    outputs at three sizes, 63x47 and 2x2 among them where a SavedModel traced at one size gave 62x47 and 1x1."""
+    from test_net import PNET, pycaffe_forward, random_weights  # deferred: it imports pycaffe
+
+    weights = random_weights(PNET, str(tmp_path / "pnet.caffemodel"), seed=11)
+    saved = tmp_path / "serving" / "pnet" / "1"
+    status, out, err = run_cli("export", "--model", PNET, "--weights", weights, "--output", str(saved))
+    assert status == 0, err[-3000:]
+    assert "takes data (Nx3xanyxany float32)" in out, out
+    rng = np.random.default_rng(1)
+    feeds = [rng.normal(0, 1, shape).astype(np.float32) for shape in [(1, 3, 12, 12), (2, 3, 135, 104), (1, 3, 14, 13)]]
+    served = serve_alone([(saved, {"data": data}, tmp_path / f"size{i}") for i, data in enumerate(feeds)], tmp_path)
+    for data, outputs in zip(feeds, served):
+        expected, _, _ = pycaffe_forward(PNET, weights, data)
+        assert sorted(outputs) == sorted(expected)
+        for name, value in expected.items():
+            assert outputs[name].shape == value.shape, (name, outputs[name].shape, value.shape)
+            _, relative = compare.difference(outputs[name], value)
+            assert relative <= TOLERANCE, (name, data.shape, relative)
+    assert [outputs["prob1"].shape[2:] for outputs in served] == [(1, 1), (63, 47), (2, 2)]

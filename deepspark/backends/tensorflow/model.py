@@ -327,10 +327,11 @@ def _checked_input(name, x, shape, fixers):
     """Input `name` of a served net with the static `shape` (None: any) its layers are compiled for, after an
     assertion that refuses, in one line naming the shape, an input the SavedModel would answer wrongly."""
     expected = " x ".join("N" if i == 0 and d is None else "any" if d is None else str(d) for i, d in enumerate(shape))
-    why = f" (layer '{fixers[0].name}', {fixers[0].type}, fixes its size)" if fixers and None not in shape[1:] else ""
+    # No quotes in the message: TensorFlow prints an assertion's strings C-escaped (\').
+    why = f" (layer {fixers[0].name}, {fixers[0].type}, fixes its size)" if fixers and None not in shape[1:] else ""
     given = tf.shape(x)
     fits = tf.reduce_all([tf.equal(given[i], d) for i, d in enumerate(shape) if d is not None] or [True])
-    check = tf.debugging.Assert(fits, [f"input '{name}' must be {expected}{why}; it is", given], summarize=8)
+    check = tf.debugging.Assert(fits, [f"input {name} must be {expected}{why}; it is", given], summarize=8)
     with tf.control_dependencies([check]):
         return tf.ensure_shape(tf.identity(x), shape)
 
