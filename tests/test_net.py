@@ -16,6 +16,8 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 import caffe  # noqa: E402  (before TensorFlow loads: see ENVIRONMENT.md)
 
 import deepspark  # noqa: E402
+from deepspark.backends import create_model  # noqa: E402
+from deepspark.config import load_net  # noqa: E402
 
 ZOO = os.path.join(ROOT, "tests", "data", "zoo")
 SQUEEZENET = os.path.join(ZOO, "squeezenet_v1.0_deploy.prototxt")
@@ -146,3 +148,15 @@ def test_importing_deepspark_loads_no_framework():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_create_model_batch_size_sets_an_input_nets_batch(backend):
+    """create_model(batch_size=3) on a net with legacy input_dim (P-Net's 1x3x12x12): a batch of 3 in, 3 out."""
+    net, source = load_net(PNET)
+    model = create_model(backend, net, phase=caffe.TEST, source=source, batch_size=3)
+    try:
+        assert model.feeds == {"data": (3, 3, 12, 12)}
+        assert model.forward({"data": np.ones((3, 3, 12, 12), np.float32)})["prob1"].shape == (3, 2, 1, 1)
+    finally:
+        model.close()

@@ -139,3 +139,33 @@ def test_threads_must_be_a_positive_count():
     for bad in (0, -2, "4", 2.0, True):
         with pytest.raises(ValueError, match="threads must be a positive integer"):
             create_model("tensorflow", net, phase=pb.TEST, threads=bad)
+
+
+def test_an_input_net_takes_any_batch_and_size_and_keeps_each_compiled_pass():
+    """MTCNN's P-Net (legacy input_dim 1x3x12x12): create_model's batch_size sets its batch; reshape gives
+    Caffe's output sizes (63x47 at 135x104, 2x2 at 14x13: ceil-mode pooling) and a size seen before runs the
+    pass compiled for it then, traced once."""
+    net, source = load_net(os.path.join(ROOT, "tests", "data", "zoo", "mtcnn_det1.prototxt"))
+    model = create_model("tensorflow", net, phase=pb.TEST, source=source, batch_size=3)
+    assert model.feeds == {"data": (3, 3, 12, 12)}
+    assert model.forward(random_batch(model))["prob1"].shape == (3, 2, 1, 1)
+    first = model._forward_fn
+    for shape, out in [((1, 3, 135, 104), (63, 47)), ((2, 3, 14, 13), (2, 2)), ((3, 3, 12, 12), (1, 1))]:
+        model.reshape({"data": shape})
+        assert model.feeds == {"data": shape} and model.graph.blobs["prob1"] == shape[:1] + (2,) + out
+        outputs = model.forward(random_batch(model))
+        assert outputs["prob1"].shape == shape[:1] + (2,) + out and outputs["conv4-2"].shape == shape[:1] + (4,) + out
+    assert model._forward_fn is first and first.experimental_get_tracing_count() == 1
+
+
+def test_reshape_refuses_a_size_that_changes_a_parameter():
+    """LeNet's ip1 takes 50x4x4 values: at 32x32 it would need another weight blob; Caffe would abort."""
+    net, source = load_net(os.path.join(ROOT, "models", "lenet", "deploy.prototxt"))
+    model = create_model("tensorflow", net, phase=pb.TEST, source=source)
+    with pytest.raises(ValueError, match=r"inputs 'data' 1x1x32x32: layer 'ip1' would need a 500x1250 parameter, "
+                                         r"its blob is 500x800"):
+        model.reshape({"data": (1, 1, 32, 32)})
+    with pytest.raises(KeyError, match="'label' is not an input of this net"):
+        model.reshape({"label": (1,)})
+    model.reshape({"data": (5, 1, 28, 28)})  # another batch is any net's
+    assert model.forward(random_batch(model))["prob"].shape == (5, 10)
