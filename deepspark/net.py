@@ -1,4 +1,4 @@
-"""pycaffe's Net on either backend: a prototxt and its weights, `blobs` and `params` as numpy arrays, `forward`, `reshape`.
+"""pycaffe's Net on either backend: a prototxt and its weights; blobs and params as numpy arrays; forward, reshape.
 
     net = deepspark.Net("deploy.prototxt", "weights.caffemodel", phase="test", backend="tensorflow")
     net.blobs["data"].reshape(2, 3, 227, 227)

@@ -162,8 +162,8 @@ def test_reshape_refuses_a_size_that_changes_a_parameter():
     """LeNet's ip1 takes 50x4x4 values: at 32x32 it would need another weight blob; Caffe would abort."""
     net, source = load_net(os.path.join(ROOT, "models", "lenet", "deploy.prototxt"))
     model = create_model("tensorflow", net, phase=pb.TEST, source=source)
-    with pytest.raises(ValueError, match=r"inputs 'data' 1x1x32x32: layer 'ip1' would need a 500x1250 parameter, "
-                                         r"its blob is 500x800"):
+    refused = r"inputs 'data' 1x1x32x32: layer 'ip1' would need a 500x1250 parameter, its blob is 500x800"
+    with pytest.raises(ValueError, match=refused):
         model.reshape({"data": (1, 1, 32, 32)})
     with pytest.raises(KeyError, match="'label' is not an input of this net"):
         model.reshape({"label": (1,)})

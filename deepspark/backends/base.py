@@ -56,7 +56,7 @@ class Model(abc.ABC):
         self.threads = thread_count(threads)
         self._graph_options = dict(stages=stages, source=source, data_shape=data_shape, batch_size=batch_size)
         self.graph = Graph(self.net_param, phase, **self._graph_options)
-        self._check_shapes()
+        check_shapes(self.graph)
         if self.graph.phase == pb.TRAIN:
             self.graph.check_backward()  # before pycaffe could abort in its backward pass
         if seed is None:
@@ -74,15 +74,6 @@ class Model(abc.ABC):
         self.param_count = self.param_offsets[-1]
         self.iter_size = max(self.solver_param.iter_size, 1)
         self.history_sets = schedule.SOLVER_TYPES[self.solver_type]
-
-    def _check_shapes(self):
-        for layer in self.graph.layers:
-            if any(shape is None for shape in layer.top_shapes):
-                kind = "its data shape" if layer.type in DATA_TYPES else "a shape"
-                # The first layer of unknown shape is a data layer; the data pipeline said why.
-                reason = self.graph.context.unknown.get(layer.name) or (
-                    f"layer '{layer.name}' ({layer.type}): {kind} is unknown (it comes from the data source)")
-                raise ConfigError(reason, *self.graph.source.where(layer.index))
 
     # -- parameters -----------------------------------------------------------
 
@@ -166,22 +157,12 @@ class Model(abc.ABC):
 
     def reshape(self, shapes):
         """Caffe's Net::Reshape after its input blobs were reshaped: the net for the inputs `shapes` ({top: shape},
-        those not named keep theirs), every blob's shape recomputed by Caffe's rules; a ValueError where the
-        new shapes would change a parameter's (an InnerProduct's input size, say) or break a layer's rule."""
+        those not named keep theirs), every blob's shape by Caffe's rules (reshaped_net's errors)."""
         shapes = {top: tuple(int(d) for d in shape) for top, shape in shapes.items()}
-        if all(self.feeds.get(top) == shape for top, shape in shapes.items()):
-            return
-        net = with_input_shapes(self.net_param, shapes)
-        try:
-            graph = Graph(net, self.phase, **self._graph_options)
-        except ConfigError as error:
-            raise ValueError(f"inputs {_shapes_text(shapes)}: {error.message}") from None
-        for param, shape in zip(graph.params, self.param_shapes):
-            if tuple(param.shape) != shape:
-                raise ValueError(f"inputs {_shapes_text(shapes)}: layer '{param.layer}' would need a {fmt(param.shape)} "
-                                 f"parameter, its blob is {fmt(shape)} (the net takes no other input size there)")
-        self.net_param, self.graph = net, graph
-        self._reshaped()
+        if any(self.feeds.get(top) != shape for top, shape in shapes.items()):
+            self.net_param, self.graph = reshaped_net(self.net_param, shapes, self.phase, self.param_shapes,
+                                                      self._graph_options)
+            self._reshaped()
 
     def _reshaped(self):
         """Make what the backend runs follow self.graph's new shapes (`reshape` has just replaced it)."""
@@ -306,8 +287,32 @@ class Model(abc.ABC):
         self.set_history(arrays)
 
 
-def _shapes_text(shapes):
-    return ", ".join(f"'{top}' {fmt(shape)}" for top, shape in shapes.items())
+def check_shapes(graph):
+    """A ConfigError at the first layer of `graph` whose top shape is unknown (it comes from the data source)."""
+    for layer in graph.layers:
+        if any(shape is None for shape in layer.top_shapes):
+            kind = "its data shape" if layer.type in DATA_TYPES else "a shape"
+            # The first layer of unknown shape is a data layer; the data pipeline said why.
+            reason = graph.context.unknown.get(layer.name) or (
+                f"layer '{layer.name}' ({layer.type}): {kind} is unknown (it comes from the data source)")
+            raise ConfigError(reason, *graph.source.where(layer.index))
+
+
+def reshaped_net(net, shapes, phase, param_shapes, graph_options):
+    """(NetParameter, Graph) of `net` with its inputs reshaped to `shapes` ({top: shape}); a ValueError where the
+    shapes would change one of `param_shapes` (an InnerProduct's input size, say) or break a layer's rule, a
+    KeyError for a top that is no input."""
+    net = with_input_shapes(net, shapes)
+    said = ", ".join(f"'{top}' {fmt(shape)}" for top, shape in shapes.items())
+    try:
+        graph = Graph(net, phase, **graph_options)
+    except ConfigError as error:
+        raise ValueError(f"inputs {said}: {error.message}") from None
+    for param, shape in zip(graph.params, param_shapes):
+        if tuple(param.shape) != shape:
+            raise ValueError(f"inputs {said}: layer '{param.layer}' would need a {fmt(param.shape)} parameter, "
+                             f"its blob is {fmt(shape)} (the net takes no other input size there)")
+    return net, graph
 
 
 def thread_count(threads):

@@ -67,7 +67,7 @@ class Model(base.Model):
                 self._solver.add_callback(self._on_start, self._on_gradients_ready)
             else:
                 self._net = caffe.Net(self._write("net.prototxt", compiler.to_text(net)), caffe.TEST)
-        self._blobs = self._param_blobs()
+        self._blobs = param_blobs(self.graph, self._net)
         self._views = [blob.data for blob in self._blobs]  # parameters never reshape
         self._loss_tops = self._loss_blobs()
         self._pass_losses = []
@@ -76,10 +76,8 @@ class Model(base.Model):
         self.set_params(fillers.init_params(self.graph, self.seed))
 
     def _reshaped(self):
-        """pycaffe's own reshape: the fed blobs to the graph's new shapes, then Net::Reshape (the graph has
-        checked them already: Caffe would abort the process on a shape it refuses)."""
-        ours = compiler.net_param(self.graph, keep_data=self.data_layers == "caffe")
-        self.feeds = compiler.fed_tops(self.graph, ours)
+        """pycaffe's Net::Reshape after the fed blobs' (the graph checked them: Caffe aborts on a shape it refuses)."""
+        self.feeds = compiler.fed_tops(self.graph, compiler.net_param(self.graph, self.data_layers == "caffe"))
         for top, shape in self.feeds.items():
             self._net.blobs[top].reshape(*shape)
         self._net.reshape()
@@ -99,19 +97,6 @@ class Model(base.Model):
         positions = compiler.layer_positions(self.graph, list(net._layer_names))
         return [(blobs[blob], weight) for layer, at in zip(self.graph.layers, positions)
                 for blob, weight in zip(net._top_ids(at), layer.loss_weights) if weight]
-
-    def _param_blobs(self):
-        """Caffe's blob of each graph.params entry (its owner's: sharers share its memory)."""
-        blobs, layers = [], self._net.layers
-        positions = compiler.layer_positions(self.graph, list(self._net._layer_names))
-        for param in self.graph.params:
-            blob = layers[positions[param.owner]].blobs[param.index]  # by position: a name may repeat
-            shape = tuple(blob.data.shape)
-            if shape != tuple(param.shape) and blob.count != int(np.prod(param.shape)):
-                raise RuntimeError(f"Caffe's blob {param.index} of layer '{param.layer}' is {fmt(shape)}, "
-                                   f"the graph says {fmt(param.shape)}")
-            blobs.append(blob)
-        return blobs
 
     def close(self):
         """Drop the Caffe net and solver."""
@@ -266,3 +251,17 @@ class Model(base.Model):
         self._require_solver()
         arrays = self.check_arrays(arrays, self.history_shapes, "history blob")
         self._restore(checkpoint.solver_state(self.iter, self.current_step, arrays))
+
+
+def param_blobs(graph, net):
+    """Caffe's blob (of pycaffe's `net`) of each graph.params entry (its owner's: sharers share its memory)."""
+    blobs, layers = [], net.layers
+    positions = compiler.layer_positions(graph, list(net._layer_names))
+    for param in graph.params:
+        blob = layers[positions[param.owner]].blobs[param.index]  # by position: a name may repeat
+        shape = tuple(blob.data.shape)
+        if shape != tuple(param.shape) and blob.count != int(np.prod(param.shape)):
+            raise RuntimeError(f"Caffe's blob {param.index} of layer '{param.layer}' is {fmt(shape)}, "
+                               f"the graph says {fmt(param.shape)}")
+        blobs.append(blob)
+    return blobs

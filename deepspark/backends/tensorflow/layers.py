@@ -318,8 +318,9 @@ def pooling_any_size(x, kernel, pad, stride, ceil_mode, is_max):
     x = tf.pad(x, paddings, constant_values=fill)[:, :needed[0], :needed[1], :]
     if is_max:
         return tf.nn.max_pool2d(x, kernel, stride, "VALID")
-    inside = tf.pad(tf.ones(tf.concat([[1], sizes + np.array(pad, np.int32) * 2, [1]], 0)),  # 1 up to size+pad: Caffe's divisor
-                    [[0, 0], [0, after[0]], [0, after[1]], [0, 0]])[:, :needed[0], :needed[1], :]
+    padded = tf.concat([[1], sizes + np.array(pad, np.int32) * 2, [1]], 0)
+    inside = tf.pad(tf.ones(padded), [[0, 0], [0, after[0]], [0, after[1]], [0, 0]])  # 1 up to size+pad: the divisor
+    inside = inside[:, :needed[0], :needed[1], :]
     return tf.nn.avg_pool2d(x, kernel, stride, "VALID") / tf.nn.avg_pool2d(inside, kernel, stride, "VALID")
 
 

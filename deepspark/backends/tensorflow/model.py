@@ -207,40 +207,8 @@ class Model(base.Model):
         return float(loss), [g.numpy() for g in grads]
 
     def serving_module(self, batch_size=None, any_size=None):
-        """A tf.Module that holds this net's parameters as they are now and whose `serve` is its forward pass,
-        the TEST phase's, for tf.saved_model.save: inputs by the net's input names, N x C x H x W float32 as
-        Caffe takes them (N: batch_size, None for any), outputs by the names of the blobs nothing consumes.
-        It needs neither DeepSpark nor this Model once saved.
-
-        any_size: serve every height and width Caffe would reshape the net to (a fully convolutional net:
-        compiler.size_fixers finds none; the default); otherwise an input of another shape than the net's is
-        refused by an assertion whose message names the shape expected, never answered wrongly.
-        """
-        graph, orders = self.graph, self._orders
-        fixers = compiler.size_fixers(graph)
-        if any_size is None:
-            any_size = not fixers
-        elif any_size and fixers:
-            raise ValueError(f"layer '{fixers[0].name}' ({fixers[0].type}) fixes the input size: the net cannot "
-                             "be served at any size")
-        module = tf.Module()
-        module.params = [tf.Variable(v, trainable=False, name=f"param{i}") for i, v in enumerate(self._variables)]
-        names = list(self.feeds)
-        shapes = {name: (batch_size,) + tuple(self.feeds[name][1:]) for name in names}
-        if any_size:  # height and width left to the data; the channels stay the net's
-            shapes = {name: shape[:2] + (None,) * (len(shape) - 2) for name, shape in shapes.items()}
-        specs = [tf.TensorSpec((batch_size,) + (None,) * (len(shapes[name]) - 1), tf.float32, name=name)
-                 for name in names]
-
-        def serve(*inputs):
-            fed = {name: _checked_input(name, x, shapes[name], fixers) for name, x in zip(names, inputs)}
-            ctx = compiler.Context(graph, fed, False, orders=orders)
-            _, blobs = compiler.run(graph, module.params, ctx)
-            return {name: blobs[name].caffe for name in graph.outputs}
-
-        module.serve = traced(serve, input_signature=specs)
-        module.input_shapes = shapes  # what it serves, None where any size goes (not saved: for the caller)
-        return module
+        """serving_module(self, batch_size, any_size): this net as a tf.Module to save as a SavedModel."""
+        return serving_module(self, batch_size, any_size)
 
     def layer_passes(self, batch):
         """Each layer compiled on its own (a tf.function), fed the blobs the forwards before it made.
@@ -321,6 +289,43 @@ def solve_momentum(param, variables, histories, grads, rate, lr_mults, decay_mul
             continue
         tf.raw_ops.ResourceApplyMomentum(var=weight.handle, accum=history.handle, lr=one, grad=step,
                                          momentum=tf.constant(param.momentum, tf.float32), use_nesterov=nesterov)
+
+
+def serving_module(model, batch_size=None, any_size=None):
+    """A tf.Module that holds the parameters of `model` (a Model) as they are now and whose `serve` is its forward pass,
+    the TEST phase's, for tf.saved_model.save: inputs by the net's input names, N x C x H x W float32 as
+    Caffe takes them (N: batch_size, None for any), outputs by the names of the blobs nothing consumes.
+    It needs neither DeepSpark nor the Model once saved.
+
+    any_size: serve every height and width Caffe would reshape the net to (a fully convolutional net:
+    compiler.size_fixers finds none; the default); otherwise an input of another shape than the net's is
+    refused by an assertion whose message names the shape expected, never answered wrongly.
+    """
+    graph, orders = model.graph, model._orders
+    fixers = compiler.size_fixers(graph)
+    if any_size is None:
+        any_size = not fixers
+    elif any_size and fixers:
+        raise ValueError(f"layer '{fixers[0].name}' ({fixers[0].type}) fixes the input size: the net cannot "
+                         "be served at any size")
+    module = tf.Module()
+    module.params = [tf.Variable(v, trainable=False, name=f"param{i}") for i, v in enumerate(model._variables)]
+    names = list(model.feeds)
+    shapes = {name: (batch_size,) + tuple(model.feeds[name][1:]) for name in names}
+    if any_size:  # height and width left to the data; the channels stay the net's
+        shapes = {name: shape[:2] + (None,) * (len(shape) - 2) for name, shape in shapes.items()}
+    specs = [tf.TensorSpec((batch_size,) + (None,) * (len(shapes[name]) - 1), tf.float32, name=name)
+             for name in names]
+
+    def serve(*inputs):
+        fed = {name: _checked_input(name, x, shapes[name], fixers) for name, x in zip(names, inputs)}
+        ctx = compiler.Context(graph, fed, False, orders=orders)
+        _, blobs = compiler.run(graph, module.params, ctx)
+        return {name: blobs[name].caffe for name in graph.outputs}
+
+    module.serve = traced(serve, input_signature=specs)
+    module.input_shapes = shapes  # what it serves, None where any size goes (not saved: for the caller)
+    return module
 
 
 def _checked_input(name, x, shape, fixers):
