@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from deepspark.backends import create_model  # noqa: E402
-from deepspark.config import load_net, load_solver  # noqa: E402
+from deepspark.config import load_net, load_solver, parse_net  # noqa: E402
 from deepspark.errors import ConfigError  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
 
@@ -169,3 +169,33 @@ def test_reshape_refuses_a_size_that_changes_a_parameter():
         model.reshape({"label": (1,)})
     model.reshape({"data": (5, 1, 28, 28)})  # another batch is any net's
     assert model.forward(random_batch(model))["prob"].shape == (5, 10)
+
+
+POOLS = """
+input: "data" input_shape { dim: 1 dim: 3 dim: 13 dim: 11 }
+layer { name: "max" type: "Pooling" bottom: "data" top: "max" pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 } }
+layer { name: "ave" type: "Pooling" bottom: "data" top: "ave" pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 } }
+layer { name: "ceil" type: "Pooling" bottom: "data" top: "ceil" pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
+layer { name: "floor" type: "Pooling" bottom: "data" top: "floor"
+        pooling_param { pool: MAX kernel_size: 3 stride: 2 ceil_mode: false } }
+"""
+
+
+def test_a_net_served_at_any_size_pools_as_the_net_compiled_at_each_size():
+    """The SavedModel's pooling of sizes only the data knows (MAX and AVE, padded, ceil and floor mode) gives
+    what the net compiled at that size gives (that one is pycaffe's: test_net, test_tf_layers)."""
+    import tensorflow as tf
+
+    net, source = parse_net(POOLS)
+    model = create_model("tensorflow", net, phase=pb.TEST, source=source)
+    module = model.serving_module()
+    assert module.input_shapes == {"data": (None, 3, None, None)}
+    rng = np.random.default_rng(2)
+    for shape in [(1, 3, 13, 11), (2, 3, 8, 9), (1, 3, 5, 4), (1, 3, 14, 13)]:
+        data = rng.normal(0, 1, shape).astype(np.float32)
+        model.reshape({"data": shape})
+        expected = model.forward({"data": data})
+        served = module.serve(tf.constant(data))
+        for name, value in expected.items():
+            assert served[name].shape == value.shape, (name, shape)
+            np.testing.assert_allclose(served[name].numpy(), value, rtol=1e-6, atol=1e-6, err_msg=f"{name} {shape}")
