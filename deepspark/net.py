@@ -93,8 +93,8 @@ class Net:
         names = OrderedDict((top, None) for layer in self._graph.layers for top in layer.tops)
         self.blobs = OrderedDict((name, Blob(np.zeros(shapes[name], np.float32))) for name in names)
         tapped = set(self._model.graph.outputs)
-        self._taps = {name: tap_name(self._graph, name) for name in names}
-        self._taps = {name: tap for name, tap in self._taps.items() if tap in tapped and name not in self.inputs}
+        self._taps = {name: tap_name(self._graph, name) for name in names}  # an input only if rewritten in place
+        self._taps = {name: tap for name, tap in self._taps.items() if tap in tapped}
         self._params = [Blob(array) for array in self._model.get_params()]
         self.params = OrderedDict((layer.name, [self._params[i] for i in layer.blob_params])
                                   for layer in self._model.graph.layers if layer.blob_params)
