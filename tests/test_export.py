@@ -122,11 +122,13 @@ def test_export_refuses_bad_input_in_one_line_and_leaves_nothing(tmp_path):
 
 
 # Runs SavedModels with plain TensorFlow where DeepSpark cannot be imported (-I drops PYTHONPATH and the current
-# folder; the editable install's finder is taken off sys.meta_path): FOLDER INPUTS.npz OUT triples, OUT.npz
-# getting the outputs, or OUT.txt the one line of the error that refused the inputs.
+# folder; an editable install's finder and any sys.path entry holding a deepspark package go too): FOLDER
+# INPUTS.npz OUT triples, OUT.npz getting the outputs, or OUT.txt the one line of the error that refused the inputs.
 SERVE_ALONE = """
+import os
 import sys
 sys.meta_path = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+sys.path = [p for p in sys.path if not os.path.isdir(os.path.join(p, "deepspark"))]
 try:
     import deepspark
 except ImportError:
