@@ -37,7 +37,8 @@ readonly APT_PACKAGES=(
   libhdf5-dev libopenblas-dev liblmdb-dev
 )
 # pycaffe's top-level imports (pycaffe.py, net_spec.py, io.py) beyond the stdlib;
-# scikit-image and scipy are made optional by the io.py patch below.
+# load_image needs Pillow (deepspark's own dependency), imported when called; the io.py patch below
+# leaves no scikit-image or scipy.
 readonly PY_IMPORTS=(numpy google.protobuf six)
 readonly PY_REQUIREMENTS=(numpy 'protobuf>=3.20,<8' six)
 
@@ -259,6 +260,19 @@ def replace_once(rel, old, new):
         f.write(text.replace(old, new))
     print("patched", rel)
 
+def replace_between(rel, start, end, new):
+    """Replaces the text from `start` up to (not including) `end`, each occurring once."""
+    path = os.path.join(src, rel)
+    with open(path) as f:
+        text = f.read()
+    for marker in (start, end):
+        if text.count(marker) != 1:
+            sys.exit("patch failed: %r occurs %d times in %s (expected once)" % (marker, text.count(marker), rel))
+    i, j = text.index(start), text.index(end)
+    with open(path, "w") as f:
+        f.write(text[:i] + new + text[j:])
+    print("patched", rel)
+
 # Debian ships only the versioned Boost.Python library name.
 replace_once("python/CMakeLists.txt", " -lboost_python ", " -l%s " % boost_python)
 
@@ -282,29 +296,104 @@ del _os, _sys, _flags
 
 from .pycaffe import Net,''')
 
-# scikit-image and scipy serve only load_image/resize_image (~230 MB of
-# dependencies); import them when present and explain when a caller needs them.
-# resize was used but never imported in this fork.
-replace_once("python/caffe/io.py", "import skimage.io\nfrom scipy.ndimage import zoom\n", '''\
-try:  # DeepSpark: optional, only load_image and resize_image need them
-    import skimage.io
-    from skimage.transform import resize
-except ImportError:
-    skimage = resize = None
-try:
-    from scipy.ndimage import zoom
-except ImportError:
-    zoom = None
-''')
-replace_once("python/caffe/io.py", "    img = skimage.img_as_float(", '''\
-    if skimage is None:
-        raise ImportError("caffe.io.load_image needs scikit-image: pip install scikit-image")
-    img = skimage.img_as_float(''')
-replace_once("python/caffe/io.py", "    if im.shape[-1] == 1 or im.shape[-1] == 3:\n", '''\
-    if resize is None or zoom is None:
-        raise ImportError("caffe.io.resize_image needs scikit-image and scipy: pip install scikit-image scipy")
+# load_image and resize_image used scikit-image and scipy (~230 MB of dependencies; and scikit-image
+# 0.19 renamed imread's as_grey, so the fork's load_image failed with any current one). They are rewritten
+# on Pillow and numpy with the numbers they gave with the scikit-image of Caffe's day: img_as_float of the
+# file's pixels (RGB, a gray image repeated; as_grey's BT.709 gray), and a linear resize with pixel centres
+# aligned and zero beyond the edge (skimage's resize, mode='constant', no anti-aliasing), or corners aligned
+# (scipy's zoom) for images of other than 1 or 3 channels. tests/test_io.py checks them against deepspark.io.
+replace_once("python/caffe/io.py", "import skimage.io\nfrom scipy.ndimage import zoom\n", "")
+replace_between("python/caffe/io.py", "def load_image(", "def oversample(", """\
+def load_image(filename, color=True):
+    \"\"\"
+    Load an image converting from grayscale or alpha as needed.
+
+    Parameters
+    ----------
+    filename : string
+    color : boolean
+        flag for color format. True (default) loads as RGB while False
+        loads as intensity (if image is already grayscale).
+
+    Returns
+    -------
+    image : an image with type np.float32 in range [0, 1]
+        of size (H x W x 3) in RGB or
+        of size (H x W x 1) in grayscale.
+    \"\"\"
+    # DeepSpark: Pillow and numpy, as skimage.img_as_float(skimage.io.imread(filename, as_grey=not color)).
+    from PIL import Image
+    with Image.open(filename) as pil:
+        pil.load()
+        if pil.mode.startswith('I;16'):
+            img = np.array(pil, dtype=np.uint16) / 65535.0
+        elif pil.mode in ('L', 'RGB', 'RGBA'):
+            img = np.array(pil, dtype=np.uint8) / 255.0
+        else:
+            img = np.array(pil.convert('RGBA' if pil.has_transparency_data else 'RGB'), dtype=np.uint8) / 255.0
+    if img.ndim == 3 and not color:
+        img = img[:, :, 0] * 0.2125 + img[:, :, 1] * 0.7154 + img[:, :, 2] * 0.0721
+    img = img.astype(np.float32)
+    if img.ndim == 2:
+        img = img[:, :, np.newaxis]
+        if color:
+            img = np.tile(img, (1, 1, 3))
+    elif img.shape[2] == 4:
+        img = img[:, :, :3]
+    return img
+
+
+def _linear(im, axis, size, centers):
+    # DeepSpark: linear interpolation along one axis. centers: sample (o + 0.5) * n / size - 0.5 with zero
+    # beyond the edge (skimage's resize, mode='constant'); else o * (n - 1) / (size - 1) (scipy's zoom).
+    n = im.shape[axis]
+    o = np.arange(size, dtype=np.float64)
+    x = (o + 0.5) * n / size - 0.5 if centers else o * (n - 1) / max(size - 1, 1)
+    lo = np.floor(x).astype(int)
+    frac = (x - lo).reshape((-1,) + (1,) * (im.ndim - 1 - axis))
+    pad = [(0, 0)] * im.ndim
+    pad[axis] = (1, 2)
+    padded = np.pad(im.astype(np.float64), pad)
+    return (np.take(padded, lo + 1, axis=axis) * (1 - frac) +
+            np.take(padded, lo + 2, axis=axis) * frac)
+
+
+def resize_image(im, new_dims, interp_order=1):
+    \"\"\"
+    Resize an image array with interpolation.
+
+    Parameters
+    ----------
+    im : (H x W x K) ndarray
+    new_dims : (height, width) tuple of new dimensions.
+    interp_order : interpolation order, default is linear (DeepSpark: the only one).
+
+    Returns
+    -------
+    im : resized ndarray with shape (new_dims[0], new_dims[1], K)
+    \"\"\"
+    if interp_order != 1:
+        raise ValueError('resize_image: only interp_order=1 (linear) is supported')
     if im.shape[-1] == 1 or im.shape[-1] == 3:
-''')
+        im_min, im_max = im.min(), im.max()
+        if im_max > im_min:
+            # as skimage, which only understands {1,3} channel images in [0, 1].
+            im_std = (im - im_min) / (im_max - im_min)
+            resized_std = _linear(_linear(im_std, 0, int(new_dims[0]), True), 1, int(new_dims[1]), True)
+            resized_im = np.clip(resized_std, 0, 1) * (im_max - im_min) + im_min
+        else:
+            # the image is a constant -- avoid divide by 0
+            ret = np.empty((new_dims[0], new_dims[1], im.shape[-1]),
+                           dtype=np.float32)
+            ret.fill(im_min)
+            return ret
+    else:
+        # as ndimage's zoom, which interpolates anything.
+        resized_im = _linear(_linear(im, 0, int(new_dims[0]), False), 1, int(new_dims[1]), False)
+    return resized_im.astype(np.float32)
+
+
+""")
 
 # Caffe's own upgrade tools (upgrade_net_proto_text, upgrade_solver_proto_text) as
 # functions of pycaffe: the fork builds no tools, and the tests compare DeepSpark's
