@@ -142,6 +142,48 @@ assert last < 0.5 * first, (first, last)
 print("loss", first, "->", last)
 """
 
+# Input of ten 3x8x8 images + InnerProduct + Softmax: what caffe.Classifier needs.
+CLASSIFIER_NET = """
+name: "classifier"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 10 dim: 3 dim: 8 dim: 8 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "prob" type: "Softmax" bottom: "ip" top: "prob" }
+"""
+
+# pycaffe's own image path as a Caffe user runs it: caffe.io.load_image on a colour PNG and a gray JPEG, then
+# caffe.Classifier; the build's io.py reads images with Pillow, so neither scikit-image nor scipy loads.
+CLASSIFIER_SCRIPT = """
+import sys
+import caffe
+import numpy as np
+from PIL import Image
+
+net_path, folder = sys.argv[1:3]
+rng = np.random.default_rng(0)
+Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(folder + "/color.png")
+Image.fromarray(rng.integers(0, 256, (30, 20), dtype=np.uint8)).save(folder + "/gray.jpg")
+color = caffe.io.load_image(folder + "/color.png")
+gray = caffe.io.load_image(folder + "/gray.jpg")
+assert color.dtype == np.float32 and color.shape == (40, 50, 3), (color.dtype, color.shape)
+np.testing.assert_allclose(color, np.asarray(Image.open(folder + "/color.png")) / 255.0, atol=1e-7)
+assert gray.shape == (30, 20, 3) and (gray[:, :, 0] == gray[:, :, 2]).all(), gray.shape
+assert caffe.io.load_image(folder + "/color.png", color=False).shape == (40, 50, 1)
+assert caffe.io.resize_image(color, (16, 16)).shape == (16, 16, 3)
+
+caffe.set_mode_cpu()
+caffe.Net(net_path, caffe.TEST).save(folder + "/weights.caffemodel")
+classifier = caffe.Classifier(net_path, folder + "/weights.caffemodel", image_dims=(12, 12), raw_scale=255,
+                              channel_swap=(2, 1, 0), mean=np.array([100.0, 110.0, 120.0]))
+for oversample in (True, False):
+    predictions = classifier.predict([color, gray], oversample=oversample)
+    assert predictions.shape == (2, 4), predictions.shape
+    np.testing.assert_allclose(predictions.sum(axis=1), 1, rtol=1e-5)
+loaded = sorted(name for name in ("skimage", "scipy") if name in sys.modules)
+assert not loaded, loaded
+print("predictions", predictions.tolist())
+"""
+
 
 def run_python(code, *args, cwd):
     """Runs code in a fresh interpreter of this venv; fails with its output if it dies."""
@@ -205,3 +247,10 @@ def test_solver_trains_from_lmdb(caffe_importable, tmp_path):
     solver.write_text(LMDB_SOLVER % {"net": net})
     out = run_python(LMDB_SCRIPT, db, solver, cwd=tmp_path)
     assert out.startswith("loss ")
+
+
+def test_load_image_and_classifier(caffe_importable, tmp_path):
+    net = tmp_path / "classifier.prototxt"
+    net.write_text(CLASSIFIER_NET)
+    out = run_python(CLASSIFIER_SCRIPT, net, tmp_path, cwd=tmp_path)
+    assert out.startswith("predictions ")
