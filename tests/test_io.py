@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import deepspark
 from deepspark import checkpoint, io
 from deepspark.backends.caffe import runtime
 from deepspark.classifier import Classifier
@@ -224,7 +225,8 @@ def test_classifier_equals_pycaffe(images, small_net, imagenet_mean, backend, tm
     labels = tmp_path / "synset_words.txt"
     labels.write_text("".join(f"n0{i:07d} class {i}, the {i}th\n" for i in range(10)))
     options = dict(image_dims=(36, 36), raw_scale=255, channel_swap=(2, 1, 0), input_scale=0.017)
-    ours = Classifier(prototxt, weights, mean=mean_path, labels=str(labels), backend=backend, **options)
+    ours = deepspark.Classifier(prototxt, weights, mean=mean_path, labels=str(labels), backend=backend, **options)
+    assert isinstance(ours, Classifier) and ours.backend == backend
     theirs = caffe.Classifier(prototxt, weights, mean=mean, **options)
     # Three images: ten crops each fill three batches of ten, the centre crops one padded batch.
     inputs = [io.load_image(images[name]) for name in ("color.jpg", "gray.jpg", "rgba.png")]
