@@ -34,7 +34,8 @@ def load_image(filename, color=True):
             pixels = np.asarray(image, dtype=np.uint16).astype(np.float64) / 65535.0
         else:
             if image.mode not in ("L", "RGB", "RGBA"):
-                image = image.convert("RGBA" if image.has_transparency_data else "RGB")
+                # A palette's transparency goes through RGBA, as Pillow asks; the alpha is dropped below.
+                image = image.convert("RGBA" if "transparency" in image.info else "RGB")
             pixels = np.asarray(image, dtype=np.float64) / 255.0
     if pixels.ndim == 3:
         pixels = pixels[:, :, :3]

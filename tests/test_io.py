@@ -38,16 +38,19 @@ layer { name: "prob" type: "Softmax" bottom: "fc2" top: "prob" }
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     """Image files as users bring them: a colour JPEG (three Fashion-MNIST pictures as its red, green and blue,
-    upscaled to 300x240), a gray JPEG, an RGBA PNG, a palette PNG and a 16-bit gray PNG."""
+    upscaled to 300x240), a gray JPEG, an RGBA PNG, palette PNGs without and with transparency, a 16-bit gray
+    PNG."""
     folder = tmp_path_factory.mktemp("images")
     _, raw = read_idx(FASHION, IDX_IMAGES_MAGIC)
     pictures = np.frombuffer(raw, np.uint8)[:8 * 784].reshape(8, 28, 28)
     rgb = np.stack(pictures[:3], axis=-1)
-    paths = {name: str(folder / name) for name in ("color.jpg", "gray.jpg", "rgba.png", "palette.png", "gray16.png")}
+    paths = {name: str(folder / name) for name in ("color.jpg", "gray.jpg", "rgba.png", "palette.png",
+                                                "transparent.png", "gray16.png")}
     Image.fromarray(rgb).resize((300, 240), Image.BICUBIC).save(paths["color.jpg"], quality=90)
     Image.fromarray(pictures[3]).resize((200, 170), Image.BICUBIC).save(paths["gray.jpg"], quality=90)
     Image.fromarray(np.dstack([rgb, pictures[4]]), "RGBA").resize((90, 70)).save(paths["rgba.png"])
     Image.fromarray(pictures[5]).convert("P").save(paths["palette.png"])
+    Image.fromarray(pictures[7]).convert("P").save(paths["transparent.png"], transparency=0)
     Image.fromarray(pictures[6].astype(np.uint16) * 257).save(paths["gray16.png"])
     return paths
 
@@ -62,7 +65,7 @@ def imagenet_mean(caffe_source, tmp_path_factory):
 
 
 @pytest.mark.parametrize("color", [True, False])
-@pytest.mark.parametrize("name", ["color.jpg", "gray.jpg", "rgba.png", "palette.png", "gray16.png"])
+@pytest.mark.parametrize("name", ["color.jpg", "gray.jpg", "rgba.png", "palette.png", "transparent.png", "gray16.png"])
 def test_load_image_equals_pycaffe(images, name, color):
     ours = io.load_image(images[name], color=color)
     theirs = caffe.io.load_image(images[name], color=color)

@@ -330,7 +330,7 @@ def load_image(filename, color=True):
         elif pil.mode in ('L', 'RGB', 'RGBA'):
             img = np.array(pil, dtype=np.uint8) / 255.0
         else:
-            img = np.array(pil.convert('RGBA' if pil.has_transparency_data else 'RGB'), dtype=np.uint8) / 255.0
+            img = np.array(pil.convert('RGBA' if 'transparency' in pil.info else 'RGB'), dtype=np.uint8) / 255.0
     if img.ndim == 3 and not color:
         img = img[:, :, 0] * 0.2125 + img[:, :, 1] * 0.7154 + img[:, :, 2] * 0.0721
     img = img.astype(np.float32)
