@@ -53,12 +53,14 @@ class Log:
         self.progress_enabled = self.stream.isatty() if progress is None else progress
         self._progress = ""
 
-    def info(self, message, level="I"):
+    def info(self, message, level="I", file=True):
+        """A line on the console (above the progress line) and in the log file; `file`: False for the console
+        alone (what shows a job going: bars.Lines)."""
         now = datetime.datetime.now()
         line = f"{level}{now:%m%d %H:%M:%S.%f} {os.getpid()} deepspark] {message}"
         with _CONSOLE:
             self._above(line)
-            if self.file:
+            if self.file and file:
                 self.file.write(line + "\n")
                 self.file.flush()
 

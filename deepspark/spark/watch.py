@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from deepspark.exchange.protocol import E_DIVERGED
-from deepspark.spark.bars import WorkerBars, in_notebook
+from deepspark.spark.bars import worker_progress
 from deepspark.spark.failures import JobError, executor_report, failed
 
 # Seconds the driver waits for the Spark job's thread once it has cancelled the job.
@@ -78,8 +78,8 @@ class Watch:
 
         thread = threading.Thread(target=spark_job, name="deepspark-spark-job", daemon=True)
         thread.start()
-        # A notebook's stderr is no terminal: there tqdm's bars show the workers going (bars.py).
-        progress = WorkerBars(self.workers, self.max_iter, self.batch_size) if in_notebook() else \
+        # A terminal's live rows, else a notebook's widgets or plain lines (bars.py).
+        progress = worker_progress(self.log, self.workers, self.max_iter, self.batch_size) or \
             Progress(self.log, self.workers, self.max_iter)
         connect_deadline = time.monotonic() + self.connect_timeout
         idle_since = None
@@ -112,7 +112,7 @@ class Watch:
                 raise self.idle_error(lost)
             self.center(stats)
         self.log.end_progress()
-        if isinstance(progress, WorkerBars):
+        if not isinstance(progress, Progress):
             progress.close()
         if "failure" in outcome:
             raise failed(outcome["failure"], self.sc)
