@@ -8,6 +8,7 @@ from pyspark.ml.util import DefaultParamsReadable, DefaultParamsWritable
 
 from deepspark import config
 from deepspark.errors import DeepSparkError
+from deepspark.ml import flavor
 from deepspark.ml.fit import Fit
 from deepspark.ml.params import Stage, enum_name, with_accessors, with_schema
 from deepspark.proto import deepspark_pb2 as pb
@@ -85,4 +86,6 @@ class DeepSparkEstimator(Estimator, Stage, DefaultParamsWritable, DefaultParamsR
         self._setDefault(maxIter=solver.param.max_iter, seed=solver.param.random_seed)
 
     def _fit(self, dataset):
-        return Fit(self, dataset).run()
+        model = Fit(self, dataset).run()
+        flavor.autologged(model)  # under mlflow.pyspark.ml.autolog, the model as an MLflow pyfunc (ml/flavor.py)
+        return model

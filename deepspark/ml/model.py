@@ -283,17 +283,22 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         """The scoring path's Forward of this model for `outputs` (tap names), the input multiplied by `scale`
         before the transform_param; shipped as classic Spark ships it (a broadcast, fresh build counters), or
         in the task's closure under Spark Connect."""
-        size = self.batch_size()
-        net = with_batch_size(self.deploy, size)
-        net = with_taps(net, Graph(net, pb.TEST), [o.split("@")[0] for o in outputs])
-        top, shape = self.input_top()
-        transform, mean = images.scaled_transform(parse_transform(self.getOrDefault("transformParam")), scale,
-                                                  self.mean)
-        forward = Forward.of(net, self.getOrDefault("backend"), self.weights, mean, transform, image=top, label="",
-                             shape=shape, raw_shape=None, batch_size=size, outputs=dict.fromkeys(outputs))
+        forward = self.forward(outputs, scale)
         if is_connect(dataset):
             self.counters = None
             return dataclasses.replace(forward, weights=Held(forward.weights))
         sc = this_python(dataset.sparkSession.sparkContext)
         self.counters = (sc.accumulator(0), sc.accumulator(0.0))
         return forward.shipped(sc, self.counters)
+
+    def forward(self, outputs, scale=1.0):
+        """forward_spec's Forward before it is shipped: its weights the bytes themselves (Held in this process:
+        ml/flavor.py's MLflow model scores without Spark)."""
+        size = self.batch_size()
+        net = with_batch_size(self.deploy, size)
+        net = with_taps(net, Graph(net, pb.TEST), [o.split("@")[0] for o in outputs])
+        top, shape = self.input_top()
+        transform, mean = images.scaled_transform(parse_transform(self.getOrDefault("transformParam")), scale,
+                                                  self.mean)
+        return Forward.of(net, self.getOrDefault("backend"), self.weights, mean, transform, image=top, label="",
+                          shape=shape, raw_shape=None, batch_size=size, outputs=dict.fromkeys(outputs))
