@@ -33,10 +33,20 @@ setup(
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "import-linter>=2.1",
                  "pytest-timeout>=2.3",  # a test that hangs fails alone, its threads' stacks printed
                  "pyspark[connect]>=3.5",  # a local Spark Connect server for deepspark.ml's transform
-                 "mlflow-skinny>=3.0",  # mlflow.pyspark.ml.autolog over a fit (a local file store)
+                 # mlflow.pyspark.ml.autolog over a fit, in a sqlite store (the [mlflow] extra's)
+                 "mlflow-skinny>=3.0", "sqlalchemy>=2.0,<2.1", "alembic>=1.13", "sqlparse>=0.5", "scipy>=1.11",
+                 # tests/test_notebook.py: a notebook run in a real kernel (the [notebook] extra's, and its runner)
+                 "ipykernel>=6.29", "ipywidgets>=8.1", "nbclient>=0.10", "nbformat>=5.10",
                  "mkdocs>=1.6", "mkdocstrings-python>=1.10"],  # the docs site, built in the suite (tests/test_docs.py)
         "docs": ["mkdocs>=1.6", "mkdocstrings-python>=1.10"],
         "connect": ["pyspark[connect]>=3.5"],
+        # A Jupyter kernel on this environment's Python, and the widgets tqdm draws a fit's per-worker bars with.
+        "notebook": ["ipykernel>=6.29", "ipywidgets>=8.1"],
+        # MLflow tracking over a fit: mlflow.pyspark.ml.autolog and the pyfunc model (deepspark/ml/flavor.py).
+        # MLflow 3 keeps its local file store behind MLFLOW_ALLOW_FILE_STORE: sqlite ("sqlite:///mlflow.db") needs
+        # sqlalchemy (2.1 warns of a deprecated loader at every run), alembic and sqlparse; autolog's dataset
+        # logging infers schemas with scipy, and says so in a warning where it is missing.
+        "mlflow": ["mlflow-skinny>=3.0", "sqlalchemy>=2.0,<2.1", "alembic>=1.13", "sqlparse>=0.5", "scipy>=1.11"],
         "caffe": ["six"],
         "bench": ["matplotlib>=3.8"],
     },

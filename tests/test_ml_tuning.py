@@ -1,6 +1,6 @@
 """DeepSparkEstimator under pyspark.ml's tuning and tracking: TrainValidationSplit fitting two models at once
 (parallelism=2), CrossValidator over a grid of two Params, and mlflow.pyspark.ml.autolog recording a fit's Params
-and metrics in MLflow's local file store. Small fits (one worker, tens of iterations) on Fashion-MNIST."""
+and metrics in a sqlite MLflow store. Small fits (one worker, tens of iterations) on Fashion-MNIST."""
 
 import os
 
@@ -72,12 +72,13 @@ def test_cross_validator_over_two_params(frame, tmp_path):
     assert best.summary["iterations"] == 40
 
 
-def test_mlflow_autolog_records_a_fits_params_and_metrics(frame, tmp_path, monkeypatch):
+def test_mlflow_autolog_records_a_fits_params_and_metrics(frame, tmp_path):
     mlflow = pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")  # MLflow's sqlite store
     import mlflow.pyspark.ml  # noqa: F401  (autolog's module)
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store behind this switch
-    mlflow.set_tracking_uri(f"file:{tmp_path / 'mlruns'}")
+    # A sqlite store, as MLflow 3 recommends (it keeps its local file store behind MLFLOW_ALLOW_FILE_STORE).
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     mlflow.pyspark.ml.autolog(log_models=False, log_datasets=False)
     try:
         model = Pipeline(stages=[estimator(tmp_path, movingRate=0.3)]).fit(frame)

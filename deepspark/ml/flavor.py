@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -121,7 +122,8 @@ def log_model(deepspark_model, name="model", **kwargs):
     kwargs: those of mlflow.models.Model.log (registered_model_name, ...) and of save_model."""
     from mlflow.models import Model
 
-    return Model.log(name=name, flavor=sys.modules[__name__], deepspark_model=deepspark_model, **kwargs)
+    return Model.log(artifact_path=None, name=name, flavor=sys.modules[__name__], deepspark_model=deepspark_model,
+                     **kwargs)
 
 
 def load(path):
@@ -170,9 +172,13 @@ class Scorer:
         columns = self.columns()
         scale = self.scale(values, inputs)
         forward = model.forward([name for _, name, _ in columns], scale)
-        forward = dataclasses.replace(forward, weights=Held(forward.weights))  # read as a broadcast is
+        # The weights read as a broadcast is; every core of this process (Forward.of's one thread is an executor's
+        # share of its machine): where TensorFlow already runs (a fit in the same kernel) it has them already.
+        forward = dataclasses.replace(forward, weights=Held(forward.weights), threads=len(os.sched_getaffinity(0)))
         skip = model.getOrDefault("handleInvalid") == "skip"
-        struct = next(outputs_of(forward, inputs, columns, skip)(iter([values])))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "TensorFlow already runs with its default thread counts", RuntimeWarning)
+            struct = next(outputs_of(forward, inputs, columns, skip)(iter([values])))
         out = pd.DataFrame({name: struct.field(name).to_pandas() for _, _, name in columns})
         if skip:
             out = out[np.asarray(struct.is_valid())].reset_index(drop=True)

@@ -1,0 +1,99 @@
+"""MLflow over a fit as a notebook user tracks one, in a sqlite store as MLflow recommends: a Pipeline (StringIndexer,
+DeepSparkEstimator) fitted under mlflow.pyspark.ml.autolog logs the DeepSpark model as a pyfunc (ml/flavor.py) that
+mlflow.pyfunc.load_model loads and runs on a pandas DataFrame, without Spark, to the outputs of the model's
+transform; autolog says nothing about an allowlist or scipy (its dataset's schema, the [mlflow] extra's)."""
+
+import gzip
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.spark
+mlflow = pytest.importorskip("mlflow")
+pytest.importorskip("sqlalchemy")  # MLflow's sqlite store
+import mlflow.pyspark.ml  # noqa: E402  (autolog's module, after the skip)
+from pyspark.ml import Pipeline  # noqa: E402
+from pyspark.ml.feature import StringIndexer  # noqa: E402
+from pyspark.ml.linalg import Vectors  # noqa: E402
+from pyspark.sql import SparkSession  # noqa: E402
+
+from deepspark.ml import DeepSparkEstimator, DeepSparkModel  # noqa: E402
+from deepspark.ml import flavor  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOLVER = os.path.join(ROOT, "models", "lenet", "solver.prototxt")
+FASHION = "/usr/share/datasets/fashion-mnist"
+NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+
+
+def fashion(split, count):
+    """(count x 784 pixels in [0, 1], their class names) of Fashion-MNIST's `split`, as a user reads them."""
+    with gzip.open(f"{FASHION}/{split}-images-idx3-ubyte.gz", "rb") as f:
+        pixels = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 784)[:count]
+    with gzip.open(f"{FASHION}/{split}-labels-idx1-ubyte.gz", "rb") as f:
+        labels = np.frombuffer(f.read(), np.uint8, offset=8)[:count]
+    return pixels / 255.0, [NAMES[y] for y in labels]
+
+
+@pytest.fixture(scope="module")
+def spark():
+    if not os.path.exists(f"{FASHION}/train-images-idx3-ubyte.gz"):
+        pytest.skip("apt-get install dataset-fashion-mnist")
+    session = SparkSession.builder.master("local[2]").getOrCreate()
+    yield session
+    session.stop()
+
+
+def test_a_fit_under_autolog_logs_a_pyfunc_model_that_scores_pandas_as_transform_does(spark, tmp_path, capfd):
+    pixels, names = fashion("train", 1000)
+    frame = spark.createDataFrame([(i, Vectors.dense(x), c) for i, (x, c) in enumerate(zip(pixels, names))],
+                                  ["id", "features", "class"])
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.pyspark.ml.autolog()  # as a user turns it on: its models and datasets too
+    capfd.readouterr()
+    try:
+        estimator = DeepSparkEstimator(solver=SOLVER, inputCol="features", maxIter=60, validationFraction=0.1,
+                                       output=str(tmp_path))
+        model = Pipeline(stages=[StringIndexer(inputCol="class", outputCol="label"), estimator]).fit(frame)
+        run = mlflow.last_active_run()
+    finally:
+        mlflow.pyspark.ml.autolog(disable=True)
+    said = capfd.readouterr().err
+    assert "not allowlisted" not in said and "scipy" not in said, said[-3000:]
+    logged = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list")
+    assert [m.name for m in logged] == ["model"] and logged[0].source_run_id == run.info.run_id
+    assert run.data.params["DeepSparkEstimator.maxIter"] == "60"
+
+    fitted = model.stages[-1]
+    test = spark.createDataFrame([(i, Vectors.dense(x)) for i, x in enumerate(fashion("t10k", 200)[0])],
+                                 ["id", "features"])
+    expected = fitted.transform(test).orderBy("id").toPandas()
+    loaded = mlflow.pyfunc.load_model(logged[0].model_uri)
+    got = loaded.predict(test.orderBy("id").toPandas())  # its vectors as toPandas gives them
+    assert list(got.columns) == ["prediction", "probability"]
+    assert np.array_equal(got["prediction"].to_numpy(), expected["prediction"].to_numpy())
+    probability = np.stack([v.toArray() for v in expected["probability"]])
+    assert np.allclose(np.stack(got["probability"]), probability, atol=1e-6)
+    assert (got["prediction"].to_numpy() == np.argmax(probability, axis=1)).all()
+
+    # The same model scores plain arrays, and each row's own columns where there is no inputCol.
+    pixels = np.stack([v.toArray() for v in test.orderBy("id").toPandas()["features"]])
+    import pandas as pd
+
+    by_rows = loaded.predict(pd.DataFrame(pixels[:5]))
+    assert np.array_equal(by_rows["prediction"].to_numpy(), expected["prediction"].to_numpy()[:5])
+    # The pyfunc's own model is the fitted one, loaded without Spark: its Params and history kept.
+    again = flavor.load(os.path.join(mlflow.artifacts.download_artifacts(logged[0].model_uri), flavor.DATA))
+    assert isinstance(again, DeepSparkModel) and again.uid == fitted.uid
+    assert again.getInputScale() == fitted.getInputScale() and len(again.getHistory()) == len(fitted.getHistory())
+
+
+def test_a_model_is_not_logged_without_autolog(spark, tmp_path):
+    pixels, names = fashion("train", 200)
+    frame = spark.createDataFrame([(Vectors.dense(x), float(NAMES.index(c))) for x, c in zip(pixels, names)],
+                                  ["features", "label"])
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with mlflow.start_run() as run:
+        DeepSparkEstimator(solver=SOLVER, inputCol="features", maxIter=5, output=str(tmp_path)).fit(frame)
+    assert mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list") == []

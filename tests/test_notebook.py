@@ -1,0 +1,266 @@
+"""A data scientist's notebook, run in a real Jupyter kernel (nbclient) on the venv's Python registered as the README
+says (`python -m ipykernel install`), with PATH not holding the venv: Fashion-MNIST rows as vectors in [0, 1],
+StringIndexer, a DeepSparkEstimator fit in a Pipeline, its history plotted, evaluate, save/load, MLflow (sqlite), and
+cells that fail as a user's do. Its saved outputs are what the user reads: no Spark INFO/WARN lines after the fit,
+the workers' progress drawn with ipywidgets and, in a kernel whose Python cannot import them, as plain lines, no
+cursor codes in any text, and each failing cell's output starting with DeepSpark's one line.
+
+The progress's pieces (spark/bars.py) are tested apart, with no kernel, at the end."""
+
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from deepspark.log import Log
+from deepspark.spark import bars
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOLVER = os.path.join(ROOT, "models", "lenet", "solver.prototxt")
+FASHION = "/usr/share/datasets/fashion-mnist"
+# A line of Spark's log4j console pattern (`26/12/05 08:21:47 WARN Utils: ...`).
+SPARK_LINE = re.compile(r"^\d\d/\d\d/\d\d \d\d:\d\d:\d\d (INFO|WARN) ", re.M)
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+SESSION = """
+import gzip
+import numpy as np
+from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+from pyspark.ml.feature import StringIndexer
+from pyspark.ml.linalg import Vectors
+from pyspark.sql import SparkSession
+from deepspark.ml import DeepSparkEstimator, DeepSparkModel
+
+spark = SparkSession.builder.master("local[2]").getOrCreate()
+"""
+
+DATA = f"""
+NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+
+def fashion(split, count):
+    with gzip.open(f"{FASHION}/{{split}}-images-idx3-ubyte.gz", "rb") as f:
+        pixels = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 784)[:count]
+    with gzip.open(f"{FASHION}/{{split}}-labels-idx1-ubyte.gz", "rb") as f:
+        labels = np.frombuffer(f.read(), np.uint8, offset=8)[:count]
+    return spark.createDataFrame([(i, Vectors.dense(x / 255.0), NAMES[y]) for i, (x, y) in enumerate(zip(pixels, labels))],
+                                 ["id", "features", "class"])
+
+train, test = fashion("train", {{train}}), fashion("t10k", 500)
+"""
+
+MLFLOW = """
+import mlflow, mlflow.pyspark.ml
+mlflow.set_tracking_uri("sqlite:///mlflow.db")
+mlflow.set_experiment("fashion")
+mlflow.pyspark.ml.autolog()
+"""
+
+FIT = f"""
+indexer = StringIndexer(inputCol="class", outputCol="label")
+estimator = DeepSparkEstimator(solver="{SOLVER}", inputCol="features", validationFraction=0.1, maxIter={{iterations}})
+model = Pipeline(stages=[indexer, estimator]).fit(train)
+fitted = model.stages[-1]
+"""
+
+PLOT = """
+import matplotlib.pyplot as plt
+history = fitted.getHistory()
+shown = [h for h in history if np.isfinite(h["loss"])]
+plt.plot([h["iteration"] for h in shown], [h["loss"] for h in shown])
+plt.xlabel("iteration"); plt.ylabel("train loss")
+plt.show()
+"""
+
+EVALUATE = """
+predictions = model.transform(test)
+accuracy = MulticlassClassificationEvaluator(metricName="accuracy").evaluate(predictions)
+print(f"accuracy {accuracy:.3f}")
+"""
+
+SAVE_LOAD = """
+model.write().overwrite().save("fashion_model")
+loaded = PipelineModel.load("fashion_model")
+before = [r.prediction for r in predictions.orderBy("id").select("prediction").collect()]
+after = [r.prediction for r in loaded.transform(test).orderBy("id").select("prediction").collect()]
+print("same predictions:", before == after)
+"""
+
+PYFUNC = """
+run = mlflow.last_active_run()
+logged = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list")
+scorer = mlflow.pyfunc.load_model(logged[0].model_uri)
+rows = test.orderBy("id").toPandas()
+print("pyfunc agrees:", list(scorer.predict(rows)["prediction"]) == before)
+"""
+
+# The cells that fail, as a user's do: (name, code, a word the DeepSpark line names).
+FAILURES = [
+    ("wrong size", 'fitted.transform(spark.createDataFrame([(Vectors.dense([0.5] * 100),)], ["features"])).collect()',
+     "features"),
+    ("null row", 'from pyspark.sql.types import StructField, StructType\nfrom pyspark.ml.linalg import VectorUDT\n'
+     'rows = [(Vectors.dense([0.5] * 784),), (None,)]\n'
+     'fitted.transform(spark.createDataFrame(rows, StructType([StructField("features", VectorUDT())]))).collect()',
+     "features"),
+    ("bad prototxt", 'with open("bad_solver.prototxt", "w") as f:\n    f.write("net: \\"lenet.prototxt\\"\\nbase_lr: '
+     'oops\\n")\nDeepSparkEstimator(solver="bad_solver.prototxt", inputCol="features").fit(train)',
+     "bad_solver.prototxt"),
+]
+
+
+def kernel(tmp_path, widgets):
+    """The venv's Python as a Jupyter kernel named deepspark in a folder of its own (JUPYTER_PATH), registered as
+    the README says; without `widgets`, a sitecustomize on its PYTHONPATH makes `import ipywidgets` fail in it."""
+    prefix = tmp_path / "jupyter"
+    paths = [ROOT]
+    if not widgets:
+        blocked = tmp_path / "no_widgets"
+        blocked.mkdir()
+        (blocked / "sitecustomize.py").write_text('import sys\nsys.modules["ipywidgets"] = None  # as if not installed\n')
+        paths.insert(0, str(blocked))
+    subprocess.run([sys.executable, "-m", "ipykernel", "install", "--prefix", str(prefix), "--name", "deepspark",
+                    "--env", "PYTHONPATH", os.pathsep.join(paths)], check=True, capture_output=True)
+    return str(prefix / "share" / "jupyter")
+
+
+def run_notebook(tmp_path, monkeypatch, cells, widgets):
+    """The notebook of `cells` [(tag, code)] executed in a fresh kernel: its cells, outputs saved."""
+    nbclient = pytest.importorskip("nbclient")
+    nbformat = pytest.importorskip("nbformat")
+    monkeypatch.setenv("JUPYTER_PATH", kernel(tmp_path, widgets))
+    venv_bin = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                               if os.path.abspath(p) != os.path.abspath(venv_bin)))
+    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
+    monkeypatch.delenv("VIRTUAL_ENV", raising=False)
+    notebook = nbformat.v4.new_notebook()
+    for tag, code in cells:
+        cell = nbformat.v4.new_code_cell(code.strip())
+        cell.metadata["tags"] = [tag] + (["raises-exception"] if tag.startswith("fails") else [])
+        notebook.cells.append(cell)
+    work = tmp_path / "work"
+    work.mkdir()
+    client = nbclient.NotebookClient(notebook, kernel_name="deepspark", timeout=900,
+                                     resources={"metadata": {"path": str(work)}})
+    client.execute()
+    nbformat.write(notebook, str(tmp_path / "fashion.ipynb"))  # kept for a look when the test fails
+    return notebook.cells
+
+
+def texts(cell):
+    """The text a user reads in `cell`'s outputs, in order: streams, results, errors (their traceback)."""
+    out = []
+    for output in cell.outputs:
+        if output.output_type == "stream":
+            out.append(output.text)
+        elif output.output_type == "error":
+            out.append("\n".join(output.traceback))
+        elif "text/plain" in output.get("data", {}) and WIDGET not in output.get("data", {}):
+            out.append(output.data["text/plain"])
+    return out
+
+
+def stream_text(cell):
+    return "".join(output.text for output in cell.outputs if output.output_type == "stream")
+
+
+def tagged(cells, tag):
+    return next(i for i, cell in enumerate(cells) if tag in cell.metadata.get("tags", []))
+
+
+def check_quiet_and_plain(cells):
+    """No Spark INFO/WARN line after the fit cell began; no cursor code in any cell's text, nor tqdm's warning."""
+    fit = tagged(cells, "fit")
+    spark_lines = {i: SPARK_LINE.findall(stream_text(cell)) for i, cell in enumerate(cells) if i > fit}
+    assert not any(spark_lines.values()), {i: stream_text(cells[i])[:2000] for i, found in spark_lines.items() if found}
+    for i, cell in enumerate(cells):
+        text = stream_text(cell)
+        assert "\x1b[" not in text and "\r" not in text, (i, text[-2000:])
+        assert "IProgress not found" not in text, (i, text[-2000:])
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_a_users_notebook_reads_well_with_ipywidgets(tmp_path, monkeypatch):
+    if not os.path.exists(f"{FASHION}/train-images-idx3-ubyte.gz"):
+        pytest.skip("apt-get install dataset-fashion-mnist")
+    pytest.importorskip("mlflow")
+    cells = run_notebook(tmp_path, monkeypatch, [
+        ("session", SESSION), ("data", DATA.format(train=3000)), ("mlflow", MLFLOW),
+        ("fit", FIT.format(iterations=300)), ("plot", PLOT), ("evaluate", EVALUATE), ("save", SAVE_LOAD),
+        ("pyfunc", PYFUNC)] + [(f"fails: {name}", code) for name, code, _ in FAILURES], widgets=True)
+    fit = cells[tagged(cells, "fit")]
+    views = [o for o in fit.outputs if WIDGET in o.get("data", {})]
+    assert len(views) == 2, fit.outputs  # a bar per worker, a widget each
+    assert "Progress: iteration" not in stream_text(fit)  # the widgets, not the lines
+    assert any("image/png" in o.get("data", {}) for o in cells[tagged(cells, "plot")].outputs)
+    accuracy = float(re.search(r"accuracy ([\d.]+)", stream_text(cells[tagged(cells, "evaluate")])).group(1))
+    assert accuracy > 0.6, accuracy  # 300 iterations of LeNet on 2,700 images
+    assert "same predictions: True" in stream_text(cells[tagged(cells, "save")])
+    assert "pyfunc agrees: True" in stream_text(cells[tagged(cells, "pyfunc")])
+    check_quiet_and_plain(cells)
+    for name, _, word in FAILURES:
+        cell = cells[tagged(cells, f"fails: {name}")]
+        assert any(o.output_type == "error" for o in cell.outputs), (name, cell.outputs)
+        lines = [line for line in ANSI.sub("", "\n".join(texts(cell))).splitlines() if line.strip()]
+        first = [line for line in lines[:3] if word in line and ("Error" in line or "deepspark" in line.lower())]
+        assert first, (name, lines[:20])
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_a_notebook_without_ipywidgets_gets_plain_progress_lines(tmp_path, monkeypatch):
+    if not os.path.exists(f"{FASHION}/train-images-idx3-ubyte.gz"):
+        pytest.skip("apt-get install dataset-fashion-mnist")
+    cells = run_notebook(tmp_path, monkeypatch, [
+        ("session", SESSION + "\nimport importlib.util\nprint('widgets:', importlib.util.find_spec('ipywidgets') "
+         "is not None and __import__('sys').modules.get('ipywidgets', 0) is not None)"),
+        ("data", DATA.format(train=600)), ("fit", FIT.format(iterations=60)), ("evaluate", EVALUATE)],
+        widgets=False)
+    assert "widgets: False" in stream_text(cells[tagged(cells, "session")])
+    fit = cells[tagged(cells, "fit")]
+    assert not any(WIDGET in o.get("data", {}) for o in fit.outputs), fit.outputs
+    progress = re.findall(r"Progress: iteration (\d+) of 60 .*w0 .*w1 ", stream_text(fit))
+    assert progress and progress[-1] == "60" and len(progress) <= bars.LINES_PER_JOB + 1, stream_text(fit)[-3000:]
+    check_quiet_and_plain(cells)
+
+
+# -- the progress's pieces, no kernel ----------------------------------------------------------------------------
+
+
+def test_a_stream_that_is_no_terminal_gets_a_line_per_tenth_of_the_job_and_one_at_its_end():
+    stream = io.StringIO()
+    log = Log(stream=stream)
+    progress = bars.worker_progress(log, 2, 100, 64)
+    assert isinstance(progress, bars.Lines)
+    for iteration in range(0, 96, 5):
+        progress.draw({0: {"iteration": iteration + 3, "loss": 1.5}, 1: {"iteration": iteration}}, lost={1})
+    progress.draw({0: {"iteration": 100, "loss": 0.5}, 1: {"iteration": 97, "loss": 0.25}})
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    said = [int(re.search(r"Progress: iteration (\d+) of 100", line).group(1)) for line in lines]
+    assert said == [10, 20, 30, 40, 50, 60, 70, 80, 90, 97], lines  # the slowest worker's, then the end
+    assert "w0 loss 1.5000, " in lines[0] and " img/s | w1 loss -, " in lines[0] and "lost, to rejoin" in lines[0]
+    assert "ETA " in lines[0] and "w1 loss 0.2500" in lines[-1]
+    assert "\r" not in stream.getvalue() and "\x1b" not in stream.getvalue()
+
+
+def test_a_terminal_keeps_its_live_rows_and_a_kernel_without_ipywidgets_gets_lines(monkeypatch):
+    assert bars.worker_progress(Log(stream=io.StringIO(), progress=True), 2, 100, 64) is None  # watch.Progress
+    monkeypatch.setitem(sys.modules, "ipykernel", sys)  # a kernel (any module stands for it)
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # whose Python cannot import ipywidgets
+    assert bars.in_notebook() and not bars.has_widgets()
+    assert isinstance(bars.worker_progress(Log(stream=io.StringIO()), 2, 100, 64), bars.Lines)
+
+
+def test_the_progress_lines_stay_out_of_the_log_file(tmp_path):
+    log = Log(str(tmp_path / "train.log"), stream=io.StringIO())
+    progress = bars.Lines(log, 1, 10, 8)
+    progress.draw({0: {"iteration": 10, "loss": 1.0}})
+    log.close()
+    assert "Progress: iteration 10 of 10" in log.stream.getvalue()
+    assert (tmp_path / "train.log").read_text() == ""
