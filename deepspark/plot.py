@@ -36,12 +36,11 @@ def parse_log(lines):
 
 def plot_history(history, path, title="training"):
     """A PNG with the training loss and each test output against seconds."""
-    import matplotlib
+    # A Figure of its own, not pyplot's: a fit in a notebook leaves the user's backend (inline plots) as it was.
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    figure = Figure(figsize=(8, 6))
+    top, bottom = figure.subplots(2, 1, sharex=True)
     train = [(t, loss) for t, _, loss, _ in history if np.isfinite(loss)]
     if train:
         top.plot(*zip(*train), label="train loss")
@@ -61,7 +60,6 @@ def plot_history(history, path, title="training"):
     top.set_title(title)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)
     return path
 
 

@@ -12,6 +12,7 @@ from deepspark.ml import flavor
 from deepspark.ml.fit import Fit
 from deepspark.ml.params import Stage, enum_name, with_accessors, with_schema
 from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark.bars import no_spark_bar
 
 # DeepSparkParameter fields that say where a job runs and how its data gets there: the DataFrame's session and its
 # rows decide both for fit. (iterations is fit's maxIter, Spark ML's name.)
@@ -86,6 +87,7 @@ class DeepSparkEstimator(Estimator, Stage, DefaultParamsWritable, DefaultParamsR
         self._setDefault(maxIter=solver.param.max_iter, seed=solver.param.random_seed)
 
     def _fit(self, dataset):
+        no_spark_bar(dataset.sparkSession)  # in a notebook, DeepSpark's progress shows, not Spark's \r stage bar
         model = Fit(self, dataset).run()
         flavor.autologged(model)  # under mlflow.pyspark.ml.autolog, the model as an MLflow pyfunc (ml/flavor.py)
         return model

@@ -6,7 +6,8 @@ tqdm.notebook draws an ipywidgets bar per worker that updates in place. Its text
 each redraw becomes a new line and its cursor moves (`\\x1b[A`, `\\r`) show as text that log lines glue onto, and
 tqdm.auto falls back to it (with an "IProgress not found" warning) where ipywidgets is missing. So a kernel without
 ipywidgets, like any stream that is no terminal (a CI log, a captured stderr), gets whole log lines instead. A
-terminal keeps the job's own live rows (log.Log.progress, spark/watch.py), which other lines print above.
+terminal keeps the job's own live rows (log.Log.progress, spark/watch.py), which other lines print above. In a
+notebook, Spark's own stage bar (`\r` redraws) stops when DeepSpark first fits there (no_spark_bar).
 """
 
 import importlib.util
@@ -38,6 +39,19 @@ def has_widgets():
         return importlib.util.find_spec("ipywidgets") is not None
     except (ImportError, ValueError):
         return False
+
+
+def no_spark_bar(session):
+    """In a notebook, Spark's own console progress bar stopped for `session` (a classic SparkSession; nothing under
+    Spark Connect). pyspark starts its JVM as a shell, which turns the bar on: it redraws `[Stage 3:==> (1 + 1) / 2]`
+    with `\r` every 200 ms into the cell's stderr, where DeepSpark's lines then glue onto it; a cell shows the
+    workers' progress instead (worker_progress)."""
+    sc = getattr(session, "_sc", None)
+    if sc is None or not in_notebook():
+        return
+    bar = sc._jsc.sc().progressBar()  # Option[ConsoleProgressBar]: set where spark.ui.showConsoleProgress is
+    if bar.isDefined():
+        bar.get().stop()
 
 
 def worker_progress(log, workers, max_iter, batch_size):
