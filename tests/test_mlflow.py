@@ -7,6 +7,7 @@ import gzip
 import os
 
 import numpy as np
+import pandas as pd
 import pytest
 
 pytestmark = pytest.mark.spark
@@ -29,10 +30,11 @@ NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt
 
 def fashion(split, count):
     """(count x 784 pixels in [0, 1], their class names) of Fashion-MNIST's `split`, as a user reads them."""
-    with gzip.open(f"{FASHION}/{split}-images-idx3-ubyte.gz", "rb") as f:
-        pixels = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 784)[:count]
-    with gzip.open(f"{FASHION}/{split}-labels-idx1-ubyte.gz", "rb") as f:
-        labels = np.frombuffer(f.read(), np.uint8, offset=8)[:count]
+    def idx(kind, header):
+        with gzip.open(f"{FASHION}/{split}-{kind}-ubyte.gz", "rb") as f:
+            return np.frombuffer(f.read(), np.uint8, offset=header)
+
+    pixels, labels = idx("images-idx3", 16).reshape(-1, 784)[:count], idx("labels-idx1", 8)[:count]
     return pixels / 255.0, [NAMES[y] for y in labels]
 
 
@@ -79,8 +81,6 @@ def test_a_fit_under_autolog_logs_a_pyfunc_model_that_scores_pandas_as_transform
 
     # The same model scores plain arrays, and each row's own columns where there is no inputCol.
     pixels = np.stack([v.toArray() for v in test.orderBy("id").toPandas()["features"]])
-    import pandas as pd
-
     by_rows = loaded.predict(pd.DataFrame(pixels[:5]))
     assert np.array_equal(by_rows["prediction"].to_numpy(), expected["prediction"].to_numpy()[:5])
     # The pyfunc's own model is the fitted one, loaded without Spark: its Params and history kept.
