@@ -72,12 +72,14 @@ def test_cross_validator_over_two_params(frame, tmp_path):
     assert best.summary["iterations"] == 40
 
 
-def test_mlflow_autolog_records_a_fits_params_and_metrics(frame, tmp_path):
+def test_mlflow_autolog_records_a_fits_params_and_metrics(frame, tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     pytest.importorskip("sqlalchemy")  # MLflow's sqlite store
     import mlflow.pyspark.ml  # noqa: F401  (autolog's module)
 
-    # A sqlite store, as MLflow 3 recommends (it keeps its local file store behind MLFLOW_ALLOW_FILE_STORE).
+    # A sqlite store, as MLflow 3 recommends (it keeps its local file store behind MLFLOW_ALLOW_FILE_STORE), and its
+    # artifacts in ./mlruns.
+    monkeypatch.chdir(tmp_path)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     mlflow.pyspark.ml.autolog(log_models=False, log_datasets=False)
     try:

@@ -47,7 +47,9 @@ def spark():
     session.stop()
 
 
-def test_a_fit_under_autolog_logs_a_pyfunc_model_that_scores_pandas_as_transform_does(spark, tmp_path, capfd):
+def test_a_fit_under_autolog_logs_a_pyfunc_model_that_scores_pandas_as_transform_does(spark, tmp_path, capfd,
+                                                                                      monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a sqlite store keeps its artifacts in ./mlruns
     pixels, names = fashion("train", 1000)
     frame = spark.createDataFrame([(i, Vectors.dense(x), c) for i, (x, c) in enumerate(zip(pixels, names))],
                                   ["id", "features", "class"])
@@ -89,7 +91,8 @@ def test_a_fit_under_autolog_logs_a_pyfunc_model_that_scores_pandas_as_transform
     assert again.getInputScale() == fitted.getInputScale() and len(again.getHistory()) == len(fitted.getHistory())
 
 
-def test_a_model_is_not_logged_without_autolog(spark, tmp_path):
+def test_a_model_is_not_logged_without_autolog(spark, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     pixels, names = fashion("train", 200)
     frame = spark.createDataFrame([(Vectors.dense(x), float(NAMES.index(c))) for x, c in zip(pixels, names)],
                                   ["features", "label"])
