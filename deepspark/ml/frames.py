@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pyarrow as pa
+from py4j.protocol import Py4JError
 from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import SparseVector, VectorUDT
 from pyspark.sql import functions as F
@@ -80,6 +81,20 @@ def label_column(df, column, required):
         raise ConfigError(f"labelCol '{column}' holds {kind.simpleString()} values; a label is a class index "
                           "(0, 1, ...): index them first (pyspark.ml.feature.StringIndexer)")
     return column
+
+
+def held_in_driver(df):
+    """Whether the rows of classic Spark's `df` are held in the driver's heap (a DataFrame made from a Python list or a
+    pandas DataFrame: a local relation's, or an existing RDD's scan of a parallelized collection), which Spark ships
+    inside each task of every job that reads them. Planned, not run."""
+    try:
+        execution = df._jdf.queryExecution()
+        plan = execution.executedPlan().toString()
+        if "LocalTableScan" not in plan and "Scan ExistingRDD" not in plan:
+            return False
+        return "ParallelCollectionRDD" in execution.toRdd().toDebugString()
+    except Py4JError:  # only a warning hangs on it
+        return False
 
 
 def head(df, column):

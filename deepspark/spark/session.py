@@ -50,6 +50,12 @@ BANNER = re.compile(r"^WARNING: Using incubator modules|Using Spark's default lo
                     r"NativeCodeLoader: Unable to load native-hadoop")
 
 
+def is_connect(frame_or_session):
+    """Whether a DataFrame or a SparkSession is Spark Connect's (which has no SparkContext, JVM, RDDs, broadcasts or
+    accumulators)."""
+    return type(frame_or_session).__module__.startswith("pyspark.sql.connect")
+
+
 def is_local(master):
     return master.startswith("local")
 
