@@ -2,13 +2,16 @@
 gives its outputs as columns (a prediction as a double, a blob as a list of doubles the Model makes a vector), in
 classic Spark and under Spark Connect alike."""
 
+import sys
 import threading
 from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
 from pyspark.accumulators import AccumulatorParam
+from pyspark.sql import functions as F
 
+from deepspark.errors import ConfigError
 from deepspark.log import Log
 from deepspark.ml import images
 
@@ -53,6 +56,34 @@ class SkipCount(AccumulatorParam):
             count, self.pending, self.timer = self.pending, 0, None
         Log().warning(f"transform: skipped {count} row{'s' if count != 1 else ''} with a null or wrong-sized inputCol "
                       f"'{self.column}' (handleInvalid='skip')")
+# What a Spark Connect server's Python workers must import to run a transform, beside the backend's module; and the
+# function that looks, defined outside any module so that it travels by value (the workers may not have deepspark).
+WORKER_NEEDS = ("pyarrow", "numpy", "deepspark")
+BACKEND_MODULES = {"tensorflow": "tensorflow", "caffe": "caffe"}
+PROBE = """
+def probe(_):
+    import importlib.util, sys
+    return sys.executable + "\\t" + ",".join(name for name in NEEDS if importlib.util.find_spec(name) is None)
+"""
+_PROBED = {}  # Spark Connect session id -> (the workers' Python, what it lacks)
+
+
+def check_workers(session, backend):
+    """One line unless the Python workers of a Spark Connect `session` can import what a transform runs (a server
+    runs `python3` from its PATH unless it was started with PYSPARK_PYTHON): one small job per session, a plain
+    Python UDF that asks them."""
+    key = session.session_id
+    if key not in _PROBED:
+        needs = WORKER_NEEDS + ((BACKEND_MODULES[backend],) if backend in BACKEND_MODULES else ())
+        scope = {"__name__": "deepspark_probe", "NEEDS": needs}
+        exec(PROBE, scope)  # noqa: S102  (our constant: a function with no module, pickled by value)
+        answer = session.range(1).select(F.udf(scope["probe"], "string", useArrow=False)("id")).first()[0]
+        _PROBED[key] = tuple(answer.split("\t"))
+    python, missing = _PROBED[key]
+    if missing:
+        raise ConfigError(f"the Spark workers' Python ({python}) cannot import {missing.replace(',', ', ')}: start "
+                          f"the Spark Connect server with PYSPARK_PYTHON set to a Python that has them (this one: "
+                          f"PYSPARK_PYTHON={sys.executable})")
 
 
 class Held:

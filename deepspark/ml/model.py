@@ -20,7 +20,7 @@ from deepspark.errors import ConfigError
 from deepspark.graph import Graph, crop_of, crop_shape, fmt, tap_name, with_batch_size, with_taps
 from deepspark.log import Log
 from deepspark.ml import frames, images
-from deepspark.ml.columns import Held, SkipCount, outputs_of
+from deepspark.ml.columns import Held, SkipCount, check_workers, outputs_of
 from deepspark.ml.images import ARRAY, DATUM, VECTOR
 from deepspark.ml.params import Stage, with_accessors, with_schema
 from deepspark.ml.persist import ModelReader, ModelWriter
@@ -202,6 +202,8 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
     # -- transform ------------------------------------------------------------------------
 
     def _transform(self, dataset):
+        if is_connect(dataset):
+            check_workers(dataset.sparkSession, self.getOrDefault("backend"))
         # The input's first rows, taken once (one Spark job) where its shape or its scale is read from them.
         head = functools.cache(lambda: frames.head(dataset, self.getOrDefault("inputCol")))
         inputs = self.inputs_of(dataset, head)
