@@ -22,10 +22,12 @@ pytestmark = pytest.mark.spark
 pytest.importorskip("pyspark")
 from pyspark.ml.linalg import Vectors, VectorUDT  # noqa: E402  (after the skip)
 from pyspark.sql import SparkSession  # noqa: E402
+from pyspark.sql import functions as F  # noqa: E402
 from pyspark.sql import types as T  # noqa: E402
 
 from deepspark.ml import DeepSparkEstimator, DeepSparkModel, columns, frames  # noqa: E402
 from deepspark.ml.persist import plain  # noqa: E402
+from deepspark.spark.failures import JobError  # noqa: E402
 from deepspark.spark.session import spark_session  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,8 +108,17 @@ def test_a_net_with_no_softmax_gives_raw_scores_under_raw_prediction_col(spark, 
     assert "scores" in renamed.columns
 
 
+def unplugged(_):
+    raise ConfigError("camera 3 is unplugged")
+
+
 def test_transform_says_bad_rows_in_one_line_and_how_many_it_skipped(spark, weights, capfd):
     model = DeepSparkModel.from_caffe(os.path.join(LENET, "deploy.prototxt"), weights, inputCol="features")
+    # A job of DeepSpark's own (the first rows, read for their size and scale) fails with the workers' DeepSpark
+    # line, raised from None: no Py4JJavaError, no worker traceback in its message.
+    with pytest.raises(JobError, match=r"^reading the first rows of inputCol 'features': camera 3 is unplugged$") as no:
+        model.transform(spark.range(3).withColumn("features", F.udf(unplugged, VectorUDT())("id")))
+    assert no.value.__suppress_context__ and "Traceback" in no.value.detail
     wrong = spark.createDataFrame([(i, Vectors.dense(np.zeros(783)), 0.0) for i in range(5)], VECTORS)
     with pytest.raises(ConfigError, match=r"^inputCol 'features' \(its first 5 rows that are not null\): row 0 holds "
                                           r"783 numbers; the net takes 1x28x28 = 784 \(set inputShape"):

@@ -14,6 +14,7 @@ from pyspark.sql import functions as F
 from deepspark.errors import ConfigError
 from deepspark.log import Log
 from deepspark.ml import images
+from deepspark.ml.frames import spark_job
 
 # Bytes of Datums an Arrow batch's are decoded in at a time (their images as many bytes again, at most).
 DECODE_BYTES = 16 << 20
@@ -77,7 +78,8 @@ def check_workers(session, backend):
         needs = WORKER_NEEDS + ((BACKEND_MODULES[backend],) if backend in BACKEND_MODULES else ())
         scope = {"__name__": "deepspark_probe", "NEEDS": needs}
         exec(PROBE, scope)  # noqa: S102  (our constant: a function with no module, pickled by value)
-        answer = session.range(1).select(F.udf(scope["probe"], "string", useArrow=False)("id")).first()[0]
+        with spark_job("DeepSparkModel.transform, asking the Spark workers which Python they run"):
+            answer = session.range(1).select(F.udf(scope["probe"], "string", useArrow=False)("id")).first()[0]
         _PROBED[key] = tuple(answer.split("\t"))
     python, missing = _PROBED[key]
     if missing:
