@@ -2,7 +2,13 @@
 
 
 class DeepSparkError(Exception):
-    """An error the `deepspark` command reports as one line (exit status 1)."""
+    """An error the `deepspark` command reports as one line (exit status 1), and a notebook too: IPython shows an
+    exception's _render_traceback_ lines in place of its traceback."""
+
+    def _render_traceback_(self):
+        """The error's one line, first and alone: a Spark job's whole report is in the fit's log, and where it was
+        raised in the exception's __traceback__."""
+        return [f"{type(self).__name__}: {self}"]
 
 
 class ConfigError(DeepSparkError):

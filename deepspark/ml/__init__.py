@@ -18,6 +18,17 @@ blobs, the input's shape and scale, what to do with an invalid row) and Validati
 named in Spark's camelCase (movingRate for moving_rate), typed, documented and defaulted from
 proto/deepspark.proto. A DeepSparkParameter Param left unset keeps what the solver's prototxt (or the
 deepspark.prototxt beside it) says, as `deepspark train` does with a flag not given; its default shows that value.
+
+A net whose output a Softmax layer makes fills probabilityCol (class probabilities); one without (raw scores, logits)
+fills rawPredictionCol instead, as Spark ML's classifiers name them. A saved model keeps its fit's history and
+summary (getHistory(), .summary) and its inputScale.
+
+Under Spark Connect, transform, save and load run (a save on a local path or file: URI); fit needs classic Spark. A
+Connect server's executors run `python3` from the server's PATH unless it was started with PYSPARK_PYTHON: start it
+from a Python that has deepspark, pyarrow, numpy and the backend (PYSPARK_PYTHON=/path/to/venv/bin/python
+$SPARK_HOME/sbin/start-connect-server.sh, or a client's SparkSession.builder.remote("local[N]") with PYSPARK_PYTHON
+set in its environment); transform asks them once per session and says in one line which Python they run and what
+it lacks.
 """
 
 from deepspark.ml.estimator import DeepSparkEstimator

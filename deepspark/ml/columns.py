@@ -2,15 +2,90 @@
 gives its outputs as columns (a prediction as a double, a blob as a list of doubles the Model makes a vector), in
 classic Spark and under Spark Connect alike."""
 
+import sys
+import threading
 from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
+from pyspark.accumulators import AccumulatorParam
+from pyspark.sql import functions as F
 
+from deepspark.errors import ConfigError
+from deepspark.log import Log
 from deepspark.ml import images
+from deepspark.ml.frames import spark_job
 
 # Bytes of Datums an Arrow batch's are decoded in at a time (their images as many bytes again, at most).
 DECODE_BYTES = 16 << 20
+# Seconds with no task reporting skipped rows after which the driver says how many an action skipped: a task's
+# count comes in as it ends, and an action's tasks end within this of each other.
+SAID_AFTER = 1.0
+
+
+class SkipCount(AccumulatorParam):
+    """The rows handleInvalid='skip' leaves out of a transform, as a classic Spark accumulator: the executors count
+    them as they score (no second pass over the data), and the driver adds up the tasks' counts as they come in and
+    says them in one warning once an action's tasks stop reporting (SAID_AFTER)."""
+
+    def __init__(self, column):
+        self.column, self.on_driver = column, True
+        self.pending, self.timer, self.lock = 0, None, threading.Lock()
+
+    def __getstate__(self):  # what the executors get: the count alone
+        return {"column": self.column}
+
+    def __setstate__(self, state):
+        self.column, self.on_driver = state["column"], False
+
+    def zero(self, value):
+        return 0
+
+    def addInPlace(self, value1, value2):
+        if self.on_driver and value2:  # a task's count, reported to the driver
+            with self.lock:
+                self.pending += value2
+                if self.timer is not None:
+                    self.timer.cancel()
+                self.timer = threading.Timer(SAID_AFTER, self.say)
+                self.timer.daemon = True
+                self.timer.start()
+        return value1 + value2
+
+    def say(self):
+        with self.lock:
+            count, self.pending, self.timer = self.pending, 0, None
+        Log().warning(f"transform: skipped {count} row{'s' if count != 1 else ''} with a null or wrong-sized inputCol "
+                      f"'{self.column}' (handleInvalid='skip')")
+# What a Spark Connect server's Python workers must import to run a transform, beside the backend's module; and the
+# function that looks, defined outside any module so that it travels by value (the workers may not have deepspark).
+WORKER_NEEDS = ("pyarrow", "numpy", "deepspark")
+BACKEND_MODULES = {"tensorflow": "tensorflow", "caffe": "caffe"}
+PROBE = """
+def probe(_):
+    import importlib.util, sys
+    return sys.executable + "\\t" + ",".join(name for name in NEEDS if importlib.util.find_spec(name) is None)
+"""
+_PROBED = {}  # Spark Connect session id -> (the workers' Python, what it lacks)
+
+
+def check_workers(session, backend):
+    """One line unless the Python workers of a Spark Connect `session` can import what a transform runs (a server
+    runs `python3` from its PATH unless it was started with PYSPARK_PYTHON): one small job per session, a plain
+    Python UDF that asks them."""
+    key = session.session_id
+    if key not in _PROBED:
+        needs = WORKER_NEEDS + ((BACKEND_MODULES[backend],) if backend in BACKEND_MODULES else ())
+        scope = {"__name__": "deepspark_probe", "NEEDS": needs}
+        exec(PROBE, scope)  # noqa: S102  (our constant: a function with no module, pickled by value)
+        with spark_job("DeepSparkModel.transform, asking the Spark workers which Python they run"):
+            answer = session.range(1).select(F.udf(scope["probe"], "string", useArrow=False)("id")).first()[0]
+        _PROBED[key] = tuple(answer.split("\t"))
+    python, missing = _PROBED[key]
+    if missing:
+        raise ConfigError(f"the Spark workers' Python ({python}) cannot import {missing.replace(',', ', ')}: start "
+                          f"the Spark Connect server with PYSPARK_PYTHON set to a Python that has them (this one: "
+                          f"PYSPARK_PYTHON={sys.executable})")
 
 
 class Held:
@@ -29,12 +104,13 @@ def double_lists(matrix):
                                     pa.array(np.ascontiguousarray(matrix, np.float64).ravel()))
 
 
-def outputs_of(forward, inputs, columns, skip):
+def outputs_of(forward, inputs, columns, skip, skipped=None):
     """The scalar-iterator Arrow UDF function of a transform: per Arrow array of inputs.column (frames.Inputs), a
     struct array of the new `columns`, [(kind, output, column name)] with kind "prediction" (the argmax of the output,
     a double) or "vector" (the output's values for the row). Only the input column travels to the Python worker and
     only the outputs back. A row with no image of the net's shape stops the task with one line naming it, or, with
-    `skip`, gets a null struct (the transform leaves it out)."""
+    `skip`, gets a null struct (the transform leaves it out), counted in the `skipped` accumulator (classic Spark's;
+    None under Spark Connect, which has none)."""
 
     def run(arrays: Iterator[pa.Array]) -> Iterator[pa.Array]:  # the hints say which kind of Arrow UDF
         for number, values in enumerate(arrays):
@@ -61,6 +137,8 @@ def outputs_of(forward, inputs, columns, skip):
                 fields.append(pa.array(flat.argmax(axis=1).astype(np.float64)) if kind == "prediction"
                               else double_lists(flat))
             mask = None if ok is None else pa.array(~ok)
+            if ok is not None and skipped is not None:
+                skipped.add(int((~ok).sum()))
             yield pa.StructArray.from_arrays(fields, names=[column for _, _, column in columns], mask=mask)
 
     return run

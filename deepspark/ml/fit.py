@@ -23,10 +23,10 @@ from deepspark.graph import DATA_TYPES, Graph, layer_included
 from deepspark.log import Log
 from deepspark.ml import frames, images
 from deepspark.ml.images import DATUM
-from deepspark.ml.model import DeepSparkModel, check_shape, image_shape, is_connect, parse_transform
+from deepspark.ml.model import DeepSparkModel, check_shape, image_shape, parse_transform
 from deepspark.plot import parse_log
 from deepspark.spark.failures import failed
-from deepspark.spark.session import quiet_tasks, this_python
+from deepspark.spark.session import is_connect, quiet_tasks, this_python
 from deepspark.proto import deepspark_pb2 as pb
 
 # The layers whose first bottom's channels are the classes a label indexes, with the message of their axis.
@@ -120,6 +120,11 @@ class Fit:
         inputs = self.inputs(solver, deploy)
         skip = est.getOrDefault("handleInvalid") == "skip"
         wanted = [inputs.column, inputs.label, est.getOrDefault("validationCol")]
+        if frames.held_in_driver(self.dataset):
+            self.log.warning("fit: the DataFrame's rows are held in the driver (it was made from a Python list or a "
+                             "pandas DataFrame), and Spark ships them inside the tasks of every job that reads them, "
+                             "from the driver's heap: a second fit on many rows can run it out of memory; write them "
+                             "to Parquet once and fit on spark.read.parquet(path)")
         data = self.dataset.select(*[column for column in wanted if column in self.dataset.columns])
         if self.dataset.storageLevel == StorageLevel.NONE:  # read by the checks, the sample, the split, the job
             data = self.keep(data)

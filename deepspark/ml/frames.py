@@ -2,10 +2,14 @@
 column and the bad value), sampled for their scale, split for validation, and made Caffe Datums on the executors
 through Arrow (mapInArrow, which Spark Connect serves too)."""
 
+import contextlib
 import dataclasses
+import logging
 
 import numpy as np
 import pyarrow as pa
+from py4j.protocol import Py4JError, Py4JJavaError
+from pyspark.errors import PySparkException
 from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import SparseVector, VectorUDT
 from pyspark.sql import functions as F
@@ -16,6 +20,7 @@ from deepspark.errors import ConfigError
 from deepspark.graph import fmt
 from deepspark.ml import images
 from deepspark.ml.images import ARRAY, DATUM, VECTOR
+from deepspark.spark.failures import JobError, first_line
 
 # Rows of the input a fit or transform looks at to tell the scale of its values (the first ones: no full pass).
 SAMPLE_ROWS = 64
@@ -82,13 +87,40 @@ def label_column(df, column, required):
     return column
 
 
+@contextlib.contextmanager
+def spark_job(what):
+    """A Spark job DeepSpark runs for `what`, its failure the one line that says why (a worker's DeepSpark line
+    first: failures.first_line), raised from None; Spark's whole report (the workers' tracebacks, the Java stack) to
+    the "deepspark" logger, at debug level."""
+    try:
+        yield
+    except (PySparkException, Py4JJavaError) as error:
+        logging.getLogger("deepspark").debug("%s: Spark's report: %s", what, error)
+        raise JobError(f"{what}: {first_line(error)}", detail=str(error)) from None
+
+
+def held_in_driver(df):
+    """Whether the rows of classic Spark's `df` are held in the driver's heap (a DataFrame made from a Python list or a
+    pandas DataFrame: a local relation's, or an existing RDD's scan of a parallelized collection), which Spark ships
+    inside each task of every job that reads them. Planned, not run."""
+    try:
+        execution = df._jdf.queryExecution()
+        plan = execution.executedPlan().toString()
+        if "LocalTableScan" not in plan and "Scan ExistingRDD" not in plan:
+            return False
+        return "ParallelCollectionRDD" in execution.toRdd().toDebugString()
+    except Py4JError:  # only a warning hangs on it
+        return False
+
+
 def head(df, column):
     """The first SAMPLE_ROWS values of `column` that are not null, on the driver, as the Arrow array toArrow gives:
     one small job, that an image's shape and the scale of its values are both read from. Collected as rows: a
     collected limit reads the first partition (more only where it falls short), where toArrow's shuffles the first
     rows of every partition into one (twice the time here)."""
     kind = input_kind(df, column)[0]
-    values = [row[0] for row in df.select(column).dropna().limit(SAMPLE_ROWS).collect()]
+    with spark_job(f"reading the first rows of inputCol '{column}'"):
+        values = [row[0] for row in df.select(column).dropna().limit(SAMPLE_ROWS).collect()]
     if kind == DATUM:
         return pa.array([bytes(value) for value in values], pa.binary())
     if kind == VECTOR:

@@ -20,13 +20,13 @@ from deepspark.errors import ConfigError
 from deepspark.graph import Graph, crop_of, crop_shape, fmt, tap_name, with_batch_size, with_taps
 from deepspark.log import Log
 from deepspark.ml import frames, images
-from deepspark.ml.columns import Held, outputs_of
+from deepspark.ml.columns import Held, SkipCount, check_workers, outputs_of
 from deepspark.ml.images import ARRAY, DATUM, VECTOR
 from deepspark.ml.params import Stage, with_accessors, with_schema
 from deepspark.ml.persist import ModelReader, ModelWriter
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.scoring import Forward
-from deepspark.spark.session import this_python
+from deepspark.spark.session import is_connect, this_python
 
 
 def parse_transform(text):
@@ -95,18 +95,14 @@ def check_shape(column, shape, net, transform):
                           f"{fmt(wanted)}{crop}")
 
 
-def is_connect(dataset):
-    """Whether `dataset` is a Spark Connect DataFrame (which has no SparkContext, RDDs, broadcasts or accumulators)."""
-    return type(dataset).__module__.startswith("pyspark.sql.connect")
-
-
 @with_accessors
 @with_schema(pb.ScoreParameter)
 class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
     """A deploy net and its weights as a Transformer: transform(df) runs the net on the executors over inputCol
     (Datum bytes, or an image as a Spark ML vector or an array, flat or nested; inputScale, then Caffe's TEST-phase
-    transform_param first) and adds predictionCol (the argmax of the net's output), probabilityCol (the output, a
-    vector) and a vector column per blob of outputBlobs. The net is built once per Python worker, and run
+    transform_param first) and adds predictionCol (the argmax of the net's output), the output as a vector in
+    probabilityCol where a Softmax layer makes it (probabilities), else in rawPredictionCol (raw scores, as Spark ML's
+    classifiers name them) and a vector column per blob of outputBlobs. The net is built once per Python worker, and run
     batchSize images at a time."""
 
     backend = Param(Params._dummy(), "backend", config.field_comments("DeepSparkParameter").get("backend", ""),
@@ -179,13 +175,18 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         return net_input(with_batch_size(self.deploy, self.getOrDefault("batchSize")))
 
     def output(self):
-        """The net's output a prediction and a probability come from: its one output blob."""
-        outputs = self._graph().outputs
-        if len(outputs) != 1 and (self.getOrDefault("predictionCol") or self.getOrDefault("probabilityCol")):
-            raise ConfigError(f"the deploy net has {len(outputs)} outputs ({', '.join(outputs)}); predictionCol "
-                              "and probabilityCol take the one output of a classifier (set them to '' and name "
-                              "blobs in outputBlobs)")
-        return outputs[0]
+        """(the net's output a prediction and its scores come from: its one output blob, the column those scores go
+        to: probabilityCol where a Softmax layer makes the blob, else rawPredictionCol; '' for none)."""
+        graph = self._graph()
+        outputs = graph.outputs
+        if len(outputs) != 1:
+            if self.getOrDefault("predictionCol") or self.getOrDefault("probabilityCol"):
+                raise ConfigError(f"the deploy net has {len(outputs)} outputs ({', '.join(outputs)}); predictionCol "
+                                  "and probabilityCol take the one output of a classifier (set them to '' and name "
+                                  "blobs in outputBlobs)")
+            return None, ""
+        made_by = [layer.type for layer in graph.layers if outputs[0] in layer.tops][-1]
+        return outputs[0], self.getOrDefault("probabilityCol" if made_by == "Softmax" else "rawPredictionCol")
 
     def blobs(self):
         """The blobs of outputBlobs, checked against the net."""
@@ -201,19 +202,20 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
     # -- transform ------------------------------------------------------------------------
 
     def _transform(self, dataset):
+        if is_connect(dataset):
+            check_workers(dataset.sparkSession, self.getOrDefault("backend"))
         # The input's first rows, taken once (one Spark job) where its shape or its scale is read from them.
         head = functools.cache(lambda: frames.head(dataset, self.getOrDefault("inputCol")))
         inputs = self.inputs_of(dataset, head)
         columns, fields = [], []
-        prediction, probability = self.getOrDefault("predictionCol"), self.getOrDefault("probabilityCol")
-        if prediction or probability:
-            out = self.output()
-            if prediction:
-                columns.append(("prediction", out, prediction))
-                fields.append(T.StructField(prediction, T.DoubleType()))
-            if probability:
-                columns.append(("vector", out, probability))
-                fields.append(T.StructField(probability, VectorUDT()))
+        out, scores = self.output()
+        prediction = self.getOrDefault("predictionCol") if out else ""
+        if prediction:
+            columns.append(("prediction", out, prediction))
+            fields.append(T.StructField(prediction, T.DoubleType()))
+        if scores:
+            columns.append(("vector", out, scores))
+            fields.append(T.StructField(scores, VectorUDT()))
         graph = self._graph()
         for blob in self.blobs():
             columns.append(("vector", tap_name(graph, blob), blob))
@@ -221,13 +223,17 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         taken = [field.name for field in fields if field.name in dataset.columns]
         if taken:
             raise ConfigError(f"the DataFrame already has a column '{taken[0]}'; name another output column")
-        forward = self.forward_spec(dataset, [name for _, name, _ in columns], self.scale_for(dataset, inputs, head))
         skip = self.getOrDefault("handleInvalid") == "skip"
+        if not skip and inputs.kind != DATUM:
+            self.check_first_rows(inputs, head())
+        forward = self.forward_spec(dataset, [name for _, name, _ in columns], self.scale_for(dataset, inputs, head))
         carried = [T.StructField(f.name, T.ArrayType(T.DoubleType()) if isinstance(f.dataType, VectorUDT)
                                  else f.dataType) for f in fields]
         # An Arrow UDF takes no vectors: Spark's vector_to_array makes them flat arrays of doubles (below).
         arrays = dataclasses.replace(inputs, kind=ARRAY, depth=1) if inputs.kind == VECTOR else inputs
-        net = F.arrow_udf(outputs_of(forward, arrays, columns, skip), T.StructType(carried))
+        skipped = None if not skip or is_connect(dataset) else \
+            dataset.sparkSession.sparkContext.accumulator(0, SkipCount(inputs.column))
+        net = F.arrow_udf(outputs_of(forward, arrays, columns, skip, skipped), T.StructType(carried))
         # One struct column from the UDF, then its fields: Spark evaluates the UDF once (it does not inline an
         # expensive expression into each field's reference), and the other columns never leave the JVM.
         held = "__deepspark_outputs"
@@ -237,8 +243,10 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
             # Spark's columnar input to Arrow UDFs converts every column of a columnar scan (Parquet's) to Arrow, and
             # has no conversion for a user-defined type such as a Spark ML vector: off, the rows go as they always did.
             dataset.sparkSession.conf.set(COLUMNAR_INPUT, "false")
-        out = dataset.withColumn(held, net(vector_to_array(quoted(inputs.column)) if inputs.kind == VECTOR
-                                           else quoted(inputs.column)))
+        image = quoted(inputs.column)
+        # vector_to_array refuses a null vector (a Java error, with no row named): the net's UDF takes it as null.
+        out = dataset.withColumn(held, net(F.when(image.isNotNull(), vector_to_array(image))
+                                           if inputs.kind == VECTOR else image))
         if skip:
             out = out.filter(F.col(held).isNotNull())
         return out.select(*(quoted(name) for name in dataset.columns),
@@ -254,6 +262,16 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
                             transform)
         check_shape(column, shape, self.deploy, transform)
         return frames.Inputs(column, kind, depth, shape)
+
+    @staticmethod
+    def check_first_rows(inputs, first):
+        """One line, on the driver as transform() is called, unless the input's first rows (`first`: frames.head's)
+        hold images of the net's size: a column of another size fails here, not in the executors' tasks. The rows
+        after them are checked as the executors score them."""
+        ok = images.column_images(first, inputs.kind, inputs.shape)[1]
+        if not ok.all():
+            raise images.bad_row(first, inputs.kind, inputs.shape, ok,
+                                 f"inputCol '{inputs.column}' (its first {len(ok)} rows that are not null)")
 
     def scale_for(self, dataset, inputs, head=None):
         """inputScale as set, else as a sample of the input needs it (images.input_scale; Datums, Caffe's own

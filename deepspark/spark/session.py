@@ -50,6 +50,12 @@ BANNER = re.compile(r"^WARNING: Using incubator modules|Using Spark's default lo
                     r"NativeCodeLoader: Unable to load native-hadoop")
 
 
+def is_connect(frame_or_session):
+    """Whether a DataFrame or a SparkSession is Spark Connect's (which has no SparkContext, JVM, RDDs, broadcasts or
+    accumulators)."""
+    return type(frame_or_session).__module__.startswith("pyspark.sql.connect")
+
+
 def is_local(master):
     return master.startswith("local")
 
@@ -172,11 +178,19 @@ _QUIET_LOCK = threading.Lock()
 @contextlib.contextmanager
 def quiet_tasks(sc):
     """TASK_LOGGERS off while DeepSpark's jobs run on `sc` (its local executors log in this JVM; a cluster's
-    driver logs the tasks it lost), their levels as they were once the last one ends."""
+    driver logs the tasks it lost), the configuration as it was once the last one ends: a logger that had a level
+    of its own gets it back, one that inherited its level inherits it again (its LoggerConfig removed). An inherited
+    level restored as an explicit one gets past Spark's shell filter (SparkShellLoggingFilter lets through a logger
+    with a configuration of its own): every later action would print its INFO lines."""
     log4j = sc._jvm.org.apache.logging.log4j
     with _QUIET_LOCK:
         if not _QUIET["jobs"]:
-            _QUIET["levels"] = {name: log4j.LogManager.getLogger(name).getLevel() for name in TASK_LOGGERS}
+            config = log4j.LogManager.getContext(False).getConfiguration()
+            found = {}
+            for name in TASK_LOGGERS:
+                own = config.getLoggers().get(name)  # the LoggerConfig of this very name, or None
+                found[name] = own.getLevel() if own is not None else None
+            _QUIET["levels"] = found
             for name in TASK_LOGGERS:
                 log4j.core.config.Configurator.setLevel(name, log4j.Level.OFF)
         _QUIET["jobs"] += 1
@@ -186,8 +200,19 @@ def quiet_tasks(sc):
         with _QUIET_LOCK:
             _QUIET["jobs"] -= 1
             if not _QUIET["jobs"]:
-                for name, level in _QUIET["levels"].items():
-                    log4j.core.config.Configurator.setLevel(name, level)
+                restore_levels(log4j, _QUIET["levels"])
+
+
+def restore_levels(log4j, levels):
+    """{logger name: its own level, or None where it inherited one} back as they were."""
+    context = log4j.LogManager.getContext(False)
+    config = context.getConfiguration()
+    for name, level in levels.items():
+        if level is not None:
+            log4j.core.config.Configurator.setLevel(name, level)
+        elif config.getLoggers().get(name) is not None:
+            config.removeLogger(name)
+    context.updateLoggers()
 
 
 def sql_session(sc):
