@@ -125,10 +125,15 @@ def test_transform_says_bad_rows_in_one_line_and_how_many_it_skipped(spark, weig
         model.transform(wrong)
     rows = vector_rows(12)
     rows[7] = (7, None, 0.0)
-    # A null, which the first rows the driver reads leave out, reaches the net's UDF (not vector_to_array's Java
-    # error), which names it.
-    with pytest.raises(Exception, match=r"inputCol 'features' \(Arrow batch 0 of a partition\): row 7 is null"):
-        model.transform(spark.createDataFrame(rows, VECTORS).coalesce(1)).collect()
+    # A null among the first rows, which the driver reads anyway: one line as transform() is called.
+    with pytest.raises(ConfigError, match=r"^inputCol 'features': row 7 is null \(handleInvalid='skip' leaves"):
+        model.transform(spark.createDataFrame(rows, VECTORS).coalesce(1))
+    # A null past them reaches the net's UDF (not vector_to_array's Java error), which names it.
+    far = vector_rows(frames.SAMPLE_ROWS + 8)
+    far[-3] = (len(far) - 3, None, 0.0)
+    with pytest.raises(Exception, match=rf"inputCol 'features' \(Arrow batch 0 of a partition\): row {len(far) - 3} "
+                                        r"is null"):
+        model.transform(spark.createDataFrame(far, VECTORS).coalesce(1)).collect()
     rows[9] = (9, Vectors.dense(np.zeros(10)), 0.0)
     capfd.readouterr()
     kept = model.copy({model.handleInvalid: "skip"}).transform(spark.createDataFrame(rows, VECTORS).repartition(3))

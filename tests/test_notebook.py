@@ -47,8 +47,10 @@ def fashion(split, count):
         pixels = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 784)[:count]
     with gzip.open(f"{FASHION}/{{split}}-labels-idx1-ubyte.gz", "rb") as f:
         labels = np.frombuffer(f.read(), np.uint8, offset=8)[:count]
-    return spark.createDataFrame([(i, Vectors.dense(x / 255.0), NAMES[y]) for i, (x, y) in enumerate(zip(pixels, labels))],
-                                 ["id", "features", "class"])
+    rows = [(i, Vectors.dense(x / 255.0), NAMES[y]) for i, (x, y) in enumerate(zip(pixels, labels))]
+    # In slices of 100 rows: Spark warns of any task over 1000 KiB, its own line whether DeepSpark runs or not.
+    sliced = spark.sparkContext.parallelize(rows, max(2, count // 100))
+    return spark.createDataFrame(sliced, ["id", "features", "class"])
 
 train, test = fashion("train", TRAIN_ROWS), fashion("t10k", 500)
 """

@@ -36,7 +36,6 @@ from google.protobuf import text_format
 from deepspark import config
 from deepspark.data import datum
 from deepspark.errors import ConfigError
-from deepspark.graph import tap_name
 from deepspark.log import Log
 from deepspark.ml import frames, images
 from deepspark.ml.columns import Held, outputs_of
@@ -169,7 +168,7 @@ class Scorer:
                           pa.list_(pa.float64()))
         given = model.getOrDefault("inputShape")
         inputs = frames.Inputs(column, ARRAY, 1, parse_shape(given) if given else model.input_top()[1])
-        columns = self.columns()
+        columns = model.output_columns()
         scale = self.scale(values, inputs)
         forward = model.forward([name for _, name, _ in columns], scale)
         # The weights read as a broadcast is; every core of this process (Forward.of's one thread is an executor's
@@ -183,17 +182,6 @@ class Scorer:
         if skip:
             out = out[np.asarray(struct.is_valid())].reset_index(drop=True)
         return out
-
-    def columns(self):
-        """[(kind, net output, column name)] of the model's output columns, as its transform makes them."""
-        model, columns = self.model, []
-        prediction, probability = model.getOrDefault("predictionCol"), model.getOrDefault("probabilityCol")
-        if prediction or probability:
-            out = model.output()
-            columns += [("prediction", out, prediction)] if prediction else []
-            columns += [("vector", out, probability)] if probability else []
-        graph = model._graph()
-        return columns + [("vector", tap_name(graph, blob), blob) for blob in model.blobs()]
 
     def scale(self, values, inputs):
         """inputScale as the model's transform takes it: as set, else as the images need it (images.input_scale)."""

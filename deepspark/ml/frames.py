@@ -5,6 +5,7 @@ through Arrow (mapInArrow, which Spark Connect serves too)."""
 import contextlib
 import dataclasses
 import logging
+import typing
 
 import numpy as np
 import pyarrow as pa
@@ -113,21 +114,35 @@ def held_in_driver(df):
         return False
 
 
-def head(df, column):
-    """The first SAMPLE_ROWS values of `column` that are not null, on the driver, as the Arrow array toArrow gives:
-    one small job, that an image's shape and the scale of its values are both read from. Collected as rows: a
-    collected limit reads the first partition (more only where it falls short), where toArrow's shuffles the first
-    rows of every partition into one (twice the time here)."""
+class Head(typing.NamedTuple):
+    """The input's first rows as first_rows reads them: the values that are not null, and where the first null is."""
+    values: pa.Array
+    null_row: int = None  # the first null row's position among them (None: none)
+
+
+def first_rows(df, column):
+    """The values of `column` in its first SAMPLE_ROWS rows that are not null, on the driver, as the Arrow array
+    toArrow gives, and the first null's row: one small job, that an image's shape, the scale of its values and a
+    null row (a one-line error on the driver, where vector_to_array's failed in the executors) are all read from.
+    Collected as rows: a collected limit reads the first partition (more only where it falls short), where toArrow's
+    shuffles the first rows of every partition into one (twice the time here)."""
     kind = input_kind(df, column)[0]
     with spark_job(f"reading the first rows of inputCol '{column}'"):
-        values = [row[0] for row in df.select(column).dropna().limit(SAMPLE_ROWS).collect()]
+        rows = [row[0] for row in df.select(column).limit(SAMPLE_ROWS).collect()]
+    null_row = next((i for i, value in enumerate(rows) if value is None), None)
+    values = [value for value in rows if value is not None]
     if kind == DATUM:
-        return pa.array([bytes(value) for value in values], pa.binary())
+        return Head(pa.array([bytes(value) for value in values], pa.binary()), null_row)
     if kind == VECTOR:
-        return pa.array([{"type": images.SPARSE, "size": v.size, "indices": v.indices.tolist(),
-                          "values": v.values.tolist()} if isinstance(v, SparseVector) else
-                         {"type": 1, "values": v.values.tolist()} for v in values], VECTOR_ARROW)
-    return pa.array(values)
+        return Head(pa.array([{"type": images.SPARSE, "size": v.size, "indices": v.indices.tolist(),
+                               "values": v.values.tolist()} if isinstance(v, SparseVector) else
+                              {"type": 1, "values": v.values.tolist()} for v in values], VECTOR_ARROW), null_row)
+    return Head(pa.array(values), null_row)
+
+
+def head(df, column):
+    """The values of first_rows(df, column) that are not null."""
+    return first_rows(df, column).values
 
 
 def sample(df, column, kind, shape, first=None):

@@ -188,6 +188,16 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         made_by = [layer.type for layer in graph.layers if outputs[0] in layer.tops][-1]
         return outputs[0], self.getOrDefault("probabilityCol" if made_by == "Softmax" else "rawPredictionCol")
 
+    def output_columns(self):
+        """[(kind, net output, column name)] of the columns transform adds: the prediction, the scores (as output
+        says), a vector per blob of outputBlobs."""
+        out, scores = self.output()
+        prediction = self.getOrDefault("predictionCol") if out else ""
+        columns = [("prediction", out, prediction)] if prediction else []
+        columns += [("vector", out, scores)] if scores else []
+        graph = self._graph()
+        return columns + [("vector", tap_name(graph, blob), blob) for blob in self.blobs()]
+
     def blobs(self):
         """The blobs of outputBlobs, checked against the net."""
         names = [name.strip() for name in self.getOrDefault("outputBlobs").split(",") if name.strip()]
@@ -205,27 +215,21 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         if is_connect(dataset):
             check_workers(dataset.sparkSession, self.getOrDefault("backend"))
         # The input's first rows, taken once (one Spark job) where its shape or its scale is read from them.
-        head = functools.cache(lambda: frames.head(dataset, self.getOrDefault("inputCol")))
+        first = functools.cache(lambda: frames.first_rows(dataset, self.getOrDefault("inputCol")))
+
+        def head():  # image_shape and scale_for take a function: they may not need the rows
+            return first().values
+
         inputs = self.inputs_of(dataset, head)
-        columns, fields = [], []
-        out, scores = self.output()
-        prediction = self.getOrDefault("predictionCol") if out else ""
-        if prediction:
-            columns.append(("prediction", out, prediction))
-            fields.append(T.StructField(prediction, T.DoubleType()))
-        if scores:
-            columns.append(("vector", out, scores))
-            fields.append(T.StructField(scores, VectorUDT()))
-        graph = self._graph()
-        for blob in self.blobs():
-            columns.append(("vector", tap_name(graph, blob), blob))
-            fields.append(T.StructField(blob, VectorUDT()))
+        columns = self.output_columns()
+        fields = [T.StructField(name, T.DoubleType() if kind == "prediction" else VectorUDT())
+                  for kind, _, name in columns]
         taken = [field.name for field in fields if field.name in dataset.columns]
         if taken:
             raise ConfigError(f"the DataFrame already has a column '{taken[0]}'; name another output column")
         skip = self.getOrDefault("handleInvalid") == "skip"
         if not skip and inputs.kind != DATUM:
-            self.check_first_rows(inputs, head())
+            self.check_first_rows(inputs, first())
         forward = self.forward_spec(dataset, [name for _, name, _ in columns], self.scale_for(dataset, inputs, head))
         carried = [T.StructField(f.name, T.ArrayType(T.DoubleType()) if isinstance(f.dataType, VectorUDT)
                                  else f.dataType) for f in fields]
@@ -265,12 +269,16 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
 
     @staticmethod
     def check_first_rows(inputs, first):
-        """One line, on the driver as transform() is called, unless the input's first rows (`first`: frames.head's)
-        hold images of the net's size: a column of another size fails here, not in the executors' tasks. The rows
-        after them are checked as the executors score them."""
-        ok = images.column_images(first, inputs.kind, inputs.shape)[1]
+        """One line, on the driver as transform() is called, unless the input's first rows (`first`:
+        frames.first_rows') hold images of the net's size and no null: such a column fails here, not in the
+        executors' tasks, whose Java and Python errors a user reads before its line. The rows after them are
+        checked as the executors score them."""
+        if first.null_row is not None:
+            raise ConfigError(f"inputCol '{inputs.column}': row {first.null_row} is null (handleInvalid='skip' "
+                              "leaves such rows out)")
+        ok = images.column_images(first.values, inputs.kind, inputs.shape)[1]
         if not ok.all():
-            raise images.bad_row(first, inputs.kind, inputs.shape, ok,
+            raise images.bad_row(first.values, inputs.kind, inputs.shape, ok,
                                  f"inputCol '{inputs.column}' (its first {len(ok)} rows that are not null)")
 
     def scale_for(self, dataset, inputs, head=None):
