@@ -274,7 +274,8 @@ def test_a_notebook_without_ipywidgets_gets_plain_progress_lines(tmp_path, monke
 # -- the progress's pieces, no kernel ----------------------------------------------------------------------------
 
 
-def test_a_stream_that_is_no_terminal_gets_a_line_per_tenth_of_the_job_and_one_at_its_end():
+def test_a_stream_that_is_no_terminal_gets_a_line_per_tenth_of_the_job_and_one_at_its_end(monkeypatch):
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)  # this process is no kernel, whatever nbclient loaded
     stream = io.StringIO()
     log = Log(stream=stream)
     progress = bars.worker_progress(log, 2, 100, 64)
@@ -292,6 +293,7 @@ def test_a_stream_that_is_no_terminal_gets_a_line_per_tenth_of_the_job_and_one_a
 
 
 def test_a_terminal_keeps_its_live_rows_and_a_kernel_without_ipywidgets_gets_lines(monkeypatch):
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)  # this process is no kernel, whatever nbclient loaded
     assert bars.worker_progress(Log(stream=io.StringIO(), progress=True), 2, 100, 64) is None  # watch.Progress
     monkeypatch.setitem(sys.modules, "ipykernel", sys)  # a kernel (any module stands for it)
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # whose Python cannot import ipywidgets
