@@ -111,6 +111,12 @@ class Watch:
                     break
                 raise self.idle_error(lost)
             self.center(stats)
+        if "results" in outcome:
+            # One look after the job: the last one inside the loop may come before the workers' last exchanges
+            # (a job shorter than a look), and Caffe's cadence at their last iteration would never be seen.
+            stats = self.server.stats()
+            progress.draw(stats, self.rejoins(stats))
+            self.center(stats)
         self.log.end_progress()
         if not isinstance(progress, Progress):
             progress.close()
