@@ -21,9 +21,9 @@ def differences(table, name):
     """The failure message when a backend's table and the registry differ, or None."""
     lines = []
     if REGISTERED - set(table):
-        lines.append(f"registered in graph.py but not in the {name} table: {', '.join(sorted(REGISTERED - set(table)))}")
+        lines.append(f"registered in deepspark/graph but not in the {name} table: {', '.join(sorted(REGISTERED - set(table)))}")
     if set(table) - REGISTERED:
-        lines.append(f"in the {name} table but not registered in graph.py: {', '.join(sorted(set(table) - REGISTERED))}")
+        lines.append(f"in the {name} table but not registered in deepspark/graph: {', '.join(sorted(set(table) - REGISTERED))}")
     return "; ".join(lines) or None
 
 
@@ -43,8 +43,9 @@ def test_a_table_that_differs_from_the_registry_fails_naming_the_types():
     table["Wobble"] = None
     with pytest.raises(RuntimeError) as error:
         graph.check_table(table, "Test")
-    assert str(error.value) == ("the Test layer table and graph.REGISTRY differ: registered in graph.py but missing "
-                                "from the Test table: Crop; in the Test table but not registered in graph.py: Wobble")
+    assert str(error.value) == ("the Test layer table and graph.REGISTRY differ: registered in deepspark/graph but "
+                                "missing from the Test table: Crop; in the Test table but not registered in "
+                                "deepspark/graph: Wobble")
     graph.check_table(dict.fromkeys(REGISTERED), "Test")
 
 
