@@ -9,7 +9,7 @@ from deepspark import checkpoint, config, engine, upgrade
 from deepspark.backends import create_model, use_gpu
 from deepspark.config import load_net, net_path, random_seed
 from deepspark.data import SOURCE_PARAMS, check_listed, feeder_for, missing_source, source_shape
-from deepspark.data.feeder import WINDOW_DATA_UNTRAINED
+from deepspark.data.table import FEEDERS
 from deepspark.errors import ConfigError
 from deepspark.graph import DATA_TYPES, FED_TYPES, Graph, layer_included
 from deepspark.log import Log
@@ -25,8 +25,8 @@ def check_sources(net, source_map, phase):
             missing = missing_source(layer)
             if missing:
                 raise ConfigError(missing, *source_map.where(index))
-            if layer.type == "WindowData":
-                raise ConfigError(f"layer '{layer.name}': {WINDOW_DATA_UNTRAINED}", *source_map.where(index))
+            if FEEDERS[layer.type].make is None:  # a source read and described, not trained on (WindowData)
+                raise ConfigError(f"layer '{layer.name}': {FEEDERS[layer.type].refusal}", *source_map.where(index))
             check_listed(layer)
 
 

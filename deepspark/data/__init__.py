@@ -2,14 +2,15 @@
 
 import os
 
-from deepspark.data import hdf5, images
+from deepspark.data import hdf5, images  # noqa: F401 (they register their feeders in the table)
 from deepspark.data.datum import (DataError, check_datum, checked_records, decode_datum, encode_datum,
                                   load_mean)
-from deepspark.data.feeder import DataFeeder, feeder_for
+from deepspark.data.feeder import DataFeeder
 from deepspark.data.lmdb_io import shard_range
 from deepspark.data.parquet import is_parquet, is_uri, reader
+from deepspark.data.table import FEEDERS, check_feeders, feeder_for
 from deepspark.data.transform import Transformer
-from deepspark.graph import crop_of
+from deepspark.graph import FED_TYPES, crop_of
 from deepspark.proto import deepspark_pb2 as pb
 
 __all__ = ["SOURCE_PARAMS", "absolute_sources", "check_listed", "DataError", "DataFeeder", "Transformer", "check_datum", "checked_records", "count",
@@ -29,9 +30,12 @@ def peek_shape(source):
     return tuple(int(d) for d in array.shape)
 
 
+# hdf5, images and feeder registered their rows in the feeder table as they were imported above: every fed
+# type of the layer registry must have one (a type added to deepspark/graph alone fails here, at once).
+check_feeders(FED_TYPES)
+
 # The data layers that read a source of their own, and the parameter message that names it.
-SOURCE_PARAMS = {"Data": "data_param", "HDF5Data": "hdf5_data_param", "ImageData": "image_data_param",
-                 "WindowData": "window_data_param"}
+SOURCE_PARAMS = {kind: FEEDERS[kind].param for kind in sorted(FEEDERS) if FEEDERS[kind].param}
 
 
 def source_of(layer_param):
@@ -43,10 +47,11 @@ def source_shape(layer_param, data_shape=None):
     """What a data layer's shapes need from its source: (C, H, W) of a Data or ImageData layer's images
     before transform, {top: row shape} of an HDF5Data layer's datasets; or a warning string if it cannot tell.
     Other layers (WindowData, Input, ...) take their shapes from the prototxt: None."""
-    if layer_param.type not in SOURCE_PARAMS or layer_param.type == "WindowData":
+    row = FEEDERS.get(layer_param.type)
+    if row is None or row.make is None or row.param is None:
         return None
-    if layer_param.type != "Data":
-        return _listed_shape(layer_param, data_shape)
+    if row.shape is not None:
+        return _listed_shape(row, layer_param, data_shape)
     return _data_shape(layer_param, data_shape)
 
 
@@ -57,16 +62,14 @@ def _given_shape(layer_param, data_shape):
     return None if data_shape is None else tuple(int(d) for d in data_shape)
 
 
-def _listed_shape(layer_param, data_shape):
-    """source_shape of an HDF5Data or ImageData layer: its first listed file's, else --data-shape (the first
-    top's row, for HDF5Data: hdf5.given_rows), else why not."""
+def _listed_shape(row, layer_param, data_shape):
+    """source_shape of a layer that reads a list of files (HDF5Data, ImageData): its first listed file's, else
+    --data-shape (the first top's row, for HDF5Data: hdf5.given_rows), else why not; `row` its Feeds row."""
     if os.path.exists(source_of(layer_param)):
-        if layer_param.type == "HDF5Data":
-            return hdf5.row_shapes(layer_param)
-        return images.source_shape(layer_param)
+        return row.shape(layer_param, None)
     given = _given_shape(layer_param, data_shape)
     if given is not None:
-        return given if layer_param.type == "ImageData" else hdf5.given_rows(layer_param, given)
+        return row.shape(layer_param, given)
     return missing_source(layer_param)
 
 
@@ -106,7 +109,7 @@ def absolute_sources(net):
     out = pb.NetParameter()
     out.CopyFrom(net)
     for layer in out.layer:
-        if layer.type in ("HDF5Data", "ImageData") and source_of(layer):
+        if layer.type in FEEDERS and FEEDERS[layer.type].listed and source_of(layer):
             param = getattr(layer, SOURCE_PARAMS[layer.type])
             param.source = os.path.abspath(param.source)
             if layer.type == "ImageData" and not os.path.isabs(param.root_folder):
@@ -118,13 +121,10 @@ def absolute_sources(net):
 
 def check_listed(layer_param):
     """A one-line error at the list's line for the first file an HDF5Data or ImageData layer's list names
-    that is not there (or, for HDF5, lacks a dataset the layer's tops name)."""
-    if layer_param.type == "HDF5Data":
-        source = layer_param.hdf5_data_param.source
-        for path, line in hdf5.read_list(source):
-            hdf5.file_rows(path, line, source, list(layer_param.top))
-    elif layer_param.type == "ImageData":
-        images.listed_images(layer_param)
+    that is not there (or, for HDF5, lacks a dataset the layer's tops name): its Feeds row's `listed`."""
+    row = FEEDERS.get(layer_param.type)
+    if row is not None and row.listed is not None:
+        row.listed(layer_param)
 
 
 def missing_source(layer_param):

@@ -8,9 +8,10 @@ import threading
 import numpy as np
 
 from deepspark.errors import ConfigError
-from deepspark.data import hdf5, images, lmdb_io, parquet
+from deepspark.data import lmdb_io, parquet
 from deepspark.data.datum import DataError, decode_datum, decode_datums
 from deepspark.data.resume import Resumable
+from deepspark.data.table import feeds
 from deepspark.data.transform import Transformer, _phase
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -324,20 +325,9 @@ WINDOW_DATA_UNTRAINED = ("WindowData (R-CNN's window sampler: foreground and bac
                          "on: crop and warp the windows into an LMDB once, and train from a Data layer")
 
 
-def feeder_for(layer_param, phase=pb.TRAIN, shard=0, num_shards=1, seed=None, batch_size=None, **kwargs):
-    """The batch source of a data layer that reads its own source: Data (LMDB, Parquet), HDF5Data (.h5 files
-    from a list), ImageData (images from a list). kwargs: DataFeeder's own (shuffle, prefetch, ...)."""
-    where = dict(shard=shard, num_shards=num_shards, seed=seed, batch_size=batch_size)
-    if layer_param.type == "Data":
-        return DataFeeder(layer_param, phase, **where, **kwargs)
-    if layer_param.type == "HDF5Data":
-        return hdf5.HDF5Feeder(layer_param, **where)
-    if layer_param.type == "ImageData":
-        return images.ImageFeeder(layer_param, phase, mean=kwargs.get("mean"), **where)
-    if layer_param.type == "WindowData":
-        raise ConfigError(f"layer {layer_param.name!r}: {WINDOW_DATA_UNTRAINED}")
-    raise ConfigError(f"layer {layer_param.name!r}: the data pipeline reads Data, HDF5Data and ImageData layers; "
-                      f"{layer_param.type} is handled by the backend")
+feeds("Data", make=lambda layer_param, phase, where, options: DataFeeder(layer_param, phase, **where, **options),
+      param="data_param")
+feeds("WindowData", param="window_data_param", refusal=WINDOW_DATA_UNTRAINED)
 
 
 def source_path(layer_param):

@@ -20,6 +20,7 @@ from deepspark.config import resolve
 from deepspark.data.convert import read_list_text
 from deepspark.data.datum import DataError
 from deepspark.data.lmdb_io import shard_range
+from deepspark.data.table import feeds
 from deepspark.errors import ConfigError
 
 
@@ -182,3 +183,16 @@ class HDF5Feeder:
 
     def close(self):
         self._rows = None
+
+
+def check_listed(layer_param):
+    """A one-line error at the list's line for the first file an HDF5Data layer's list names that is not there,
+    or that lacks a dataset the layer's tops name."""
+    source = layer_param.hdf5_data_param.source
+    for path, line in read_list(source):
+        file_rows(path, line, source, list(layer_param.top))
+
+
+feeds("HDF5Data", make=lambda layer_param, phase, where, options: HDF5Feeder(layer_param, **where),
+      param="hdf5_data_param", listed=check_listed,
+      shape=lambda layer_param, given: row_shapes(layer_param) if given is None else given_rows(layer_param, given))

@@ -19,6 +19,7 @@ from deepspark.data.convert import read_image, read_list_file
 from deepspark.data.datum import DataError
 from deepspark.data.lmdb_io import shard_range
 from deepspark.data.resume import Resumable
+from deepspark.data.table import feeds
 from deepspark.data.transform import Transformer, _phase
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
@@ -128,3 +129,9 @@ class ImageFeeder(Resumable):
 
     def close(self):
         pass
+
+
+feeds("ImageData", make=lambda layer_param, phase, where, options: ImageFeeder(layer_param, phase,
+                                                                              mean=options.get("mean"), **where),
+      param="image_data_param", listed=listed_images,
+      shape=lambda layer_param, given: source_shape(layer_param) if given is None else given)

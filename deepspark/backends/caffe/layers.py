@@ -36,15 +36,11 @@ def input_layer(layer):
     return out
 
 
-@layer(*sorted(FED_TYPES - {"Data"}))
+@layer(*sorted(FED_TYPES))
 def fed(layer, graph, keep_data):
-    return input_layer(layer)
-
-
-@layer("Data")
-def data(layer, graph, keep_data):
-    """Fed as an Input layer; with keep_data, Caffe's Data layer reading its LMDB at the graph's batch size."""
-    if not keep_data:
+    """Fed as an Input layer; with keep_data, a Data layer stays Caffe's own, reading its LMDB at the graph's
+    batch size."""
+    if not (keep_data and layer.type == "Data"):
         return input_layer(layer)
     out = passed_through(layer, graph, keep_data)
     if graph.context.batch_size:
