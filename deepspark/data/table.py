@@ -8,24 +8,20 @@ from deepspark.proto import deepspark_pb2 as pb
 
 @dataclass(frozen=True)
 class Feeds:
-    """How the data pipeline feeds one fed layer type (graph's `fed=True`), registered beside its feeder.
-
-    make(layer_param, phase, where, options) -> its feeder (where: shard, num_shards, seed, batch_size;
-    options: DataFeeder's own, shuffle, prefetch, mean, ...); None where the pipeline does not feed it.
-    param: the LayerParameter field whose `source` it reads (None: it names no source).
-    listed: where its source is a list of files, listed(layer_param) raises a one-line error for the first
-    listed file that is not there.
-    shape(layer_param, given): what its graph shape rule needs from its source's first listed file, or from
-    `given` ((C, H, W) of --data-shape) when that is not None; None: a source of Datum records (Data's).
-    refusal: where make is None but the layer names a source, why a run refuses it.
-    """
+    """How the data pipeline feeds one fed layer type (graph's `fed=True`), registered beside its feeder."""
 
     type: str
+    # make(layer_param, phase, where, options) -> its feeder (where: shard, num_shards, seed, batch_size;
+    # options: DataFeeder's own, shuffle, prefetch, mean, ...); None where the pipeline does not feed it.
     make: object = None
-    param: str = None
+    param: str = None  # the LayerParameter field whose `source` it reads; None: it names no source
+    # Where its source is a list of files: listed(layer_param) raises a one-line error for the first listed
+    # file that is not there.
     listed: object = None
+    # shape(layer_param, given): what its graph shape rule needs from its source's first listed file, or from
+    # `given` ((C, H, W) of --data-shape) when that is not None; None: a source of Datum records (Data's).
     shape: object = None
-    refusal: str = None
+    refusal: str = None  # where make is None but the layer names a source: why a run refuses it
 
 
 FEEDERS = {}  # fed layer type -> Feeds
