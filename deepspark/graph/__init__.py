@@ -7,9 +7,11 @@ Which module holds what:
 - phase: Caffe's include/exclude filter; dag: Layer, Param, BuildContext and Graph;
 - backward: which diffs Caffe's backward computes; rewrites: batch size, input shapes and taps of a net.
 
-To add a layer type: write its shape rule under `@layer_type("Name", ...)` in its family's module here and its
-compute in each backend's table (check_table names a type one of them lacks). A data layer the backends feed
-(`fed=True`) needs a feeder too, registered in deepspark/data (data.check_feeders names a type without one).
+To add a compute type: its shape rule under `@layer_type("Name", ...)` in its family's module here, and its
+compute in backends/tensorflow/layers/<family>.py (Caffe runs its own layer of that name; check_table names a
+type a backend's table lacks). To add a data layer the backends feed (`fed=True`): its shape rule in data.py
+here, and its feeder in deepspark/data/, registered there with data.table.feeds beside the feeder
+(deepspark.data's import-time check_feeders names a fed type with no row); both backends feed every fed type.
 """
 
 # The families register their rows as they are imported, so the flag sets below are computed after them.

@@ -4,14 +4,16 @@ A layer function takes (layer, graph, keep_data): the graph.Layer, its
 Graph and the model's data_layers choice (keep_data: Caffe reads the Data
 layers' LMDB itself), and returns the LayerParameter for Caffe. Most types
 are Caffe's own layer, passed through; a layer whose tops come from a batch
-becomes an Input layer of the same name, tops and shapes. Adding a layer
-type means its registration here (docs/layers.md); the table is checked
-against graph.REGISTRY as this module is imported.
+becomes an Input layer of the same name, tops and shapes (FED_TYPES, from
+the registry). A type Caffe runs as its own layer needs no entry here: every
+registered type the table does not name is passed through; only a type that
+reaches Caffe otherwise has its function here (docs/layers.md). The table is
+checked against graph.REGISTRY as this module is imported.
 """
 
 from deepspark.backends.base import infogain_matrix
 from deepspark.errors import ConfigError
-from deepspark.graph import FED_TYPES, check_table
+from deepspark.graph import FED_TYPES, check_table, supported_types
 from deepspark.proto import deepspark_pb2 as pb
 
 LAYERS = {}  # graph layer type -> its function
@@ -59,18 +61,9 @@ def hdf5_output(layer, graph, keep_data):
     return out
 
 
-@layer("DummyData",
-       "Convolution", "Deconvolution", "Pooling", "LRN",
-       "InnerProduct", "Dropout", "BatchNorm", "Scale", "Bias", "Eltwise", "Concat", "Slice", "Split", "Silence",
-       "Flatten", "Reshape", "Softmax", "ArgMax",
-       "ReLU", "Sigmoid", "TanH", "AbsVal", "BNLL", "ELU", "Power", "Exp", "Log", "PReLU",
-       "SoftmaxWithLoss", "EuclideanLoss", "SigmoidCrossEntropyLoss", "Accuracy",
-       "Crop", "Tile", "Reduction", "MVN", "SPP", "Filter", "BatchReindex", "Embed", "Im2col", "Parameter",
-       "Threshold", "Clip", "Swish",
-       "ContrastiveLoss", "HingeLoss", "MultinomialLogisticLoss",
-       "LSTM", "RNN", "LSTMUnit", "Python")
 def passed_through(layer, graph, keep_data):
-    """Caffe's own layer of the same type, as the prototxt defines it."""
+    """Caffe's own layer of the same type, as the prototxt defines it: the entry of every type the table does
+    not name."""
     out = pb.LayerParameter()
     out.CopyFrom(layer.param)
     for field in RESOLVED_FIELDS:
@@ -96,4 +89,6 @@ def lacking(graph, net, caffe_types):
     return None
 
 
+# Every other registered type is Caffe's own layer, passed through (a type this pycaffe lacks: `lacking`).
+LAYERS.update({kind: passed_through for kind in supported_types() if kind not in LAYERS})
 check_table(LAYERS, "Caffe")
