@@ -35,7 +35,7 @@ def test_layout_change_of_equal_sized_axes_is_a_transpose():
     """Pins a TF backend fix: _permute took NCHW->NHWC of a 1x2x2x2 blob for a free reshape."""
     import tensorflow as tf
 
-    from deepspark.backends.tensorflow.layers import _permute
+    from deepspark.backends.tensorflow.layout import _permute
 
     x = np.arange(8, dtype=np.float32).reshape(1, 2, 2, 2)
     np.testing.assert_array_equal(_permute(tf.constant(x), (0, 2, 3, 1)).numpy(), x.transpose(0, 2, 3, 1))

@@ -4,7 +4,8 @@
 at trace time only.
 """
 
-from deepspark.backends.tensorflow.layers import LAYERS, Blob
+from deepspark.backends.tensorflow.layers import LAYERS
+from deepspark.backends.tensorflow.layout import Blob
 from deepspark.backends.tensorflow.runtime import tf
 from deepspark.graph import spec
 

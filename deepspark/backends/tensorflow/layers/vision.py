@@ -1,0 +1,206 @@
+"""Vision layers in TensorFlow: convolution, deconvolution, pooling, LRN, im2col, SPP and crop, in NHWC."""
+
+import numpy as np
+
+from deepspark.backends.tensorflow.layers.table import layer
+from deepspark.backends.tensorflow.layout import HWIO, Blob
+from deepspark.backends.tensorflow.runtime import tf
+from deepspark.graph import Layer, canonical_axis, conv_geometry, count, crop_offsets, pool_geometry, spp_levels
+from deepspark.proto import deepspark_pb2 as pb
+
+
+def _explicit_pad(pad):
+    return [[0, 0], [pad[0], pad[0]], [pad[1], pad[1]], [0, 0]] if any(pad) else "VALID"
+
+
+def _check_2d(layer, what):
+    param = layer.param.convolution_param
+    if len(layer.bottom_shapes[0]) != 4 or canonical_axis(param.axis, 4) != 1:
+        raise NotImplementedError(f"layer '{layer.name}': the TensorFlow backend supports 2D {what} only")
+
+
+def dilate_kernel(weights, dilation):
+    """An HWIO kernel with dilation-1 zeros between taps: TF on CPU has no dilated convolution gradients."""
+    for axis, d in enumerate(dilation):
+        if d == 1:
+            continue
+        size = weights.shape[axis]
+        spaced = tf.stack([weights] + [tf.zeros_like(weights)] * (d - 1), axis=axis + 1)
+        shape = weights.shape.as_list()
+        shape[axis] = size * d
+        weights = tf.reshape(spaced, shape)
+        weights = weights[:(size - 1) * d + 1] if axis == 0 else weights[:, :(size - 1) * d + 1]
+    return weights
+
+
+@layer("Convolution", param_order={0: HWIO})
+def convolution(layer, bottoms, params, ctx):
+    """Each bottom through the same blobs, a top each (Caffe's N bottoms to N tops)."""
+    _check_2d(layer, "convolution")
+    param = layer.param.convolution_param
+    kernel, pad, stride, dilation = conv_geometry(param, 2)
+    weights = dilate_kernel(params[0], dilation)  # HWIO (its param_order)
+    # TF has no grouped-convolution gradient on CPU: one convolution per group.
+    group = param.group
+    filters = tf.split(weights, group, axis=3) if group > 1 else [weights]
+
+    def convolve(x):
+        inputs = tf.split(x, group, axis=3) if group > 1 else [x]
+        ys = [tf.nn.conv2d(xg, wg, strides=[1, *stride, 1], padding=_explicit_pad(pad))
+              for xg, wg in zip(inputs, filters)]
+        y = tf.concat(ys, axis=3) if group > 1 else ys[0]
+        return tf.nn.bias_add(y, params[1]) if param.bias_term else y
+
+    return [Blob(convolve(bottom.as_nhwc), True) for bottom in bottoms]
+
+
+@layer("Deconvolution", param_order={0: HWIO})
+def deconvolution(layer, bottoms, params, ctx):
+    """The adjoint of Caffe's convolution with the same (C_in, C_out/group, kh, kw) blob; each bottom through
+    the same blobs, a top each."""
+    _check_2d(layer, "deconvolution")
+    param = layer.param.convolution_param
+    kernel, pad, stride, dilation = conv_geometry(param, 2)
+    n, _, h, w = layer.bottom_shapes[0]
+    group, outputs = param.group, param.num_output
+    full = [s * (size - 1) + d * (k - 1) + 1 for size, k, s, d in zip((h, w), kernel, stride, dilation)]
+    weights = dilate_kernel(params[0], dilation)  # (kh, kw, C_out/group, C_in): Caffe's blob in HWIO order
+    filters = tf.split(weights, group, axis=3) if group > 1 else [weights]
+    out_h, out_w = layer.top_shapes[0][2:]
+
+    def deconvolve(x):
+        inputs = tf.split(x, group, axis=3) if group > 1 else [x]
+        ys = [tf.nn.conv2d_transpose(xg, wg, [n, *full, outputs // group], strides=[1, *stride, 1],
+                                     padding="VALID") for xg, wg in zip(inputs, filters)]
+        y = tf.concat(ys, axis=3) if group > 1 else ys[0]
+        y = y[:, pad[0]:pad[0] + out_h, pad[1]:pad[1] + out_w, :]
+        return tf.nn.bias_add(y, params[1]) if param.bias_term else y
+
+    return [Blob(deconvolve(bottom.as_nhwc), True) for bottom in bottoms]
+
+
+def average_divisor(size, out, kernel, pad, stride):
+    """Caffe's AVE pooling divisor per output position on one axis: the window clipped to size+pad."""
+    starts = np.arange(out) * stride - pad
+    return np.minimum(starts + kernel, size + pad) - starts
+
+
+@layer("Pooling")
+def pooling(layer, bottoms, params, ctx):
+    param = layer.param.pooling_param
+    if len(layer.tops) > 1:
+        raise NotImplementedError(f"layer '{layer.name}': the pooling mask top is not supported")
+    _, _, h, w = layer.bottom_shapes[0]
+    kernel, pad, stride = pool_geometry(param, h, w)
+    out = layer.top_shapes[0][2:]
+    x = bottoms[0].as_nhwc
+    if param.pool not in (pb.PoolingParameter.MAX, pb.PoolingParameter.AVE):
+        raise NotImplementedError(f"layer '{layer.name}': only MAX and AVE pooling are supported")
+    is_max = param.pool == pb.PoolingParameter.MAX
+    if None in x.shape[1:3] and not param.global_pooling:  # a SavedModel of any size: the data's, not the graph's
+        return [Blob(pooling_any_size(x, kernel, pad, stride, param.ceil_mode, is_max), True)]
+    if param.global_pooling or (tuple(kernel) == (h, w) and tuple(out) == (1, 1) and not any(pad)):
+        y = tf.reduce_max(x, (1, 2), keepdims=True) if is_max else tf.reduce_mean(x, (1, 2), keepdims=True)
+        return [Blob(y, True)]
+    # Pad so the VALID windows are exactly Caffe's ceil-mode windows: padding
+    # never wins a max and adds nothing to a sum.
+    needed = [(o - 1) * s + k for o, s, k in zip(out, stride, kernel)]
+    after = [max(n - size - p, 0) for n, size, p in zip(needed, (h, w), pad)]
+    if any(pad) or any(after):
+        fill = np.finfo(np.float32).min if is_max else 0.0
+        x = tf.pad(x, [[0, 0], [pad[0], after[0]], [pad[1], after[1]], [0, 0]], constant_values=fill)
+    if any(n < size + p + a for n, size, p, a in zip(needed, (h, w), pad, after)):
+        x = x[:, :needed[0], :needed[1], :]
+    if is_max:
+        return [Blob(tf.nn.max_pool2d(x, kernel, stride, "VALID"), True)]
+    y = tf.nn.avg_pool2d(x, kernel, stride, "VALID")
+    divisor = np.outer(average_divisor(h, out[0], kernel[0], pad[0], stride[0]),
+                       average_divisor(w, out[1], kernel[1], pad[1], stride[1]))
+    ratio = (kernel[0] * kernel[1]) / divisor
+    if not np.all(ratio == 1):
+        y = y * tf.constant(ratio[:, :, None], tf.float32)
+    return [Blob(y, True)]
+
+
+def pooling_any_size(x, kernel, pad, stride, ceil_mode, is_max):
+    """Caffe's pooling of an NHWC tensor whose height and width only the data knows (graph.pooled_size's rule
+    on tensors): padded after to the last window Caffe starts, an AVE window's divisor clipped to size+pad."""
+    sizes = tf.shape(x)[1:3]
+    needed, after = [], []
+    for i in range(2):
+        size, k, p, s = sizes[i], kernel[i], pad[i], stride[i]
+        span = size + 2 * p - k
+        out = (-(-span // s) if ceil_mode else span // s) + 1
+        if p:
+            out = tf.where((out - 1) * s >= size + p, out - 1, out)
+        needed.append((out - 1) * s + k)
+        after.append(tf.maximum(needed[i] - size - p, 0))
+    tf.debugging.assert_non_negative(tf.reduce_min(sizes + np.array(pad, np.int32) * 2 - np.array(kernel, np.int32)),
+                                     message=f"the pooling kernel {kernel} is larger than the padded input")
+    paddings = [[0, 0], [pad[0], after[0]], [pad[1], after[1]], [0, 0]]
+    fill = np.finfo(np.float32).min if is_max else 0.0
+    x = tf.pad(x, paddings, constant_values=fill)[:, :needed[0], :needed[1], :]
+    if is_max:
+        return tf.nn.max_pool2d(x, kernel, stride, "VALID")
+    padded = tf.concat([[1], sizes + np.array(pad, np.int32) * 2, [1]], 0)
+    inside = tf.pad(tf.ones(padded), [[0, 0], [0, after[0]], [0, after[1]], [0, 0]])  # 1 up to size+pad: the divisor
+    inside = inside[:, :needed[0], :needed[1], :]
+    return tf.nn.avg_pool2d(x, kernel, stride, "VALID") / tf.nn.avg_pool2d(inside, kernel, stride, "VALID")
+
+
+@layer("LRN")
+def lrn(layer, bottoms, params, ctx):
+    param = layer.param.lrn_param
+    size, alpha, beta = param.local_size, param.alpha, param.beta
+    x = bottoms[0].as_nhwc
+    if param.norm_region == pb.LRNParameter.ACROSS_CHANNELS:
+        # TF's sqr_sum runs over depth_radius on each side: Caffe's window of local_size.
+        y = tf.nn.local_response_normalization(x, depth_radius=(size - 1) // 2, bias=param.k,
+                                               alpha=alpha / size, beta=beta)
+        return [Blob(y, True)]
+    # WITHIN_CHANNEL: Caffe's square -> AVE pool (zero padded, divisor size^2) -> (1 + alpha*s)^-beta.
+    half = (size - 1) // 2
+    squares = tf.pad(tf.square(x), [[0, 0], [half, half], [half, half], [0, 0]])
+    mean = tf.nn.avg_pool2d(squares, size, 1, "VALID")
+    return [Blob(x * tf.pow(1.0 + alpha * mean, -beta), True)]
+
+
+@layer("Crop")
+def crop(layer, bottoms, params, ctx):
+    shape = layer.bottom_shapes[0]
+    axis = canonical_axis(layer.param.crop_param.axis, len(shape))
+    begin = crop_offsets(layer.param.crop_param, len(shape))
+    size = [-1] * axis + list(layer.top_shapes[0][axis:])  # the axes before `axis` are kept whole
+    return [Blob(tf.slice(bottoms[0].caffe, begin, size))]
+
+
+@layer("SPP")
+def spp(layer, bottoms, params, ctx):
+    """Caffe's SPP: one Pooling per pyramid level, each flattened, concatenated (a single level is not)."""
+    levels = spp_levels(layer.param.spp_param, layer.bottom_shapes[0])
+    pieces = []
+    for i, (pooling_param, shape) in enumerate(levels):
+        level = Layer(f"{layer.name}/level{i}", "Pooling", layer.bottoms, [f"{layer.name}/level{i}"],
+                      pb.LayerParameter(type="Pooling", pooling_param=pooling_param), None,
+                      bottom_shapes=layer.bottom_shapes, top_shapes=[shape])
+        pooled = pooling(level, bottoms, [], ctx)[0]
+        if len(levels) == 1:
+            return [pooled]
+        pieces.append(tf.reshape(pooled.caffe, (-1, count(shape, 1))))
+    return [Blob(tf.concat(pieces, axis=1))]
+
+
+@layer("Im2col")
+def im2col(layer, bottoms, params, ctx):
+    """Caffe's im2col: channel c, kernel row i and column j become channel (c kh + i) kw + j of each output place."""
+    _check_2d(layer, "im2col")
+    kernel, pad, stride, dilation = conv_geometry(layer.param.convolution_param, 2)
+    x = bottoms[0].as_nhwc
+    if any(pad):
+        x = tf.pad(x, [[0, 0], [pad[0], pad[0]], [pad[1], pad[1]], [0, 0]])
+    patches = tf.image.extract_patches(x, [1, *kernel, 1], [1, *stride, 1], [1, *dilation, 1], "VALID")
+    channels = layer.bottom_shapes[0][1]
+    _, _, height, width = layer.top_shapes[0]
+    patches = tf.reshape(patches, (-1, height, width, kernel[0], kernel[1], channels))  # TF orders (i, j, c)
+    y = tf.reshape(tf.transpose(patches, (0, 1, 2, 5, 3, 4)), (-1, height, width, channels * kernel[0] * kernel[1]))
+    return [Blob(y, True)]
