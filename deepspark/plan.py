@@ -200,12 +200,11 @@ def training_net(path, data_shape=None):
     folder's deploy.prototxt Input."""
     folder = path if os.path.isdir(path) else None
     if folder:
-        names = [name for name in ("solver.prototxt", "train_val.prototxt") if os.path.exists(os.path.join(folder, name))]
-        if not names:
+        path = config.model_file(folder, "solver.prototxt", "train_val.prototxt")
+        if not path:
             raise ConfigError("no solver.prototxt or train_val.prototxt in this folder", folder)
-        path = os.path.join(folder, names[0])
-        deploy = os.path.join(folder, "deploy.prototxt")
-        if data_shape is None and os.path.exists(deploy):
+        deploy = config.model_file(folder, "deploy.prototxt")
+        if data_shape is None and deploy:
             inputs = [layer for layer in Graph(config.load_net(deploy)[0], pb.TEST).layers if layer.type == "Input"]
             data_shape = tuple(inputs[0].top_shapes[0][1:]) if inputs else None
     if re.search(r"^\s*(train_)?net\s*:", checkpoint.read_bytes(path, "prototxt").decode("utf-8", "replace"), re.M):
