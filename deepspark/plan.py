@@ -29,7 +29,7 @@ from deepspark.graph import Graph
 from deepspark.proto import deepspark_pb2 as pb
 
 # Seconds a Spark round of `average` costs outside its steps and its transfers (task launch, the
-# broadcast's and the collect's own work): 0.20 s per round on local[2] with LeNet (commit 3aa659f).
+# broadcast's and the collect's own work), as measured on local[2] with LeNet (bench/plan_check.py checks the model).
 AVERAGE_ROUND_SECONDS = 0.2
 # How long each measurement runs at least, and its fewest repetitions: the median of short runs
 # is steadier on a busy 2-core machine than one long run.
