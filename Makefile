@@ -41,8 +41,9 @@ $(STAMPS)/venv: setup.py constraints.txt
 caffe: $(STAMPS)/system $(STAMPS)/venv
 	@bash tools/build-caffe.sh $(VENV)
 
-# The classes a Spark driver's JVM loads as it starts, archived once for the JDK to map (~0.8 s less to a
-# SparkContext, bench/startup.py); kept in ~/.cache/deepspark, and the script returns at once when it is there.
+# The classes a Spark driver's JVM loads as it starts, archived once for the JDK to map (a faster
+# SparkContext: bench/startup.py measures it); kept in ~/.cache/deepspark, and the script returns at once
+# when it is there.
 jvm-archive: $(STAMPS)/venv
 	@$(BIN)/python tools/jvm-archive.py
 
@@ -58,7 +59,7 @@ $(DATA)/fashion_mnist_test_lmdb: | $(STAMPS)/venv $(STAMPS)/system
 # cores busy; more would crowd the Spark tests (each runs two workers) on a machine this size.
 # --dist loadscope sends each module whole to one process, so that a module's fixture (a trained model,
 # a standalone cluster, a Spark session) is set up once: split across processes, or interleaved with
-# other modules' tests, it was set up twice (~5 minutes of the suite). --no-loadscope-reorder keeps conftest.py's
+# other modules' tests, it was set up twice (minutes of the suite). --no-loadscope-reorder keeps conftest.py's
 # order (modules with a slow test first, then Spark's), not xdist's (most tests first), so the long ones start early.
 TEST_PROCESSES ?= 2
 test: setup

@@ -21,7 +21,9 @@ setup(
         "pyspark>=3.5",
         "matplotlib>=3.8",
         "tensorboard>=2.16",  # the training job's scalars
-        "pyarrow>=14",  # Parquet datasets (deepspark.data.parquet), deepspark.ml's transform (mapInArrow)
+        # Parquet datasets (deepspark.data.parquet); deepspark.ml's transform (an Arrow UDF) and fit's rows, score and
+        # extract-features (mapInArrow)
+        "pyarrow>=14",
         "h5py>=3.10",  # HDF5Data and HDF5Output layers, snapshot_format: HDF5
         "cryptography>=42",  # the exchange's per-frame seal: AES-GCM (bench/seal.py)
         "pandas>=2.2,<3",  # pyspark's toPandas and Arrow paths (pyspark 4.3 wants >= 2.2 and warns on pandas 3)

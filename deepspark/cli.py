@@ -266,7 +266,8 @@ def add_training_verbs(verbs):
                                            f"(default: {config.DEEPSPARK_FILE} beside the solver, if there is one)")
     train.add_argument("--weights", help="initial weights .caffemodel (fine-tuning)")
     train.add_argument("--snapshot", help="resume from this .solverstate")
-    train.add_argument("--output", help="folder for snapshots, logs and plots (default: the snapshot_prefix's)")
+    train.add_argument("--output", help="folder for snapshots, logs and plots (default: the snapshot_prefix's folder, "
+                       "else the working directory, as Caffe)")
     add_fields(train, pb.DeepSparkParameter)
     train.set_defaults(run=cmd_train)
 

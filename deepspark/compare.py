@@ -18,7 +18,7 @@ import numpy as np
 
 from deepspark import checkpoint, engine
 from deepspark.backends import BACKENDS, backend_module, create_model
-from deepspark.config import load_net, load_solver, net_path, random_seed, set_fields
+from deepspark.config import load_net, load_solver, model_file, net_path, random_seed, set_fields
 from deepspark.data import SOURCE_PARAMS, feeder_for, source_of, source_shape
 from deepspark.errors import ConfigError
 from deepspark.fillers import fill
@@ -34,8 +34,8 @@ TIMING_REPEATS = 3
 
 def deploy_shapes(net_path):
     """{top: (C, H, W)} of the Input layers of the deploy.prototxt beside `net_path`, if there is one."""
-    deploy = os.path.join(os.path.dirname(os.path.abspath(net_path)), "deploy.prototxt")
-    if not os.path.exists(deploy):
+    deploy = model_file(net_path, "deploy.prototxt")
+    if not deploy:
         return {}
     net, _ = load_net(deploy)
     return {top: tuple(shape.dim)[1:] for layer in net.layer if layer.type == "Input"

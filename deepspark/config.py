@@ -134,15 +134,34 @@ def read_solver_text(path):
     return text, _parse(text, pb.SolverParameter(), path)
 
 
-def net_path(path):
-    """A net file, or a model folder: its deploy.prototxt, else train_val.prototxt, else the net its solver names."""
+def model_file(path, *names):
+    """The first of `names` that exists in the model folder of `path` (path itself when it is a folder, else the
+    folder the file `path` is in), or None: the one rule by which deploy.prototxt, train_val.prototxt and
+    solver.prototxt are found beside what a verb was given."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    return next((os.path.join(folder, name) for name in names if os.path.exists(os.path.join(folder, name))), None)
+
+
+def output_folder(solver, given=None):
+    """The folder a run writes its snapshots, train.log, plots and scalars to: `given` (`--output`, the
+    Estimator's output Param), else the snapshot_prefix's folder, else "." (the working directory).
+
+    One default for every algorithm, single and Spark alike, and the one a Caffe user expects: Caffe writes
+    `<snapshot_prefix>_iter_N.caffemodel` as the prefix is given, relative to where it runs, so a prefix
+    without a folder puts the snapshots, and here the log beside them, in the working directory."""
+    return given or os.path.dirname(solver.param.snapshot_prefix) or "."
+
+
+def net_path(path, names=("deploy.prototxt", "train_val.prototxt")):
+    """A net file, or a model folder: the first of its `names` (deploy.prototxt, else train_val.prototxt; a verb
+    that reads the net's data, as score does, asks for train_val.prototxt first), else the net its solver names."""
     if not os.path.isdir(path):
         return path
-    for name in ("deploy.prototxt", "train_val.prototxt"):
-        if os.path.exists(os.path.join(path, name)):
-            return os.path.join(path, name)
-    solver = os.path.join(path, "solver.prototxt")
-    if os.path.exists(solver):
+    found = model_file(path, *names)
+    if found:
+        return found
+    solver = model_file(path, "solver.prototxt")
+    if solver:
         param = load_solver(solver).param
         return param.net or param.train_net
     raise ConfigError("no deploy.prototxt, train_val.prototxt or solver.prototxt in this folder", path)

@@ -107,7 +107,7 @@ def train(solver, weights=None, snapshot=None):
     """
     started = time.monotonic()
     check_sources(solver.train_net, solver.train_map, pb.TRAIN)  # before the backend starts
-    output = os.path.dirname(solver.param.snapshot_prefix) or "."
+    output = config.output_folder(solver)
     log = Log(os.path.join(output, "train.log"), append=bool(snapshot))
     try:
         place(solver, log)

@@ -29,7 +29,7 @@ from deepspark.graph import Graph
 from deepspark.proto import deepspark_pb2 as pb
 
 # Seconds a Spark round of `average` costs outside its steps and its transfers (task launch, the
-# broadcast's and the collect's own work): 0.20 s per round on local[2] with LeNet (commit 3aa659f).
+# broadcast's and the collect's own work), as measured on local[2] with LeNet (bench/plan_check.py checks the model).
 AVERAGE_ROUND_SECONDS = 0.2
 # How long each measurement runs at least, and its fewest repetitions: the median of short runs
 # is steadier on a busy 2-core machine than one long run.
@@ -200,12 +200,11 @@ def training_net(path, data_shape=None):
     folder's deploy.prototxt Input."""
     folder = path if os.path.isdir(path) else None
     if folder:
-        names = [name for name in ("solver.prototxt", "train_val.prototxt") if os.path.exists(os.path.join(folder, name))]
-        if not names:
+        path = config.model_file(folder, "solver.prototxt", "train_val.prototxt")
+        if not path:
             raise ConfigError("no solver.prototxt or train_val.prototxt in this folder", folder)
-        path = os.path.join(folder, names[0])
-        deploy = os.path.join(folder, "deploy.prototxt")
-        if data_shape is None and os.path.exists(deploy):
+        deploy = config.model_file(folder, "deploy.prototxt")
+        if data_shape is None and deploy:
             inputs = [layer for layer in Graph(config.load_net(deploy)[0], pb.TEST).layers if layer.type == "Input"]
             data_shape = tuple(inputs[0].top_shapes[0][1:]) if inputs else None
     if re.search(r"^\s*(train_)?net\s*:", checkpoint.read_bytes(path, "prototxt").decode("utf-8", "replace"), re.M):

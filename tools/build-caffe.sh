@@ -296,7 +296,7 @@ del _os, _sys, _flags
 
 from .pycaffe import Net,''')
 
-# load_image and resize_image used scikit-image and scipy (~230 MB of dependencies; and scikit-image
+# load_image and resize_image used scikit-image and scipy (large dependencies; and scikit-image
 # 0.19 renamed imread's as_grey, so the fork's load_image failed with any current one). They are rewritten
 # on Pillow and numpy with the numbers they gave with the scikit-image of Caffe's day: img_as_float of the
 # file's pixels (RGB, a gray image repeated; as_grey's BT.709 gray), and a linear resize with pixel centres

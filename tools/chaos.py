@@ -28,8 +28,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_SCRIPT = os.path.join(ROOT, "tools", "spark-cluster.sh")
-# Seconds between two looks at /proc or the log (reading /proc/net/tcp takes ~10 ms, every process's fds
-# ~20 ms): a kill lands within a tick of the driver's own progress lines (every 0.5 s).
+# Seconds between two looks at /proc or the log (each look reads /proc/net/tcp and every process's fds, a few
+# milliseconds): a kill lands within a tick of the driver's own progress lines (every 0.5 s).
 POLL_SECONDS = 0.05
 
 _ITERATION = re.compile(r"\] Iteration (\d+), loss = ")

@@ -2,7 +2,7 @@
 driver's options runs a small local job and writes the classes it loaded as it exits (the JDK's
 -XX:ArchiveClassesAtExit). `make setup` runs this; an archive already there is kept. Run it again after changing the
 JDK (a JVM that cannot use the archive starts without it). A job reading Parquet loads Spark SQL's classes beyond it:
-an archive of those too takes ~100 MB more of a LeNet job's memory (bench/startup.py), for ~1 s less to a session.
+an archive of those too costs a LeNet job more memory than it saves a session's start (bench/startup.py).
 
     .venv/bin/python tools/jvm-archive.py [--force]
 """

@@ -27,7 +27,7 @@ echo "[pack-env] venv $build: deepspark${extras:+[$extras]} from $here"
 rm -rf "$build"
 "$python" -m venv "$build"
 # deepspark as a wheel without its dependencies, then those its metadata lists for the extras named, but
-# pyspark (~320 MB that the pack would leave out anyway). No byte-compiling: the executors compile what
+# pyspark (the largest of them, which the pack would leave out anyway). No byte-compiling: the executors compile what
 # they import, in their own copy.
 pip=("$build/bin/python" -m pip -q --disable-pip-version-check)
 "${pip[@]}" wheel --no-deps -w "$build/wheel" "$here"

@@ -16,12 +16,12 @@ from deepspark.data.transform import Transformer, _phase
 from deepspark.proto import deepspark_pb2 as pb
 
 # A shard whose decoded pixels fit in this many bytes is read into memory once
-# (cheap: ~0.1 s for 60,000 MNIST records); a larger one is streamed from a cursor.
+# (cheap for MNIST's 60,000 records); a larger one is streamed from a cursor.
 MEMORY_LIMIT = 2 << 30
 # A TEST shard is held only up to this size: the driver tests the center, and its
 # memory must not grow with the test set. CIFAR-10's test set (30 MB) stays in memory;
-# a larger one is re-read every test pass (streamed, 10,000 Fashion-MNIST records
-# take ~60 ms here: 160,000 img/s, as fast as from memory into a batch).
+# a larger one is re-read every test pass (streamed, about as fast as from memory into
+# a batch: bench/data.py).
 TEST_MEMORY_LIMIT = 64 << 20
 # A streamed shard is decoded a window of records at a time.
 STREAM_WINDOW_BYTES = 64 << 20

@@ -41,7 +41,7 @@ def is_parquet(source):
 # Where a dataset lives
 
 def _arrow():
-    """pyarrow with its fs and parquet modules, imported on first use: ~0.3 s that LMDB-only runs need not pay."""
+    """pyarrow with its fs and parquet modules, imported on first use: LMDB-only runs need not wait for it."""
     import pyarrow.fs
     import pyarrow.parquet
     return pyarrow
@@ -179,8 +179,8 @@ def _file_chunks(file, begin, end, chunk, where):
     """read_chunks of rows [begin, end) of one part file, a row group at a time.
 
     One iter_batches per row group: given all of a file's groups at once, pyarrow 26's
-    reader keeps what it has read until the end (308 MB of pool for a 309 MB file,
-    against 20 MB one group at a time).
+    reader keeps what it has read until the end (a pool as large as the file, against one group's
+    size one group at a time).
     """
     first = 0
     try:

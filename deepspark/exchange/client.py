@@ -14,7 +14,7 @@ from . import codec as C
 from . import handshake
 from . import protocol as P
 from .options import ExchangeOptions
-from .transport import Connection, apply_floats, byte_view, tune
+from .transport import Connection, apply_floats, tune
 
 log = logging.getLogger("deepspark.exchange.client")
 
@@ -323,7 +323,7 @@ class ExchangeClient(Link):
         if self._sock is None:
             return
         try:
-            self._conn.send(P.HISTORY, byte_view(history), iteration, float(current_step))
+            self._conn.frames.send_history(history, iteration, current_step)
         except OSError:
             self._drop()
 
@@ -337,7 +337,7 @@ class ExchangeClient(Link):
         h = self._request(P.GET_HISTORY, reply=P.HISTORY)
         if not h.length:
             return None
-        self._conn.receive(byte_view(out))
+        self._conn.frames.receive_history(out)
         if not rules.all_finite(out):
             raise P.ProtocolError("the server sent a solver history holding NaN or Inf")
         return h.iteration, int(h.value)

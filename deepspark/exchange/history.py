@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import rules
 from . import protocol as P
-from .transport import byte_view, mapped
+from .transport import mapped
 
 
 class Held(NamedTuple):
@@ -84,7 +84,7 @@ class HistoryHandler:
             raise P.ProtocolError("empty HISTORY from worker %d" % conn.worker_id)
         # A mapping of its own, as a connection's buffers: model-sized, and freed when the next snapshot's replaces it.
         vector = mapped(self.floats, np.float32)
-        conn.receive(byte_view(vector))  # verified before it replaces what is held
+        conn.frames.receive_history(vector)  # verified before it replaces what is held
         if not rules.all_finite(vector):
             raise P.Refusal(P.E_NONFINITE, "worker %d sent a solver history holding NaN or Inf at iteration %d"
                             % (conn.worker_id, h.iteration))
@@ -96,8 +96,7 @@ class HistoryHandler:
         with self._lock:
             held = self._held.get(conn.worker_id)
         if held is None:
-            conn.send(P.HISTORY)
+            conn.frames.send_history()
             return
-        conn.send(P.HISTORY, byte_view(held.vector), iteration=held.iteration, value=held.current_step,
-                  tag_after=True)
+        conn.frames.send_history(held.vector, held.iteration, held.current_step)
         self.server.record(conn.worker_id, restored_history=held.iteration)

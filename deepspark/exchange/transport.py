@@ -399,6 +399,24 @@ class Float32Frames:
         self.conn.receive(byte_view(out))
         self.restart(out)
 
+    # A solver history goes in float32 whatever the codec: it is held and handed back, never applied, and a
+    # resumed worker must get back exactly what it sent (so CodedFrames has no history methods of its own).
+
+    def send_history(self, history=None, iteration=0, current_step=0):
+        """HISTORY: a worker's solver history `history` (float32, history sets × the model's floats) with the
+        iteration and current_step it was taken at; None sends an empty one (GET_HISTORY's reply where none is
+        held). A big frame's tag after it, as send_params's."""
+        if history is None:
+            self.conn.send(protocol.HISTORY)
+            return
+        payload = byte_view(history)
+        self.conn.send(protocol.HISTORY, payload, iteration, float(current_step), tag_after=len(payload) > TAG_AFTER)
+
+    def receive_history(self, out):
+        """A HISTORY's solver history (its header read, its length what `out` holds) into `out`, verified before
+        this returns; whether its values may be believed (finite) is the caller's to check."""
+        self.conn.receive(byte_view(out))
+
 
 class CodedFrames(Float32Frames):
     """A connection's model frames in a coded codec (float16, bfloat16, int8, int4) through its codec.Channel:

@@ -163,7 +163,7 @@ class Fit:
         solver.param.snapshot_after_train = True  # the Model is made of the final snapshot
         knobs = {field: est.getOrDefault(name) for name, (message, field, _) in est._schema.items()
                  if message is pb.DeepSparkParameter and est.isSet(name)}
-        base = est._given("output") or os.path.dirname(solver.param.snapshot_prefix) or "output"
+        base = config.output_folder(solver, est._given("output"))
         self.output = os.path.join(base, f"fit-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}")
         os.makedirs(self.output)
         config.override(solver, iterations=est.getOrDefault("maxIter") if est.isSet("maxIter") else None,

@@ -12,7 +12,7 @@ import uuid
 import numpy as np
 
 from deepspark import checkpoint, fillers, pylayer, schedule
-from deepspark.config import host_port, random_seed
+from deepspark.config import host_port, output_folder, random_seed
 from deepspark.data import absolute_sources, source_shape
 from deepspark.errors import ConfigError
 from deepspark.exchange import ExchangeOptions, ExchangeServer
@@ -113,7 +113,7 @@ class Job:
         self.ds = solver.param.deepspark_param
         self.options = options or Options()
         self.workers = self.ds.workers
-        self.output = os.path.dirname(self.param.snapshot_prefix) or "output"
+        self.output = output_folder(solver)
         self.history_sets = schedule.history_sets(self.param)
         self.server = None  # the exchanger, for a job that has one
         self.own_sc = None  # the SparkContext run() started, until stop_session stops it

@@ -363,9 +363,7 @@ def dataset_frame(spark, source, batch_size):
 def test_net(path, source=None):
     """(the NetParameter of the net at `path`, its SourceMap, its one Data layer in the TEST phase, the source
     to read: `source` or that layer's own)."""
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, "train_val.prototxt")):
-        path = os.path.join(path, "train_val.prototxt")
-    net, source_map = load_net(net_path(path))
+    net, source_map = load_net(net_path(path, ("train_val.prototxt", "deploy.prototxt")))
     state = pb.NetState(phase=pb.TEST)
     data = [layer for layer in net.layer if layer.type == "Data" and layer_included(layer, state)]
     if len(data) != 1:

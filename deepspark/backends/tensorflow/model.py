@@ -18,8 +18,8 @@ TF_OPS = SimpleNamespace(sqrt=tf.sqrt, sign=tf.sign, sum=tf.reduce_sum, where=tf
 def traced(fn, **options):
     """tf.function(fn) without AutoGraph. A net's Python runs at trace time only (loops over the layer table,
     branches on the prototxt's values), so AutoGraph finds nothing to turn into graph control flow, yet it
-    transpiles each function it meets first (~80 for LeNet's step): 2.3 s of the first step's 2.5 s here, in every
-    worker's start-up; the graph and the losses are the same without it (bench/startup.py)."""
+    transpiles each function it meets first (about 80 for LeNet's step): most of the first step's time, in every
+    worker's start-up; the graph and the losses are the same without it (bench/startup.py measures it)."""
     return tf.function(fn, autograph=False, **options)
 
 
