@@ -49,3 +49,29 @@ def test_the_result_holds_the_history_the_log_says_and_the_final_snapshots_weigh
         assert len(ours) == len(theirs) and all(np.array_equal(a, b) for a, b in zip(ours, theirs))
     with pytest.raises(AttributeError):
         result.history = ()  # a value: frozen
+
+
+def test_a_fits_model_history_is_what_its_train_log_says_ending_with_the_final_models_test(tmp_path):
+    from pyspark.ml.linalg import Vectors, VectorUDT
+    from pyspark.sql import types as T
+
+    from deepspark.ml import DeepSparkEstimator
+    from deepspark.proto import deepspark_pb2 as pb
+    from deepspark.spark.session import spark_session
+
+    session = spark_session(pb.DeepSparkParameter(), 2)[0]
+    try:
+        rng = np.random.default_rng(0)
+        schema = T.StructType([T.StructField("features", VectorUDT()), T.StructField("label", T.DoubleType())])
+        frame = session.createDataFrame([(Vectors.dense(rng.random(784)), float(i % 10)) for i in range(80)], schema)
+        lenet = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "lenet")
+        model = DeepSparkEstimator(solver=os.path.join(lenet, "solver.prototxt"), output=str(tmp_path), maxIter=3,
+                                   workers=1, inputCol="features", validationFraction=0.25, seed=1).fit(frame)
+    finally:
+        session.stop()
+    history = [(e["iteration"], e["loss"], {k: v for k, v in e.items() if k.startswith("test")})
+               for e in model.getHistory()]
+    log = logged(os.path.join(model.summary["output"], "train.log"))
+    assert len(history) == len(log) and all(same(a, b) for a, b in zip(history, log)), (history, log)
+    assert history[-1][0] == 3 and history[-1][2]["test0/accuracy"] == pytest.approx(
+        model.summary["test0/accuracy"], abs=1e-5)
