@@ -61,7 +61,7 @@ def train(solver_path, folder, **knobs):
     solver = load_solver(solver_path)
     solver.param.test_interval, solver.param.snapshot, solver.param.snapshot_after_train = 0, 0, False
     del solver.param.test_iter[:]  # no test nets: the job would test x̃ at its end, on the next run's time
-    return spark.train(solver, workers=WORKERS, output=folder, algorithm="easgd", **knobs)
+    return spark.train(solver, workers=WORKERS, output=folder, algorithm="easgd", **knobs).summary
 
 
 def run(model, solver_path, period, overlap, folder):

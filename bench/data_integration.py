@@ -75,7 +75,7 @@ def run(kind, iterations, folder, sources):
         from pyspark.sql import SparkSession
 
         data = SparkSession.getActiveSession().read.parquet(sources["parquet"]).select("datum", "label")
-    summary = spark.train(job, data)
+    summary = spark.train(job, data).summary
     wall = time.monotonic() - started
     workers = [dict(worker=w["worker"], records=w["records"], spill_seconds=round(w["spill_seconds"], 3),
                     train_seconds=round(w["train_seconds"], 2),

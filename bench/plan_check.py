@@ -95,7 +95,7 @@ def measured(workers, iterations, batch, folder):
 
     solver = load_solver(os.path.join(MODEL, "solver.prototxt"))
     solver.param.test_interval, solver.param.snapshot, solver.param.snapshot_after_train = 0, 0, False
-    summary = spark.train(solver, workers=workers, iterations=iterations, output=folder, algorithm="easgd")
+    summary = spark.train(solver, workers=workers, iterations=iterations, output=folder, algorithm="easgd").summary
     rows = summary["workers"]
     # The model is of a worker's steady state: its first step, where the backend traces its step function (a
     # second or more, start-up's last part: bench/startup.py), is left out of the measured rate.

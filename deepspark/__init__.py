@@ -23,7 +23,7 @@ def train(solver, data=None, **options):
     """
     from deepspark import spark  # deferred: deepspark.spark imports pyspark, which `import deepspark.x` need not
 
-    return spark.train(solver, data, **options)
+    return spark.train(solver, data, **options).summary
 
 
 def __getattr__(name):

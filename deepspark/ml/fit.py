@@ -24,7 +24,7 @@ from deepspark.log import Log
 from deepspark.ml import frames, images
 from deepspark.ml.images import DATUM
 from deepspark.ml.model import DeepSparkModel, check_shape, image_shape, parse_transform
-from deepspark.plot import parse_log
+from deepspark.spark.center import test_entries
 from deepspark.spark.failures import failed
 from deepspark.spark.session import is_connect, quiet_tasks, this_python
 from deepspark.proto import deepspark_pb2 as pb
@@ -61,15 +61,6 @@ def test_data_layers(solver):
     """[(test net index, its Data layer in the TEST phase)] of the solver's test nets."""
     return [(i, layer) for i, (net, _, state) in enumerate(solver.test_nets) for layer in net.layer
             if layer.type == "Data" and layer_included(layer, state)]
-
-
-def read_history(path):
-    """The fit's displays and tests from its log: [{"iteration", "seconds", "loss", test output: value}]."""
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as lines:
-        return [{"iteration": iteration, "seconds": seconds, "loss": loss, **values}
-                for seconds, iteration, loss, values in parse_log(lines)]
 
 
 def record_in_mlflow(history):
@@ -136,8 +127,8 @@ class Fit:
                                     seed)
         self.validation(solver, valid, inputs, skip, scale)
         # Kept: the job counts the rows, then shards them.
-        summary = spark.train(solver, self.keep(frames.datum_frame(train, inputs, skip)), weights=est._given("weights"))
-        history = self.final_test(solver, summary)
+        result = spark.train(solver, self.keep(frames.datum_frame(train, inputs, skip)), weights=est._given("weights"))
+        summary, history = self.final_test(solver, result)
         model = DeepSparkModel.from_caffe(deploy, summary["weights"], transform=transform,
                                           backend=solver.param.deepspark_param.backend)
         est._copyValues(model)
@@ -247,22 +238,21 @@ class Fit:
         self.log.info(f"Validating on {count} rows held out of the DataFrame, at every test_interval "
                       f"({solver.param.test_interval}) and at the end")
 
-    def final_test(self, solver, summary):
-        """The fit's history, ending with a test of its final model (which the job's own cadence may have left
-        untested): the summary's test outputs are that model's."""
-        path = os.path.join(self.output, "train.log")
-        history = read_history(path)
+    def final_test(self, solver, result):
+        """The fit's summary and history (the job's JobResult), the history ending with a test of the final model
+        (which the job's own cadence may have left untested; logged in the fit's train.log): the summary's test
+        outputs are that model's."""
+        summary, history, final = result.summary, list(result.history), result.summary["iterations"]
         tested = [entry["iteration"] for entry in history if any(name.startswith("test") for name in entry)]
-        if not solver.test_nets or (tested and tested[-1] == summary["iterations"]):
-            return history
-        log = Log(path, append=True)
+        if not solver.test_nets or (tested and tested[-1] == final):
+            return summary, history
+        log = Log(os.path.join(self.output, "train.log"), append=True)
         evaluator = nets.evaluator(solver, log)
         try:
             graph = evaluator.nets[0][0].graph
-            arrays = checkpoint.weights_that_fit(graph, checkpoint.read_bytes(summary["weights"], "the weights"),
-                                                 summary["weights"])
-            summary.update(engine.first_values(evaluator.test(summary["iterations"], graph, arrays)))
+            arrays = checkpoint.weights_for(graph, result.weights, [None] * len(graph.params), summary["weights"])
+            results = evaluator.test(final, graph, arrays)
         finally:
             evaluator.close()
             log.close()
-        return read_history(path)
+        return {**summary, **engine.first_values(results)}, history + test_entries(result.started, final, results)

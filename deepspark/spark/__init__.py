@@ -1,12 +1,12 @@
 """Training jobs: the algorithm registry, and `train` — what `deepspark train` and `deepspark.train` run."""
 
 from deepspark import nets
-from deepspark.config import load_solver, override
+from deepspark.config import load_solver, output_folder, override
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.average import AverageJob
 from deepspark.spark.easgd import EasgdJob
-from deepspark.spark.job import Options
+from deepspark.spark.job import JobResult, Options
 from deepspark.spark.sync import SyncJob
 
 # The algorithms that run on Spark, by DeepSparkParameter.Algorithm; SINGLE runs in this process (deepspark.nets).
@@ -15,7 +15,8 @@ JOBS = {pb.DeepSparkParameter.EASGD: EasgdJob, pb.DeepSparkParameter.SYNC: SyncJ
 
 
 def train(solver, data=None, *, deepspark=None, weights=None, snapshot=None, iterations=None, output=None, **knobs):
-    """Train from a solver .prototxt (a path, or a loaded config.Solver); returns the job's summary dict.
+    """Train from a solver .prototxt (a path, or a loaded config.Solver); returns its JobResult (`.summary`: the
+    summary dict; 'single' gives the summary and the output folder alone).
 
     data: a Spark DataFrame to train on instead of the train net's source, with a
     `datum` column (Caffe Datum bytes) or `data` (an image array) and `label`
@@ -34,6 +35,7 @@ def train(solver, data=None, *, deepspark=None, weights=None, snapshot=None, ite
     if algorithm == pb.DeepSparkParameter.SINGLE:
         if data is not None:
             raise ConfigError("a DataFrame is trained on by the Spark algorithms, not 'single'", solver.path)
-        return nets.train(solver, weights=weights, snapshot=snapshot)
+        return JobResult(nets.train(solver, weights=weights, snapshot=snapshot),
+                         output_folder(solver))
     options = Options(weights=weights, snapshot=snapshot, data=data)
     return JOBS[algorithm](solver, options).run()

@@ -18,6 +18,24 @@ HISTORY_SECONDS = 10.0
 TENSORBOARD_WITHOUT_TF = "tensorboard.compat.notf"
 
 
+def entry(started, iteration, loss, values=None):
+    """A history entry: {"iteration", "seconds" since `started` (time.monotonic()), "loss", test output: value}."""
+    return {"iteration": iteration, "seconds": time.monotonic() - started, "loss": loss, **(values or {})}
+
+
+def test_entries(started, iteration, results):
+    """The history entries of a test (Evaluator.test's results), one per test net as the log has a `Testing net`
+    line for each, with each output as its line says it (a many-valued output: its last line's)."""
+    return [entry(started, iteration, float("nan"),
+                  {f"test{i}/{name}": float(f"{np.ravel(mean)[-1]:g}") for name, mean in means.items()})
+            for i, means in enumerate(results)]
+
+
+def outputs(entry):
+    """A history entry's test outputs: {name: value}."""
+    return {name: value for name, value in entry.items() if name not in ("iteration", "seconds", "loss")}
+
+
 class Scalars:
     """TensorBoard scalars (loss, test outputs, learning rate, exchange latency), when tensorboard is installed."""
 
@@ -70,7 +88,11 @@ class CenterCadence:
         self.scalars = None  # start() opens them
         self.history_seconds = history_seconds
         self.started = time.monotonic() if started is None else started
-        self.history = []  # the plot's points: (seconds, iteration, loss, {test output: value})
+        # What the log says, as it says it: {"iteration", "seconds" (since `started`), "loss" (nan for a test),
+        # "test<i>/<output>": value}, the job's history and the plot's points.
+        self.history = []
+        self.snapshots = []  # (caffemodel, solverstate) of each snapshot, in order
+        self.snapshot_arrays = None  # (iteration, x̃'s arrays) of the last snapshot, as written
         # Iterations of the last test and snapshot, and the last test's outputs.
         self.tested, self.snapshotted, self.last_test_values = None, None, {}
         self.evaluator = None  # the test nets: test_nets() builds them
@@ -108,7 +130,7 @@ class CenterCadence:
         self.log.info(f"Iteration {iteration}, loss = {loss:.6g}")
         self.scalars.add("train/loss", loss, iteration)
         self.scalars.add("train/learning_rate", self.multiples.learning_rate(iteration), iteration)
-        self.history.append((time.monotonic() - self.started, iteration, loss, {}))
+        self.history.append(entry(self.started, iteration, float(f"{loss:.6g}")))  # as the line says it
         return True
 
     def due(self, iteration):
@@ -146,10 +168,11 @@ class CenterCadence:
     def test(self, iteration, observed=None, flat=None):
         self.tested = iteration
         self._note_observed("Testing", iteration, observed)
-        values = engine.first_values(self.test_nets().test(iteration, self.graph, self.arrays(flat)))
+        results = self.test_nets().test(iteration, self.graph, self.arrays(flat))
+        values = engine.first_values(results)
         for tag, value in values.items():
             self.scalars.add(tag, value, iteration)
-        self.history.append((time.monotonic() - self.started, iteration, float("nan"), values))
+        self.history.extend(test_entries(self.started, iteration, results))
         self.last_test_values = values
         return values
 
@@ -173,8 +196,12 @@ class CenterCadence:
             state.worker_state.extend(workers)
             return state, (f" (with the solver history of {len(workers)} workers)" if workers else "")
 
-        return engine.write_snapshot(self.log, self.param.snapshot_prefix, iteration, self.graph, self.arrays(),
-                                     state_of, engine.hdf5_snapshots(self.param))[0]
+        arrays = self.arrays()
+        paths = engine.write_snapshot(self.log, self.param.snapshot_prefix, iteration, self.graph, arrays, state_of,
+                                      engine.hdf5_snapshots(self.param))
+        self.snapshots.append(paths)
+        self.snapshot_arrays = (iteration, arrays)
+        return paths[0]
 
     def worker_states(self):
         """The workers' solver histories for a snapshot (WorkerSolverStates): each training worker is asked
@@ -201,18 +228,21 @@ class CenterCadence:
 
     def finish(self, final):
         """Caffe's end of Solve on x̃ at the `final` iteration: its snapshot (snapshot_after_train) and its
-        test, unless done there already; (the final .caffemodel if snapshotted there, the last test values)."""
+        test, unless done there already; (the final .caffemodel if snapshotted there, the last test values,
+        x̃'s final arrays: as that snapshot wrote them, else as x̃ is now)."""
         if self.param.snapshot_after_train and self.snapshotted != final:
             self.snapshot(final)
         weights = (checkpoint.snapshot_paths(self.param.snapshot_prefix, final, engine.hdf5_snapshots(self.param))[0]
                    if self.snapshotted == final else None)
+        arrays = self.snapshot_arrays[1] if weights else self.arrays()
         values = self.last_test_values
         if self.solver.test_nets and self.multiples.tests(final) and self.tested != final:  # Caffe's last test
             values = self.test(final)
-        return weights, values
+        return weights, values, arrays
 
     def plot(self, folder, title):
         """The loss and test outputs against time, in folder/progress.png; its path."""
         path = os.path.join(folder, "progress.png")
-        plot_history(self.history, path, title=title)
+        plot_history([(e["seconds"], e["iteration"], e["loss"], outputs(e)) for e in self.history], path,
+                     title=title)
         return path

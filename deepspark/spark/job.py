@@ -98,6 +98,46 @@ class Options:
     data: object = None  # a pyspark DataFrame to train on instead of the train net's source
 
 
+@dataclasses.dataclass(frozen=True)
+class JobPlan:
+    """What a job is, made once before it starts: the solver (its deepspark_param names the algorithm, the
+    workers and the master), how it starts (Options), the output folder and the solver's history sets."""
+
+    solver: object
+    options: Options
+    output: str
+    history_sets: int
+
+    @classmethod
+    def of(cls, solver, options=None):
+        return cls(solver, options or Options(), output_folder(solver),
+                   schedule.history_sets(solver.param))
+
+    @property
+    def workers(self):
+        return self.solver.param.deepspark_param.workers
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    """What a job gives back. summary: {"iterations", "weights" (the final .caffemodel, if snapshotted),
+    "spill_seconds", "ready_seconds", "train_seconds", "wall_seconds", "startup_seconds" (from the Solving line
+    to the slowest worker's first step), "workers" (each worker's Summary as a dict), "test<i>/<output>": value};
+    history: the displays and tests as the log gave them ({"iteration", "seconds" since `started`, "loss" (nan
+    for a test), "test<i>/<output>": value}); final_test: the final model's test outputs (those of the summary);
+    weights: x̃'s final arrays in Caffe's order, [(layer name, [blobs])] (checkpoint.layer_blobs), as the final
+    snapshot holds them; snapshots: [(caffemodel, solverstate)] written; started: time.monotonic() as the job
+    started."""
+
+    summary: dict
+    output: str
+    history: tuple = ()
+    final_test: dict = dataclasses.field(default_factory=dict)
+    weights: tuple = ()
+    snapshots: tuple = ()
+    started: float = None
+
+
 class Job:
     """One training job on Spark. An algorithm's job says how the center is held (hold_center,
     center_flat) and how the workers train (train); the rest is here.
@@ -109,12 +149,10 @@ class Job:
     title = "training"  # in the log's "Solving" line and the plot
 
     def __init__(self, solver, options=None):
-        self.solver, self.param = solver, solver.param
-        self.ds = solver.param.deepspark_param
-        self.options = options or Options()
-        self.workers = self.ds.workers
-        self.output = output_folder(solver)
-        self.history_sets = schedule.history_sets(self.param)
+        self.plan = plan = JobPlan.of(solver, options)
+        self.solver, self.param, self.ds = solver, solver.param, solver.param.deepspark_param
+        self.options = plan.options
+        self.workers, self.output, self.history_sets = plan.workers, plan.output, plan.history_sets
         self.server = None  # the exchanger, for a job that has one
         self.own_sc = None  # the SparkContext run() started, until stop_session stops it
 
@@ -157,10 +195,7 @@ class Job:
     # -- the run ----------------------------------------------------------------
 
     def run(self):
-        """The whole job; returns its summary: {"iterations", "weights" (the final .caffemodel, if snapshotted),
-        "spill_seconds", "ready_seconds", "train_seconds", "wall_seconds", "startup_seconds" (from the Solving line
-        to the slowest worker's first step), "workers" (each worker's Summary as a dict), "test<i>/<output>":
-        value}."""
+        """The whole job; its JobResult."""
         with contextlib.ExitStack() as stack:
             self.log = Log(os.path.join(self.output, "train.log"), append=bool(self.options.snapshot))
             stack.callback(self.log.close)
@@ -234,7 +269,7 @@ class Job:
             self.own_sc = None
 
     def finish(self, results):
-        """The workers' summary lines, the last snapshot and test, the plot; the job's summary."""
+        """The workers' summary lines, the last snapshot and test, the plot; the JobResult."""
         log = self.log
         final = max(r.final_iteration for r in results)
         spill = max(r.spill_seconds for r in results)
@@ -263,11 +298,14 @@ class Job:
         if ready > 0:  # not so when no worker spilled in this run (every ready_at 0)
             log.info(f"Shards ready {ready:.1f}s after the Spark job started (Spark's read of the data, any shuffle, "
                      f"then the spill), {100 * ready / max(train, 1e-9):.2f}% of training time")
-        weights, values = self.cadence.finish(final)
+        weights, values, arrays = self.cadence.finish(final)
         log.info("Optimization Done.")
         plot_path = self.cadence.plot(self.output, f"{self.graph.name}: {self.workers} workers, {self.title}")
         log.info(f"Plot of loss and test outputs against time: {plot_path}")
-        return {"iterations": final, "weights": weights, "spill_seconds": spill, "ready_seconds": max(ready, 0.0),
-                "train_seconds": train, "wall_seconds": time.monotonic() - self.started,
-                "startup_seconds": max((sum(parts.values()) for parts in startup.values()), default=None),
-                "workers": [dataclasses.asdict(r) for r in sorted(results, key=lambda r: r.worker)], **values}
+        summary = {"iterations": final, "weights": weights, "spill_seconds": spill, "ready_seconds": max(ready, 0.0),
+                   "train_seconds": train, "wall_seconds": time.monotonic() - self.started,
+                   "startup_seconds": max((sum(parts.values()) for parts in startup.values()), default=None),
+                   "workers": [dataclasses.asdict(r) for r in sorted(results, key=lambda r: r.worker)], **values}
+        return JobResult(summary, self.output, history=tuple(self.cadence.history), final_test=dict(values),
+                         weights=tuple(checkpoint.layer_blobs(self.graph, arrays)),
+                         snapshots=tuple(self.cadence.snapshots), started=self.started)
