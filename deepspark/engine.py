@@ -105,6 +105,43 @@ def first_values(results):
             for name, mean in means.items()}
 
 
+def entry(started, iteration, loss, values=None):
+    """A history entry: {"iteration", "seconds" since `started` (time.monotonic()), "loss", test output: value}."""
+    return {"iteration": iteration, "seconds": time.monotonic() - started, "loss": loss, **(values or {})}
+
+
+def test_entries(started, iteration, results):
+    """The history entries of a test (Evaluator.test's results), one per test net as the log has a `Testing net`
+    line for each, with each output as its line says it (a many-valued output: its last line's)."""
+    return [entry(started, iteration, float("nan"),
+                  {f"test{i}/{name}": float(f"{np.ravel(mean)[-1]:g}") for name, mean in means.items()})
+            for i, means in enumerate(results)]
+
+
+def outputs(entry):
+    """A history entry's test outputs: {name: value}."""
+    return {name: value for name, value in entry.items() if name not in ("iteration", "seconds", "loss")}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    """What a training job gives back, whatever its algorithm. summary: {"iterations", "weights" (the final
+    .caffemodel, if snapshotted), "wall_seconds", "test<i>/<output>": value; a Spark job's also "spill_seconds",
+    "ready_seconds", "train_seconds", "startup_seconds" (from the Solving line to the slowest worker's first step),
+    "workers" (each worker's Summary as a dict)}; history: the displays and tests as the log gave them (entry's
+    and test_entries'); final_test: the final model's test outputs (those of the summary); weights: the final
+    arrays in Caffe's order, [(layer name, [blobs])] (checkpoint.layer_blobs), as the final snapshot holds them;
+    snapshots: [(caffemodel, solverstate)] written; started: time.monotonic() as the job started."""
+
+    summary: dict
+    output: str
+    history: tuple = ()
+    final_test: dict = dataclasses.field(default_factory=dict)
+    weights: tuple = ()
+    snapshots: tuple = ()
+    started: float = None
+
+
 @dataclasses.dataclass
 class Timing:
     """What `caffe time` reports, in milliseconds: [(layer, forward, backward)] means, and per pass."""
@@ -312,6 +349,9 @@ class Trainer:
         # Called with (trainer, loss) after every step, before anything uses the loss (a Spark worker's
         # divergence check; Caffe's own Solve goes on whatever the loss, and so does the single run).
         self.on_step = None
+        # What solve() displayed and tested, as its lines say it (entry, test_entries), and the snapshots it
+        # wrote [(caffemodel, solverstate)]: the single run's JobResult.
+        self.history, self.snapshots, self.snapshotted, self.started = [], [], None, time.monotonic()
 
     def load_weights(self, path):
         self.log.info(f"Finetuning from {path}")
@@ -377,8 +417,16 @@ class Trainer:
 
     def test_all(self):
         if self.evaluator:
-            return self.evaluator.test(self.iter, self.model.graph, self.model.get_params())
+            results = self.evaluator.test(self.iter, self.model.graph, self.model.get_params())
+            self.history.extend(test_entries(self.started, self.iter, results))
+            return results
         return []
+
+    def display(self, iteration, shown=None):
+        """Caffe's `Iteration N... loss = L` line (`shown`: what goes between N and the comma), in the history."""
+        loss = self.smoothed_loss
+        self.log.info(f"Iteration {iteration}{shown or ''}, loss = {loss:.6g}")
+        self.history.append(entry(self.started, iteration, float(f"{loss:.6g}")))  # as the line says it
 
     def snapshot(self):
         def state_of(model_path):
@@ -386,8 +434,11 @@ class Trainer:
             state.learned_net = model_path
             return state, ""
 
-        return write_snapshot(self.log, self.param.snapshot_prefix or "snapshot", self.iter, self.model.graph,
-                              self.model.get_params(), state_of, hdf5_snapshots(self.param))
+        paths = write_snapshot(self.log, self.param.snapshot_prefix or "snapshot", self.iter, self.model.graph,
+                               self.model.get_params(), state_of, hdf5_snapshots(self.param))
+        self.snapshots.append(paths)
+        self.snapshotted = self.iter
+        return paths
 
     def log_train_outputs(self, loss):
         """Caffe's display of the train net's outputs after a step: `Train net output #k: name = v`, with
@@ -406,7 +457,8 @@ class Trainer:
         log.info(f"Learning Rate Policy: {p.lr_policy or 'fixed'}")
         if schedule.stop_note(p):
             log.info(schedule.stop_note(p))
-        started, last_time, last_iter, results = time.monotonic(), time.monotonic(), self.iter, []
+        self.started = started = time.monotonic()
+        last_time, last_iter, results = started, self.iter, []
         while self.iter < stop:
             if cadence.tests(self.iter) and (self.iter > 0 or p.test_initialization):
                 results = self.test_all()
@@ -416,7 +468,7 @@ class Trainer:
             if cadence.displays(iteration):
                 now = time.monotonic()
                 speed = (iteration - last_iter) / (now - last_time) if now > last_time and iteration > last_iter else 0
-                log.info(f"Iteration {iteration} ({speed:.4g} iter/s), loss = {self.smoothed_loss:.6g}")
+                self.display(iteration, f" ({speed:.4g} iter/s)")
                 self.log_train_outputs(loss)
                 log.info(f"Iteration {iteration}, lr = {rate:.6g}")
                 last_time, last_iter = now, iteration
@@ -428,7 +480,7 @@ class Trainer:
         if p.snapshot_after_train and not cadence.snapshots(self.iter):
             self.snapshot()
         if cadence.displays(self.iter):
-            log.info(f"Iteration {self.iter}, loss = {self.smoothed_loss:.6g}")
+            self.display(self.iter)
         if cadence.tests(self.iter):
             results = self.test_all()
         log.info("Optimization Done.")

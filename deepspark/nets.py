@@ -101,10 +101,9 @@ def place(solver, log):
 
 
 def train(solver, weights=None, snapshot=None):
-    """`deepspark train --algorithm single`: Caffe's Solver::Solve in this process, no exchange.
-
-    Returns the summary: {"iterations", "wall_seconds", "test<i>/<output>": value}.
-    """
+    """`deepspark train --algorithm single`: Caffe's Solver::Solve in this process, no exchange; its
+    engine.JobResult (summary {"iterations", "weights", "wall_seconds", "test<i>/<output>": value}, the history,
+    the final weights in memory, the snapshots)."""
     started = time.monotonic()
     check_sources(solver.train_net, solver.train_map, pb.TRAIN)  # before the backend starts
     output = config.output_folder(solver)
@@ -118,12 +117,16 @@ def train(solver, weights=None, snapshot=None):
             if snapshot:
                 run.restore(snapshot)
             results = run.solve()
-            iterations = run.iter
+            arrays = checkpoint.layer_blobs(run.model.graph, run.model.get_params())
         finally:
             run.close()
     finally:
         log.close()
-    return {"iterations": iterations, "wall_seconds": time.monotonic() - started, **engine.first_values(results)}
+    final = engine.first_values(results)
+    last = run.snapshots[-1][0] if run.snapshotted == run.iter else None  # the final model's, if snapshotted
+    summary = {"iterations": run.iter, "weights": last, "wall_seconds": time.monotonic() - started, **final}
+    return engine.JobResult(summary, output, history=tuple(run.history), final_test=final, weights=tuple(arrays),
+                            snapshots=tuple(run.snapshots), started=run.started)
 
 
 def deploy_net(path, verb):

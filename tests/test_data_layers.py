@@ -39,7 +39,7 @@ def train_here(solver, backend, cwd=None, **options):
     load once for the module's tests, not once per run; returns its summary."""
     with contextlib.chdir(cwd or os.getcwd()):
         return nets.train(config.override(config.load_solver(str(solver)), algorithm="single", backend=backend),
-                           **options)
+                          **options).summary
 
 
 def two_classes(n, seed):

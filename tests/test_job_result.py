@@ -1,6 +1,6 @@
-"""A job is a value: spark.train returns a JobResult whose history is what train.log says (the displays and tests,
-as logged), whose weights are the final snapshot's arrays in memory, and a fit's Model.history is that history
-ending with the final model's test. Real Spark (local), real LMDB."""
+"""A job is a value: spark.train returns a JobResult, for every algorithm, whose history is what train.log says
+(the displays and tests, as logged), whose weights are the final snapshot's arrays in memory, and a fit's
+Model.history is that history ending with the final model's test. Real Spark (local), real LMDB."""
 
 import math
 import os
@@ -27,7 +27,7 @@ def same(a, b):
     return (a[0] == b[0] and (a[1] == b[1] or math.isnan(a[1]) and math.isnan(b[1])) and a[2] == b[2])
 
 
-@pytest.mark.parametrize("algorithm", ["easgd", "average"])
+@pytest.mark.parametrize("algorithm", ["single", "easgd", "average"])
 def test_the_result_holds_the_history_the_log_says_and_the_final_snapshots_weights(tmp_path, algorithm):
     solver = make_job(tmp_path, max_iter=40, test_interval=20, snapshot=20)
     result = spark.train(solver, algorithm=algorithm, period=5)

@@ -479,7 +479,7 @@ def test_training_on_both_backends_agrees_and_the_snapshot_loads_in_caffe(autoen
     for backend in ("caffe", "tensorflow"):
         solver = load_solver(str(autoencoder / "mnist_autoencoder_solver.prototxt"))
         override(solver, output=str(tmp_path / backend), algorithm="single", backend=backend)
-        results[backend] = nets.train(solver)
+        results[backend] = nets.train(solver).summary
     keys = ["test0/cross_entropy_loss", "test0/l2_error", "test1/cross_entropy_loss", "test1/l2_error"]
     assert all(math.isfinite(results["caffe"][key]) for key in keys), results
     for key in keys:

@@ -3,6 +3,7 @@
 lines after a fit, and after a fit that failed its checks, as before it."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -55,15 +56,20 @@ count("after a failed fit")
 """
 
 
+# Spark's console progress bar (`[Stage 4:>   (0 + 2) / 2]`, then blanks that erase it, each after a carriage
+# return): drawn only when a stage outlasts 500 ms, so by the machine's load, not by the log levels.
+PROGRESS_BAR = re.compile(r"^(\[Stage \d+:.*|\s*)$")
+
+
 def sections(stderr):
-    """{tag: the lines written between `@@ tag` and `@@ end`}."""
+    """{tag: the log lines written between `@@ tag` and `@@ end`}, without the console progress bar."""
     found, tag = {}, None
     for line in stderr.splitlines():
         if line.startswith("@@ "):
             tag = None if line == "@@ end" else line[3:]
             if tag:
                 found[tag] = []
-        elif tag:
+        elif tag and not PROGRESS_BAR.match(line):
             found[tag].append(line)
     return found
 

@@ -9,13 +9,14 @@ import pytest
 
 from deepspark import checkpoint, nets
 from deepspark.config import load_solver
+from deepspark.engine import outputs
 from deepspark.errors import ConfigError
 from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer, RoundsHandler
 from deepspark.exchange import protocol as P
 from deepspark.exchange.transport import byte_view
 from deepspark.log import Log
 from deepspark.spark import executor
-from deepspark.spark.center import CenterCadence, outputs
+from deepspark.spark.center import CenterCadence
 from deepspark.spark.job import initial_center
 from synthetic import make_job
 

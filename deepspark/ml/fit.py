@@ -24,7 +24,6 @@ from deepspark.log import Log
 from deepspark.ml import frames, images
 from deepspark.ml.images import DATUM
 from deepspark.ml.model import DeepSparkModel, check_shape, image_shape, parse_transform
-from deepspark.spark.center import test_entries
 from deepspark.spark.failures import failed
 from deepspark.spark.session import is_connect, quiet_tasks, this_python
 from deepspark.proto import deepspark_pb2 as pb
@@ -255,4 +254,4 @@ class Fit:
         finally:
             evaluator.close()
             log.close()
-        return {**summary, **engine.first_values(results)}, history + test_entries(result.started, final, results)
+        return {**summary, **engine.first_values(results)}, history + engine.test_entries(result.started, final, results)

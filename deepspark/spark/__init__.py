@@ -16,7 +16,7 @@ JOBS = {pb.DeepSparkParameter.EASGD: EasgdJob, pb.DeepSparkParameter.SYNC: SyncJ
 
 def train(solver, data=None, *, deepspark=None, weights=None, snapshot=None, iterations=None, output=None, **knobs):
     """Train from a solver .prototxt (a path, or a loaded config.Solver); returns its JobResult (`.summary`: the
-    summary dict; 'single' gives the summary and the output folder alone).
+    summary dict, `.history`, `.weights` in memory; the same for every algorithm).
 
     data: a Spark DataFrame to train on instead of the train net's source, with a
     `datum` column (Caffe Datum bytes) or `data` (an image array) and `label`
@@ -35,7 +35,6 @@ def train(solver, data=None, *, deepspark=None, weights=None, snapshot=None, ite
     if algorithm == pb.DeepSparkParameter.SINGLE:
         if data is not None:
             raise ConfigError("a DataFrame is trained on by the Spark algorithms, not 'single'", solver.path)
-        return JobResult(nets.train(solver, weights=weights, snapshot=snapshot),
-                         output_folder(solver))
+        return nets.train(solver, weights=weights, snapshot=snapshot)
     options = Options(weights=weights, snapshot=snapshot, data=data)
     return JOBS[algorithm](solver, options).run()

@@ -54,10 +54,8 @@ class AverageJob(Job):
         workers = {}  # worker -> its running Summary
         handovers, restarts = {}, {}  # worker -> rounds it went on from another Python worker's state / restarted
         try:
-            while True:
-                self.cadence.due(iteration)
-                if iteration >= stop_iteration(p):
-                    break
+            self.cadence.due(iteration)  # x̃ at its start: test_initialization's test
+            while iteration < stop_iteration(p):
                 steps = self.cadence.multiples.steps_from(iteration, ds.period)
                 started = time.monotonic()
                 returned = self.round(task, iteration, steps)
@@ -68,7 +66,7 @@ class AverageJob(Job):
                 for r in returned:
                     account(workers.setdefault(r["worker"], executor.Summary(r["worker"])), r, steps, wall,
                             handovers, restarts)
-                self.cadence.display(iteration, float(np.mean([r["loss"] for r in returned])))
+                self.cadence.observe(iteration, float(np.mean([r["loss"] for r in returned])))
         finally:
             self._release(task.job_id)
         if handovers:

@@ -18,24 +18,6 @@ HISTORY_SECONDS = 10.0
 TENSORBOARD_WITHOUT_TF = "tensorboard.compat.notf"
 
 
-def entry(started, iteration, loss, values=None):
-    """A history entry: {"iteration", "seconds" since `started` (time.monotonic()), "loss", test output: value}."""
-    return {"iteration": iteration, "seconds": time.monotonic() - started, "loss": loss, **(values or {})}
-
-
-def test_entries(started, iteration, results):
-    """The history entries of a test (Evaluator.test's results), one per test net as the log has a `Testing net`
-    line for each, with each output as its line says it (a many-valued output: its last line's)."""
-    return [entry(started, iteration, float("nan"),
-                  {f"test{i}/{name}": float(f"{np.ravel(mean)[-1]:g}") for name, mean in means.items()})
-            for i, means in enumerate(results)]
-
-
-def outputs(entry):
-    """A history entry's test outputs: {name: value}."""
-    return {name: value for name, value in entry.items() if name not in ("iteration", "seconds", "loss")}
-
-
 class Scalars:
     """TensorBoard scalars (loss, test outputs, learning rate, exchange latency), when tensorboard is installed."""
 
@@ -130,8 +112,15 @@ class CenterCadence:
         self.log.info(f"Iteration {iteration}, loss = {loss:.6g}")
         self.scalars.add("train/loss", loss, iteration)
         self.scalars.add("train/learning_rate", self.multiples.learning_rate(iteration), iteration)
-        self.history.append(entry(self.started, iteration, float(f"{loss:.6g}")))  # as the line says it
+        self.history.append(engine.entry(self.started, iteration, float(f"{loss:.6g}")))  # as the line says it
         return True
+
+    def observe(self, iteration, loss):
+        """The driver loop's step, every algorithm's: the workers are at `iteration` (the slowest) with `loss` (their
+        mean): Caffe's display when due, then the tests and snapshots due; True when the display was shown."""
+        shown = self.display(iteration, loss)
+        self.due(iteration)
+        return shown
 
     def due(self, iteration):
         """Test and snapshot x̃ once `iteration` reaches the next test_interval / snapshot multiple.
@@ -172,7 +161,7 @@ class CenterCadence:
         values = engine.first_values(results)
         for tag, value in values.items():
             self.scalars.add(tag, value, iteration)
-        self.history.extend(test_entries(self.started, iteration, results))
+        self.history.extend(engine.test_entries(self.started, iteration, results))
         self.last_test_values = values
         return values
 
@@ -243,6 +232,6 @@ class CenterCadence:
     def plot(self, folder, title):
         """The loss and test outputs against time, in folder/progress.png; its path."""
         path = os.path.join(folder, "progress.png")
-        plot_history([(e["seconds"], e["iteration"], e["loss"], outputs(e)) for e in self.history], path,
+        plot_history([(e["seconds"], e["iteration"], e["loss"], engine.outputs(e)) for e in self.history], path,
                      title=title)
         return path

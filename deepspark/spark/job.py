@@ -12,6 +12,7 @@ import uuid
 import numpy as np
 
 from deepspark import checkpoint, fillers, pylayer, schedule
+from deepspark.engine import JobResult
 from deepspark.config import host_port, output_folder, random_seed
 from deepspark.data import absolute_sources, source_shape
 from deepspark.errors import ConfigError
@@ -116,26 +117,6 @@ class JobPlan:
     @property
     def workers(self):
         return self.solver.param.deepspark_param.workers
-
-
-@dataclasses.dataclass(frozen=True)
-class JobResult:
-    """What a job gives back. summary: {"iterations", "weights" (the final .caffemodel, if snapshotted),
-    "spill_seconds", "ready_seconds", "train_seconds", "wall_seconds", "startup_seconds" (from the Solving line
-    to the slowest worker's first step), "workers" (each worker's Summary as a dict), "test<i>/<output>": value};
-    history: the displays and tests as the log gave them ({"iteration", "seconds" since `started`, "loss" (nan
-    for a test), "test<i>/<output>": value}); final_test: the final model's test outputs (those of the summary);
-    weights: x̃'s final arrays in Caffe's order, [(layer name, [blobs])] (checkpoint.layer_blobs), as the final
-    snapshot holds them; snapshots: [(caffemodel, solverstate)] written; started: time.monotonic() as the job
-    started."""
-
-    summary: dict
-    output: str
-    history: tuple = ()
-    final_test: dict = dataclasses.field(default_factory=dict)
-    weights: tuple = ()
-    snapshots: tuple = ()
-    started: float = None
 
 
 class Job:

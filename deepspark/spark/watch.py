@@ -146,7 +146,7 @@ class Watch:
         the exchange's scalars on each display."""
         iteration = min(s.get("iteration", 0) for s in stats.values())
         losses = [x for x in (s.get("loss", float("nan")) for s in stats.values()) if np.isfinite(x)]
-        if self.cadence.display(iteration, float(np.mean(losses)) if losses else float("nan")):
+        if self.cadence.observe(iteration, float(np.mean(losses)) if losses else float("nan")):
             scalars = self.cadence.scalars
             scalars.add("exchange/seconds_since_exchange",
                         max(s.get("seconds_since_exchange") or 0 for s in stats.values()), iteration)
@@ -154,7 +154,6 @@ class Watch:
             if latencies:
                 scalars.add("exchange/latency_ms", 1e3 * float(np.mean(latencies)), iteration)
             scalars.add("exchange/exchanges", sum(s.get("exchanges", 0) for s in stats.values()), iteration)
-        self.cadence.due(iteration)
 
     def rejoins(self, stats):
         """A line for each worker that connected again (Spark retried its task, or reran the stage), and one
