@@ -34,6 +34,7 @@ POLL_SECONDS = 0.05
 
 _ITERATION = re.compile(r"\] Iteration (\d+), loss = ")
 _EXCHANGER = re.compile(r"Exchanger listening on [\d.]+:(\d+)")
+_REJOINED = re.compile(r"Worker \d+ rejoined the exchanger")
 
 
 # -- the workers: processes connected to the exchanger --------------------------------------------
@@ -84,11 +85,12 @@ def exchanger_clients(port):
 
 class DriverLog:
     """The driver's train.log, followed as it grows (it need not exist yet): the exchanger's port, the job's
-    iteration (the last `Iteration N, loss` line: the slowest worker's) and how many such lines came."""
+    iteration (the last `Iteration N, loss` line: the slowest worker's), how many such lines came, and how many
+    `Worker N rejoined the exchanger` lines."""
 
     def __init__(self, path, max_iter=None):
         self.path, self.max_iter = path, max_iter
-        self.iteration, self.port, self.displays, self._offset, self._partial = None, None, 0, 0, ""
+        self.iteration, self.port, self.displays, self.rejoins, self._offset, self._partial = None, None, 0, 0, 0, ""
 
     def read(self):
         """Take in what the log gained since the last read."""
@@ -105,6 +107,7 @@ class DriverLog:
             found = _ITERATION.search(line)
             if found:
                 self.iteration, self.displays = int(found.group(1)), self.displays + 1
+            self.rejoins += bool(_REJOINED.search(line))
             found = self.port is None and _EXCHANGER.search(line)
             if found:
                 self.port = int(found.group(1))
@@ -154,7 +157,9 @@ class Chaos:
     log       the driver's log (a DriverLog with max_iter), or None: kill i waits until the job's
               progress reaches a point drawn in the i-th of `kills` equal slices of `window` (shares
               of max_iter); without it, kill i waits a delay drawn from `delay` (seconds) once a
-              worker is connected. A rejoin is a connection that was not there before the kill;
+              worker is connected. A rejoin is a connection that was not there before the kill (or,
+              with a log, a rejoin line the driver wrote after it: a victim that had finished
+              comes and goes within one look);
               with a log, the next kill also waits for an `Iteration` line after the rejoin: the job
               trains again (a sync job's rounds need every worker back)
     ended     a callable that says the job is over (no more kills, no more waiting)
@@ -188,6 +193,7 @@ class Chaos:
             if not self._wait_for_moment(point, delay):
                 self.say(f"chaos: kill {number} not made: the job ended or a wait timed out")
                 break
+            logged = self._rejoin_logged()
             kill, before = self._kill_one(number)
             if kill is None:
                 self.say(f"chaos: kill {number} not made: no worker connected to port {self.port}")
@@ -195,7 +201,8 @@ class Chaos:
             self.kills.append(kill)
             self.say(f"chaos: kill {number}: SIGKILL pid {kill.pid} (client port {kill.client_port})"
                      + (f" at iteration {kill.iteration}" if kill.iteration is not None else ""))
-            kill.rejoined_at = self._wait(lambda: set(client_sockets(self.port).values()) - before)
+            kill.rejoined_at = self._wait(lambda: set(client_sockets(self.port).values()) - before
+                                          or self._rejoin_logged(logged))
             if kill.rejoined_at is not None and self.log is not None:
                 self.log.read()
                 shown = self.log.displays
@@ -227,6 +234,15 @@ class Chaos:
                 return time.time()
             time.sleep(POLL_SECONDS)
         return None
+
+    def _rejoin_logged(self, since=None):
+        """The log's count of rejoin lines (None: no log); with `since` (an earlier count), whether it grew. A
+        victim killed as it finished rejoins, has nothing left to train and leaves again within a look at /proc;
+        the driver counts its connections all the same, and says so."""
+        if self.log is None:
+            return None if since is None else False
+        self.log.read()
+        return self.log.rejoins if since is None else self.log.rejoins > since
 
     def _wait_for_moment(self, point, delay):
         if self.log is not None:
