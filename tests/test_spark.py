@@ -139,8 +139,14 @@ def display_losses(text):
     return {int(i): float(loss) for i, loss in re.findall(r"Iteration (\d+), loss = ([\d.e+-]+)", text)}
 
 
+# The killed-driver job's length: long enough that the driver, which looks at the workers every 0.5 s, sees them
+# at a snapshot multiple (every 100) before the end on a loaded machine. At 600 iterations (~2.4 s unloaded) one
+# fresh-clone `make test` took its first look when both workers had finished, and its only snapshot was the last.
+RESUME_MAX_ITER = 2400
+
+
 def test_killed_driver_resumes_from_its_snapshot_with_every_workers_momentum(tmp_path):
-    solver = make_job(tmp_path, max_iter=600, test_interval=600, snapshot=100)
+    solver = make_job(tmp_path, max_iter=RESUME_MAX_ITER, test_interval=RESUME_MAX_ITER, snapshot=100)
     driver = start_training(solver, "--workers", "2")
     try:
         lines = read_until(driver, r"Snapshotting solver state to binary proto file \S+tiny_iter_\d+\.solverstate")
@@ -148,7 +154,7 @@ def test_killed_driver_resumes_from_its_snapshot_with_every_workers_momentum(tmp
         assert state, lines[-1]
         path, snapshot_iter = state.group(1), int(state.group(2))
         # The run goes on unharmed for a few displays past the snapshot: what the resumed run is held to.
-        while max(display_losses("".join(lines)), default=0) < min(snapshot_iter + 150, 500):  # before the end: 600
+        while max(display_losses("".join(lines)), default=0) < min(snapshot_iter + 150, RESUME_MAX_ITER - 100):
             lines += read_until(driver, r"Iteration \d+, loss")
         deadline = time.monotonic() + 30
         while not os.path.exists(path) and time.monotonic() < deadline:  # the line comes before the write
@@ -156,7 +162,7 @@ def test_killed_driver_resumes_from_its_snapshot_with_every_workers_momentum(tmp
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
-    assert 100 <= snapshot_iter < 600 and snapshot_iter % 100 == 0  # named like Caffe's, by the multiple
+    assert 100 <= snapshot_iter < RESUME_MAX_ITER and snapshot_iter % 100 == 0  # named like Caffe's, by the multiple
     saved = checkpoint.read_solverstate(path)
     assert sorted(w.worker for w in saved.worker_state) == [0, 1]
     assert all(w.iter >= snapshot_iter and any(w.history[0].data) for w in saved.worker_state)  # momentum, not zeros
@@ -166,9 +172,9 @@ def test_killed_driver_resumes_from_its_snapshot_with_every_workers_momentum(tmp
     assert re.search(r"Restoring the solver history of worker\(s\) 0, 1 \(as each was at iteration \d+, \d+\)", log)
     restored = re.findall(r"Worker \d on \S+ .*?: (\d+) iterations.*; started from its solver history of "
                           r"iteration (\d+)", log)
-    assert len(restored) == 2 and all(int(n) <= 600 - snapshot_iter for n, _ in restored), log[-3000:]
+    assert len(restored) == 2 and all(int(n) <= RESUME_MAX_ITER - snapshot_iter for n, _ in restored), log[-3000:]
     assert {int(i) for _, i in restored} == {w.iter for w in saved.worker_state}
-    assert os.path.exists(tmp_path / "out" / "tiny_iter_600.caffemodel")
+    assert os.path.exists(tmp_path / "out" / f"tiny_iter_{RESUME_MAX_ITER}.caffemodel")
     assert final_accuracy(log) >= 0.9
     # The resumed run's loss at its first display does not jump above the interrupted run's own noise there
     # (the range its displays took from the one before the snapshot to the kill, widened by that range or by half
