@@ -113,6 +113,14 @@ def test_bad_labels_and_bad_rows_are_one_line_naming_the_column_and_value_before
     with pytest.raises(ConfigError, match=r"^validationFraction is 1.5; it takes a fraction of the rows"):
         fit(rows, validationFraction=1.5)
     assert not list(tmp_path.glob("*/train.log"))  # no job started
+    bare, output = tmp_path / "bare", tmp_path / "bare-output"  # a solver and its net, no deploy net beside them
+    bare.mkdir(), output.mkdir()
+    for name in ("solver.prototxt", "train_val.prototxt"):
+        shutil.copy(os.path.join(LENET, name), bare / name)
+    with pytest.raises(ConfigError, match=r"no deploy.prototxt beside the solver: set the Estimator's deploy Param"):
+        DeepSparkEstimator(solver=str(bare / "solver.prototxt"), inputCol="features", output=str(output),
+                           maxIter=1).fit(spark.createDataFrame(rows, schema("features vector, label double")))
+    assert not list(output.iterdir())  # looked for before the fit's own folder is made
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,8 @@ class DeepSparkEstimator(Estimator, Stage, DefaultParamsWritable, DefaultParamsR
                    "beside the solver)", TypeConverters.toString)
     weights = Param(Params._dummy(), "weights", "a .caffemodel to start from (fine-tuning)", TypeConverters.toString)
     output = Param(Params._dummy(), "output", "the folder each fit makes its own folder in, for its snapshots, log "
-                   "and validation data (default: the solver's snapshot_prefix's)", TypeConverters.toString)
+                   "and validation data (default: the solver's snapshot_prefix's folder, else the working "
+                   "directory)", TypeConverters.toString)
     maxIter = Param(Params._dummy(), "maxIter", "iterations per worker: the solver's max_iter",
                     TypeConverters.toInt)
     seed = Param(Params._dummy(), "seed", "the solver's random_seed: "

@@ -83,6 +83,7 @@ class Fit:
         self.log = Log()
         self.done = set()  # the Data layers rescale() has scaled
         self.output = None  # the fit's own folder, once load_solver made it
+        self.deploy = None  # the deploy net of the Model, once load_solver found it
 
     def run(self):
         """The fit, Spark's own reports of a failed task kept off the console: one line says what failed (the fit's
@@ -104,8 +105,7 @@ class Fit:
     def fit(self):
         est = self.est
         solver = self.solver = self.load_solver()
-        deploy = est._given("deploy") or os.path.join(os.path.dirname(os.path.abspath(est.getOrDefault("solver"))),
-                                                      "deploy.prototxt")
+        deploy = self.deploy
         transform = test_transform(solver)  # as the solver gives it: the Model applies inputScale itself
         inputs = self.inputs(solver, deploy)
         skip = est.getOrDefault("handleInvalid") == "skip"
@@ -150,6 +150,10 @@ class Fit:
         if not path:
             raise ConfigError("DeepSparkEstimator needs a solver: DeepSparkEstimator(solver='solver.prototxt')")
         solver = config.load_solver(path, est._given("deepspark"))
+        self.deploy = est._given("deploy") or config.model_file(path, "deploy.prototxt")
+        if self.deploy is None:  # said before the fit's folder is made
+            raise ConfigError("no deploy.prototxt beside the solver: set the Estimator's deploy Param to the "
+                              "deploy net of the Model", path)
         solver.param.snapshot_after_train = True  # the Model is made of the final snapshot
         knobs = {field: est.getOrDefault(name) for name, (message, field, _) in est._schema.items()
                  if message is pb.DeepSparkParameter and est.isSet(name)}
