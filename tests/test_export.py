@@ -186,23 +186,29 @@ def test_a_saved_model_of_fixed_size_refuses_another_in_one_line(tmp_path):
     assert right["prob"].shape == (3, 10)
 
 
-FULLY_CONVOLUTIONAL = {  # net: (its input sizes, prob's height x width at each): the issue's sizes among them
-    "mtcnn_det1": ([(1, 3, 12, 12), (2, 3, 135, 104), (1, 3, 14, 13)], [(1, 1), (63, 47), (2, 2)]),
-    "squeezenet_v1.0_deploy": ([(1, 3, 227, 227), (2, 3, 224, 224), (1, 3, 195, 163)], [(1, 1)] * 3),
+FULLY_CONVOLUTIONAL = {  # net under tests/data: (its input sizes, prob's height x width at each)
+    # the sizes of the issue that brought any size: P-Net's 63x47 and 2x2
+    "zoo/mtcnn_det1": ([(1, 3, 12, 12), (2, 3, 135, 104), (1, 3, 14, 13)], [(1, 1), (63, 47), (2, 2)]),
+    "zoo/squeezenet_v1.0_deploy": ([(1, 3, 227, 227), (2, 3, 224, 224), (1, 3, 195, 163)], [(1, 1)] * 3),
+    # FCN-8s's Deconvolution and Crop, ResNet's BatchNorm + Scale: the output is the input's size
+    "fcn_skips": ([(1, 3, 32, 32), (2, 3, 27, 19), (3, 3, 8, 13)], [(32, 32), (27, 19), (8, 13)]),
 }
 
 
 @pytest.mark.caffe
 @pytest.mark.parametrize("name", sorted(FULLY_CONVOLUTIONAL))
 def test_a_fully_convolutional_saved_model_gives_caffes_outputs_at_every_size(name, tmp_path):
-    """MTCNN's P-Net and SqueezeNet (global pooling: no layer fixes its size), each exported once to TF Serving's
-    serving/name/version (its folders made), serve pycaffe's outputs at three sizes: P-Net's 63x47 and 2x2 where
-    a SavedModel traced at one size gave 62x47 and 1x1, SqueezeNet's answer at 224 where it gave another class."""
-    from test_net import ZOO, pycaffe_forward, random_weights  # deferred: it imports pycaffe
+    """MTCNN's P-Net, SqueezeNet (global pooling: no layer fixes its size) and an FCN-8s-shaped segmentation net
+    (upsampled by Deconvolution, cut by Crop), each exported once to TF Serving's serving/name/version (its
+    folders made), serve pycaffe's outputs at three sizes and batches: P-Net's 63x47 and 2x2 where a SavedModel
+    traced at one size gave 62x47 and 1x1, SqueezeNet's answer at 224 where it gave another class, the FCN's
+    map at each input's size where its Deconvolution and Crop had fixed the size."""
+    from test_net import pycaffe_forward, random_weights  # deferred: it imports pycaffe
 
-    prototxt = os.path.join(ZOO, name + ".prototxt")
-    weights = random_weights(prototxt, str(tmp_path / f"{name}.caffemodel"), seed=11)
-    saved = tmp_path / "serving" / name / "1"
+    prototxt = os.path.join(ROOT, "tests", "data", name + ".prototxt")
+    short = os.path.basename(name)
+    weights = random_weights(prototxt, str(tmp_path / f"{short}.caffemodel"), seed=11)
+    saved = tmp_path / "serving" / short / "1"
     status, out, err = run_cli("export", "--model", prototxt, "--weights", weights, "--output", str(saved))
     assert status == 0, err[-3000:]
     assert "takes data (Nx3xanyxany float32)" in out, out

@@ -34,7 +34,8 @@ SIZES = {
 
 def random_weights(prototxt, path, seed):
     """A .caffemodel of `prototxt` written by pycaffe, its blobs drawn from `seed`: He-normal weights, small
-    biases, PReLU slopes in (0.1, 0.4), so that activations stay of order one through the net."""
+    biases, PReLU slopes in (0.1, 0.4), BatchNorm's statistics a variance in (0.5, 1.5) with a scale factor of
+    one, so that activations stay of order one through the net."""
     rng = np.random.default_rng(seed)
     net = caffe.Net(prototxt, caffe.TEST)
     for name, blobs in net.params.items():
@@ -42,6 +43,9 @@ def random_weights(prototxt, path, seed):
         for i, blob in enumerate(blobs):
             if kind == "PReLU":
                 blob.data[...] = rng.uniform(0.1, 0.4, blob.data.shape)
+            elif kind == "BatchNorm":  # (mean, variance, scale factor)
+                blob.data[...] = [rng.normal(0, 0.1, blob.data.shape), rng.uniform(0.5, 1.5, blob.data.shape),
+                                  np.ones(blob.data.shape)][i]
             elif i == 0:
                 fan_in = int(np.prod(blob.data.shape[1:]))
                 blob.data[...] = rng.normal(0, np.sqrt(2.0 / fan_in), blob.data.shape)

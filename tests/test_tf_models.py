@@ -199,3 +199,24 @@ def test_a_net_served_at_any_size_pools_as_the_net_compiled_at_each_size():
         for name, value in expected.items():
             assert served[name].shape == value.shape, (name, shape)
             np.testing.assert_allclose(served[name].numpy(), value, rtol=1e-6, atol=1e-6, err_msg=f"{name} {shape}")
+
+
+SCALES = """
+input: "data" input_shape { dim: 1 dim: 4 dim: 6 dim: 5 }
+layer { name: "channels" type: "Scale" bottom: "data" top: "channels" scale_param { bias_term: true } }
+layer { name: "shift" type: "Bias" bottom: "channels" top: "shift" }
+layer { name: "map" type: "Scale" bottom: "data" top: "map" scale_param { axis: 2 num_axes: 2 } }
+"""
+
+
+def test_a_scale_over_the_channels_serves_any_size_and_one_over_the_map_fixes_it():
+    """Scale and Bias serve any size where their blob covers the channels alone (ResNet's Scale after
+    BatchNorm); a blob over height and width was made for one size, which Caffe would refuse to reshape."""
+    from deepspark.backends.tensorflow.compiler import size_fixers
+
+    net, source = parse_net(SCALES)
+    model = create_model("tensorflow", net, phase=pb.TEST, source=source)
+    assert [layer.name for layer in size_fixers(model.graph)] == ["map"]
+    with pytest.raises(ValueError, match=r"layer 'map' \(Scale\) fixes the input size"):
+        model.serving_module(any_size=True)
+    assert model.serving_module().input_shapes == {"data": (None, 4, 6, 5)}

@@ -7,20 +7,36 @@ at trace time only.
 from deepspark.backends.tensorflow.layers import LAYERS
 from deepspark.backends.tensorflow.layout import Blob
 from deepspark.backends.tensorflow.runtime import tf
-from deepspark.graph import spec
+from deepspark.graph import canonical_axis, spec
 
 # Layer types whose functions read no blob's height or width from the graph (its shapes at the prototxt's
 # input size) when the tensors leave them unknown: a net of these alone serves any input size as Caffe
-# reshapes it (a fully convolutional net). Deconvolution, Crop, InnerProduct, Reshape and the rest fix it.
+# reshapes it (a fully convolutional net, FCN's Deconvolution and Crop included). InnerProduct, Reshape, SPP
+# and the rest fix it.
 SIZE_FREE = frozenset({
-    "Input", "Convolution", "Pooling", "ReLU", "PReLU", "Sigmoid", "TanH", "AbsVal", "ELU", "BNLL", "Power", "Exp",
-    "Log", "Softmax", "Concat", "Dropout", "Split", "Eltwise", "LRN", "Silence",
+    "Input", "Convolution", "Deconvolution", "Pooling", "Crop", "ReLU", "PReLU", "Sigmoid", "TanH", "AbsVal", "ELU",
+    "BNLL", "Power", "Exp", "Log", "Threshold", "Clip", "Swish", "Softmax", "Concat", "Dropout", "Split", "Eltwise",
+    "LRN", "MVN", "BatchNorm", "Silence",
 })
+# Scale and Bias multiply or add an operand (a blob, or a second bottom) over axes axis..axis+rank: free of
+# the size where it covers no more than the channels.
+PER_CHANNEL = frozenset({"Scale", "Bias"})
+
+
+def size_free(layer):
+    """Whether `layer` serves any input size: its type reads no size, or it is a per-channel Scale or Bias."""
+    if layer.type in SIZE_FREE:
+        return True
+    if layer.type not in PER_CHANNEL:
+        return False
+    rank = len(layer.bottom_shapes[1]) if len(layer.bottoms) > 1 else len(layer.param_shapes[0])
+    param = layer.param.scale_param if layer.type == "Scale" else layer.param.bias_param
+    return rank == 0 or (rank == 1 and canonical_axis(param.axis, len(layer.bottom_shapes[0])) == 1)
 
 
 def size_fixers(graph):
     """The layers of `graph` that fix its input's height and width (none: it serves any size)."""
-    return [layer for layer in graph.layers if layer.type not in SIZE_FREE]
+    return [layer for layer in graph.layers if not size_free(layer)]
 
 
 def wanted_order(layer_type, blob):

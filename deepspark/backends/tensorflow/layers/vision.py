@@ -61,19 +61,20 @@ def deconvolution(layer, bottoms, params, ctx):
     _check_2d(layer, "deconvolution")
     param = layer.param.convolution_param
     kernel, pad, stride, dilation = conv_geometry(param, 2)
-    n, _, h, w = layer.bottom_shapes[0]
     group, outputs = param.group, param.num_output
-    full = [s * (size - 1) + d * (k - 1) + 1 for size, k, s, d in zip((h, w), kernel, stride, dilation)]
     weights = dilate_kernel(params[0], dilation)  # (kh, kw, C_out/group, C_in): Caffe's blob in HWIO order
     filters = tf.split(weights, group, axis=3) if group > 1 else [weights]
-    out_h, out_w = layer.top_shapes[0][2:]
 
     def deconvolve(x):
+        # The batch, height and width as the tensor knows them, else as the data gives them (a SavedModel of
+        # any batch and size): Caffe's output, s * (size - 1) + d * (k - 1) + 1 - 2 * pad, is `full` cut by pad.
+        n, h, w = (x.shape[i] if x.shape[i] is not None else tf.shape(x)[i] for i in range(3))
+        full = [s * (size - 1) + d * (k - 1) + 1 for size, k, s, d in zip((h, w), kernel, stride, dilation)]
         inputs = tf.split(x, group, axis=3) if group > 1 else [x]
         ys = [tf.nn.conv2d_transpose(xg, wg, [n, *full, outputs // group], strides=[1, *stride, 1],
                                      padding="VALID") for xg, wg in zip(inputs, filters)]
         y = tf.concat(ys, axis=3) if group > 1 else ys[0]
-        y = y[:, pad[0]:pad[0] + out_h, pad[1]:pad[1] + out_w, :]
+        y = y[:, pad[0]:full[0] - pad[0], pad[1]:full[1] - pad[1], :]
         return tf.nn.bias_add(y, params[1]) if param.bias_term else y
 
     return [Blob(deconvolve(bottom.as_nhwc), True) for bottom in bottoms]
@@ -167,10 +168,13 @@ def lrn(layer, bottoms, params, ctx):
 
 @layer("Crop")
 def crop(layer, bottoms, params, ctx):
+    """Bottom 0 cut to bottom 1's shape from `axis` on, at Caffe's offsets; the axes before `axis` kept whole."""
     shape = layer.bottom_shapes[0]
     axis = canonical_axis(layer.param.crop_param.axis, len(shape))
     begin = crop_offsets(layer.param.crop_param, len(shape))
-    size = [-1] * axis + list(layer.top_shapes[0][axis:])  # the axes before `axis` are kept whole
+    reference = bottoms[1].caffe  # its sizes as the tensor knows them, else as the data gives them (any size)
+    size = [-1] * axis + [reference.shape[i] if reference.shape[i] is not None else tf.shape(reference)[i]
+                          for i in range(axis, len(shape))]
     return [Blob(tf.slice(bottoms[0].caffe, begin, size))]
 
 
