@@ -19,7 +19,7 @@ import numpy as np
 from deepspark import checkpoint, engine
 from deepspark.backends import BACKENDS, backend_module, create_model
 from deepspark.config import load_net, load_solver, model_file, net_path, random_seed, set_fields
-from deepspark.data import SOURCE_PARAMS, feeder_for, source_of, source_shape
+from deepspark.data import READ_SOURCES, feeder_for, source_of, source_shape
 from deepspark.errors import ConfigError
 from deepspark.fillers import fill
 from deepspark.graph import Graph, spec, with_batch_size, with_taps
@@ -57,7 +57,7 @@ def shape_finder(net_path, given=None):
 
 def sourced(model):
     """The data layers of a model's net that read a source (Data, HDF5Data, ImageData)."""
-    return [layer for layer in model.graph.layers if layer.type in SOURCE_PARAMS and layer.type != "WindowData"]
+    return [layer for layer in model.graph.layers if layer.type in READ_SOURCES]
 
 
 class PipelineBatches:

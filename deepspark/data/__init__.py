@@ -13,9 +13,10 @@ from deepspark.data.transform import Transformer
 from deepspark.graph import FED_TYPES, crop_of
 from deepspark.proto import deepspark_pb2 as pb
 
-__all__ = ["SOURCE_PARAMS", "absolute_sources", "check_listed", "DataError", "DataFeeder", "Transformer", "check_datum", "checked_records", "count",
-           "decode_datum", "encode_datum", "feeder_for", "is_parquet", "load_mean", "missing_source", "peek_shape",
-           "shard_range", "source_of", "source_shape"]
+__all__ = ["LISTED_SOURCES", "READ_SOURCES", "SOURCE_PARAMS", "absolute_sources", "check_listed", "DataError",
+           "DataFeeder", "Transformer", "check_datum", "checked_records", "count", "decode_datum", "encode_datum",
+           "feeder_for", "is_parquet", "load_mean", "missing_source", "peek_shape", "shard_range", "source_of",
+           "source_shape"]
 
 
 def count(source):
@@ -36,6 +37,10 @@ check_feeders(FED_TYPES)
 
 # The data layers that read a source of their own, and the parameter message that names it.
 SOURCE_PARAMS = {kind: FEEDERS[kind].param for kind in sorted(FEEDERS) if FEEDERS[kind].param}
+# Of those, the ones the pipeline reads (WindowData names a source but is refused), and the ones whose source
+# is a list of files, of which each shard of a Spark job reads its own share.
+READ_SOURCES = frozenset(kind for kind in SOURCE_PARAMS if FEEDERS[kind].make)
+LISTED_SOURCES = frozenset(kind for kind in SOURCE_PARAMS if FEEDERS[kind].listed)
 
 
 def source_of(layer_param):

@@ -8,7 +8,8 @@ import socket
 import numpy as np
 
 from deepspark import nets
-from deepspark.data import DataError, check_datum, checked_records, decode_datum, encode_datum, is_parquet, lmdb_io
+from deepspark.data import (LISTED_SOURCES, DataError, check_datum, checked_records, decode_datum, encode_datum,
+                            is_parquet, lmdb_io)
 from deepspark.data.parquet import COLUMNS, DATUM, null_row
 from deepspark.errors import ConfigError
 from deepspark.graph import fmt, layer_included
@@ -69,7 +70,7 @@ def train_source(solver):
 def reads_its_own_data(layer):
     """A data layer that is not an LMDB's: it reads its own list, or makes its data (a Python layer without
     bottoms, DummyData)."""
-    return layer.type in ("HDF5Data", "ImageData", "DummyData") or (layer.type == "Python" and not layer.bottom)
+    return layer.type in LISTED_SOURCES or layer.type == "DummyData" or (layer.type == "Python" and not layer.bottom)
 
 
 def shard_of(index, total, shards):
