@@ -4,6 +4,7 @@
     net.blobs["data"].reshape(2, 3, 227, 227)
     net.reshape()
     out = net.forward(data=images)            # {output blob: array}, as pycaffe's
+    pool5 = net.forward(end="pool5")["pool5"] # the layers up to pool5 only; start= runs from a layer on
     net.params["conv1"][0].data[...] *= 0.5   # Caffe's shapes, writable; the next forward runs with them
 
 Every blob's shape follows Caffe's rules at the inputs' shapes (batch and
@@ -19,7 +20,7 @@ import numpy as np
 
 from deepspark import checkpoint, config
 from deepspark.backends import create_model
-from deepspark.graph import Graph, fmt, tap_name, with_taps
+from deepspark.graph import DATA_TYPES, Graph, fmt, layers_between, tap_name, with_taps
 from deepspark.proto import deepspark_pb2 as pb
 
 PHASES = {"train": pb.TRAIN, "test": pb.TEST}
@@ -86,6 +87,8 @@ class Net:
         self._graph = Graph(net, phase, source=source)  # the net as written: its blobs, inputs and outputs
         # Every blob copied out as an output (graph.with_taps): a backend returns outputs only.
         self._model = create_model(backend, with_taps(net, self._graph), None, phase=phase, **options)
+        self._options = options
+        self._spans = {}  # (first, last) layer: (model, taps, its params' indices) for forward's start and end
         self.backend = backend
         self.inputs = list(self._model.feeds)
         self.outputs = sorted(self._graph.outputs)  # Caffe's Net lists them from a std::set: by name
@@ -121,10 +124,27 @@ class Net:
             if blob.shape != tuple(shapes[name]):
                 blob.reshape(*shapes[name])
 
-    def forward(self, blobs=None, **inputs):
-        """One forward pass: the inputs given by name (the input blobs' data for those not given; an input of
-        another shape reshapes the net first); returns {output: array} and the blobs named in `blobs`."""
-        wanted = list(self.outputs) + [name for name in blobs or () if name not in self.outputs]
+    def _layer_index(self, name, default):
+        """The index in the graph of the layer called `name` (pycaffe's: the first so called), `default` if None."""
+        if name is None:
+            return default
+        named = [layer.name for layer in self._graph.layers if layer.index is not None]  # not a legacy input's
+        if name not in named:
+            raise KeyError(f"the net has no layer '{name}'; its layers are {', '.join(named)}")
+        return next(i for i, layer in enumerate(self._graph.layers) if layer.name == name and layer.index is not None)
+
+    def forward(self, blobs=None, start=None, end=None, **inputs):
+        """One forward pass, as pycaffe's: the inputs given by name (the input blobs' data for those not given; an
+        input of another shape reshapes the net first), through the layers from `start` to `end` (both run; the
+        first and the last by default: the layers before `start` leave their blobs as they are, as Caffe's
+        ForwardFromTo); returns the tops of `end` (the net's outputs where no end is given) and the blobs named
+        in `blobs`, {name: array}."""
+        first = self._layer_index(start, 0)
+        last = self._layer_index(end, len(self._graph.layers) - 1)
+        if first > last:
+            raise ValueError(f"layer '{start}' comes after layer '{end}' in the net")
+        outputs = list(self._graph.layers[last].named_tops) if end is not None else list(self.outputs)
+        wanted = outputs + [name for name in blobs or () if name not in outputs]
         for name in wanted:
             if name not in self.blobs:
                 raise KeyError(f"the net has no blob '{name}'; its blobs are {', '.join(self.blobs)}")
@@ -139,16 +159,45 @@ class Net:
             self.reshape()
         for name, array in arrays.items():
             self.blobs[name].data[...] = array
-        self._model.set_params([blob.data for blob in self._params])  # what the caller wrote into params
-        results = self._model.forward({name: self.blobs[name].data for name in self.inputs})
-        for name, tap in self._taps.items():
+        if (first, last) == (0, len(self._graph.layers) - 1):
+            model, taps, indices = self._model, self._taps, range(len(self._params))
+        else:
+            model, taps, indices = self._span(first, last)
+        model.set_params([self._params[i].data for i in indices])  # what the caller wrote into params
+        results = model.forward({name: self.blobs[name].data for name in model.feeds})
+        for name, tap in taps.items():
             self.blobs[name]._data = np.asarray(results[tap], np.float32)
         return {name: self.blobs[name].data for name in wanted}
+
+    def _span(self, first, last):
+        """(model, taps, indices) of the layers first..last, made once per span (layers_between: the blobs they
+        read from earlier layers are its inputs) and reshaped to what those blobs hold now: its backend model,
+        {blob: the output that carries it}, and the index in self._params of each of its parameters."""
+        shapes = {name: blob.shape for name, blob in self.blobs.items()}
+        if (first, last) not in self._spans:
+            net = layers_between(self._graph, first, last, shapes)
+            graph = Graph(net, self.phase)
+            model = create_model(self.backend, with_taps(net, graph), None, phase=self.phase, **self._options)
+            tapped = set(model.graph.outputs)
+            names = dict.fromkeys(top for layer in graph.layers if layer.type not in DATA_TYPES for top in layer.tops)
+            taps = {name: tap_name(graph, name) for name in names if name in self.blobs}
+            ours = {layer.name: layer.blob_params for layer in self._model.graph.layers}
+            indices = [None] * len(model.graph.params)
+            for layer in model.graph.layers:
+                for j, i in enumerate(layer.blob_params):
+                    indices[i] = ours[layer.name][j]
+            self._spans[(first, last)] = model, {name: tap for name, tap in taps.items() if tap in tapped}, indices
+        model = self._spans[(first, last)][0]
+        if any(tuple(model.feeds[name]) != shapes[name] for name in model.feeds):
+            model.reshape({name: shapes[name] for name in model.feeds})
+        return self._spans[(first, last)]
 
     def save(self, path):
         """Write the parameters as a .caffemodel (Caffe's NetParameter with blobs; .caffemodel.h5: HDF5)."""
         checkpoint.save_caffemodel(path, self._graph, [blob.data for blob in self._params])
 
     def close(self):
-        """Release the backend's net (pycaffe's, its scratch folder)."""
+        """Release the backend's nets (pycaffe's, their scratch folders)."""
+        for model, _, _ in self._spans.values():
+            model.close()
         self._model.close()

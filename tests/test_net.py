@@ -133,6 +133,39 @@ def test_blobs_params_reshape_and_save_as_pycaffe(backend, weights, tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_from_a_layer_to_a_layer_as_pycaffe(backend, weights):
+    """forward(start=, end=), as pycaffe's ForwardFromTo on SqueezeNet: `end` a convolution whose ReLU runs in
+    place after it gives its tops before the ReLU, and leaves the later blobs as they were; `start` runs on what
+    the blobs hold, a blob written between passes included; both, with blobs=[...]."""
+    prototxt = SQUEEZENET
+    net = deepspark.Net(prototxt, weights[prototxt], phase="test", backend=backend)
+    theirs = caffe.Net(prototxt, weights[prototxt], caffe.TEST)
+    data = np.random.default_rng(7).normal(0, 1, (1, 3, 163, 163)).astype(np.float32)
+    theirs.blobs["data"].reshape(*data.shape)
+    theirs.reshape()
+
+    def both(**kwargs):
+        expected = {name: np.array(value) for name, value in theirs.forward(**kwargs).items()}
+        return net.forward(**kwargs), expected
+
+    ours, expected = both(end="fire2/squeeze1x1", data=data)
+    assert_close(ours, expected, f"{backend} up to fire2/squeeze1x1")
+    assert (expected["fire2/squeeze1x1"] < 0).any()  # before its in-place ReLU
+    assert not net.blobs["conv10"].data.any() and not theirs.blobs["conv10"].data.any()  # not run yet
+    assert_close(*both(data=data), f"{backend} whole")
+    net.blobs["pool8"].data[...] *= 0.5  # between passes, as a pycaffe user edits a blob
+    theirs.blobs["pool8"].data[...] *= 0.5
+    assert_close(*both(start="fire9/squeeze1x1"), f"{backend} from fire9/squeeze1x1")
+    assert_close(*both(start="fire3/relu_squeeze1x1", end="fire4/concat", blobs=["fire3/concat"]),
+                 f"{backend} from fire3/relu_squeeze1x1 to fire4/concat")
+    with pytest.raises(KeyError, match="the net has no layer 'fc7'; its layers are input, conv1, relu_conv1, "):
+        net.forward(end="fc7")
+    with pytest.raises(ValueError, match="layer 'conv10' comes after layer 'conv1' in the net"):
+        net.forward(start="conv10", end="conv1")
+    net.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_size_caffe_refuses_is_one_line(backend, weights):
     """Smaller than P-Net's 12x12 window: Caffe's rules refuse it, in a ValueError naming the input, before
     either backend runs (pycaffe would abort the process)."""

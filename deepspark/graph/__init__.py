@@ -5,7 +5,7 @@ Which module holds what:
 - neuron, vision, common, loss, recurrent, data: the shape rules of each family of layer types, one
   `@layer_type` row per type (backends/tensorflow/layers/ keeps each type's compute under the same family name);
 - phase: Caffe's include/exclude filter; dag: Layer, Param, BuildContext and Graph;
-- backward: which diffs Caffe's backward computes; rewrites: batch size, input shapes and taps of a net.
+- backward: which diffs Caffe's backward computes; rewrites: batch size, input shapes, taps and a span of a net.
 
 To add a compute type: its shape rule under `@layer_type("Name", ...)` in its family's module here, and its
 compute in backends/tensorflow/layers/<family>.py (Caffe runs its own layer of that name; check_table names a
@@ -23,7 +23,7 @@ from deepspark.graph.phase import layer_included, make_state, state_meets_rule
 from deepspark.graph.recurrent import RECURRENT_STATES, recurrent_inputs
 from deepspark.graph.registry import (AUTOMATIC, REGISTRY, LayerSpec, ShapeError, canonical_axis, check_table, count,
                                       fmt, layer_type, legacy, spec, supported_types, types)
-from deepspark.graph.rewrites import TAP, tap_name, with_batch_size, with_input_shapes, with_taps
+from deepspark.graph.rewrites import TAP, layers_between, tap_name, with_batch_size, with_input_shapes, with_taps
 from deepspark.graph.vision import conv_geometry, crop_offsets, pool_geometry, pooled_size, spp_levels
 
 # The kinds of layer other modules ask about, from the registered rows.

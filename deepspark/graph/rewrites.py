@@ -1,8 +1,10 @@
-"""Rewrites of a net for a forward pass (compare, the scoring path): batch size, input shapes, taps."""
+"""Rewrites of a net for a forward pass (compare, the scoring path, Net): batch size, input shapes, taps, a span of
+layers."""
 
 import copy
 
 from deepspark.graph.registry import types
+from deepspark.proto import deepspark_pb2 as pb
 from deepspark.upgrade import upgrade_input
 
 
@@ -94,4 +96,32 @@ def with_taps(net, graph, blobs=None):
     net.ClearField("input")
     net.ClearField("input_shape")
     net.ClearField("input_dim")
+    return net
+
+
+def layers_between(graph, first, last, shapes):
+    """A net of the layers first..last of `graph` (indices into graph.layers, both run), as Caffe's
+    Net::ForwardFromTo runs them on blobs that hold what earlier passes left: each blob they read before any of
+    them writes it is an input of the shape `shapes` gives it ({blob: shape}), and so are the data layers' tops
+    among them (the caller feeds their blobs). The layers keep their parameters' names and order."""
+    net = pb.NetParameter(name=f"{graph.layers[first].name}..{graph.layers[last].name}")
+    written, inputs, kept = set(), [], []
+    for layer in graph.layers[first:last + 1]:
+        if layer.type in types("data"):
+            inputs += [top for top in layer.named_tops if top not in inputs]
+            written.update(layer.tops)
+            continue
+        inputs += [bottom for bottom in layer.bottoms if bottom not in written and bottom not in inputs]
+        written.update(layer.tops)
+        kept.append(layer)
+    if inputs:
+        fed = net.layer.add(name="inputs@span", type="Input")
+        fed.top.extend(inputs)
+        for blob in inputs:
+            fed.input_param.shape.add().dim.extend(shapes[blob])
+    for layer in kept:
+        added = net.layer.add()
+        added.CopyFrom(layer.param)
+        for field_name in ("include", "exclude"):
+            added.ClearField(field_name)
     return net
