@@ -142,3 +142,28 @@ def test_benchmark_runs_caffes_loop_once_for_every_backend():
     assert totals["Total Time"] == pytest.approx(timing.total, rel=1e-5, abs=1e-6)
     with pytest.raises(ValueError, match="at least one iteration"):
         engine.benchmark(passes, lambda: 0.0, 0, Log(stream=io.StringIO()))
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
+def test_the_initial_loss_sums_every_loss_layer_whose_top_caffe_names(tmp_path, backend):
+    """Two loss layers with no top in the prototxt: Caffe names both tops "(automatic)"; the loss `time` logs
+    is the weighted sum of the two, as the solver's step computes it, not the last one twice."""
+    make_job(tmp_path)
+    path = tmp_path / "net.prototxt"
+    text = path.read_text().replace(' top: "loss" }', " }")
+    path.write_text(text + 'layer { name: "ip2" type: "InnerProduct" bottom: "pool" top: "ip2"\n'
+                           '  inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 1 } } }\n'
+                           'layer { name: "loss2" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" '
+                           'loss_weight: 0.5 }\n')
+    model = nets.test_model(str(path), backend, pb.TRAIN)
+    try:
+        batch = engine.SyntheticBatches(model).next_batch()
+        expected, _ = model.gradients(batch)
+        passes, loss = model.layer_passes(batch)
+        for layer_pass in passes:
+            layer_pass.forward()
+        losses = [layer.tops for layer in model.graph.layers if any(layer.loss_weights)]
+        assert losses == [["(automatic)"], ["(automatic)"]]
+        assert loss() == pytest.approx(float(expected), rel=1e-5)
+    finally:
+        model.close()

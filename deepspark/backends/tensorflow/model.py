@@ -231,15 +231,14 @@ class Model(base.Model):
         ctx = compiler.Context(self.graph, inputs, self.train, self._rng, self._random_seed,
                                self._orders)
         blobs, diffs, passes = {}, {}, []  # what Caffe's blobs hold as data and as diff
+        losses = {}  # layer: [(top tensor, loss_weight)] of its last forward, by layer: automatic tops share a name
         for layer, needs in zip(self.graph.layers, backward_needs(self.graph)):
             params = compiler.layer_params(layer, self._variables, ctx.orders)
             params = [tf.convert_to_tensor(value) for value in params]  # the weights stay as they are
-            passes.append(_layer_pass(layer, params, needs, ctx, blobs, diffs))
-        loss_tops = [(top, weight) for layer in self.graph.layers
-                     for top, weight in zip(layer.tops, layer.loss_weights) if weight]
+            passes.append(_layer_pass(layer, params, needs, ctx, blobs, diffs, losses))
 
         def loss():
-            return sum(weight * float(tf.reduce_sum(blobs[top].tensor)) for top, weight in loss_tops)
+            return sum(weight * float(tf.reduce_sum(top)) for terms in losses.values() for top, weight in terms)
 
         return passes, loss
 
@@ -349,11 +348,12 @@ def _traced_layer(layer, ctx, layouts, tensors, values):
     return [top.tensor for top in tops]
 
 
-def _layer_pass(layer, params, needs, ctx, blobs, diffs):
+def _layer_pass(layer, params, needs, ctx, blobs, diffs, losses):
     """One layer's base.LayerPass: its function compiled alone, and the gradient TensorFlow compiles for it.
 
     blobs: {blob: Blob} the forwards fill; diffs: {blob: diff} the backwards
-    fill and read, a blob read by several layers summing their diffs.
+    fill and read, a blob read by several layers summing their diffs; losses:
+    {layer: [(top, loss_weight)]} the forward of a loss layer fills.
     """
     bottoms_wanted, params_wanted = needs
     layouts = {}  # "bottoms", "tops": each blob's nhwc flag, fixed from the first call
@@ -377,6 +377,8 @@ def _layer_pass(layer, params, needs, ctx, blobs, diffs):
             tops = compiled(tensors, params)
         ctx.updates.clear()  # running statistics stay as they are
         blobs.update((name, compiler.Blob(top, nhwc)) for name, top, nhwc in zip(layer.tops, tops, layouts["tops"]))
+        if any(layer.loss_weights):
+            losses[id(layer)] = [(top, weight) for top, weight in zip(tops, layer.loss_weights) if weight]
 
     def backward():
         if not taped:
