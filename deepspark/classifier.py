@@ -70,23 +70,10 @@ class Classifier(Net):
             input_ = input_[:, top:bottom, left:right, :]
         in_ = self.inputs[0]
         caffe_in = np.stack([self.transformer.preprocess(in_, crop) for crop in input_])
-        predictions = self._forward_all(caffe_in)
+        predictions = self.forward_all(**{in_: caffe_in})[self.outputs[0]]
         if oversample:
             predictions = predictions.reshape((len(predictions) // 10, 10, -1)).mean(1)
         return predictions
-
-    def _forward_all(self, caffe_in):
-        """The first output for every image of caffe_in, a batch of the net's size at a time (the last one
-        padded with zeros, as pycaffe's forward_all)."""
-        in_, out = self.inputs[0], self.outputs[0]
-        batch = self.blobs[in_].data.shape[0]
-        outputs = []
-        for start in range(0, len(caffe_in), batch):
-            chunk = caffe_in[start:start + batch]
-            if len(chunk) < batch:
-                chunk = np.concatenate([chunk, np.zeros((batch - len(chunk),) + chunk.shape[1:], chunk.dtype)])
-            outputs.append(np.array(self.forward(**{in_: chunk})[out], copy=True))
-        return np.concatenate(outputs)[:len(caffe_in)]
 
     def top_k(self, predictions, k=5):
         """Per row of predictions, its k highest classes as (label, score), best first; the label is the

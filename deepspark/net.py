@@ -99,6 +99,10 @@ class Net:
         self._taps = {name: tap_name(self._graph, name) for name in names}  # an input only if rewritten in place
         self._taps = {name: tap for name, tap in self._taps.items() if tap in tapped}
         self._params = [Blob(array) for array in self._model.get_params()]
+        # pycaffe's names of the layers in order, and of each one's bottoms and tops (Caffe's splits not listed)
+        self._layer_names = [layer.name for layer in self._graph.layers]
+        self.bottom_names = OrderedDict((layer.name, list(layer.bottoms)) for layer in self._graph.layers)
+        self.top_names = OrderedDict((layer.name, list(layer.named_tops)) for layer in self._graph.layers)
         self.params = OrderedDict((layer.name, [self._params[i] for i in layer.blob_params])
                                   for layer in self._model.graph.layers if layer.blob_params)
         if weights is not None:
@@ -125,13 +129,12 @@ class Net:
                 blob.reshape(*shapes[name])
 
     def _layer_index(self, name, default):
-        """The index in the graph of the layer called `name` (pycaffe's: the first so called), `default` if None."""
+        """The index of the layer called `name` (pycaffe's: the first so called), `default` if None."""
         if name is None:
             return default
-        named = [layer.name for layer in self._graph.layers if layer.index is not None]  # not a legacy input's
-        if name not in named:
-            raise KeyError(f"the net has no layer '{name}'; its layers are {', '.join(named)}")
-        return next(i for i, layer in enumerate(self._graph.layers) if layer.name == name and layer.index is not None)
+        if name not in self._layer_names:
+            raise KeyError(f"the net has no layer '{name}'; its layers are {', '.join(self._layer_names)}")
+        return self._layer_names.index(name)
 
     def forward(self, blobs=None, start=None, end=None, **inputs):
         """One forward pass, as pycaffe's: the inputs given by name (the input blobs' data for those not given; an
@@ -191,6 +194,23 @@ class Net:
         if any(tuple(model.feeds[name]) != shapes[name] for name in model.feeds):
             model.reshape({name: shapes[name] for name in model.feeds})
         return self._spans[(first, last)]
+
+    def forward_all(self, blobs=None, **inputs):
+        """pycaffe's forward_all: every item of the inputs (by name, the same number of each), a batch of the
+        net's size at a time, the last padded with zeros; returns the outputs and the blobs named in `blobs`
+        for all the items, {name: array}, without the padding's."""
+        sizes = {len(array) for array in inputs.values()}
+        if len(sizes) != 1:
+            raise ValueError("forward_all takes the net's inputs by name, each with the same number of items")
+        items, batch = sizes.pop(), self.blobs[self.inputs[0]].shape[0]
+        results = {}
+        for start in range(0, items, batch):
+            chunk = {name: np.asarray(array[start:start + batch], np.float32) for name, array in inputs.items()}
+            chunk = {name: np.concatenate([array, np.zeros((batch - len(array),) + array.shape[1:], np.float32)])
+                     for name, array in chunk.items()}
+            for name, value in self.forward(blobs=blobs, **chunk).items():
+                results.setdefault(name, []).append(np.array(value, copy=True))
+        return {name: np.concatenate(values)[:items] for name, values in results.items()}
 
     def save(self, path):
         """Write the parameters as a .caffemodel (Caffe's NetParameter with blobs; .caffemodel.h5: HDF5)."""

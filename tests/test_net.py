@@ -166,6 +166,30 @@ def test_forward_from_a_layer_to_a_layer_as_pycaffe(backend, weights):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_all_and_the_layer_names_as_pycaffe(backend, weights):
+    """forward_all on P-Net at batch 2: five items, the last batch padded, gives pycaffe's outputs for the five
+    (a blob named too); _layer_names and top_names are pycaffe's without its inserted Split layers."""
+    prototxt = PNET
+    net = deepspark.Net(prototxt, weights[prototxt], caffe.TEST, backend=backend)
+    theirs = caffe.Net(prototxt, weights[prototxt], caffe.TEST)
+    for either in (net, theirs):
+        either.blobs["data"].reshape(2, 3, 24, 20)
+        either.reshape()
+    data = np.random.default_rng(9).normal(0, 1, (5, 3, 24, 20)).astype(np.float32)
+    ours = net.forward_all(blobs=["conv1"], data=data)
+    expected = theirs.forward_all(blobs=["conv1"], data=data)
+    assert {name: value.shape[0] for name, value in ours.items()} == {name: 5 for name in expected}
+    assert_close(ours, expected, f"{backend} forward_all")
+    kinds = dict(zip(theirs._layer_names, (layer.type for layer in theirs.layers)))
+    assert net._layer_names == [name for name in theirs._layer_names if kinds[name] != "Split"]
+    assert net.top_names == {name: list(theirs.top_names[name]) for name in net._layer_names}
+    assert net.bottom_names["conv1"] == ["data"] and net.bottom_names["conv4-2"] == ["conv3"]
+    with pytest.raises(ValueError, match="each with the same number of items"):
+        net.forward_all()
+    net.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_size_caffe_refuses_is_one_line(backend, weights):
     """Smaller than P-Net's 12x12 window: Caffe's rules refuse it, in a ValueError naming the input, before
     either backend runs (pycaffe would abort the process)."""
