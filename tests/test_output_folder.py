@@ -42,6 +42,8 @@ def test_output_given_wins_and_keeps_the_prefix_name(tmp_path):
 
 def test_the_estimators_output_param_and_its_default(tmp_path, monkeypatch):
     solver_path = make_job(tmp_path)
+    (tmp_path / "deploy.prototxt").write_text('layer { name: "data" type: "Input" top: "data" '
+                                              'input_param { shape { dim: 1 dim: 1 dim: 8 dim: 8 } } }\n')
     given = tmp_path / "fits"
     fit = Fit(DeepSparkEstimator(solver=solver_path, output=str(given)), None)
     fit.load_solver()
