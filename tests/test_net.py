@@ -73,6 +73,17 @@ def pycaffe_forward(prototxt, weights, data, blobs=()):
     return {name: np.array(value) for name, value in out.items()}, shapes, list(net.outputs)
 
 
+def both_nets(prototxt, weights, backend, shape):
+    """deepspark.Net and pycaffe's caffe.Net of `prototxt` on the same weights, each with its input blob reshaped
+    to `shape` and the net to it, as a pycaffe user does."""
+    net = deepspark.Net(prototxt, weights[prototxt], caffe.TEST, backend=backend)
+    theirs = caffe.Net(prototxt, weights[prototxt], caffe.TEST)
+    for either in (net, theirs):
+        either.blobs["data"].reshape(*shape)
+        either.reshape()
+    return net, theirs
+
+
 def assert_close(ours, theirs, what):
     assert sorted(ours) == sorted(theirs), what
     for name in theirs:
@@ -103,11 +114,7 @@ def test_forward_equals_pycaffe_at_every_size(prototxt, backend, weights):
 def test_blobs_params_reshape_and_save_as_pycaffe(backend, weights, tmp_path):
     """pycaffe's moves: reshape the input blob then the net, forward(blobs=[...]), write into params, save."""
     prototxt = PNET
-    net = deepspark.Net(prototxt, weights[prototxt], caffe.TEST, backend=backend)
-    theirs = caffe.Net(prototxt, weights[prototxt], caffe.TEST)
-    for ours_net in (net, theirs):
-        ours_net.blobs["data"].reshape(2, 3, 135, 104)
-        ours_net.reshape()
+    net, theirs = both_nets(prototxt, weights, backend, (2, 3, 135, 104))
     assert {name: blob.shape for name, blob in net.blobs.items()} == {
         name: theirs.blobs[name].data.shape for name in net.blobs}
     assert list(net.params) == list(theirs.params)
@@ -137,12 +144,8 @@ def test_forward_from_a_layer_to_a_layer_as_pycaffe(backend, weights):
     """forward(start=, end=), as pycaffe's ForwardFromTo on SqueezeNet: `end` a convolution whose ReLU runs in
     place after it gives its tops before the ReLU, and leaves the later blobs as they were; `start` runs on what
     the blobs hold, a blob written between passes included; both, with blobs=[...]."""
-    prototxt = SQUEEZENET
-    net = deepspark.Net(prototxt, weights[prototxt], phase="test", backend=backend)
-    theirs = caffe.Net(prototxt, weights[prototxt], caffe.TEST)
+    net, theirs = both_nets(SQUEEZENET, weights, backend, (1, 3, 163, 163))
     data = np.random.default_rng(7).normal(0, 1, (1, 3, 163, 163)).astype(np.float32)
-    theirs.blobs["data"].reshape(*data.shape)
-    theirs.reshape()
 
     def both(**kwargs):
         expected = {name: np.array(value) for name, value in theirs.forward(**kwargs).items()}
@@ -169,12 +172,7 @@ def test_forward_from_a_layer_to_a_layer_as_pycaffe(backend, weights):
 def test_forward_all_and_the_layer_names_as_pycaffe(backend, weights):
     """forward_all on P-Net at batch 2: five items, the last batch padded, gives pycaffe's outputs for the five
     (a blob named too); _layer_names and top_names are pycaffe's without its inserted Split layers."""
-    prototxt = PNET
-    net = deepspark.Net(prototxt, weights[prototxt], caffe.TEST, backend=backend)
-    theirs = caffe.Net(prototxt, weights[prototxt], caffe.TEST)
-    for either in (net, theirs):
-        either.blobs["data"].reshape(2, 3, 24, 20)
-        either.reshape()
+    net, theirs = both_nets(PNET, weights, backend, (2, 3, 24, 20))
     data = np.random.default_rng(9).normal(0, 1, (5, 3, 24, 20)).astype(np.float32)
     ours = net.forward_all(blobs=["conv1"], data=data)
     expected = theirs.forward_all(blobs=["conv1"], data=data)
