@@ -20,7 +20,7 @@ import numpy as np
 
 from deepspark import checkpoint, config
 from deepspark.backends import create_model
-from deepspark.graph import DATA_TYPES, Graph, fmt, layers_between, tap_name, with_taps
+from deepspark.graph import Graph, fmt, layers_between, tap_name, with_taps
 from deepspark.proto import deepspark_pb2 as pb
 
 PHASES = {"train": pb.TRAIN, "test": pb.TEST}
@@ -65,6 +65,15 @@ class Blob:
         return f"Blob({fmt(self.shape)})"
 
 
+def tapped_model(net, graph, backend, phase, options):
+    """(a backend model of `net`, whose Graph is `graph`, with every blob copied out as an output (graph.with_taps):
+    a backend returns outputs only; {blob: the output that carries it}, an input only if rewritten in place)."""
+    model = create_model(backend, with_taps(net, graph), None, phase=phase, **options)
+    outputs = set(model.graph.outputs)
+    taps = {top: tap_name(graph, top) for layer in graph.layers for top in layer.tops}
+    return model, {name: tap for name, tap in taps.items() if tap in outputs}
+
+
 class Net:
     """A Caffe net with its parameters, run forward as pycaffe's caffe.Net is.
 
@@ -85,8 +94,7 @@ class Net:
         else:
             net, source = config.load_net(config.net_path(prototxt))
         self._graph = Graph(net, phase, source=source)  # the net as written: its blobs, inputs and outputs
-        # Every blob copied out as an output (graph.with_taps): a backend returns outputs only.
-        self._model = create_model(backend, with_taps(net, self._graph), None, phase=phase, **options)
+        self._model, self._taps = tapped_model(net, self._graph, backend, phase, options)
         self._options = options
         self._spans = {}  # (first, last) layer: (model, taps, its params' indices) for forward's start and end
         self.backend = backend
@@ -95,9 +103,6 @@ class Net:
         shapes = self._model.graph.blobs
         names = OrderedDict((top, None) for layer in self._graph.layers for top in layer.tops)
         self.blobs = OrderedDict((name, Blob(np.zeros(shapes[name], np.float32))) for name in names)
-        tapped = set(self._model.graph.outputs)
-        self._taps = {name: tap_name(self._graph, name) for name in names}  # an input only if rewritten in place
-        self._taps = {name: tap for name, tap in self._taps.items() if tap in tapped}
         self._params = [Blob(array) for array in self._model.get_params()]
         # pycaffe's names of the layers in order, and of each one's bottoms and tops (Caffe's splits not listed)
         self._layer_names = [layer.name for layer in self._graph.layers]
@@ -180,16 +185,13 @@ class Net:
         if (first, last) not in self._spans:
             net = layers_between(self._graph, first, last, shapes)
             graph = Graph(net, self.phase)
-            model = create_model(self.backend, with_taps(net, graph), None, phase=self.phase, **self._options)
-            tapped = set(model.graph.outputs)
-            names = dict.fromkeys(top for layer in graph.layers if layer.type not in DATA_TYPES for top in layer.tops)
-            taps = {name: tap_name(graph, name) for name in names if name in self.blobs}
+            model, taps = tapped_model(net, graph, self.backend, self.phase, self._options)
             ours = {layer.name: layer.blob_params for layer in self._model.graph.layers}
             indices = [None] * len(model.graph.params)
             for layer in model.graph.layers:
                 for j, i in enumerate(layer.blob_params):
                     indices[i] = ours[layer.name][j]
-            self._spans[(first, last)] = model, {name: tap for name, tap in taps.items() if tap in tapped}, indices
+            self._spans[(first, last)] = model, taps, indices
         model = self._spans[(first, last)][0]
         if any(tuple(model.feeds[name]) != shapes[name] for name in model.feeds):
             model.reshape({name: shapes[name] for name in model.feeds})
