@@ -145,7 +145,9 @@ def cmd_plan(args):
 
 
 def cmd_export(args):
-    inputs, outputs = export.export(args.model, args.weights, args.output, overwrite=args.overwrite)
+    inputs, outputs = export.export(args.model, args.weights, args.output, overwrite=args.overwrite,
+                                    allow_uncovered=args.allow_uncovered,
+                                    warn=lambda line: print(f"warning: {line}", file=sys.stderr))
     takes = ", ".join(f"{name} ({'x'.join(str(d or 'N') for d in shape)} float32)" for name, shape in inputs.items())
     print(f"Wrote the SavedModel {args.output}: signature '{export.SIGNATURE}' takes {takes} and gives "
           f"{', '.join(outputs)}")
@@ -315,6 +317,10 @@ def add_net_verbs(verbs):
     saved.add_argument("--weights", required=True, help="trained .caffemodel")
     saved.add_argument("--output", required=True, help="the SavedModel folder to write")
     saved.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    # A flag of this verb alone for now; it belongs in the schema with export's other knobs.
+    saved.add_argument("--allow-uncovered", action="store_true",
+                       help="export even where the weights lack a layer of the net (its parameters keep their "
+                            "fillers' values), with a warning naming it, instead of refusing")
     saved.set_defaults(run=cmd_export)
 
     scoring = forward_job(verbs, "score", "Caffe's test over a whole dataset, on Spark's executors: the mean of "

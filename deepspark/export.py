@@ -12,6 +12,7 @@ scale, mean and crop) is the caller's to apply, as with pycaffe's Net.
 """
 
 import os
+import warnings
 
 from deepspark import checkpoint, nets
 from deepspark.backends import create_model
@@ -22,10 +23,13 @@ from deepspark.proto import deepspark_pb2 as pb
 SIGNATURE = "serving_default"
 
 
-def export(model_path, weights, output, overwrite=False):
+def export(model_path, weights, output, overwrite=False, allow_uncovered=False, warn=warnings.warn):
     """Write the SavedModel of the deploy net at `model_path` (a file or a model folder) with the parameters
     of the .caffemodel `weights` to the folder `output` (under a temporary name, renamed when complete);
-    returns ({input: shape, its batch None and "any" where any size goes}, [output names])."""
+    returns ({input: shape, its batch None and "any" where any size goes}, [output names]).
+
+    A layer with parameters that the weights do not name would serve its fillers' values (zeros, mostly):
+    refused, unless allow_uncovered, which calls `warn` with the same line instead."""
     net, source = nets.deploy_net(model_path, "export")
     python = [i for i, layer in enumerate(net.layer) if layer.type == "Python"]
     if python:
@@ -37,6 +41,7 @@ def export(model_path, weights, output, overwrite=False):
     try:
         lmdb_io.refuse_existing(output, overwrite)
         model = create_model("tensorflow", net, phase=pb.TEST, source=source)
+        refuse_no_outputs(model.graph)
     except BaseException:
         if made:
             lmdb_io.remove_path(made)
@@ -46,9 +51,14 @@ def export(model_path, weights, output, overwrite=False):
     tmp = lmdb_io.temp_path(output)
     lmdb_io.remove_path(tmp)
     try:
-        params = checkpoint.weights_for(model.graph, checkpoint.read_caffemodel(weights), model.get_params(),
-                                        weights)
-        model.set_params(params)
+        layers = checkpoint.read_caffemodel(weights)
+        uncovered = uncovered_layers(model.graph, layers, weights)
+        if uncovered and not allow_uncovered:
+            raise ConfigError(uncovered + " (--allow-uncovered exports them with those values, and says so)",
+                              weights)
+        if uncovered:
+            warn(f"{weights}: {uncovered}")
+        model.set_params(checkpoint.weights_for(model.graph, layers, model.get_params(), weights))
         module = model.serving_module()
         tf.saved_model.save(module, tmp, signatures={SIGNATURE: module.serve.get_concrete_function()})
         lmdb_io.rename_into(tmp, output)
@@ -62,6 +72,33 @@ def export(model_path, weights, output, overwrite=False):
     inputs = {name: tuple("any" if i and d is None else d for i, d in enumerate(shape))  # N x C x any x any
               for name, shape in module.input_shapes.items()}
     return inputs, list(model.graph.outputs)
+
+
+def uncovered_layers(graph, layers, path):
+    """What the weights `layers` (read_caffemodel's) leave uncovered in `graph`: "" if they fill every
+    parameter, else a sentence naming the layers with a parameter they do not fill (by Caffe's copy by name)."""
+    filled = checkpoint.weights_for(graph, layers, [None] * len(graph.params), path)
+    lacking = [layer.name for layer in graph.layers if any(filled[i] is None for i in layer.blob_params)]
+    if not lacking:
+        return ""
+    named = [layer.name for layer in graph.layers if layer.blob_params]
+    given = {name for name, _ in (layers.items() if hasattr(layers, "items") else layers)}
+    which = "share no layer name with the net: they lack" if given.isdisjoint(named) else "lack"
+    shown = ", ".join(f"'{name}'" for name in lacking[:8]) + (f" and {len(lacking) - 8} more" * (len(lacking) > 8))
+    return (f"the weights {which} {len(lacking)} of the net's {len(named)} layers with parameters ({shown}), "
+            "which would serve their fillers' values, not trained ones")
+
+
+def refuse_no_outputs(graph):
+    """A ConfigError where `graph` has no outputs (every blob is read by a later layer: a Silence layer, say):
+    its SavedModel would answer nothing."""
+    if graph.outputs:
+        return
+    silent = [layer for layer in graph.layers if layer.type == "Silence"]
+    why = (f"layer '{silent[-1].name}' (Silence) takes {', '.join(silent[-1].bottoms)}" if silent
+           else "every blob is read by a later layer")
+    raise ConfigError(f"the net has no outputs ({why}), so its SavedModel would give nothing; remove the Silence "
+                      "layer or let a blob be the net's output", *graph.source.where(silent[-1].index if silent else 0))
 
 
 def missing_parent(path):
