@@ -68,3 +68,35 @@ def test_export_refuses_a_net_with_no_outputs(tmp_path):
     assert "silenced_output.prototxt:" in line and "the net has no outputs (layer 'Silence' (Silence) takes " \
         "class8_ab)" in line, line
     assert os.listdir(tmp_path) == ["colorization.caffemodel"]
+
+
+def saved_model(prototxt, folder):
+    """`prototxt` exported with its fillers' weights into `folder`/saved; the SavedModel's folder."""
+    net, _ = config.load_net(prototxt)
+    model = compare.build(["tensorflow"], net, phase=pb.TEST)["tensorflow"]
+    weights = str(folder / "weights.caffemodel")
+    checkpoint.save_caffemodel(weights, model.graph, model.get_params())
+    model.close()
+    status, _, err = run_cli("export", "--model", prototxt, "--weights", weights, "--output", str(folder / "saved"))
+    assert status == 0, err[-2000:]
+    return folder / "saved"
+
+
+def test_a_fully_convolutional_saved_model_refuses_an_input_smaller_than_the_net_takes(tmp_path):
+    """MTCNN's P-Net takes 11 x 11 and more (Caffe's ceil-mode pooling): fed 2 x 16 its SavedModel said
+    `Incompatible shapes: [1,3,2,16] vs. [32]`, and smaller than a kernel a net answered uninitialised memory
+    (-2.4e24 after a ReLU). Now one line names the smallest size, as deepspark.Net refuses it; 11 x 11 and
+    12 x 40 are served."""
+    from test_export import serve_alone  # its SavedModel runner, in a process without DeepSpark
+
+    saved = saved_model(os.path.join(DATA, "zoo", "mtcnn_det1.prototxt"), tmp_path)
+    rng = np.random.default_rng(0)
+    shapes = [(1, 3, 2, 16), (2, 3, 10, 12), (1, 3, 12, 10), (1, 3, 11, 11), (2, 3, 12, 40)]
+    runs = [(saved, {"data": rng.uniform(-1, 1, shape).astype(np.float32)}, tmp_path / f"run{i}")
+            for i, shape in enumerate(shapes)]
+    *refused, small, wide = serve_alone(runs, tmp_path)
+    for line, shape in zip(refused, shapes):
+        assert isinstance(line, str) and "\n" not in line, line
+        assert ("input data must be N x 3 x any x any, at least 11 x 11 (smaller, the net has nothing to compute); "
+                f"it is] [{' '.join(map(str, shape))}]") in line, line
+    assert small["prob1"].shape == (1, 2, 1, 1) and wide["prob1"].shape == (2, 2, 1, 15)

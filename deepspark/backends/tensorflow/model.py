@@ -316,8 +316,11 @@ def serving_module(model, batch_size=None, any_size=None):
     specs = [tf.TensorSpec((batch_size,) + (None,) * (len(shapes[name]) - 1), tf.float32, name=name)
              for name in names]
 
+    smallest = minimum_sizes(model) if any_size else {}
+
     def serve(*inputs):
-        fed = {name: _checked_input(name, x, shapes[name], fixers) for name, x in zip(names, inputs)}
+        fed = {name: _checked_input(name, x, shapes[name], fixers, smallest.get(name))
+               for name, x in zip(names, inputs)}
         ctx = compiler.Context(graph, fed, False, orders=orders)
         _, blobs = compiler.run(graph, module.params, ctx)
         return {name: blobs[name].caffe for name in graph.outputs}
@@ -327,14 +330,43 @@ def serving_module(model, batch_size=None, any_size=None):
     return module
 
 
-def _checked_input(name, x, shape, fixers):
+def minimum_sizes(model):
+    """{input: (the smallest size of each axis after the channels that Caffe's reshape takes)} of a model that
+    serves any size, each axis found alone (the others at the net's size) by bisection between 1 and the net's
+    size, the graph's shape rules deciding (reshaped_net: where they refuse, Caffe's Net::Reshape aborts and
+    TensorFlow would compute on empty or negative extents, answering uninitialised memory)."""
+    smallest = {}
+    for name, shape in model.feeds.items():
+        sizes = []
+        for axis in range(2, len(shape)):
+            low, high = 0, shape[axis]  # low: refused (or none), high: taken
+            while high - low > 1:
+                middle = (low + high) // 2
+                trial = {name: shape[:axis] + (middle,) + shape[axis + 1:]}
+                try:
+                    base.reshaped_net(model.net_param, trial, model.phase, model.param_shapes, model._graph_options)
+                    high = middle
+                except ValueError:
+                    low = middle
+            sizes.append(high)
+        if any(size > 1 for size in sizes):
+            smallest[name] = tuple(sizes)
+    return smallest
+
+
+def _checked_input(name, x, shape, fixers, smallest=None):
     """Input `name` of a served net with the static `shape` (None: any) its layers are compiled for, after an
-    assertion that refuses, in one line naming the shape, an input the SavedModel would answer wrongly."""
+    assertion that refuses, in one line naming the shape (and the `smallest` size of each axis after the
+    channels, where any size goes), an input the SavedModel would answer wrongly."""
     expected = " x ".join("N" if i == 0 and d is None else "any" if d is None else str(d) for i, d in enumerate(shape))
     # No quotes in the message: TensorFlow prints an assertion's strings C-escaped (\').
     why = f" (layer {fixers[0].name}, {fixers[0].type}, fixes its size)" if fixers and None not in shape[1:] else ""
     given = tf.shape(x)
-    fits = tf.reduce_all([tf.equal(given[i], d) for i, d in enumerate(shape) if d is not None] or [True])
+    conditions = [tf.equal(given[i], d) for i, d in enumerate(shape) if d is not None]
+    if smallest:
+        why += f", at least {' x '.join(str(d) for d in smallest)} (smaller, the net has nothing to compute)"
+        conditions += [tf.greater_equal(given[2 + i], d) for i, d in enumerate(smallest)]
+    fits = tf.reduce_all(conditions or [True])
     check = tf.debugging.Assert(fits, [f"input {name} must be {expected}{why}; it is", given], summarize=8)
     with tf.control_dependencies([check]):
         return tf.ensure_shape(tf.identity(x), shape)
