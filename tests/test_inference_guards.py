@@ -100,3 +100,31 @@ def test_a_fully_convolutional_saved_model_refuses_an_input_smaller_than_the_net
         assert ("input data must be N x 3 x any x any, at least 11 x 11 (smaller, the net has nothing to compute); "
                 f"it is] [{' '.join(map(str, shape))}]") in line, line
     assert small["prob1"].shape == (1, 2, 1, 1) and wide["prob1"].shape == (2, 2, 1, 15)
+
+
+@pytest.mark.caffe
+def test_export_of_senets_se_block_gives_pycaffes_outputs(tmp_path):
+    """hujie-frank/SENet's SE block (Scale with a second bottom, N x C, at axis 0) ran in deepspark.Net but its
+    export died in a 50-line TensorFlow traceback: the served batch is of unknown size. Its SavedModel now
+    gives pycaffe's outputs at batches 1 and 3, as Net does on both backends."""
+    from test_export import TOLERANCE, serve_alone
+    from test_net import pycaffe_forward, random_weights  # deferred: it imports pycaffe
+
+    import deepspark
+
+    prototxt = os.path.join(DATA, "se_block.prototxt")
+    weights = random_weights(prototxt, str(tmp_path / "se.caffemodel"), seed=5)
+    status, _, err = run_cli("export", "--model", prototxt, "--weights", weights, "--output", str(tmp_path / "se"))
+    assert status == 0, err[-3000:]
+    rng = np.random.default_rng(2)
+    feeds = [rng.normal(0, 1, (batch, 3, 12, 12)).astype(np.float32) for batch in (1, 3)]
+    served = serve_alone([(tmp_path / "se", {"data": data}, tmp_path / f"b{i}") for i, data in enumerate(feeds)],
+                         tmp_path)
+    for data, outputs in zip(feeds, served):
+        expected, _, _ = pycaffe_forward(prototxt, weights, data)
+        nets = [deepspark.Net(prototxt, weights, backend=backend) for backend in ("tensorflow", "caffe")]
+        for ours in [outputs] + [net.forward(data=data) for net in nets]:
+            assert ours["prob"].shape == expected["prob"].shape == (len(data), 5)
+            assert np.ptp(expected["prob"]) > 0
+            _, relative = compare.difference(ours["prob"], expected["prob"])
+            assert relative <= TOLERANCE, relative

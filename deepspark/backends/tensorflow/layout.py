@@ -81,7 +81,9 @@ def broadcast(blob, operand, axis):
     if blob.nhwc and axis == 1 and count == 3:
         return blob.tensor, tf.transpose(operand, (1, 2, 0))
     x = blob.caffe
-    shape = [1] * axis + operand.shape.as_list() + [1] * (x.shape.rank - axis - count)
+    # An axis of unknown size (a served batch, SENet's N x C excitation at axis 0) is read from the tensor.
+    dims = [tf.shape(operand)[i] if d is None else d for i, d in enumerate(operand.shape.as_list())]
+    shape = [1] * axis + dims + [1] * (x.shape.rank - axis - count)
     return x, tf.reshape(operand, shape)
 
 
