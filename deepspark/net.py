@@ -74,6 +74,19 @@ def tapped_model(net, graph, backend, phase, options):
     return model, {name: tap for name, tap in taps.items() if tap in outputs}
 
 
+def check_input_shape(name, shape, net_shape):
+    """A one-line ValueError where input `name` of `shape` cannot be fed to a net whose input is `net_shape` now
+    (before the layers' shape rules would name a layer far from the cause, or TensorFlow's and Caffe's kernels
+    would fail on an empty batch): another number of axes, or an axis of no items."""
+    if len(shape) != len(net_shape):
+        fix = " (a batch of one item is array[None])" if len(shape) == len(net_shape) - 1 else ""
+        raise ValueError(f"input '{name}' is {fmt(shape)}, {len(shape)} axes; the net takes {len(net_shape)} "
+                         f"(as {fmt(net_shape)}){fix}")
+    if 0 in shape:
+        raise ValueError(f"input '{name}' is {fmt(shape)}: an empty {'batch' if shape[0] == 0 else 'axis'}; "
+                         "every axis needs at least one item")
+
+
 class Net:
     """A Caffe net with its parameters, run forward as pycaffe's caffe.Net is.
 
@@ -127,6 +140,8 @@ class Net:
     def reshape(self):
         """Caffe's Net::Reshape: every blob's shape recomputed from the input blobs' shapes (after
         `net.blobs[input].reshape(...)`); a ValueError where Caffe's rules refuse them."""
+        for name in self.inputs:
+            check_input_shape(name, self.blobs[name].shape, self._model.feeds[name])
         self._model.reshape({name: self.blobs[name].shape for name in self.inputs})
         shapes = self._model.graph.blobs
         for name, blob in self.blobs.items():

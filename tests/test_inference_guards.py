@@ -128,3 +128,58 @@ def test_export_of_senets_se_block_gives_pycaffes_outputs(tmp_path):
             assert np.ptp(expected["prob"]) > 0
             _, relative = compare.difference(ours["prob"], expected["prob"])
             assert relative <= TOLERANCE, relative
+
+
+# Net on the LRCN-shaped net, in a process of its own (Caffe's CHECK aborted the whole process): at another number
+# of timesteps (5 for 4), then, the net as it was, at its own; prints the error's line and the output's shape.
+TIMESTEPS = """
+import sys
+import numpy as np
+import caffe
+import deepspark
+net = deepspark.Net(sys.argv[1], backend=sys.argv[2])
+feed = lambda steps: dict(data=np.ones((steps, 2, 6), np.float32), clip_markers=np.ones((steps, 2), np.float32))
+try:
+    print(net.forward(**feed(5))["probs"].shape)
+except ValueError as error:
+    print(str(error).replace("\\n", " | "))
+print(net.forward(**feed(4))["probs"].shape)
+"""
+
+
+@pytest.mark.caffe
+@pytest.mark.parametrize("backend", ["caffe", "tensorflow"])
+def test_another_number_of_lstm_timesteps_is_one_line_on_the_caffe_backend(backend):
+    """Caffe's Recurrent layer fixes T at setup and aborts (exit 134) on another: the Caffe backend refuses it
+    first in one ValueError, and runs on at the net's own T; the TensorFlow backend computes any T."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TIMESTEPS, os.path.join(DATA, "lrcn_lstm.prototxt"), backend],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = done.stdout.strip().splitlines()[-2:]
+    if backend == "caffe":
+        assert first == ("layer 'lstm1' (LSTM) was set up for 4 timesteps and Caffe's Recurrent layer cannot take 5 "
+                         "(it aborts: input number of timesteps changed); build a new net at that size"), first
+    else:
+        assert first == "(5, 2, 3)", first
+    assert second == "(4, 2, 3)", second
+
+
+@pytest.mark.caffe
+@pytest.mark.parametrize("backend", ["caffe", "tensorflow"])
+def test_an_empty_batch_or_a_missing_axis_is_one_line_naming_the_input(backend):
+    """An empty batch gave a raw TensorFlow error (and Caffe's backend a SIGFPE); a 3-D image gave an error at
+    pool1. Each is one ValueError naming the input and its axes, and the net runs on after it."""
+    import deepspark
+
+    net = deepspark.Net(os.path.join(DATA, "zoo", "mtcnn_det1.prototxt"), backend=backend)
+    cases = [((0, 3, 12, 12), "input 'data' is 0x3x12x12: an empty batch; every axis needs at least one item"),
+             ((3, 12, 12), "input 'data' is 3x12x12, 3 axes; the net takes 4 (as 1x3x12x12) (a batch of one item "
+                           "is array[None])")]
+    for shape, said in cases:
+        with pytest.raises(ValueError) as raised:
+            net.forward(data=np.zeros(shape, np.float32))
+        assert str(raised.value) == said
+    assert net.forward(data=np.zeros((2, 3, 12, 12), np.float32))["prob1"].shape == (2, 2, 1, 1)

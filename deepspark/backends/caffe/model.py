@@ -67,6 +67,9 @@ class Model(base.Model):
                 self._solver.add_callback(self._on_start, self._on_gradients_ready)
             else:
                 self._net = caffe.Net(self._write("net.prototxt", compiler.to_text(net)), caffe.TEST)
+        # Caffe's Recurrent layers fix T, the first axis of x, at setup: another aborts in Reshape.
+        self._steps = [layer.bottom_shapes[0][0] if layer.type in ("LSTM", "RNN") else None
+                       for layer in self.graph.layers]
         self._blobs = param_blobs(self.graph, self._net)
         self._views = [blob.data for blob in self._blobs]  # parameters never reshape
         self._loss_tops = self._loss_blobs()
@@ -75,8 +78,24 @@ class Model(base.Model):
         self._caffe_iter, self._caffe_current_step = 0, 0
         self.set_params(fillers.init_params(self.graph, self.seed))
 
+    def reshape(self, shapes):
+        """base.Model.reshape; where Caffe's layers refuse the new shapes (a ValueError before pycaffe could
+        abort), the net stays as it was."""
+        before = self.net_param, self.graph, self.feeds
+        try:
+            super().reshape(shapes)
+        except ValueError:
+            self.net_param, self.graph, self.feeds = before
+            raise
+
     def _reshaped(self):
-        """pycaffe's Net::Reshape after the fed blobs' (the graph checked them: Caffe aborts on a shape it refuses)."""
+        """pycaffe's Net::Reshape after the fed blobs' (the graph checked them: Caffe aborts on a shape it refuses,
+        and on a Recurrent layer's other number of timesteps, checked here)."""
+        for layer, steps in zip(self.graph.layers, self._steps):
+            if steps is not None and layer.bottom_shapes[0][0] != steps:
+                raise ValueError(f"layer '{layer.name}' ({layer.type}) was set up for {steps} timesteps and "
+                                 f"Caffe's Recurrent layer cannot take {layer.bottom_shapes[0][0]} (it aborts: "
+                                 "input number of timesteps changed); build a new net at that size")
         self.feeds = compiler.fed_tops(self.graph, compiler.net_param(self.graph, self.data_layers == "caffe"))
         for top, shape in self.feeds.items():
             self._net.blobs[top].reshape(*shape)
