@@ -7,6 +7,8 @@ proto alone.
 """
 
 import argparse
+import functools
+import logging
 import os
 import sys
 
@@ -176,7 +178,18 @@ def split_list(text):
 
 
 def cmd_describe(args):
-    table, warnings = nets.describe(args.net, args.phase, args.data_shape, args.batch_size, args.stage)
+    phase = pb.TRAIN if args.phase is None else args.phase
+    try:
+        table, warnings = nets.describe(args.net, phase, args.data_shape, args.batch_size, args.stage)
+    except DeepSparkError as error:
+        if args.phase is not None:
+            raise
+        try:  # a deploy-only net (LRCN's) may not build in the default TRAIN phase: name the flag where TEST builds
+            nets.describe(args.net, pb.TEST, args.data_shape, args.batch_size, args.stage)
+        except DeepSparkError:
+            raise error from None
+        raise DeepSparkError(f"{error} (in the TRAIN phase, describe's default; the TEST phase builds: "
+                             "give --phase TEST)") from None
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(table)
@@ -197,11 +210,44 @@ def cmd_upgrade_solver(args):
     return 0
 
 
+class _ToolLines(logging.Handler):
+    """The data tools' INFO lines (deepspark.data.convert's log: counts, progress) as glog lines on stderr, as
+    Caffe's tools log them; their warnings reach stderr through the deepspark logger's own handler."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.log = Log()
+
+    def emit(self, record):
+        if record.levelno < logging.WARNING:
+            self.log.info(self.format(record))
+
+
+def data_tool(run):
+    """A data tool's verb that shows convert's log lines while it runs."""
+
+    @functools.wraps(run)
+    def verb(args):
+        logger, handler = logging.getLogger(convert.__name__), _ToolLines()
+        level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+        try:
+            return run(args)
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+    return verb
+
+
+@data_tool
 def cmd_convert_mnist(args):
     convert.convert_mnist(args.images, args.labels, args.out)
     return 0
 
 
+@data_tool
 def cmd_convert_imageset(args):
     convert.convert_imageset(args.root, args.listfile, args.out, gray=args.gray, shuffle=args.shuffle,
                              resize_height=args.resize_height, resize_width=args.resize_width,
@@ -209,11 +255,13 @@ def cmd_convert_imageset(args):
     return 0
 
 
+@data_tool
 def cmd_convert_lmdb(args):
     convert.convert_lmdb(args.source, args.dest, overwrite=args.overwrite)
     return 0
 
 
+@data_tool
 def cmd_compute_image_mean(args):
     convert.compute_image_mean(args.lmdb, args.out)
     return 0
@@ -337,7 +385,7 @@ def add_net_verbs(verbs):
 
     describe = verbs.add_parser("describe", help="layers, shapes and parameter counts of a net")
     describe.add_argument("net", help="net .prototxt or model folder")
-    describe.add_argument("--phase", type=phase, default=pb.TRAIN, help="TRAIN or TEST (default TRAIN)")
+    describe.add_argument("--phase", type=phase, help="TRAIN or TEST (default TRAIN)")
     describe.add_argument("--data-shape", type=data_shape, help="C,H,W of the Data layers when their LMDB is absent")
     describe.add_argument("--batch-size", type=positive, help="override the batch size")
     describe.add_argument("--stage", action="append", help="a NetState stage that chooses layers, as Caffe's --stage "

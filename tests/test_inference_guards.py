@@ -183,3 +183,29 @@ def test_an_empty_batch_or_a_missing_axis_is_one_line_naming_the_input(backend):
             net.forward(data=np.zeros(shape, np.float32))
         assert str(raised.value) == said
     assert net.forward(data=np.zeros((2, 3, 12, 12), np.float32))["prob1"].shape == (2, 2, 1, 1)
+
+
+DEPLOY_ONLY = """name: "deploy_only"
+layer { name: "data" type: "Input" top: "data" include { phase: TEST }
+        input_param { shape { dim: 4 dim: 2 dim: 6 } } }
+layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc" inner_product_param { num_output: 3 axis: 2 } }
+"""
+
+
+def test_describe_names_phase_test_when_the_train_phase_of_a_deploy_net_fails(tmp_path):
+    """describe builds the TRAIN phase by default: a deploy-only net (LRCN's, its input included in TEST alone)
+    failed there with no word of --phase TEST. The line now names it where TEST builds; an explicit phase, or a
+    net whose TEST phase fails too, keeps the error as it was."""
+    path = tmp_path / "deploy.prototxt"
+    path.write_text(DEPLOY_ONLY)
+    status, _, err = run_cli("describe", str(path))
+    line = err.strip().splitlines()[-1]
+    assert status == 1 and line.startswith("deepspark describe: error: ") and "'data'" in line, err
+    assert line.endswith("(in the TRAIN phase, describe's default; the TEST phase builds: give --phase TEST)"), line
+    status, out, _ = run_cli("describe", str(path), "--phase", "TEST")
+    assert status == 0 and "fc 4x2x3" in " ".join(out.split()), out
+    status, _, err = run_cli("describe", str(path), "--phase", "TRAIN")
+    assert status == 1 and "--phase TEST" not in err, err
+    path.write_text(DEPLOY_ONLY.replace(" include { phase: TEST }", "").replace('"data" top: "fc"', '"x" top: "fc"'))
+    status, _, err = run_cli("describe", str(path))
+    assert status == 1 and "--phase TEST" not in err and "'x'" in err, err
