@@ -17,7 +17,8 @@ import numpy as np  # noqa: E402
 
 import _results  # noqa: E402  (bench/_results.py)
 from deepspark import rules  # noqa: E402
-from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer  # noqa: E402
+from deepspark.algorithms.easgd import EasgdHandler  # noqa: E402
+from deepspark.exchange import ExchangeClient, ExchangeServer  # noqa: E402
 from deepspark.exchange import protocol as P  # noqa: E402
 from deepspark.exchange.server import Session  # noqa: E402
 from deepspark.exchange.transport import Connection, tune  # noqa: E402

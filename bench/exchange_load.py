@@ -2,7 +2,7 @@
 
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/exchange_load.py [--quick] [--out bench/measured_load.jsonl]
 
-The server is ExchangeServer with the EASGD handler, built as EasgdJob.hold_center builds it from a default
+The server is ExchangeServer with the EASGD handler, built as algorithms/easgd.py's row builds it from a default
 DeepSparkParameter (moving rate, server factor, idle timeout, integrity tags on), in a Python process of its own so
 that /proc/PID/status's VmRSS and VmHWM are its own; it answers this process's requests with JSON lines on its
 stdout (nothing from the network is ever unpickled). Per size (bench/exchange.py's SIZES):
@@ -72,7 +72,7 @@ def serve(n):
     from deepspark import rules
     from deepspark.exchange import ExchangeOptions, ExchangeServer
     from deepspark.proto import deepspark_pb2 as pb
-    from deepspark.spark import easgd
+    from deepspark.algorithms import easgd
 
     ds = pb.DeepSparkParameter()  # the defaults a job runs with
     center = np.random.default_rng(0).standard_normal(n).astype(np.float32)

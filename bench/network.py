@@ -37,6 +37,7 @@ import _shaper  # noqa: E402  (bench/_shaper.py)
 import time_to_accuracy as tta  # noqa: E402  (bench/time_to_accuracy.py: the clock, the snapshots, the tests, the names)
 from _wide import wide_job  # noqa: E402  (bench/_wide.py)
 from deepspark import plan  # noqa: E402
+from deepspark.algorithms import average  # noqa: E402
 from deepspark.exchange import protocol  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
 
@@ -51,7 +52,7 @@ RUNS = {"easgd period 1": {"algorithm": "easgd", "period": 1}, "easgd period 10"
         "easgd period 64": {"algorithm": "easgd", "period": 64}, "sync": {"algorithm": "sync"}}
 # `average` moves its models through Spark (a broadcast and a collect), not the exchanger, so no proxy sits in its
 # way: it runs on loopback, and each round's transfers over the emulated link are added to its clock by the
-# model (plan.average_transfers: 2·N·S / bandwidth + 2·latency a round). The record says so.
+# model (average.transfers: 2·N·S / bandwidth + 2·latency a round). The record says so.
 MODELLED = {"average period 10": {"algorithm": "average", "period": 10}}
 # At 1 Gbit/s the target's three runs again at base_lr x2 (time_to_accuracy.LEARNING_RATE_TIMES's linear rule for a
 # global batch of 2 x 64 a step), so that easgd is compared with sync and average at the scaled rate as at single's.
@@ -117,7 +118,7 @@ def run_job(solver, knobs, folder, iterations, seconds):
 def with_transfers(points, costs, gbit, knobs):
     """`average`'s loopback points with each round's transfers over a `gbit` link added to its clock."""
     per_round = tta.samples_per_iteration(knobs) * knobs["period"]
-    transfers = plan.average_transfers(costs, plan.Network.of(gbit, LATENCY_MS), tta.workers_of(knobs))
+    transfers = average.transfers(costs, plan.Network.of(gbit, LATENCY_MS), tta.workers_of(knobs))
     return [(s + n / per_round * transfers, n, a) for s, n, a in points]
 
 
@@ -244,7 +245,7 @@ def measure_run(model, network, name, knobs, accuracy, solver, costs, scratch, a
               **({"learning_rate_times": times} if times != 1 else {}),
               "proxy_bound": not modelled and gbit * 1e9 / 8 > 0.5 * args.ceiling,
               **({"emulated": "on loopback, each round's transfers over the link added by the "
-                              "model (plan.average_transfers)"} if modelled else {})}
+                              "model (average.transfers)"} if modelled else {})}
     model_per_iteration, model_share = projected(costs, gbit, knobs)
     if accuracy:
         err, moved, points, lines = to_accuracy(name, knobs, gbit, folder, costs, args, loopback)
@@ -258,7 +259,7 @@ def measure_run(model, network, name, knobs, accuracy, solver, costs, scratch, a
     if per_iteration is None and accuracy:  # stopped at its cap: from the displays
         per_iteration = display_seconds_per_iteration(lines)
     if modelled and per_iteration:  # the link's share of each round, as with_transfers adds it
-        extra = plan.average_transfers(costs, plan.Network.of(gbit, LATENCY_MS), 2) / knobs["period"]
+        extra = average.transfers(costs, plan.Network.of(gbit, LATENCY_MS), 2) / knobs["period"]
         share = ((share or 0.0) * per_iteration + extra) / (per_iteration + extra)
         per_iteration += extra
     record.update(traffic(err, costs, knobs))

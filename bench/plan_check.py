@@ -27,6 +27,7 @@ sys.path.insert(0, ROOT)
 import _results  # noqa: E402  (bench/_results.py)
 from _tables import cell, missing, table  # noqa: E402  (bench/_tables.py)
 from deepspark import plan  # noqa: E402
+from deepspark.algorithms import easgd  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
 
 MODEL = os.path.join(ROOT, "models", "lenet")
@@ -125,7 +126,7 @@ def main():
                                **{k: (round(v * 1e3, 3) if isinstance(v, float) else v)
                                   for k, v in costs[threads].__dict__.items()}, "unit": "ms"}, args.out)
             shared = max(1.0, workers * threads / CORES)  # workers on fewer cores than their threads
-            projected = plan.easgd(costs[threads], network, workers, ds.period, shared=shared)
+            projected = easgd.project(costs[threads], network, workers, ds.period, shared=shared)
             images, share = measured(workers, iterations, costs[threads].batch, os.path.join(folder, str(workers)))
             error = projected.images_per_second / images - 1
             errors.append(abs(error))

@@ -45,7 +45,8 @@ sys.path.insert(0, ROOT)
 
 import _results  # noqa: E402  (bench/_results.py)
 import _tables  # noqa: E402  (bench/_tables.py)
-from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer, protocol  # noqa: E402
+from deepspark.algorithms.easgd import EasgdHandler  # noqa: E402
+from deepspark.exchange import ExchangeClient, ExchangeServer, protocol  # noqa: E402
 from deepspark.exchange.transport import recv_exact  # noqa: E402
 
 HOST = "127.0.0.1"

@@ -333,7 +333,8 @@ def check_solver(param, path, text=""):
 
 
 def check_deepspark(ds, path):
-    """DeepSparkParameter values that cannot run: one line naming the field."""
+    """DeepSparkParameter values that no algorithm can run: one line naming the field (what one algorithm cannot
+    run, its row's check says: deepspark.algorithms.check, where a solver is loaded to train or plan)."""
     if ds.workers < 1:
         raise ConfigError(f"workers must be at least 1, not {ds.workers}", path)
     if ds.period < 1:
@@ -353,12 +354,6 @@ def check_deepspark(ds, path):
         raise ConfigError(f"exchange_port must be a TCP port (0 to 65535), not {ds.exchange_port}", path)
     if ds.exchange_address:
         host_port(ds.exchange_address, path)
-    if ds.exchange_codec != pb.DeepSparkParameter.FLOAT32 and ds.algorithm in (pb.DeepSparkParameter.AVERAGE,
-                                                                               pb.DeepSparkParameter.SINGLE):
-        raise ConfigError(f"exchange_codec {pb.DeepSparkParameter.ExchangeCodec.Name(ds.exchange_codec)} codes the "
-                          "exchanger's frames (easgd, sync); "
-                          + ("average moves its models through Spark's broadcast and collect"
-                             if ds.algorithm == pb.DeepSparkParameter.AVERAGE else "single exchanges nothing"), path)
 
 
 def host_port(text, path="<options>"):

@@ -18,19 +18,18 @@ import time
 
 import numpy as np
 
-from deepspark import checkpoint, config, engine, rules
+from deepspark import algorithms, checkpoint, config, engine, rules
+from deepspark.algorithms.base import center_rate
+from deepspark.algorithms.easgd import EasgdHandler
 from deepspark.backends import create_model
 from deepspark.data import source_shape
 from deepspark.errors import ConfigError
-from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer
+from deepspark.exchange import ExchangeClient, ExchangeServer
 from deepspark.exchange import codec as codecs
 from deepspark.exchange import protocol
 from deepspark.graph import Graph
 from deepspark.proto import deepspark_pb2 as pb
 
-# Seconds a Spark round of `average` costs outside its steps and its transfers (task launch, the
-# broadcast's and the collect's own work), as measured on local[2] with LeNet (bench/plan_check.py checks the model).
-AVERAGE_ROUND_SECONDS = 0.2
 # How long each measurement runs at least, and its fewest repetitions: the median of short runs
 # is steadier on a busy 2-core machine than one long run.
 MEASURE_SECONDS = 1.0
@@ -80,104 +79,15 @@ class Network:
         return cls(gbit * 1e9 / 8, ms / 1e3)
 
 
-@dataclasses.dataclass(frozen=True)
-class Projection:
-    """What `workers` workers do: images per second of the whole job, its speedup over one worker alone
-    (no exchange), the share of a worker's time blocked on the exchange, the center's busy share
-    (1: saturated), and the seconds between two exchanges of one worker."""
-
-    workers: int
-    images_per_second: float
-    speedup: float
-    exchange_share: float
-    center_load: float
-    cycle: float
-
-
-def exchange_seconds(costs, network):
-    """T_comm of one exchange alone: x up and d down, each over the worker's link and the center's
-    (S / bandwidth each way, for S = costs.bytes), two latencies, and the center's work."""
-    return 2 * costs.bytes / network.bandwidth + 2 * network.latency + costs.server
-
-
-def center_rate(costs, network):
-    """R: the exchanges per second the single center can serve. Its link carries S in and S out per
-    exchange (full duplex: S / bandwidth), its work costs T_server; the larger bounds it."""
-    return 1.0 / max(costs.bytes / network.bandwidth, costs.server)
-
-
-def easgd(costs, network, workers, period, overlap=True, shared=1.0):
-    """Async EASGD: a worker computes `period` steps, then exchanges.
-
-        compute = period · T_comp · shared            (shared > 1: workers share cores)
-        cycle   = max(compute, T_comm) + T_worker     (overlapped: the exchange runs during the next steps)
-        cycle   = compute + T_comm + T_worker         (blocking)
-        cycle_N = max(cycle, N / R)                   (past R the workers queue at the center)
-        images/s = N · period · batch / cycle_N
-    """
-    compute = period * costs.step * shared
-    comm = exchange_seconds(costs, network)
-    cycle = (max(compute, comm) if overlap else compute + comm) + costs.worker
-    rate = center_rate(costs, network)
-    cycle_n = max(cycle, workers / rate)
-    images = workers * period * costs.batch / cycle_n
-    return Projection(workers, images, images * costs.step / costs.batch, 1 - compute / cycle_n,
-                      min(1.0, workers / cycle_n / rate), cycle_n)
-
-
-def sync(costs, network, workers, shared=1.0):
-    """Synchronous averaging every iteration (CaffeOnSpark-style), through the one center: after each step
-    all N send x and get the mean back; the center's link carries N vectors each way and it serves the
-    round's N frames one after another.
-
-        cycle = T_comp · shared + T_worker + 2 · N · S / bandwidth + 2 · latency + N · T_server
-    """
-    center = 2 * workers * costs.bytes / network.bandwidth + workers * costs.server
-    cycle = costs.step * shared + costs.worker + center + 2 * network.latency
-    images = workers * costs.batch / cycle
-    return Projection(workers, images, images * costs.step / costs.batch, 1 - costs.step * shared / cycle,
-                      center / cycle, cycle)
-
-
-def average(costs, network, workers, period, shared=1.0):
-    """Periodic model averaging in Spark rounds (SparkNet-style): the driver broadcasts the center to N
-    and collects N models over its one link; a round costs its Spark overhead too.
-
-        cycle = period · T_comp · shared + 2 · N · S / bandwidth + 2 · latency + AVERAGE_ROUND_SECONDS
-    """
-    compute = period * costs.step * shared
-    transfers = average_transfers(costs, network, workers)
-    cycle = compute + transfers + AVERAGE_ROUND_SECONDS
-    images = workers * period * costs.batch / cycle
-    return Projection(workers, images, images * costs.step / costs.batch, 1 - compute / cycle,
-                      transfers / cycle, cycle)
-
-
-def average_transfers(costs, network, workers):
-    """An `average` round's transfers over the driver's one link: 2 · N · S / bandwidth + 2 · latency, S the
-    float32 parameters (Spark's broadcast and collect, not the exchanger's codec)."""
-    return 2 * workers * costs.spark_bytes / network.bandwidth + 2 * network.latency
-
-
 def project(costs, network, ds, workers, shared=1.0):
-    """The Projection of `workers` workers running the algorithm of DeepSparkParameter `ds`."""
-    if ds.algorithm == pb.DeepSparkParameter.SYNC:
-        return sync(costs, network, workers, shared)
-    if ds.algorithm == pb.DeepSparkParameter.AVERAGE:
-        return average(costs, network, workers, ds.period, shared)
-    if ds.algorithm == pb.DeepSparkParameter.SINGLE:
-        images = costs.batch / (costs.step * shared)
-        return Projection(1, images, 1.0, 0.0, 0.0, costs.step * shared)
-    return easgd(costs, network, workers, ds.period, ds.overlap, shared)
+    """The Projection of `workers` workers running the algorithm of DeepSparkParameter `ds` (its row's cost)."""
+    return algorithms.of(ds).cost(costs, network, ds, workers, shared)
 
 
 def saturation(costs, network, ds):
     """The most workers the single center serves without their exchanges queueing (EASGD: R x cycle);
     None for an algorithm that does not exchange through it."""
-    if ds.algorithm != pb.DeepSparkParameter.EASGD:
-        return None
-    alone = easgd(costs, network, 1, ds.period, ds.overlap)
-    return int(alone.cycle * center_rate(costs, network))
+    return algorithms.of(ds).saturation(costs, network, ds)
 
 
 # -- measuring the costs here ---------------------------------------------------------
@@ -319,6 +229,7 @@ def run(path, knobs, pp, data_shape=None, log=None):
     ds = param.deepspark_param
     config.set_fields(ds, knobs, "the command line")
     config.check_deepspark(ds, path)
+    algorithms.check(ds, path)
     costs = measure(net, source, param, pp, data_shape, log)
     network = Network.of(pp.bandwidth, pp.latency)
     algorithm = pb.DeepSparkParameter.Algorithm.Name(ds.algorithm).lower()

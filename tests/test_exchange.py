@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from deepspark import rules
-from deepspark.exchange import (EasgdHandler, ExchangeClient, ExchangeOptions, ExchangeServer, NonFiniteError,
-                                OverlappedExchange, RefusedError)
+from deepspark.algorithms.easgd import EasgdHandler
+from deepspark.exchange import (ExchangeClient, ExchangeOptions, ExchangeServer, NonFiniteError, OverlappedExchange,
+                                RefusedError)
 from deepspark.exchange import protocol as P
 from deepspark.exchange.transport import PIPELINE_BYTES, RECV_SLICE, SLICE_FLOATS, slice_floats
 from deepspark.proto import deepspark_pb2 as pb

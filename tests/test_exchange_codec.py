@@ -6,10 +6,11 @@ import threading
 import numpy as np
 import pytest
 
-from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer, RefusedError
+from deepspark.algorithms.easgd import EasgdHandler
+from deepspark.exchange import ExchangeClient, ExchangeServer, RefusedError
 from deepspark.exchange import codec as C
 from deepspark.exchange import protocol as P
-from deepspark.exchange.handlers import RoundsHandler
+from deepspark.algorithms.sync import RoundsHandler
 
 from test_exchange import (N, SECRET, SHAPES, BitFlipper, _exact, bits, error_of, handshake_bytes, least_squares,
                            make_center, raw, read_until_closed, run_worker, wait_for)

@@ -6,7 +6,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer
+from deepspark.algorithms.easgd import EasgdHandler
+from deepspark.exchange import ExchangeClient, ExchangeServer
 from deepspark.exchange import protocol as P
 
 SECRET = b"fuzz-secret"

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from deepspark import rules
-from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer, RefusedError, RoundsHandler
+from deepspark.algorithms.easgd import EasgdHandler
+from deepspark.algorithms.sync import RoundsHandler
+from deepspark.exchange import ExchangeClient, ExchangeServer, RefusedError
 from deepspark.exchange import protocol as P
 
 SECRET = b"per-job-secret"

@@ -9,9 +9,10 @@ from synthetic import make_job
 
 from deepspark.config import check_deepspark, load_solver, override
 from deepspark.errors import ConfigError
-from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer
+from deepspark.algorithms.easgd import EasgdHandler
+from deepspark.exchange import ExchangeClient, ExchangeServer
 from deepspark.proto import deepspark_pb2 as pb
-from deepspark.spark import easgd
+from deepspark.algorithms import easgd
 from deepspark.engine import last_multiple, next_multiple
 from deepspark.spark.job import Job
 
@@ -52,8 +53,8 @@ def test_cadence_is_caffes_multiples():
 
 def test_the_workers_are_told_exchange_address_when_it_is_set_else_where_the_exchanger_listens(tmp_path):
     solver = load_solver(make_job(tmp_path))
-    job = Job(solver)
-    job.server = None
+    job = Job()  # run(plan) sets what a running job knows; here only its DeepSparkParameter and its server
+    job.ds, job.server = solver.param.deepspark_param, None
     assert job.exchange_address() is None  # average: no exchanger
     with ExchangeServer(np.zeros(4, np.float32), b"s", EasgdHandler(0.5)) as job.server:
         assert job.exchange_address() == tuple(job.server.address)

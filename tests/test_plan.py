@@ -6,6 +6,7 @@ import pytest
 
 from conftest import run_cli
 from deepspark import plan
+from deepspark.algorithms import average, base, easgd, sync
 from deepspark.proto import deepspark_pb2 as pb
 
 # A 1 MB model, a 10 ms step of batch 64, 2 ms of the center's work and 1 ms of the worker's per exchange.
@@ -15,22 +16,22 @@ GIGABIT = plan.Network.of(1, 0.1)  # 125 MB/s each way, 0.1 ms
 
 def test_easgd_is_the_formula_on_given_costs():
     # T_comm = 2 x 1 MB / 125 MB/s + 2 x 0.1 ms + 2 ms = 18.2 ms; 10 steps = 100 ms hide it: cycle 101 ms.
-    assert plan.exchange_seconds(COSTS, GIGABIT) == pytest.approx(0.0182)
-    one = plan.easgd(COSTS, GIGABIT, 1, period=10)
+    assert base.exchange_seconds(COSTS, GIGABIT) == pytest.approx(0.0182)
+    one = easgd.project(COSTS, GIGABIT, 1, period=10)
     assert one.cycle == pytest.approx(0.101)
     assert one.images_per_second == pytest.approx(640 / 0.101)
     assert one.speedup == pytest.approx(0.1 / 0.101)
     assert one.exchange_share == pytest.approx(1 - 0.1 / 0.101)
     # The center's link moves 1 MB each way per exchange: R = 125 exchanges/s, so it serves 12 workers
     # of 101 ms cycles; 64 workers queue, and the job runs at R x period x batch.
-    assert plan.center_rate(COSTS, GIGABIT) == pytest.approx(125)
+    assert base.center_rate(COSTS, GIGABIT) == pytest.approx(125)
     ds = pb.DeepSparkParameter(period=10)
     assert plan.saturation(COSTS, GIGABIT, ds) == 12
-    many = plan.easgd(COSTS, GIGABIT, 64, period=10)
+    many = easgd.project(COSTS, GIGABIT, 64, period=10)
     assert many.images_per_second == pytest.approx(125 * 10 * 64) and many.center_load == 1.0
     assert many.cycle == pytest.approx(64 / 125)
     # Blocking adds T_comm to every cycle instead of hiding it.
-    assert plan.easgd(COSTS, GIGABIT, 1, period=10, overlap=False).cycle == pytest.approx(0.1 + 0.0182 + 0.001)
+    assert easgd.project(COSTS, GIGABIT, 1, period=10, overlap=False).cycle == pytest.approx(0.1 + 0.0182 + 0.001)
 
 
 def test_a_codec_moves_its_own_bytes_through_the_exchanger_and_float32_through_spark():
@@ -38,19 +39,19 @@ def test_a_codec_moves_its_own_bytes_through_the_exchanger_and_float32_through_s
     int8 = dataclasses.replace(COSTS, codec="int8")
     # 250,000 int8 codes and a float32 scale per 256 of them: 253,908 bytes a frame, against 1 MB.
     assert int8.bytes == 250_000 + 4 * 977 and int8.spark_bytes == COSTS.bytes == 1_000_000
-    assert plan.exchange_seconds(int8, GIGABIT) == pytest.approx(2 * 253_908 / 125e6 + 0.0002 + 0.002)
-    assert plan.center_rate(int8, GIGABIT) == pytest.approx(125e6 / 253_908)  # 3.9x float32's 125
-    assert plan.sync(int8, GIGABIT, 4).cycle < plan.sync(COSTS, GIGABIT, 4).cycle
-    assert plan.average(int8, GIGABIT, 4, 10).cycle == plan.average(COSTS, GIGABIT, 4, 10).cycle
+    assert base.exchange_seconds(int8, GIGABIT) == pytest.approx(2 * 253_908 / 125e6 + 0.0002 + 0.002)
+    assert base.center_rate(int8, GIGABIT) == pytest.approx(125e6 / 253_908)  # 3.9x float32's 125
+    assert sync.project(int8, GIGABIT, 4).cycle < sync.project(COSTS, GIGABIT, 4).cycle
+    assert average.project(int8, GIGABIT, 4, 10).cycle == average.project(COSTS, GIGABIT, 4, 10).cycle
 
 
 def test_sync_and_average_are_their_formulas():
-    s = plan.sync(COSTS, GIGABIT, 4)
+    s = sync.project(COSTS, GIGABIT, 4)
     # a step + the worker's 1 ms + 4 vectors each way over the center's link + 2 latencies + 4 x 2 ms
     assert s.cycle == pytest.approx(0.010 + 0.001 + 2 * 4 * 1e6 / 125e6 + 0.0002 + 0.008)
     assert s.images_per_second == pytest.approx(4 * 64 / s.cycle)
-    a = plan.average(COSTS, GIGABIT, 4, period=10)
-    assert a.cycle == pytest.approx(0.1 + 2 * 4 * 1e6 / 125e6 + 0.0002 + plan.AVERAGE_ROUND_SECONDS)
+    a = average.project(COSTS, GIGABIT, 4, period=10)
+    assert a.cycle == pytest.approx(0.1 + 2 * 4 * 1e6 / 125e6 + 0.0002 + average.AVERAGE_ROUND_SECONDS)
 
 
 def test_what_the_model_says_of_networks_and_periods():
@@ -58,12 +59,12 @@ def test_what_the_model_says_of_networks_and_periods():
     slow = plan.Network.of(0.1, 1.0)
     for n in (1, 2, 8, 32):
         # more bandwidth never slows a job; overlapping never loses to blocking; a longer period exchanges less
-        assert plan.easgd(COSTS, GIGABIT, n, 10).images_per_second >= plan.easgd(COSTS, slow, n, 10).images_per_second
-        assert plan.easgd(COSTS, slow, n, 10).images_per_second >= \
-            plan.easgd(COSTS, slow, n, 10, overlap=False).images_per_second
-        assert plan.easgd(COSTS, slow, n, 64).exchange_share <= plan.easgd(COSTS, slow, n, 10).exchange_share
+        assert easgd.project(COSTS, GIGABIT, n, 10).images_per_second >= easgd.project(COSTS, slow, n, 10).images_per_second
+        assert easgd.project(COSTS, slow, n, 10).images_per_second >= \
+            easgd.project(COSTS, slow, n, 10, overlap=False).images_per_second
+        assert easgd.project(COSTS, slow, n, 64).exchange_share <= easgd.project(COSTS, slow, n, 10).exchange_share
         # on a commodity link, averaging every iteration through one center loses to EASGD
-        assert plan.sync(COSTS, slow, n).images_per_second < plan.easgd(COSTS, slow, n, 10).images_per_second
+        assert sync.project(COSTS, slow, n).images_per_second < easgd.project(COSTS, slow, n, 10).images_per_second
     assert plan.saturation(COSTS, slow, ds) < plan.saturation(COSTS, GIGABIT, ds)
     assert plan.workers_to_show(64) == [1, 2, 4, 8, 16, 32, 64] and plan.workers_to_show(6) == [1, 2, 4, 6]
 

@@ -11,7 +11,9 @@ from deepspark import checkpoint, nets
 from deepspark.config import load_solver
 from deepspark.engine import outputs
 from deepspark.errors import ConfigError
-from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer, RoundsHandler
+from deepspark.algorithms.easgd import EasgdHandler
+from deepspark.algorithms.sync import RoundsHandler
+from deepspark.exchange import ExchangeClient, ExchangeServer
 from deepspark.exchange import protocol as P
 from deepspark.exchange.transport import byte_view
 from deepspark.log import Log

@@ -8,7 +8,8 @@ import time
 import numpy as np
 
 from conftest import load_script
-from deepspark.exchange import EasgdHandler, ExchangeClient, ExchangeServer
+from deepspark.algorithms.easgd import EasgdHandler
+from deepspark.exchange import ExchangeClient, ExchangeServer
 
 shaper = load_script("bench/_shaper.py", "bench_shaper")
 

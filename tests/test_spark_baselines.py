@@ -57,21 +57,22 @@ def test_average_center_is_the_mean_of_what_the_workers_trained_from_it(tmp_path
     """One round (period = max_iter): each worker ran `period` iterations from the broadcast center on its
     own shard, and the new center is rules.average_models of their parameters (with DiLoCo's outer
     optimizer: rules.outer_step from the start center toward that mean, its momentum from zero)."""
-    from deepspark.spark import average
-    from deepspark.spark import executor
+    from deepspark.algorithms import average
+    from deepspark.spark import executor, rounds
+    from deepspark.spark.job import Job, JobPlan
     from deepspark.spark.shards import shard_payloads
 
     steps = 12
     path = make_job(tmp_path, max_iter=steps, test_interval=0, snapshot=0)
     knobs = {} if outer is None else {"outer_learning_rate": outer[0], "outer_momentum": outer[1]}
     solver = override(load_solver(path), algorithm="average", period=steps, workers=2, iterations=steps, **knobs)
-    class Recorded(average.AverageJob):
-        def update_center(self, returned):  # the round's parameters, as each worker returned them
-            self.last_round = [(r["worker"], r["params"]) for r in returned]
-            super().update_center(returned)
+    class Recorded(average.Average):
+        def update_center(self, job, returned):  # the round's parameters, as each worker returned them
+            job.last_round = [(r["worker"], r["params"]) for r in returned]
+            super().update_center(job, returned)
 
-    job = Recorded(solver)
-    job.run()
+    job = Job()
+    job.run(JobPlan.of(solver, algorithm=Recorded()))
     start = np.concatenate([a.reshape(-1) for a in job.center0]).astype(np.float32)
     assert [w for w, _ in job.last_round] == [0, 1]
     returned = [params for _, params in job.last_round]
@@ -97,4 +98,4 @@ def test_average_center_is_the_mean_of_what_the_workers_trained_from_it(tmp_path
             np.testing.assert_allclose(trainer.model.get_flat(), returned[worker], rtol=1e-4, atol=1e-5)
         finally:
             trainer.close()
-            average.release(job.task.job_id)
+            rounds.release(job.task.job_id)

@@ -1,10 +1,10 @@
-"""The ParameterExchanger: authenticated TCP exchange of flat float32 parameters for asynchronous EASGD (and synchronous rounds)."""
+"""The ParameterExchanger: authenticated TCP exchange of flat float32 parameters; the algorithms' handlers (deepspark.algorithms) say what a frame does."""
 
-from .client import ExchangeClient, NonFiniteError, OverlappedExchange
-from .handlers import EasgdHandler, RoundsHandler
-from .options import ExchangeOptions
-from .protocol import ProtocolError, RefusedError
-from .server import ExchangeServer
+from deepspark.exchange.client import ExchangeClient, NonFiniteError, OverlappedExchange
+from deepspark.exchange.handlers import Handler
+from deepspark.exchange.options import ExchangeOptions
+from deepspark.exchange.protocol import CodecError, ProtocolError, RefusedError
+from deepspark.exchange.server import ExchangeServer
 
-__all__ = ["ExchangeServer", "ExchangeClient", "ExchangeOptions", "OverlappedExchange", "EasgdHandler",
-           "RoundsHandler", "ProtocolError", "RefusedError", "NonFiniteError"]
+__all__ = ["ExchangeServer", "ExchangeClient", "ExchangeOptions", "OverlappedExchange", "Handler", "ProtocolError",
+           "RefusedError", "NonFiniteError", "CodecError"]

@@ -9,12 +9,12 @@ import time
 
 import numpy as np
 
-from .. import rules
-from . import codec as C
-from . import handshake
-from . import protocol as P
-from .options import ExchangeOptions
-from .transport import Connection, apply_floats, tune
+from deepspark import rules
+from deepspark.exchange import codec as C
+from deepspark.exchange import handshake
+from deepspark.exchange import protocol as P
+from deepspark.exchange.options import ExchangeOptions
+from deepspark.exchange.transport import Connection, apply_floats, tune
 
 log = logging.getLogger("deepspark.exchange.client")
 
@@ -78,7 +78,6 @@ class Link:
         self._conn = None  # made at the first connect; its buffer is also the overlapped snapshot
         self._closed = False
         self.exchanges = self.resets = self.reconnects = 0
-        self.server_iteration = 0
         self.resume_iteration = 0  # the iteration the server last heard from this worker id
 
     @property
@@ -135,7 +134,7 @@ class Link:
         conn.sock = socket.create_connection(self.address, timeout=self.connect_timeout)
         tune(conn.sock)
         bound = bytes([P.CODEC_IDS[self.codec.name]]) + self._fingerprint  # the codec, then the model
-        self.server_iteration = self.resume_iteration = handshake.join(
+        self.resume_iteration = handshake.join(
             conn, self._secret, self.worker_id, bound, self.integrity, "%s:%d" % self.address)
         conn.frames.restart()  # as the server's new connection starts it
         conn.sock.settimeout(self.timeout)
@@ -208,7 +207,6 @@ class Link:
     def _exchange_once(self, send_from, apply_to, iteration, loss):
         conn = self._conn
         h = self._request(P.EXCHANGE, send_from, iteration, loss, reply=P.DIFF)
-        self.server_iteration = h.iteration
         self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
         if apply_to is None:
             conn.frames.receive_difference()
@@ -225,9 +223,8 @@ class Link:
         return APPLIED
 
     def _pull_into(self, out):
-        h = self._request(P.PULL, reply=P.CENTER)
+        self._request(P.PULL, reply=P.CENTER)
         self._conn.frames.receive_center(out)  # where the server's picture of this worker now starts
-        self.server_iteration = h.iteration
         return out
 
 
@@ -266,7 +263,6 @@ class ExchangeClient(Link):
             self._ensure(params.size)
             h = self._request(P.AVERAGE, params, iteration, loss, reply=P.CENTER)
             self._conn.frames.receive_mean(h, params)
-            self.server_iteration = h.iteration
             self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
             self.exchanges += 1
 

@@ -23,19 +23,12 @@ receives tracks the sum of what was meant to a bounded error.
 
 import numpy as np
 
+from deepspark.exchange.protocol import CODEC_NAMES, CodecError
 from deepspark.rules import all_finite
-
-from .protocol import CODEC_NAMES, E_NONFINITE, ProtocolError
 
 # Floats that share one scale. 256 keeps the scales to 1.6% of an int8 payload
 # (3% of int4) while one outlier coarsens only its own block.
 BLOCK = 256
-
-
-class CodecError(ProtocolError):
-    """A payload that does not decode to finite floats: refused as non-finite parameters are."""
-
-    code = E_NONFINITE
 
 
 class Float32:

@@ -1,7 +1,7 @@
 """The exchange's handshake, both sides: HELLO, CHALLENGE, AUTH (the job's secret and the model's fingerprint), WELCOME, and the session keys that seal the connection after it."""
 
-from . import protocol as P
-from .transport import send_frame
+from deepspark.exchange import protocol as P
+from deepspark.exchange.transport import send_frame
 
 
 def refused(conn, h):

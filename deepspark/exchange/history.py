@@ -5,9 +5,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import rules
-from . import protocol as P
-from .transport import mapped
+from deepspark import rules
+from deepspark.exchange import protocol as P
+from deepspark.exchange.transport import mapped
 
 
 class Held(NamedTuple):

@@ -4,7 +4,7 @@ import dataclasses
 
 from deepspark.proto import deepspark_pb2 as pb
 
-from . import codec as C
+from deepspark.exchange import codec as C
 
 # Each option's field of DeepSparkParameter: proto/deepspark.proto declares it, with its default and its meaning.
 FIELDS = {

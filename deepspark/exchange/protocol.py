@@ -9,6 +9,8 @@ from collections import namedtuple
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from deepspark.proto import deepspark_pb2 as pb
+
 MAGIC = b"DSPX"
 VERSION = 4  # 2: every frame after the handshake carries an integrity tag; 3: workers' solver history;
             # 4: the tag is AES-GCM's (16 bytes), not HMAC-SHA256's
@@ -41,8 +43,9 @@ GET_HISTORY = 14  # client -> server: ask for the solver history held for this w
 F_SEND_HISTORY = 1  # the driver is snapshotting: send a HISTORY frame (once the reply is applied)
 F_CODED = 2         # a CENTER frame in the job's codec (the reply to AVERAGE); without it, float32 (PULL's)
 
-# The codecs of model frames (codec.py), by the id a worker's AUTH names its own with.
-CODEC_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "int4": 4}
+# The codecs of model frames (codec.py), by the id a worker's AUTH names its own with: the schema's ExchangeCodec
+# numbers, by their names in lower case.
+CODEC_IDS = {value.name.lower(): value.number for value in pb.DeepSparkParameter.ExchangeCodec.DESCRIPTOR.values}
 CODEC_NAMES = {number: name for name, number in CODEC_IDS.items()}
 
 TYPE_NAMES = {
@@ -96,6 +99,13 @@ class ProtocolError(Exception):
     """A frame that breaks the protocol; the connection cannot go on."""
 
     code = E_PROTOCOL
+
+
+class CodecError(ProtocolError):
+    """A payload that does not decode to finite floats: refused as non-finite parameters are (here, not in
+    codec.py, so that a handler catches it without the codec)."""
+
+    code = E_NONFINITE
 
 
 class IntegrityError(ProtocolError):

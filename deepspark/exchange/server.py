@@ -8,13 +8,13 @@ import time
 
 import numpy as np
 
-from .. import rules
-from . import codec as C
-from . import handshake
-from . import protocol as P
-from .history import HistoryHandler
-from .options import ExchangeOptions
-from .transport import Connection, PeerClosed, tune
+from deepspark import rules
+from deepspark.exchange import codec as C
+from deepspark.exchange import handshake
+from deepspark.exchange import protocol as P
+from deepspark.exchange.history import HistoryHandler
+from deepspark.exchange.options import ExchangeOptions
+from deepspark.exchange.transport import Connection, PeerClosed, tune
 
 log = logging.getLogger("deepspark.exchange.server")
 

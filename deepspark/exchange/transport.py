@@ -7,8 +7,8 @@ import weakref
 
 import numpy as np
 
-from . import codec as C
-from . import protocol
+from deepspark.exchange import codec as C
+from deepspark.exchange import protocol
 
 
 # Slices of the elastic update (bench/exchange.py measures them; docs/architecture.md has the figures).

@@ -1,17 +1,8 @@
-"""Training jobs: the algorithm registry, and `train` — what `deepspark train` and `deepspark.train` run."""
+"""Training jobs: `train` — what `deepspark train` and `deepspark.train` run — over what every job shares (the algorithms are deepspark.algorithms)."""
 
-from deepspark import nets
-from deepspark.config import load_solver, output_folder, override
-from deepspark.errors import ConfigError
-from deepspark.proto import deepspark_pb2 as pb
-from deepspark.spark.average import AverageJob
-from deepspark.spark.easgd import EasgdJob
-from deepspark.spark.job import JobResult, Options
-from deepspark.spark.sync import SyncJob
-
-# The algorithms that run on Spark, by DeepSparkParameter.Algorithm; SINGLE runs in this process (deepspark.nets).
-JOBS = {pb.DeepSparkParameter.EASGD: EasgdJob, pb.DeepSparkParameter.SYNC: SyncJob,
-        pb.DeepSparkParameter.AVERAGE: AverageJob}
+from deepspark import algorithms
+from deepspark.config import load_solver, override
+from deepspark.spark.job import Job, JobPlan, JobResult, Options
 
 
 def train(solver, data=None, *, deepspark=None, weights=None, snapshot=None, iterations=None, output=None, **knobs):
@@ -31,10 +22,12 @@ def train(solver, data=None, *, deepspark=None, weights=None, snapshot=None, ite
     """
     solver = load_solver(solver, deepspark) if isinstance(solver, str) else solver
     override(solver, iterations=iterations, output=output, **knobs)
-    algorithm = solver.param.deepspark_param.algorithm
-    if algorithm == pb.DeepSparkParameter.SINGLE:
-        if data is not None:
-            raise ConfigError("a DataFrame is trained on by the Spark algorithms, not 'single'", solver.path)
-        return nets.train(solver, weights=weights, snapshot=snapshot)
+    algorithm = algorithms.of(solver.param.deepspark_param)
+    algorithm.check(solver.param.deepspark_param, solver.path)
     options = Options(weights=weights, snapshot=snapshot, data=data)
-    return JOBS[algorithm](solver, options).run()
+    if not algorithm.spark:
+        return algorithm.run(solver, options)
+    return Job().run(JobPlan.of(solver, options, algorithm))
+
+
+__all__ = ["train", "Job", "JobPlan", "JobResult", "Options"]

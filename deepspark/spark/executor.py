@@ -16,10 +16,11 @@ import numpy as np
 
 import deepspark
 from deepspark import nets, schedule
+from deepspark.algorithms.base import WorkerError
 from deepspark.backends import backend_module, use_gpu
 from deepspark.config import Solver
 from deepspark.data import checked_records, decode_datum, lmdb_io
-from deepspark.errors import DeepSparkError, SourceMap
+from deepspark.errors import SourceMap
 from deepspark.exchange import ExchangeClient, ExchangeOptions
 from deepspark.exchange.protocol import E_DIVERGED
 from deepspark.log import Log
@@ -32,10 +33,6 @@ CONNECT_SECONDS = 30.0
 # A training job's way on, beside the ones every executor has, for an LMDB it cannot see.
 WAYS_ON = (" and train from that, or ship its records through the driver with --ship-records (bounded by the "
            "driver's memory)")
-
-
-class WorkerError(DeepSparkError):
-    """A worker that cannot go on (lost driver, bad shard): the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,27 +348,6 @@ def join_center(worker, task, model, timeout):
         model.set_history_flat(history)
         model.current_step = held[1]
     return client, params, None if held is None else held[0]
-
-
-def read_params(client, model, params):
-    """The model's parameters read out into `params` for an exchange; the time counts as blocked on it: the
-    worker's own part of an exchange, which its steps wait on as they wait on the wire."""
-    with client.blocking():
-        return model.get_flat(params)
-
-
-def write_params(client, model, params):
-    """An exchange's result in `params` written back into the model, counted as blocked on it."""
-    with client.blocking():
-        model.set_flat(params)
-
-
-def send_history(client, model, asked=False):
-    """Send the worker's solver history to the exchanger, which holds it for the job's snapshots (asked: only
-    if the driver asked for it, in the reply to the last exchange). Between exchanges, never while one is in
-    flight: the model's history is the training thread's."""
-    if not asked or client.history_wanted:
-        client.send_history(model.get_history_flat(), model.iter, model.current_step)
 
 
 def run(worker, items, task, train, timeout):

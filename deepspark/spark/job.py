@@ -1,4 +1,4 @@
-"""A training job on Spark, what every algorithm shares on the driver: its start (session, shards, the center's start, the exchanger, the Task) and its finish (the workers' lines, the last snapshot and test, the summary)."""
+"""A training job on Spark, what every algorithm (deepspark.algorithms) shares on the driver: its start (session, shards, the center's start, the exchanger, the Task) and its finish (the workers' lines, the last snapshot and test, the summary)."""
 
 import contextlib
 import dataclasses
@@ -11,7 +11,7 @@ import uuid
 
 import numpy as np
 
-from deepspark import checkpoint, fillers, pylayer, schedule
+from deepspark import algorithms, checkpoint, fillers, pylayer, schedule
 from deepspark.engine import JobResult
 from deepspark.config import host_port, output_folder, random_seed
 from deepspark.data import absolute_sources, source_shape
@@ -20,7 +20,7 @@ from deepspark.exchange import ExchangeOptions, ExchangeServer
 from deepspark.graph import Graph
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
-from deepspark.spark import shards
+from deepspark.spark import executor, rounds, shards
 from deepspark.spark.center import HISTORY_SECONDS, CenterCadence
 from deepspark.spark.executor import Task
 from deepspark.spark.failures import JobError
@@ -101,18 +101,20 @@ class Options:
 
 @dataclasses.dataclass(frozen=True)
 class JobPlan:
-    """What a job is, made once before it starts: the solver (its deepspark_param names the algorithm, the
-    workers and the master), how it starts (Options), the output folder and the solver's history sets."""
+    """What a job is, made once before it starts: the solver (its deepspark_param names the workers and the
+    master), its algorithm (the ALGORITHMS row of deepspark_param.algorithm, unless given), how it starts
+    (Options), the output folder and the solver's history sets."""
 
     solver: object
+    algorithm: algorithms.Algorithm
     options: Options
     output: str
     history_sets: int
 
     @classmethod
-    def of(cls, solver, options=None):
-        return cls(solver, options or Options(), output_folder(solver),
-                   schedule.history_sets(solver.param))
+    def of(cls, solver, options=None, algorithm=None):
+        return cls(solver, algorithm or algorithms.of(solver.param.deepspark_param), options or Options(),
+                   output_folder(solver), schedule.history_sets(solver.param))
 
     @property
     def workers(self):
@@ -120,37 +122,42 @@ class JobPlan:
 
 
 class Job:
-    """One training job on Spark. An algorithm's job says how the center is held (hold_center,
-    center_flat) and how the workers train (train); the rest is here.
+    """One training job on Spark: what every algorithm shares. The plan's algorithm (algorithms/<name>.py) says
+    how the center is held (hold_center, center_flat) and how the workers train (train, through run_workers or
+    run_rounds); the rest is here.
 
-    Nothing starts in the constructor: run() starts Spark, the exchanger, the test nets
-    and the scalars, and stops whatever it started, whatever raises.
+    run(plan) starts Spark, the exchanger, the test nets and the scalars, and stops whatever it started,
+    whatever raises.
     """
 
-    title = "training"  # in the log's "Solving" line and the plot
+    server = None  # the exchanger, for an algorithm that has one
+    own_sc = None  # the SparkContext run() started, until stop_session stops it
 
-    def __init__(self, solver, options=None):
-        self.plan = plan = JobPlan.of(solver, options)
-        self.solver, self.param, self.ds = solver, solver.param, solver.param.deepspark_param
-        self.options = plan.options
-        self.workers, self.output, self.history_sets = plan.workers, plan.output, plan.history_sets
-        self.server = None  # the exchanger, for a job that has one
-        self.own_sc = None  # the SparkContext run() started, until stop_session stops it
-
-    # -- what an algorithm says ------------------------------------------------
-
-    def hold_center(self, center, host, secret):
-        """The started ExchangeServer holding x̃ (`center`, one float32 vector), or None for a job that holds
-        x̃ on the driver itself."""
-        raise NotImplementedError
-
-    def train(self, task):
-        """Train the workers to schedule.stop_iteration (driving test, snapshot and display); their Summaries."""
-        raise NotImplementedError
+    @property
+    def title(self):
+        """In the log's "Solving" line and the plot."""
+        return self.algorithm.title(self.ds)
 
     def center_flat(self):
         """A copy of x̃ as one float32 vector."""
-        return self.server.pull()
+        return self.algorithm.center_flat(self)
+
+    def run_workers(self, task, train_worker, timeout, barrier=False):
+        """One long Spark task per worker, each `executor.run` with the algorithm's loop `train_worker(trainer,
+        client, params)` (joining the center within `timeout` seconds), followed through the exchanger (watch);
+        their Summaries. barrier: Spark's barrier execution mode, all N tasks together."""
+        if not barrier:
+            return self.watch(lambda: self.shards.mapPartitionsWithIndex(
+                lambda i, items: [executor.run(i, items, task, train_worker, timeout)]).collect())
+        # The shuffle after the barrier stage makes it a ShuffleMapStage, which Spark reruns
+        # whole when a task fails (a barrier ResultStage fails the job instead).
+        return self.watch(lambda: self.shards.barrier().mapPartitionsWithIndex(
+            lambda i, items: [executor.run(i, items, task, train_worker, timeout)]).repartition(1).collect())
+
+    def run_rounds(self, task, train_round, update_center):
+        """Rounds without an exchanger (spark/rounds.py): the center broadcast, `train_round(trainer, steps)` on
+        every worker, `update_center(job, returned)` on the driver; the workers' Summaries."""
+        return rounds.run_rounds(self, task, train_round, update_center)
 
     def exchange_address(self):
         """(host, port) the workers connect to: exchange_address when set, else where the exchanger listens;
@@ -175,8 +182,12 @@ class Job:
 
     # -- the run ----------------------------------------------------------------
 
-    def run(self):
-        """The whole job; its JobResult."""
+    def run(self, plan):
+        """The whole job of JobPlan `plan`; its JobResult."""
+        self.plan, self.algorithm = plan, plan.algorithm
+        self.solver, self.param, self.ds = plan.solver, plan.solver.param, plan.solver.param.deepspark_param
+        self.options, self.workers, self.output, self.history_sets = (plan.options, plan.workers, plan.output,
+                                                                      plan.history_sets)
         with contextlib.ExitStack() as stack:
             self.log = Log(os.path.join(self.output, "train.log"), append=bool(self.options.snapshot))
             stack.callback(self.log.close)
@@ -199,7 +210,7 @@ class Job:
             if schedule.stop_note(self.param):
                 self.log.info(schedule.stop_note(self.param))
             self.submitted = time.time()  # the workers' ready_at is in the same clock
-            results = self.train(self.task)
+            results = self.algorithm.train(self, self.task)
             self.stop_session()  # its executors and Python workers are done: their memory goes before the last test
             return self.finish(results)
 
@@ -211,8 +222,8 @@ class Job:
         self.load_center(shape)
         host = "127.0.0.1" if on_loopback(self.sc.master) else setting(self.sc, "spark.driver.host")
         secret = secrets.token_hex(32)
-        self.server = self.hold_center(np.concatenate([a.reshape(-1) for a in self.center0]).astype(np.float32),
-                                       host, secret)
+        center = np.concatenate([a.reshape(-1) for a in self.center0]).astype(np.float32)
+        self.server = self.algorithm.hold_center(self, center, host, secret)
         if self.server is not None:
             stack.callback(self.server.stop)
             if self.ds.exchange_address:

@@ -1,0 +1,120 @@
+"""What every algorithm's module fills in (Algorithm), and what their worker loops and cost models share."""
+
+import dataclasses
+
+from deepspark.errors import ConfigError, DeepSparkError
+from deepspark.proto import deepspark_pb2 as pb
+
+
+class WorkerError(DeepSparkError):
+    """A worker that cannot go on (lost driver, bad shard): the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """What `workers` workers do: images per second of the whole job, its speedup over one worker alone
+    (no exchange), the share of a worker's time blocked on the exchange, the center's busy share
+    (1: saturated), and the seconds between two exchanges of one worker."""
+
+    workers: int
+    images_per_second: float
+    speedup: float
+    exchange_share: float
+    center_load: float
+    cycle: float
+
+
+class Algorithm:
+    """One row of the ALGORITHMS table: an algorithm whole, as the spark Job, plan and the training check use it.
+
+    The spark Job (deepspark.spark.job) calls hold_center and train with itself as `job`: the session
+    (job.sc), the shards, the log, the cadence, exchange_server and run_workers are its, the rule is the row's.
+    """
+
+    name = None  # DeepSparkParameter.algorithm's value name, lower case
+    spark = True  # trained by the spark Job; False: in this process (train)
+    exchanger = True  # its workers exchange through the driver's exchanger (codec, saturation)
+
+    def title(self, ds):
+        """What the log's "Solving" line and the plot call it."""
+        return self.name
+
+    def check(self, ds, path):
+        """DeepSparkParameter values this algorithm cannot run: one line naming the field (after config's
+        own check_deepspark)."""
+        if not self.exchanger and ds.exchange_codec != pb.DeepSparkParameter.FLOAT32:
+            raise ConfigError(f"exchange_codec {pb.DeepSparkParameter.ExchangeCodec.Name(ds.exchange_codec)} codes "
+                              f"the exchanger's frames (easgd, sync); {self.no_codec}", path)
+
+    no_codec = ""  # why a codec means nothing to an algorithm without the exchanger
+
+    def handler(self, ds, workers):
+        """The exchanger's Handler (deepspark.exchange.handlers) of a job of `workers` workers; None without one."""
+        return None
+
+    def hold_center(self, job, center, host, secret):
+        """The started ExchangeServer holding x̃ (`center`, one float32 vector), or None for an algorithm that holds
+        x̃ on the driver itself (then center_flat says where)."""
+        server = job.exchange_server(center, host, secret, self.handler(job.ds, job.workers))
+        job.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; {self.listening(job)}")
+        return server
+
+    def listening(self, job):
+        """The rest of the "Exchanger listening" line: how the workers use it."""
+        return f"{job.workers} workers"
+
+    def center_flat(self, job):
+        """A copy of x̃ as one float32 vector."""
+        return job.server.pull()
+
+    def train(self, job, task):
+        """Train the workers to schedule.stop_iteration (driving test, snapshot and display); their Summaries."""
+        raise NotImplementedError
+
+    def cost(self, costs, network, ds, workers, shared=1.0):
+        """The Projection (plan) of `workers` workers; `shared` > 1 when workers share cores."""
+        raise NotImplementedError
+
+    def saturation(self, costs, network, ds):
+        """The most workers the single center serves without their exchanges queueing; None where it does not
+        apply."""
+        return None
+
+
+# -- what the cost models share ----------------------------------------------------------------
+
+
+def exchange_seconds(costs, network):
+    """T_comm of one exchange alone: x up and d down, each over the worker's link and the center's
+    (S / bandwidth each way, for S = costs.bytes), two latencies, and the center's work."""
+    return 2 * costs.bytes / network.bandwidth + 2 * network.latency + costs.server
+
+
+def center_rate(costs, network):
+    """R: the exchanges per second the single center can serve. Its link carries S in and S out per
+    exchange (full duplex: S / bandwidth), its work costs T_server; the larger bounds it."""
+    return 1.0 / max(costs.bytes / network.bandwidth, costs.server)
+
+
+# -- what the worker loops share -------------------------------------------------------------------
+
+
+def read_params(client, model, params):
+    """The model's parameters read out into `params` for an exchange; the time counts as blocked on it: the
+    worker's own part of an exchange, which its steps wait on as they wait on the wire."""
+    with client.blocking():
+        return model.get_flat(params)
+
+
+def write_params(client, model, params):
+    """An exchange's result in `params` written back into the model, counted as blocked on it."""
+    with client.blocking():
+        model.set_flat(params)
+
+
+def send_history(client, model, asked=False):
+    """Send the worker's solver history to the exchanger, which holds it for the job's snapshots (asked: only
+    if the driver asked for it, in the reply to the last exchange). Between exchanges, never while one is in
+    flight: the model's history is the training thread's."""
+    if not asked or client.history_wanted:
+        client.send_history(model.get_history_flat(), model.iter, model.current_step)

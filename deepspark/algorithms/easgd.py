@@ -1,0 +1,190 @@
+"""Asynchronous EASGD (the default): N long Spark tasks, each exchanging with the driver's center every period, overlapped with its next iterations; its handler, worker loop and cost."""
+
+import contextlib
+import logging
+import math
+import threading
+import time
+
+from deepspark import rules
+from deepspark.algorithms.base import Algorithm, Projection, center_rate, exchange_seconds, send_history
+from deepspark.exchange import ExchangeOptions, OverlappedExchange
+from deepspark.exchange import protocol as P
+from deepspark.exchange.handlers import Handler
+from deepspark.exchange.transport import slice_floats
+from deepspark.schedule import stop_iteration
+
+log = logging.getLogger(__name__)
+
+
+class EasgdHandler(Handler):
+    """Asynchronous EASGD on EXCHANGE frames: d = α(x − x̃) goes back to the worker, x̃ += server_factor·d.
+
+    moving_rate    α; × moving_rate_gamma every moving_rate_step exchanges, never below moving_rate_limit
+                   (rules.decayed; the knobs of DeepSparkParameter)
+    server_factor  scales the center's share of d
+    consistent     serialise updates under a lock (deterministic tests); the default is the
+                   paper's lock-free variant
+    chunk          floats per slice of the update (default: transport.slice_floats by size)
+
+    Parameters holding NaN or Inf are refused with the center untouched, and the
+    connection goes on (the worker resets from x̃).
+    """
+
+    frame = P.EXCHANGE
+    kind = "an asynchronous EASGD"
+
+    def __init__(self, moving_rate, *, server_factor=1.0, moving_rate_gamma=1.0, moving_rate_step=0,
+                 moving_rate_limit=0.0, consistent=False, chunk=None):
+        if not 0.0 < moving_rate <= 1.0:
+            raise ValueError(f"moving_rate must be in (0, 1], got {moving_rate!r}")
+        self.base_moving_rate = float(moving_rate)
+        self.server_factor = float(server_factor)
+        self.decay = (float(moving_rate_gamma), int(moving_rate_step), float(moving_rate_limit))
+        self.consistent = bool(consistent)
+        self.lock = threading.Lock() if consistent else contextlib.nullcontext()
+        self.copy_lock = self.send_lock = self.lock
+        self.chunk = chunk
+
+    @classmethod
+    def of(cls, options, **kwargs):
+        """The rule of a job's ExchangeOptions: its moving rate, the rate's decay and floor, and the server factor
+        (kwargs: consistent, chunk)."""
+        return cls(options.moving_rate, server_factor=options.server_factor,
+                   moving_rate_gamma=options.moving_rate_gamma, moving_rate_step=options.moving_rate_step,
+                   moving_rate_limit=options.moving_rate_limit, **kwargs)
+
+    def attach(self, server, center):
+        super().attach(server, center)
+        self.step, self.span = slice_floats(center.size, self.chunk)
+        self.scratch = self.span
+
+    @property
+    def moving_rate(self):
+        """α after the exchanges the server has applied so far."""
+        return rules.decayed(self.base_moving_rate, *self.decay, 0 if self.server is None else self.server.exchanges)
+
+    def serve(self, conn, h):
+        started = time.monotonic()  # the header has just arrived
+        server, center = self.server, self.center
+        buf, ok, wid = conn.buf, conn.ok, conn.worker_id
+        n, step = center.size, self.step
+        count = server.exchanges
+        alpha = rules.decayed(self.base_moving_rate, *self.decay, count)
+        finite = True
+
+        def difference(start, end):
+            # Lock-free, x̃ is read while other workers add to it, as in the paper's asynchronous variant.
+            nonlocal finite
+            span = self.span if end == n else step  # all of x is in: the rest in as few calls as the scratch allows
+            for lo in range(start, end, span):
+                hi = min(lo + span, end)
+                seg = buf[lo:hi]
+                rules.elastic_difference(seg, center[lo:hi], alpha, out=seg)
+                if finite and not rules.all_finite(seg, ok[:hi - lo]):
+                    finite = False
+
+        frames = conn.frames
+        try:
+            # Outside the lock: a consistent server reads x whole first (a slow sender holds up nobody); a coded
+            # x always comes whole, its tag checked, and decodes to the server's picture of the worker.
+            frames.prefetch_params(self.consistent)
+        except P.CodecError:
+            finite = False
+        with self.lock:
+            if finite:
+                # d = α(x − x̃) slice by slice as x arrives, in its receive buffer; a frame changed on the way
+                # raises here, before anything has touched the center.
+                frames.receive_params(difference, step)
+            if not finite:
+                # Nothing has touched the center yet: refuse, keep the connection.
+                server.count(wid, "refused_nonfinite")
+                reason = f"worker {wid} sent NaN or Inf parameters at iteration {h.iteration}; reset from the center"
+                log.warning(reason)
+                raise P.Declined(P.E_NONFINITE, reason)
+            # Committed: counted before the reply so that a worker never sees its
+            # exchange done before the server's books do.
+            server.committed((wid,))
+            self._reply(conn, count)
+            server.record(wid, latency=time.monotonic() - started)
+
+    def _reply(self, conn, count):
+        """DIFF d to the worker and x̃ += server_factor·d, overlapped (the transport's send_difference says how)."""
+        center, buf, scratch, factor = self.center, conn.buf, conn.scratch, self.server_factor
+
+        def add(start, end):
+            rules.apply_to_center(center[start:end], buf[start:end], factor, scratch[:end - start])
+
+        conn.frames.send_difference(count, self.server.history.reply_flags(conn.worker_id), self.span, add)
+
+
+def handler(ds):
+    """The exchanger's EASGD rule with the job's moving rate, its decay and floor, and the server factor."""
+    return EasgdHandler.of(ExchangeOptions.of(ds))
+
+
+def train_worker(trainer, client, params):
+    """A worker's loop: local steps, and every period an elastic exchange (overlapped by default) with
+    the center; the center gets the worker's final state. (last loss, no extra summary fields)."""
+    model, param = trainer.model, trainer.param
+    ds = param.deepspark_param
+    schedule = rules.ExchangeSchedule(ds.period, adaptive=ds.adaptive_period)
+    exchange = OverlappedExchange(client, model.get_flat, model.set_flat, params, overlap=ds.overlap)
+    loss = math.nan
+    stop = stop_iteration(param)
+    while model.iter < stop:
+        loss = trainer.step()
+        exchange.poll()
+        if schedule.step(loss):
+            exchange.start(model.iter, loss, before=lambda: send_history(client, model, asked=True))
+        else:
+            client.report(model.iter, loss)  # nothing while an exchange is in flight
+    # The last solver history is held for the job's last snapshot.
+    exchange.finish(model.iter, loss, before=lambda: send_history(client, model))
+    return loss, {}
+
+
+def project(costs, network, workers, period, overlap=True, shared=1.0):
+    """Async EASGD: a worker computes `period` steps, then exchanges.
+
+        compute = period · T_comp · shared            (shared > 1: workers share cores)
+        cycle   = max(compute, T_comm) + T_worker     (overlapped: the exchange runs during the next steps)
+        cycle   = compute + T_comm + T_worker         (blocking)
+        cycle_N = max(cycle, N / R)                   (past R the workers queue at the center)
+        images/s = N · period · batch / cycle_N
+    """
+    compute = period * costs.step * shared
+    comm = exchange_seconds(costs, network)
+    cycle = (max(compute, comm) if overlap else compute + comm) + costs.worker
+    rate = center_rate(costs, network)
+    cycle_n = max(cycle, workers / rate)
+    images = workers * period * costs.batch / cycle_n
+    return Projection(workers, images, images * costs.step / costs.batch, 1 - compute / cycle_n,
+                      min(1.0, workers / cycle_n / rate), cycle_n)
+
+
+class Easgd(Algorithm):
+    """Async EASGD: every period, d = α(x − x̃); the worker takes x − d, the center x̃ + d (rules.py)."""
+
+    name = "easgd"
+
+    def title(self, ds):
+        return "async EASGD"
+
+    def handler(self, ds, workers):
+        return handler(ds)
+
+    def listening(self, job):
+        ds = job.ds
+        return f"{job.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}"
+
+    def train(self, job, task):
+        return job.run_workers(task, train_worker, job.ds.exchange_timeout)
+
+    def cost(self, costs, network, ds, workers, shared=1.0):
+        return project(costs, network, workers, ds.period, ds.overlap, shared)
+
+    def saturation(self, costs, network, ds):
+        """R × the cycle of one worker alone."""
+        alone = project(costs, network, 1, ds.period, ds.overlap)
+        return int(alone.cycle * center_rate(costs, network))
