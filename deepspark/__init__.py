@@ -1,6 +1,7 @@
 """DeepSpark: Caffe-defined networks trained on Spark with asynchronous EASGD."""
 
 import os
+import sys
 
 __version__ = "0.1.0"
 
@@ -12,6 +13,24 @@ LAZY = {"Net": "deepspark.net", "Classifier": "deepspark.classifier"}
 # more than our backend load it (tensorboard's writer does); every DeepSpark process, driver or worker,
 # imports this package first. A user's own setting wins. oneDNN itself stays on (see log.NATIVE_BANNER).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _executors_python():
+    """The Python the executors run, where the user chose none: this one (where deepspark is), from the session's
+    first job. pyspark's own default, `python3` on PATH, is another Python wherever the venv is not activated (a
+    notebook's kernel, an IDE, cron): it may lack deepspark, and a user's UDFs would run there before the first
+    DeepSpark job and here after it (spark.session.this_python). A SparkContext already running is told too."""
+    if os.environ.get("PYSPARK_PYTHON") or not sys.executable:  # the user's choice; an embedded Python's none
+        return
+    context = getattr(sys.modules.get("pyspark.context"), "SparkContext", None)  # pyspark is not imported for it
+    if getattr(context, "_active_spark_context", None) is not None:
+        from deepspark.spark.session import this_python  # deferred with pyspark, which is loaded already here
+
+        this_python(context._active_spark_context)
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # read as each SparkContext starts (a Connect server's too)
+
+
+_executors_python()
 
 
 def train(solver, data=None, **options):

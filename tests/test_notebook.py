@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -129,14 +130,18 @@ def kernel(tmp_path, widgets):
     return str(prefix / "share" / "jupyter")
 
 
+def path_without_venv():
+    """PATH without the venv's bin folder, as a kernel or a script started outside it has: `python3` is another one."""
+    venv_bin = os.path.abspath(os.path.dirname(sys.executable))
+    return os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if os.path.abspath(p) != venv_bin)
+
+
 def run_notebook(tmp_path, monkeypatch, cells, widgets):
     """The notebook of `cells` [(tag, code)] executed in a fresh kernel: its cells, outputs saved."""
     nbclient = pytest.importorskip("nbclient")
     nbformat = pytest.importorskip("nbformat")
     monkeypatch.setenv("JUPYTER_PATH", kernel(tmp_path, widgets))
-    venv_bin = os.path.dirname(sys.executable)
-    monkeypatch.setenv("PATH", os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
-                                               if os.path.abspath(p) != os.path.abspath(venv_bin)))
+    monkeypatch.setenv("PATH", path_without_venv())
     monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
     monkeypatch.delenv("VIRTUAL_ENV", raising=False)
     # ipykernel leaves the output of its process's file descriptors (the JVM's, which a user's notebook shows) out of
@@ -271,11 +276,54 @@ def test_a_notebook_without_ipywidgets_gets_plain_progress_lines(tmp_path, monke
     check_quiet(cells)
 
 
+# A user's script in the venv: ipykernel imported (pyspark imports it as it names a call's site) but no kernel runs;
+# its session started before deepspark is imported, and a UDF of its own run before the fit and after it.
+SCRIPT = f"""
+import sys
+import ipykernel  # what pyspark's errors.utils imports: no kernel for all that
+import numpy as np
+from pyspark.ml.linalg import Vectors
+from pyspark.sql import SparkSession, functions as F
+
+spark = SparkSession.builder.master("local[2]").config("spark.driver.host", "127.0.0.1").getOrCreate()
+from deepspark.ml import DeepSparkEstimator
+
+def python():
+    return spark.range(1).select(F.udf(lambda _: sys.executable)("id")).first()[0]
+
+print("before:", python())
+rng = np.random.default_rng(0)
+rows = [(Vectors.dense(rng.random(784)), float(i % 10)) for i in range(200)]
+DeepSparkEstimator(solver="{SOLVER}", inputCol="features", maxIter=20, output=sys.argv[1]).fit(
+    spark.createDataFrame(rows, ["features", "label"]))
+print("after:", python())
+print("kernel modules:", "ipykernel" in sys.modules)
+"""
+
+
+@pytest.mark.spark
+def test_a_script_in_a_venv_with_ipykernel_prints_progress_lines_and_keeps_one_python(tmp_path):
+    pytest.importorskip("ipykernel")
+    script = tmp_path / "fit.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": ROOT, "SPARK_LOCAL_IP": "127.0.0.1", "PATH": path_without_venv()}
+    for name in ("PYTEST_CURRENT_TEST", "PYSPARK_PYTHON", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernel modules: True" in done.stdout
+    progress = re.findall(r"Progress: iteration (\d+) of 20 .*w0 .*w1 ", done.stderr)
+    assert progress and progress[-1] == "20", done.stderr[-3000:]  # lines, as any stream that is no terminal gets
+    assert "0%|" not in done.stderr + done.stdout and "HBox" not in done.stdout, done.stdout[-2000:]
+    # The executors ran the venv's Python from the first job on: deepspark set it as it was imported.
+    assert f"before: {sys.executable}" in done.stdout and f"after: {sys.executable}" in done.stdout, done.stdout
+
+
 # -- the progress's pieces, no kernel ----------------------------------------------------------------------------
 
 
-def test_a_stream_that_is_no_terminal_gets_a_line_per_tenth_of_the_job_and_one_at_its_end(monkeypatch):
-    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)  # this process is no kernel, whatever nbclient loaded
+def test_a_stream_that_is_no_terminal_gets_a_line_per_tenth_of_the_job_and_one_at_its_end():
     stream = io.StringIO()
     log = Log(stream=stream)
     progress = bars.worker_progress(log, 2, 100, 64)
@@ -293,12 +341,16 @@ def test_a_stream_that_is_no_terminal_gets_a_line_per_tenth_of_the_job_and_one_a
 
 
 def test_a_terminal_keeps_its_live_rows_and_a_kernel_without_ipywidgets_gets_lines(monkeypatch):
-    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)  # this process is no kernel, whatever nbclient loaded
+    pytest.importorskip("ipykernel")  # imported, as pyspark does: this process is no kernel all the same
+    assert not bars.in_notebook()
     assert bars.worker_progress(Log(stream=io.StringIO(), progress=True), 2, 100, 64) is None  # watch.Progress
-    monkeypatch.setitem(sys.modules, "ipykernel", sys)  # a kernel (any module stands for it)
+    shell = types.SimpleNamespace(kernel=object())  # what a running kernel's shell has (ipykernel's)
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # whose Python cannot import ipywidgets
     assert bars.in_notebook() and not bars.has_widgets()
     assert isinstance(bars.worker_progress(Log(stream=io.StringIO()), 2, 100, 64), bars.Lines)
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: types.SimpleNamespace()))
+    assert not bars.in_notebook()  # a terminal's IPython has a shell, and no kernel
 
 
 def test_the_progress_lines_stay_out_of_the_log_file(tmp_path):

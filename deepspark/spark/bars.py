@@ -22,12 +22,13 @@ LINES_PER_JOB = 10
 
 
 def in_notebook():
-    """Whether this process is a Jupyter kernel (an IPython kernel: its stderr is no terminal, a widget draws)."""
-    if "ipykernel" in sys.modules:
-        return True
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
-    return type(shell).__name__ == "ZMQInteractiveShell"
+    """Whether this process runs a Jupyter kernel now: IPython's running shell has a kernel (ipykernel's
+    ZMQInteractiveShell, its stderr no terminal, a widget draws). Not whether ipykernel is imported: pyspark imports
+    it, and a plain script in a venv that has it would draw widgets nobody sees (a bar frozen at 0%)."""
+    ipython = sys.modules.get("IPython")  # a kernel has imported it; looking does not import it where none runs
+    get_ipython = getattr(ipython, "get_ipython", None)
+    shell = get_ipython() if callable(get_ipython) else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 def has_widgets():

@@ -158,10 +158,11 @@ def spark_context(ds, workers):
 
 def this_python(sc):
     """`sc`, its local-mode executors made to run this process's Python (sys.executable, where deepspark is) unless
-    the user chose one (PYSPARK_PYTHON, spark.pyspark.python): a context the user started from a Python whose venv
-    is not activated (a notebook's kernel, an IDE, cron) would run `python3` from PATH, which may not have it.
-    pyspark reads sc.pythonExec as it ships each function."""
-    chosen = os.environ.get("PYSPARK_PYTHON") or setting(sc, "spark.pyspark.python")
+    the user chose another (PYSPARK_PYTHON, spark.pyspark.python): a context the user started from a Python whose venv
+    is not activated (a notebook's kernel, an IDE, cron), before deepspark was imported (which sets PYSPARK_PYTHON
+    where it is unset), would run `python3` from PATH, which may not have it. pyspark reads sc.pythonExec as it
+    ships each function."""
+    chosen = os.environ.get("PYSPARK_PYTHON", sys.executable) != sys.executable or setting(sc, "spark.pyspark.python")
     if is_local(sc.master) and not chosen:
         sc.pythonExec = sys.executable
     return sc
