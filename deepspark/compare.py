@@ -6,7 +6,22 @@ weights on the same batches and the loss trajectories are compared, and each
 step from the first backend's weights and history is compared blob by blob
 (Dropout switched off there: each backend draws its own masks). A blob's
 relative difference is its largest absolute difference over the larger of
-the two blobs' largest magnitudes, so values near zero do not blow it up.
+the two blobs' largest magnitudes, so values near zero do not blow it up
+(a parameter blob's: over its layer's blobs' largest magnitude).
+
+The tolerance rule: a blob differs when its relative difference exceeds the
+tolerance plus NOISE_MARGIN times its noise floor, the relative difference
+the first backend gives against itself when each value of the batch is
+nudged by up to NUDGE (one part in a million: float32 rounding of the order
+that two backends' different summation orders make, amplified as this net
+and solver amplify it). The floor scales with the blob's magnitude and with
+the solver: Adam, RMSProp, AdaGrad and AdaDelta normalise each element's
+update, so an element whose gradient is within rounding of zero moves by up
+to the full step on one backend and not on the other, and the nudge moves it
+so too (huangzehao/caffe-vdsr's Adam: 8.6e-4 after one step, pycaffe against
+itself nudged 7.9e-4); a deep recurrent stack (LRCN's lstm2) amplifies its
+inputs' rounding likewise. Where nothing amplifies rounding, the floor is
+near zero and the tolerance alone judges.
 """
 
 import copy
@@ -27,6 +42,8 @@ from deepspark.proto import deepspark_pb2 as pb
 
 SEED = 1701
 TIMING_REPEATS = 3
+NUDGE = 1e-6  # the relative change of each batch value that measures a blob's noise floor
+NOISE_MARGIN = 2  # the floor is one draw of rounding; the other backend's makes a second of the same size
 
 
 # -- data ---------------------------------------------------------------------------
@@ -148,6 +165,26 @@ def difference(a, b):
     return absolute, (absolute / scale if scale > 0 else absolute)
 
 
+def nudged(batch, seed=SEED):
+    """`batch` (a dict of arrays, or a list of them) with each value multiplied by 1 + NUDGE * u, u uniform in
+    [0, 1) and seeded: upwards only, so that an integer label keeps its integer part (Caffe truncates it)."""
+    if not isinstance(batch, dict):
+        return [nudged(part, seed + i) for i, part in enumerate(batch)]
+    rng = np.random.default_rng(seed)
+    return {top: (np.asarray(array, np.float64) * (1 + NUDGE * rng.random(np.shape(array)))).astype(np.float32)
+            for top, array in batch.items()}
+
+
+def allowed(tolerance, floor):
+    """The largest relative difference a blob may show: the tolerance above NOISE_MARGIN times its noise floor."""
+    return tolerance + NOISE_MARGIN * floor
+
+
+def excess(relative, floor):
+    """How far a relative difference lies above NOISE_MARGIN times its noise floor: what the tolerance bounds."""
+    return relative - NOISE_MARGIN * floor
+
+
 def param_blobs(graph):
     """Each parameter blob in Caffe's order as (name, the indices of its layer's blobs): the name `layer[k]`,
     pycaffe's net.params[layer][k] (a shared blob by its first owner)."""
@@ -164,19 +201,27 @@ def weight_difference(reference, other, blobs):
     magnitude of its layer's blobs: a bias a step has just moved from 0 holds values near 0, and the float32
     rounding of its gradient's sum, relative to them, says nothing of the layer. The first blob's on a tie;
     (0.0, None, 0.0) for a net without parameters."""
+    worst = (0.0, None, 0.0)
+    for (name, _), (relative, absolute) in zip(blobs, blob_differences(reference, other, blobs)):
+        if worst[1] is None or relative > worst[0]:
+            worst = (relative, name, absolute)
+    return worst
+
+
+def blob_differences(reference, other, blobs):
+    """[(relative, absolute) difference] of each parameter blob, as weight_difference measures it."""
     def magnitude(array):
         array = np.abs(np.asarray(array, np.float64))
         array = array[np.isfinite(array)]
         return float(np.max(array)) if array.size else 0.0
 
-    worst = (0.0, None, 0.0)
-    for (name, layer), a, b in zip(blobs, reference, other, strict=True):
+    magnitudes = [max(magnitude(a), magnitude(b)) for a, b in zip(reference, other, strict=True)]
+    result = []
+    for (_, layer), a, b in zip(blobs, reference, other, strict=True):
         absolute = difference(a, b)[0]
-        scale = max(max(magnitude(reference[i]), magnitude(other[i])) for i in layer)
-        relative = absolute / scale if scale > 0 and np.isfinite(absolute) else absolute
-        if worst[1] is None or relative > worst[0]:
-            worst = (relative, name, absolute)
-    return worst
+        scale = max(magnitudes[i] for i in layer)
+        result.append((absolute / scale if scale > 0 and np.isfinite(absolute) else absolute, absolute))
+    return result
 
 
 # -- the runs -----------------------------------------------------------------------------
@@ -242,10 +287,11 @@ def unit_batch_norm(model, params):
     return params
 
 
-def compare_forward(models, batches, repeats=TIMING_REPEATS):
+def compare_forward(models, batches, repeats=TIMING_REPEATS, floors=None):
     """Forward each model on one batch: ({backend: images/s}, [(blob, shape, {backend: (abs, rel)}, constant)]).
 
     Differences are against the first backend; constant: the first backend's blob holds one value only.
+    floors: a dict to fill with each blob's noise floor (the first backend against itself on the batch nudged).
     """
     names = list(models)
     batch = batches.next_batch()
@@ -258,6 +304,9 @@ def compare_forward(models, batches, repeats=TIMING_REPEATS):
         speed[name] = repeats * images(batch, model) / (time.perf_counter() - started)
     rows = []
     reference = outputs[names[0]]
+    if floors is not None:
+        again = models[names[0]].forward(nudged(batch))
+        floors.update((blob, difference(value, again[blob])[1]) for blob, value in reference.items())
     for blob, value in reference.items():
         diffs = {name: difference(value, outputs[name].get(blob, np.full(1, np.nan))) for name in names[1:]}
         constant = np.size(value) > 1 and bool(np.all(np.asarray(value) == np.ravel(value)[0]))
@@ -288,8 +337,9 @@ def compare_training(models, plan):
 
 
 def compare_steps(models, plan, params, state):
-    """Each iteration from the first backend's exact state: {backend: [(loss rel, weights rel, blob)]}, the
-    weights' the worst blob's (weight_difference) and `blob` its name.
+    """Each iteration from the first backend's exact state: {backend: [(loss rel, weights rel, blob, floor)]},
+    the weights' those of the blob furthest above its noise floor (blob_differences; the floor: the first
+    backend's own step on the batch nudged, against its step) and `blob` its name.
 
     Starting every backend's step from the same weights and history separates
     a difference in one step (a bug) from float32 rounding that free-running
@@ -305,15 +355,29 @@ def compare_steps(models, plan, params, state):
     for batch in plan:
         params, state = reference.get_params(), reference.get_state()
         loss = reference.step(batch)
-        after = reference.get_params()
+        after, after_state = reference.get_params(), reference.get_state()
+        floors = [relative for relative, _ in blob_differences(after, step_from(reference, params, state,
+                                                                                nudged(batch)), blobs)]
+        reference.set_params(after)
+        reference.set_state(after_state)
         for name in names[1:]:
-            model = models[name]
-            model.set_params(params)
-            model.set_state(state)
-            other = model.step(batch)
-            relative, blob, _ = weight_difference(after, model.get_params(), blobs)
-            steps[name].append((abs(other - loss) / max(abs(loss), 1e-12), relative, blob))
+            losses = []
+            relatives = blob_differences(after, step_from(models[name], params, state, batch, losses), blobs)
+            worst = max(range(len(blobs)), key=lambda i: excess(relatives[i][0], floors[i]), default=None)
+            row = (relatives[worst][0], blobs[worst][0], floors[worst]) if worst is not None else (0.0, None, 0.0)
+            steps[name].append((abs(losses[0] - loss) / max(abs(loss), 1e-12),) + row)
     return steps
+
+
+def step_from(model, params, state, batch, losses=None):
+    """`model`'s parameters after one step on `batch` from `params` and solver `state`; its loss appended to
+    `losses` where given."""
+    model.set_params(params)
+    model.set_state(state)
+    loss = model.step(batch)
+    if losses is not None:
+        losses.append(loss)
+    return model.get_params()
 
 
 def loss_differences(losses):
@@ -380,30 +444,34 @@ def compare_forward_pass(out, result, backends, net, path, batch_size, weights, 
                    stages=stages)
     try:
         batches, kind = batch_source(models[backends[0]], pb.TEST)
+        floors = {}
         try:
-            speed, rows = compare_forward(models, batches)
+            speed, rows = compare_forward(models, batches, floors=floors)
         finally:
             batches.close()
         others = backends[1:]
         out.write(f"forward, TEST phase: {path} ({kind} data, batch {images(None, models[backends[0]])}; "
-                  f"differences against {backends[0]}, tolerance {forward_tolerance:g} relative)\n")
-        table = [("blob", "shape") + tuple(h for name in others for h in (f"{name} max abs", f"{name} rel"))]
-        worst = 0.0
+                  f"differences against {backends[0]}, tolerance {forward_tolerance:g} relative above "
+                  f"{NOISE_MARGIN} x the noise floor, {backends[0]} against itself on the batch nudged by {NUDGE:g})\n")
+        table = [("blob", "shape", "floor") + tuple(h for name in others for h in (f"{name} max abs", f"{name} rel"))]
+        worst, worst_floor = 0.0, 0.0
         for blob, shape, diffs, _ in rows:
             cells = []
             for name in others:
                 absolute, relative = diffs[name]
-                worst = max(worst, relative) if not np.isnan(relative) else float("inf")
+                relative = relative if not np.isnan(relative) else float("inf")
+                if excess(relative, floors[blob]) > excess(worst, worst_floor):
+                    worst, worst_floor = relative, floors[blob]
                 cells += [f"{absolute:.3g}", f"{relative:.3g}"]
-            table.append((blob, "x".join(map(str, shape)) or "scalar", *cells))
+            table.append((blob, "x".join(map(str, shape)) or "scalar", f"{floors[blob]:.3g}", *cells))
         _table(table, out)
         constant = [blob for blob, _, _, same in rows if same]
         if constant:
             out.write(f"warning: {', '.join(constant)} hold one value on {backends[0]} (a constant output): "
                       "their differences say little\n")
         blobs = {blob: {name: diffs[name] for name in others} for blob, _, diffs, _ in rows}
-        _verdict(out, result, "forward", {"blobs": blobs, "worst_relative": worst}, speed, worst, forward_tolerance,
-                 "FORWARD DIFFERS: worst relative difference")
+        _verdict(out, result, "forward", {"blobs": blobs, "worst_relative": worst, "floors": floors}, speed, worst,
+                 allowed(forward_tolerance, worst_floor), "FORWARD DIFFERS: worst relative difference")
     finally:
         close_all(models)
 
@@ -431,18 +499,19 @@ def compare_training_run(out, result, backends, solver, path, batch_size, weight
         diffs = loss_differences(losses)
         out.write(f"\ntraining: {solver_path}, {iterations} iterations ({kind} data, batch "
                   f"{images(None, models[backends[0]])}; loss tolerance {loss_tolerance:g} absolute, weight "
-                  f"tolerance {weight_tolerance:g} relative)\n")
+                  f"tolerance {weight_tolerance:g} relative above {NOISE_MARGIN} x the noise floor)\n")
         if dropped:
             out.write(f"compare: Dropout switched off in layers {', '.join(dropped)} (each backend draws its own "
                       "masks)\n")
         out.write("(diff: free-running absolute loss difference; step: one step from the same weights and "
-                  "history, loss and weights relative difference)\n")
+                  f"history, loss and weights relative difference; floor: that blob's, {backends[0]}'s own step on "
+                  f"the batch nudged by {NUDGE:g})\n")
         table = [("iter",) + tuple(f"{name} loss" for name in backends)
-                 + tuple(h for name in others for h in (f"{name} diff", "step loss", "step weights"))]
+                 + tuple(h for name in others for h in (f"{name} diff", "step loss", "step weights", "floor"))]
         for i in range(iterations):
             table.append((i,) + tuple(f"{losses[name][i]:.6f}" for name in backends)
-                         + tuple(cell for name in others for cell in
-                                 (f"{diffs[name][i]:.3g}", f"{steps[name][i][0]:.3g}", f"{steps[name][i][1]:.3g}")))
+                         + tuple(f"{cell:.3g}" for name in others for cell in
+                                 (diffs[name][i], steps[name][i][0], steps[name][i][1], steps[name][i][3])))
         _table(table, out)
         worst_loss = max((float(np.max(d)) if len(d) else 0.0 for d in diffs.values()), default=0.0)
         if not np.isfinite(worst_loss):
@@ -461,27 +530,37 @@ def compare_training_run(out, result, backends, solver, path, batch_size, weight
 
 
 def worst_weights(steps):
-    """The worst blob over every step and backend of compare_steps' rows: {"relative", "blob", "iteration",
-    "backend"} (relative 0.0 and blob None where no step was compared)."""
-    worst = {"relative": 0.0, "blob": None, "iteration": None, "backend": None}
+    """The blob furthest above its noise floor over every step and backend of compare_steps' rows: {"relative",
+    "blob", "iteration", "backend", "floor"} (relative 0.0 and blob None where no step was compared)."""
+    worst = {"relative": 0.0, "blob": None, "iteration": None, "backend": None, "floor": 0.0}
     for backend, rows in steps.items():
-        for i, (_, relative, blob) in enumerate(rows):
-            if worst["blob"] is None or relative > worst["relative"]:
-                worst = {"relative": relative, "blob": blob, "iteration": i, "backend": backend}
+        for i, (_, relative, blob, *floor) in enumerate(rows):
+            floor = floor[0] if floor else 0.0
+            if worst["blob"] is None or excess(relative, floor) > excess(worst["relative"], worst["floor"]):
+                worst = {"relative": relative, "blob": blob, "iteration": i, "backend": backend, "floor": floor}
     return worst
 
 
 def weights_line(worst):
     where = f" ({worst['blob']} on {worst['backend']}, iteration {worst['iteration']})" if worst["blob"] else ""
-    return f"worst weight difference one step from the same state: {worst['relative']:.3g} relative{where}"
+    return (f"worst weight difference one step from the same state: {worst['relative']:.3g} relative{where}"
+            f"{floor_words(worst.get('floor', 0.0))}")
+
+
+def floor_words(floor):
+    """How a line names a blob's noise floor (nothing where it has none)."""
+    return f", noise floor {floor:.3g}" if floor else ""
 
 
 def judge_weights(out, result, worst, tolerance):
-    """The failure line, naming the blob, when a step's weights differ by more than `tolerance` (relative)."""
-    if worst["blob"] is not None and worst["relative"] > tolerance:
+    """The failure line, naming the blob, when a step's weights differ by more than `tolerance` (relative) above
+    NOISE_MARGIN times the blob's noise floor."""
+    floor = worst.get("floor", 0.0)
+    if worst["blob"] is not None and worst["relative"] > allowed(tolerance, floor):
         result["ok"] = False
+        beyond = f" + {NOISE_MARGIN} x noise floor {floor:.3g}" if floor else ""
         out.write(f"WEIGHTS DIFFER: {worst['blob']} on {worst['backend']} after the step of iteration "
-                  f"{worst['iteration']}, relative difference {worst['relative']:.3g} > {tolerance:g}\n")
+                  f"{worst['iteration']}, relative difference {worst['relative']:.3g} > {tolerance:g}{beyond}\n")
 
 
 def _verdict(out, result, part, record, speed, worst, tolerance, failure, *lines):
