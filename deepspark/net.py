@@ -102,6 +102,10 @@ class Net:
         if isinstance(weights, int):  # pycaffe's Net(prototxt, phase)
             weights, phase = None, weights
         phase = phase_of(phase)
+        if backend == "caffe":  # pycaffe before the graph: a Python layer's module may use its parts (pylayer)
+            from deepspark.backends.caffe import runtime
+
+            runtime.caffe()
         if isinstance(prototxt, pb.NetParameter):
             net, source = prototxt, None
         else:

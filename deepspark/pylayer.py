@@ -9,10 +9,13 @@ the bottoms' shapes) and for the TensorFlow backend's numpy bridge; the Caffe
 backend runs the layer natively in pycaffe instead.
 
 The module may `import caffe` and subclass `caffe.Layer`. It is imported under
-a private name with `caffe` bound to CAFFE, a minimal stand-in holding Layer,
-TRAIN and TEST, so that pycaffe is never imported here (a process that has
-TensorFlow loaded must not load it, and an executor may not have it), while a
-real pycaffe in the same process keeps its own copy of the module for its net.
+a private name with `caffe` bound to a stand-in holding Layer, TRAIN and TEST,
+so that pycaffe is never imported here (a process that has TensorFlow loaded
+must not load it, and an executor may not have it), while a real pycaffe in
+the same process keeps its own copy of the module for its net. Where this
+process has loaded pycaffe (the Caffe backend loads it first), the stand-in
+hands on every other name to it, so that a module using pycaffe's own parts
+(`caffe._caffe`, `caffe.io`) imports and runs as under pycaffe.
 The module is found in the prototxt's folder, then on sys.path (PYTHONPATH).
 """
 
@@ -98,9 +101,22 @@ def _missing(name):
                          "without pycaffe, with caffe.Layer, caffe.TRAIN and caffe.TEST")
 
 
-CAFFE = types.ModuleType("caffe", "DeepSpark's stand-in for pycaffe inside a Python layer's module.")
-CAFFE.Layer, CAFFE.TRAIN, CAFFE.TEST = Layer, TRAIN, TEST
-CAFFE.__getattr__ = _missing
+def stand_in(pycaffe=None):
+    """The `caffe` a Python layer's module imports here: our Layer, TRAIN and TEST, and any other name from
+    `pycaffe` (the real module, where this process has loaded it), else an AttributeError saying why not."""
+    module = types.ModuleType("caffe", "DeepSpark's stand-in for pycaffe inside a Python layer's module.")
+    module.Layer, module.TRAIN, module.TEST = Layer, TRAIN, TEST
+    module.__getattr__ = _missing if pycaffe is None else lambda name: getattr(pycaffe, name)
+    return module
+
+
+CAFFE = stand_in()
+
+
+def loaded_pycaffe():
+    """The real pycaffe module where this process has loaded it (its compiled caffe._caffe is there), or None."""
+    module = sys.modules.get("caffe")
+    return module if "caffe._caffe" in sys.modules and module is not None else None
 
 _modules = {}  # (module name, folder) -> the module, imported once per process
 _lock = threading.Lock()  # sys.modules['caffe'] is swapped while a module imports
@@ -112,9 +128,10 @@ def search_path(folder):
 
 
 def import_module(name, folder=None):
-    """The user's module `name` (dotted names too), with `caffe` bound to CAFFE while it runs."""
-    key = (name, folder)
+    """The user's module `name` (dotted names too), with `caffe` bound to the stand-in while it runs."""
     with _lock:
+        pycaffe = loaded_pycaffe()
+        key = (name, folder, pycaffe is not None)
         if key in _modules:
             return _modules[key]
         spec = _find(name, folder)
@@ -127,14 +144,18 @@ def import_module(name, folder=None):
                                                       submodule_search_locations=spec.submodule_search_locations)
         module = importlib.util.module_from_spec(spec)
         saved = sys.modules.get("caffe")
-        sys.modules["caffe"] = CAFFE
+        sys.modules["caffe"] = CAFFE if pycaffe is None else stand_in(pycaffe)
         added = folder and folder not in sys.path
         if added:
             sys.path.insert(0, folder)  # the module's own imports of its neighbours
         try:
             spec.loader.exec_module(module)
         except Exception as error:
-            raise PythonLayerError(f"module '{name}' ({spec.origin}) raised {_one_line(error)} on import") from None
+            needs = isinstance(error, ImportError) and (error.name or "").startswith("caffe.") and pycaffe is None
+            hint = (" (a part of pycaffe: load it in this process first, `import caffe` before DeepSpark and "
+                    "TensorFlow, or run the net on the Caffe backend)") if needs else ""
+            raise PythonLayerError(f"module '{name}' ({spec.origin}) raised {_one_line(error)} on import{hint}") \
+                from None
         finally:
             if saved is None:
                 sys.modules.pop("caffe", None)

@@ -197,3 +197,52 @@ def test_export_refuses_a_python_layer_in_one_line(tmp_path):
     assert status == 1 and err.strip() == (f"deepspark export: error: {path}:8:1: layer 'loss' is a Python layer: a "
                                            "SavedModel carries no Python code, so export cannot hold it")
     assert not (tmp_path / "saved").exists()
+
+
+# A module that uses pycaffe's compiled part, as published layers do (caffe._caffe's layer_type_list here).
+USES_PYCAFFE = '''import caffe
+import caffe._caffe
+
+
+class Doubler(caffe.Layer):
+    def setup(self, bottom, top):
+        self.types = len(caffe._caffe.layer_type_list())
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = 2 * bottom[0].data
+
+    def backward(self, top, propagate_down, bottom):
+        bottom[0].diff[...] = 2 * top[0].diff
+'''
+
+DOUBLER_NET = """name: "doubler"
+layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }
+layer { name: "double" type: "Python" bottom: "x" top: "y" python_param { module: "uses_pycaffe" layer: "Doubler" } }
+"""
+
+# deepspark.Net on the Caffe backend, then on TensorFlow in the same process (pycaffe loaded by the first).
+RUN_DOUBLER = """
+import sys
+import numpy as np
+import deepspark
+x = np.arange(6, dtype=np.float32).reshape(2, 3)
+for backend in ("caffe", "tensorflow"):
+    print(backend, deepspark.Net(sys.argv[1], backend=backend).forward(x=x)["y"].ravel().tolist())
+"""
+
+
+@pytest.mark.caffe
+def test_a_module_using_pycaffes_own_parts_runs_where_pycaffe_is_loaded(tmp_path):
+    """A Python layer whose module imports caffe._caffe was refused by the stand-in `caffe` even on the Caffe
+    backend, whose pycaffe has it: where pycaffe is loaded, the stand-in hands such names on to it, on both
+    backends; the module's answer is pycaffe's."""
+    (tmp_path / "uses_pycaffe.py").write_text(USES_PYCAFFE)
+    (tmp_path / "doubler.prototxt").write_text(DOUBLER_NET)
+    done = subprocess.run([sys.executable, "-c", RUN_DOUBLER, str(tmp_path / "doubler.prototxt")], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT}, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = [2.0 * value for value in range(6)]
+    assert done.stdout.strip().splitlines()[-2:] == [f"caffe {expected}", f"tensorflow {expected}"], done.stdout

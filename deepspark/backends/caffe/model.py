@@ -36,6 +36,7 @@ class Model(base.Model):
     def __init__(self, net_param, solver_param=None, phase=pb.TRAIN, source=None, batch_size=None,
                  seed=None, stages=None, data_shape=None, threads=None, data_layers="input"):
         self._solver = self._net = None
+        runtime.caffe()  # before the graph: a Python layer's module may use pycaffe's parts (pylayer.stand_in)
         super().__init__(net_param, solver_param, phase, source=source, batch_size=batch_size, seed=seed,
                          stages=stages, data_shape=data_shape, threads=threads)
         if data_layers not in DATA_LAYERS:
