@@ -81,6 +81,11 @@ class Link:
         self.resume_iteration = 0  # the iteration the server last heard from this worker id
 
     @property
+    def where(self):
+        """The server's host:port, as messages name it."""
+        return f"{self.address[0]}:{self.address[1]}"
+
+    @property
     def size(self):
         return None if self._conn is None else self._conn.buf.size
 
@@ -107,10 +112,10 @@ class Link:
                 self._shapes = P.normalize_shapes(None, size)
             n = P.shapes_size(self._shapes)
             if size is not None and size != n:
-                raise ValueError("params hold %d values, shapes %d" % (size, n))
+                raise ValueError(f"params hold {size} values, shapes {n}")
             self._fingerprint = P.fingerprint(self._shapes)
             self._apply_step = apply_floats(n, self._chunk)
-            self._conn = Connection(None, "%s:%d" % self.address, self.worker_id).allocate(n, codec=self.codec.name)
+            self._conn = Connection(None, self.where, self.worker_id).allocate(n, codec=self.codec.name)
             self._conn.history_bytes = 4 * self.history_sets * n
         delay = self.backoff
         for attempt in range(1, self.retries + 1):
@@ -122,10 +127,9 @@ class Link:
             except OSError as e:
                 self._drop()
                 if attempt == self.retries or self._closed:
-                    raise ConnectionError("could not reach the exchange server at %s:%d after %d attempts: %s"
-                                          % (self.address + (attempt, e))) from e
-                log.info("worker %d: connecting to %s:%d failed (%s); retrying in %.2fs",
-                         self.worker_id, *self.address, e, delay)
+                    raise ConnectionError(f"could not reach the exchange server at {self.where} after {attempt} "
+                                          f"attempts: {e}") from e
+                log.info(f"worker {self.worker_id}: connecting to {self.where} failed ({e}); retrying in {delay:.2f}s")
                 time.sleep(delay)
                 delay = min(delay * 2, self.max_backoff)
 
@@ -135,7 +139,7 @@ class Link:
         tune(conn.sock)
         bound = bytes([P.CODEC_IDS[self.codec.name]]) + self._fingerprint  # the codec, then the model
         self.resume_iteration = handshake.join(
-            conn, self._secret, self.worker_id, bound, self.integrity, "%s:%d" % self.address)
+            conn, self._secret, self.worker_id, bound, self.integrity, self.where)
         conn.frames.restart()  # as the server's new connection starts it
         conn.sock.settimeout(self.timeout)
 
@@ -152,7 +156,7 @@ class Link:
         if error is not None:
             raise NonFiniteError(error.code, error.reason) if error.code == P.E_NONFINITE else error
         if h.type != reply:
-            raise P.ProtocolError("expected %s, got %s" % (P.TYPE_NAMES[reply], P.TYPE_NAMES[h.type]))
+            raise P.ProtocolError(f"expected {P.TYPE_NAMES[reply]}, got {P.TYPE_NAMES[h.type]}")
         return h
 
     def _drop(self):
@@ -165,7 +169,7 @@ class Link:
 
     def _ensure(self, size):
         if self._conn is not None and size != self._conn.buf.size:
-            raise ValueError("params hold %d values, this client exchanges %d" % (size, self._conn.buf.size))
+            raise ValueError(f"params hold {size} values, this client exchanges {self._conn.buf.size}")
         if self._sock is None:
             self.connect(size)
 
@@ -181,8 +185,7 @@ class Link:
         except NonFiniteError:
             if self.on_nonfinite == "raise":
                 raise
-            log.warning("worker %d: server refused non-finite parameters; resetting from the center",
-                        self.worker_id)
+            log.warning(f"worker {self.worker_id}: server refused non-finite parameters; resetting from the center")
             self._pull_into(self._conn.buf if apply_to is None else apply_to)
             self.resets += 1
             return RESET
@@ -196,7 +199,7 @@ class Link:
     def _rejoin(self, apply_to, cause):
         if self._closed:
             raise cause
-        log.warning("worker %d: exchange connection lost (%s); rejoining", self.worker_id, cause)
+        log.warning(f"worker {self.worker_id}: exchange connection lost ({cause}); rejoining")
         self._drop()
         self.connect()
         self.reconnects += 1
@@ -305,8 +308,8 @@ class ExchangeClient(Link):
 
     def _check_history(self, vector):
         if 4 * vector.size != self._conn.history_bytes:
-            raise ValueError("a solver history of %d values; this client's is %d"
-                             % (vector.size, self._conn.history_bytes // 4))
+            raise ValueError(f"a solver history of {vector.size} values; this client's is "
+                             f"{self._conn.history_bytes // 4}")
 
     def send_history(self, history, iteration, current_step=0):
         """Send the solver's history (Caffe's history blobs as one float32 vector of history_sets x the
@@ -514,7 +517,7 @@ class _Overlap:
         with self.cond:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, args=(round_trip, buf), daemon=True,
-                                               name="exchange-worker-%d" % worker_id)
+                                               name=f"exchange-worker-{worker_id}")
                 self.thread.start()
             self.job = (iteration, loss)
             self.pending = True

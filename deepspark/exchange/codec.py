@@ -134,7 +134,7 @@ class Blockwise:
         scales, codes = self._split(payload, n)
         with np.errstate(invalid="ignore"):
             if not (np.isfinite(scales).all() and (scales >= 0).all()):
-                raise CodecError("%s payload has a scale that is negative or not finite" % self.name)
+                raise CodecError(f"{self.name} payload has a scale that is negative or not finite")
         if self.bits == 8:
             q = codes.view(np.int8)
             if (q == -128).any():
@@ -161,11 +161,11 @@ def get(name):
     """The codec called `name`: DeepSparkParameter.exchange_codec's value in lower case, or its number (the
     schema's ExchangeCodec numbers are protocol.CODEC_IDS)."""
     if isinstance(name, int):
-        name = CODEC_NAMES.get(name, "id %d" % name)
+        name = CODEC_NAMES.get(name, f"id {name}")
     try:
         return CODECS[name]
     except KeyError:
-        raise ValueError("unknown exchange codec %r (known: %s)" % (name, ", ".join(CODECS))) from None
+        raise ValueError(f"unknown exchange codec {name!r} (known: {', '.join(CODECS)})") from None
 
 
 class Feedback:

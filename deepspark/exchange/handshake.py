@@ -17,7 +17,7 @@ def authenticate(conn, secret, fingerprint, shapes, codec="float32"):
     model of `fingerprint` (blob `shapes`), else Refusal; (its worker id, the session keys (c2s, s2c))."""
     h = conn.read_header(None)
     if h.type != P.HELLO:
-        raise P.ProtocolError("expected HELLO, got %s" % P.TYPE_NAMES[h.type])
+        raise P.ProtocolError(f"expected HELLO, got {P.TYPE_NAMES[h.type]}")
     wid = h.worker_id
     client_nonce = bytes(conn.read_small(h.length))
     server_nonce = P.new_nonce()
@@ -26,24 +26,22 @@ def authenticate(conn, secret, fingerprint, shapes, codec="float32"):
                server_nonce + proof)
     h = conn.read_header(None)
     if h.type != P.AUTH or h.worker_id != wid:
-        raise P.ProtocolError("expected AUTH from worker %d, got %s from worker %d"
-                              % (wid, P.TYPE_NAMES[h.type], h.worker_id))
+        raise P.ProtocolError(f"expected AUTH from worker {wid}, got {P.TYPE_NAMES[h.type]} from worker {h.worker_id}")
     auth = conn.read_small(h.length)
     their_proof, bound = bytes(auth[:P.PROOF_SIZE]), bytes(auth[P.PROOF_SIZE:])  # bound: codec id, fingerprint
     if not P.proofs_match(their_proof, P.client_proof(secret, client_nonce, server_nonce, wid, bound)):
-        raise P.Refusal(P.E_AUTH, "authentication failed: worker %d does not hold this job's secret" % wid)
-    their_codec, their_fp = P.CODEC_NAMES.get(bound[0], "unknown (id %d)" % bound[0]), bound[1:]
+        raise P.Refusal(P.E_AUTH, f"authentication failed: worker {wid} does not hold this job's secret")
+    their_codec, their_fp = P.CODEC_NAMES.get(bound[0], f"unknown (id {bound[0]})"), bound[1:]
     if their_codec != codec:
-        raise P.Refusal(P.E_FINGERPRINT, "codec mismatch: the server exchanges %s, worker %d %s"
-                        % (codec, wid, their_codec))
+        raise P.Refusal(P.E_FINGERPRINT, f"codec mismatch: the server exchanges {codec}, worker {wid} {their_codec}")
     if their_fp != fingerprint:
         mine = P.describe_shapes(P.shapes_size(shapes), shapes)
         try:
             theirs = P.describe_shapes(*P.parse_fingerprint(their_fp))
         except P.ProtocolError as e:
-            theirs = "a malformed fingerprint (%s)" % e
-        raise P.Refusal(P.E_FINGERPRINT, "model mismatch: the server holds %s, worker %d was built with %s"
-                        % (mine, wid, theirs))
+            theirs = f"a malformed fingerprint ({e})"
+        raise P.Refusal(P.E_FINGERPRINT, f"model mismatch: the server holds {mine}, worker {wid} was built with "
+                        f"{theirs}")
     return wid, P.session_keys(secret, client_nonce, server_nonce, wid)
 
 
@@ -65,7 +63,7 @@ def join(conn, secret, wid, fingerprint, integrity, where):
     conn.send(P.HELLO, nonce)
     h = _reply(conn)
     if h.type != P.CHALLENGE:
-        raise P.ProtocolError("expected CHALLENGE, got %s" % P.TYPE_NAMES[h.type])
+        raise P.ProtocolError(f"expected CHALLENGE, got {P.TYPE_NAMES[h.type]}")
     reply = conn.read_small(h.length)
     server_nonce, proof = bytes(reply[:P.NONCE_SIZE]), bytes(reply[P.NONCE_SIZE:])
     server_ok = P.proofs_match(proof, P.server_proof(secret, nonce, server_nonce, wid))
@@ -75,9 +73,9 @@ def join(conn, secret, wid, fingerprint, integrity, where):
     conn.send(P.AUTH, P.client_proof(secret, nonce, server_nonce, wid, fingerprint) + fingerprint)
     h = _reply(conn)
     if not server_ok:
-        raise P.RefusedError(P.E_AUTH, "the server at %s does not hold this job's secret" % where)
+        raise P.RefusedError(P.E_AUTH, f"the server at {where} does not hold this job's secret")
     if h.type != P.WELCOME:
-        raise P.ProtocolError("expected WELCOME, got %s" % P.TYPE_NAMES[h.type])
+        raise P.ProtocolError(f"expected WELCOME, got {P.TYPE_NAMES[h.type]}")
     if integrity:
         c2s, s2c = P.session_keys(secret, nonce, server_nonce, wid)
         conn.seal(send_key=c2s, recv_key=s2c)

@@ -47,7 +47,7 @@ class HistoryHandler:
     def _checked(self, vector):
         vector = np.ascontiguousarray(vector, dtype=np.float32).ravel()
         if vector.size != self.floats:
-            raise ValueError("a solver history of %d values; this server's is %d" % (vector.size, self.floats))
+            raise ValueError(f"a solver history of {vector.size} values; this server's is {self.floats}")
         return vector
 
     def request(self):
@@ -81,13 +81,13 @@ class HistoryHandler:
 
     def _receive(self, conn, h):
         if not h.length:
-            raise P.ProtocolError("empty HISTORY from worker %d" % conn.worker_id)
+            raise P.ProtocolError(f"empty HISTORY from worker {conn.worker_id}")
         # A mapping of its own, as a connection's buffers: model-sized, and freed when the next snapshot's replaces it.
         vector = mapped(self.floats, np.float32)
         conn.frames.receive_history(vector)  # verified before it replaces what is held
         if not rules.all_finite(vector):
-            raise P.Refusal(P.E_NONFINITE, "worker %d sent a solver history holding NaN or Inf at iteration %d"
-                            % (conn.worker_id, h.iteration))
+            raise P.Refusal(P.E_NONFINITE, f"worker {conn.worker_id} sent a solver history holding NaN or Inf at "
+                            f"iteration {h.iteration}")
         with self._lock:
             self._held[conn.worker_id] = Held(vector, h.iteration, int(h.value), self._request)
         self.server.record(conn.worker_id, history_iteration=h.iteration)

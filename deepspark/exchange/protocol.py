@@ -134,7 +134,7 @@ class RefusedError(Exception):
     """The peer sent an ERROR frame; `code` says why (see ERROR_NAMES)."""
 
     def __init__(self, code, reason):
-        super().__init__("exchange refused (%s): %s" % (ERROR_NAMES.get(code, code), reason))
+        super().__init__(f"exchange refused ({ERROR_NAMES.get(code, code)}): {reason}")
         self.code = code
         self.reason = reason
 
@@ -160,35 +160,34 @@ def decode_header(buf, model_bytes=None, history_bytes=0, coded_bytes=None):
     A length is checked before anything is read or allocated after the header.
     """
     if len(buf) != HEADER_SIZE:
-        raise ProtocolError("truncated header: %d of %d bytes" % (len(buf), HEADER_SIZE))
+        raise ProtocolError(f"truncated header: {len(buf)} of {HEADER_SIZE} bytes")
     magic, version, type_, flags, worker_id, iteration, length, value = HEADER.unpack(buf)
     if magic != MAGIC:
-        raise ProtocolError("bad magic %r (not a DeepSpark exchange peer)" % bytes(magic))
+        raise ProtocolError(f"bad magic {bytes(magic)!r} (not a DeepSpark exchange peer)")
     if version != VERSION:
-        raise ProtocolError("protocol version %d, expected %d" % (version, VERSION))
+        raise ProtocolError(f"protocol version {version}, expected {VERSION}")
     if type_ in MODEL_TYPES:
         if model_bytes is None:
-            raise ProtocolError("%s before the handshake completed" % TYPE_NAMES[type_])
+            raise ProtocolError(f"{TYPE_NAMES[type_]} before the handshake completed")
         coded = type_ != CENTER or flags & F_CODED
         want = coded_bytes if coded and coded_bytes is not None else model_bytes
         if length != want:
-            raise ProtocolError("%s payload of %d bytes, the model needs exactly %d%s"
-                                % (TYPE_NAMES[type_], length, want, " in the job's codec" if want != model_bytes
-                                   else ""))
+            coded_note = " in the job's codec" if want != model_bytes else ""
+            raise ProtocolError(f"{TYPE_NAMES[type_]} payload of {length} bytes, the model needs exactly {want}"
+                                f"{coded_note}")
     elif type_ == HISTORY:
         if model_bytes is None or not history_bytes:
-            raise ProtocolError("HISTORY %s" % ("before the handshake completed" if model_bytes is None
-                                                else "to a peer that keeps no solver history"))
+            why = "before the handshake completed" if model_bytes is None else "to a peer that keeps no solver history"
+            raise ProtocolError(f"HISTORY {why}")
         if length not in (0, history_bytes):
-            raise ProtocolError("HISTORY payload of %d bytes, the solver history needs exactly %d (or 0)"
-                                % (length, history_bytes))
+            raise ProtocolError(f"HISTORY payload of {length} bytes, the solver history needs exactly {history_bytes} "
+                                "(or 0)")
     elif type_ in _SMALL_LIMITS:
         lo, hi = _SMALL_LIMITS[type_]
         if not lo <= length <= hi:
-            raise ProtocolError("%s payload of %d bytes, allowed %d..%d"
-                                % (TYPE_NAMES[type_], length, lo, hi))
+            raise ProtocolError(f"{TYPE_NAMES[type_]} payload of {length} bytes, allowed {lo}..{hi}")
     else:
-        raise ProtocolError("unknown message type %d" % type_)
+        raise ProtocolError(f"unknown message type {type_}")
     return Header(type_, flags, worker_id, iteration, length, value)
 
 
@@ -293,7 +292,7 @@ def normalize_shapes(shapes, size=None):
     out = tuple(tuple(int(d) for d in s) for s in shapes)
     if any(d < 0 for s in out for d in s) or any(len(s) > MAX_DIMS for s in out) \
             or shapes_size(out) >= 2 ** 62:
-        raise ValueError("bad blob shapes %r" % (shapes,))
+        raise ValueError(f"bad blob shapes {shapes!r}")
     return out
 
 
@@ -305,10 +304,10 @@ def fingerprint(shapes):
     """Parameter count and blob shapes as bytes: <Q count> <I blobs> then <I ndim> <Q dims>…"""
     parts = [struct.pack("<QI", shapes_size(shapes), len(shapes))]
     for s in shapes:
-        parts.append(struct.pack("<I%dQ" % len(s), len(s), *s))
+        parts.append(struct.pack(f"<I{len(s)}Q", len(s), *s))
     data = b"".join(parts)
     if len(data) > MAX_FINGERPRINT_BYTES:
-        raise ValueError("model has too many blobs for a fingerprint (%d bytes)" % len(data))
+        raise ValueError(f"model has too many blobs for a fingerprint ({len(data)} bytes)")
     return data
 
 
@@ -322,17 +321,17 @@ def parse_fingerprint(data):
         for _ in range(nblobs):
             (ndim,) = struct.unpack_from("<I", data, off)
             if ndim > MAX_DIMS:
-                raise ProtocolError("fingerprint blob with %d dimensions" % ndim)
-            shapes.append(struct.unpack_from("<%dQ" % ndim, data, off + 4))
+                raise ProtocolError(f"fingerprint blob with {ndim} dimensions")
+            shapes.append(struct.unpack_from(f"<{ndim}Q", data, off + 4))
             off += 4 + 8 * ndim
     except struct.error:
         raise ProtocolError("truncated model fingerprint") from None
     if off != len(data):
-        raise ProtocolError("model fingerprint has %d trailing bytes" % (len(data) - off))
+        raise ProtocolError(f"model fingerprint has {len(data) - off} trailing bytes")
     return count, tuple(shapes)
 
 
 def describe_shapes(count, shapes, limit=6):
     shown = ", ".join("x".join(map(str, s)) or "scalar" for s in shapes[:limit])
     more = ", …" if len(shapes) > limit else ""
-    return "%d parameters in %d blobs [%s%s]" % (count, len(shapes), shown, more)
+    return f"{count} parameters in {len(shapes)} blobs [{shown}{more}]"

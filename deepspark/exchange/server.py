@@ -58,8 +58,7 @@ class ExchangeServer:
             raise ValueError("center holds NaN or Inf")
         self._shapes = P.normalize_shapes(shapes, self._center.size)
         if P.shapes_size(self._shapes) != self._center.size:
-            raise ValueError("shapes hold %d parameters, the center %d"
-                             % (P.shapes_size(self._shapes), self._center.size))
+            raise ValueError(f"shapes hold {P.shapes_size(self._shapes)} parameters, the center {self._center.size}")
         self._fingerprint = P.fingerprint(self._shapes)
         self._secret = P.as_secret(secret)
         self.resume_iteration = int(resume_iteration)
@@ -114,7 +113,7 @@ class ExchangeServer:
         self._accept_thread = threading.Thread(target=self._accept_loop, name="exchange-accept",
                                                daemon=True)
         self._accept_thread.start()
-        log.info("exchange server on %s:%d, %d parameters", *self.address, self._center.size)
+        log.info(f"exchange server on {self.address[0]}:{self.address[1]}, {self._center.size} parameters")
         return self
 
     def pull(self, out=None):
@@ -211,13 +210,13 @@ class ExchangeServer:
                 if not full:
                     self._handshaking += 1
                     t = threading.Thread(target=self._serve, args=(sock, peer),
-                                         name="exchange-%s:%d" % peer[:2], daemon=True)
+                                         name=f"exchange-{peer[0]}:{peer[1]}", daemon=True)
                     self._conns.add((sock, t))
             if full:
-                reason = "%d connections were in their handshake: closed unanswered" % self.max_handshakes
+                reason = f"{self.max_handshakes} connections were in their handshake: closed unanswered"
                 if not turning_away:  # once while full, not once a connection: a flood would flood the log
-                    log.warning("refused %s:%d and any more until a handshake ends: %s", peer[0], peer[1], reason)
-                self._note_refused("%s:%d" % peer[:2], reason)  # noted before the peer sees the close
+                    log.warning(f"refused {peer[0]}:{peer[1]} and any more until a handshake ends: {reason}")
+                self._note_refused(f"{peer[0]}:{peer[1]}", reason)  # noted before the peer sees the close
                 sock.close()
             else:
                 tune(sock)
@@ -225,7 +224,7 @@ class ExchangeServer:
             turning_away = full
 
     def _serve(self, sock, peer):
-        Session(self, Connection(sock, "%s:%d" % peer[:2])).run()
+        Session(self, Connection(sock, f"{peer[0]}:{peer[1]}")).run()
 
     def _handshake_over(self):
         with self._books:
@@ -269,10 +268,10 @@ class Session:
             wid = conn.worker_id
             phase = "handshake" if wid is None else "exchange"
             limit = server.handshake_timeout if wid is None else server.idle_timeout
-            self.refuse(P.E_TIMEOUT, "silent for more than %gs during the %s" % (limit, phase))
+            self.refuse(P.E_TIMEOUT, f"silent for more than {limit:g}s during the {phase}")
         except (PeerClosed, OSError) as e:
             if not server._stopping.is_set():
-                log.info("worker %s (%s) disconnected: %s", conn.worker_id, conn.peer, e)
+                log.info(f"worker {conn.worker_id} ({conn.peer}) disconnected: {e}")
         finally:
             sock.close()
             if handshaking:
@@ -290,8 +289,8 @@ class Session:
 
     def refuse(self, code, reason):
         conn, wid = self.conn, self.conn.worker_id
-        who = "worker %d (%s)" % (wid, conn.peer) if wid is not None else conn.peer
-        log.warning("refused %s: %s: %s", who, P.ERROR_NAMES[code], reason)
+        who = f"worker {wid} ({conn.peer})" if wid is not None else conn.peer
+        log.warning(f"refused {who}: {P.ERROR_NAMES[code]}: {reason}")
         self.server._note_refused(conn.peer, reason)
         try:
             conn.sock.settimeout(1.0)
@@ -314,7 +313,7 @@ class Session:
                 iteration = prev["iteration"] if prev else server.resume_iteration
             handshake.welcome(conn, wid, iteration, keys if server.integrity else None)
             server._workers[wid] = joined(prev, iteration, conn.peer)
-        log.info("worker %d joined from %s", wid, conn.peer)
+        log.info(f"worker {wid} joined from {conn.peer}")
         conn.worker_id = wid
         conn.history_bytes = 4 * server.history.floats
         return wid
@@ -335,7 +334,7 @@ class Session:
         while True:
             h = conn.read_header(model_bytes)
             if h.worker_id != wid:
-                raise P.ProtocolError("frame from worker %d on worker %d's connection" % (h.worker_id, wid))
+                raise P.ProtocolError(f"frame from worker {h.worker_id} on worker {wid}'s connection")
             me["last_contact"] = time.monotonic()
             if h.type == handler.frame:
                 conn.on_verified = lambda: Session.note(me, h)  # no cycle through this Session to conn
@@ -350,18 +349,17 @@ class Session:
             elif h.type == P.REPORT:  # verified with its header (it has no payload)
                 Session.note(me, h)
             elif h.type == P.BYE:
-                log.info("worker %d left", wid)
+                log.info(f"worker {wid} left")
                 return
             elif h.type == P.ERROR:
                 reason = P.decode_error(conn.read_small(h.length))
-                log.warning("worker %d sent an error: %s", wid, reason)
+                log.warning(f"worker {wid} sent an error: {reason}")
                 me["error"] = (h.flags, reason)  # for the driver's watch: a diverged worker stops the job
                 return
             elif h.type in (P.EXCHANGE, P.AVERAGE):
-                raise P.ProtocolError("%s from worker %d, but this is %s server"
-                                      % (P.TYPE_NAMES[h.type], wid, handler.kind))
+                raise P.ProtocolError(f"{P.TYPE_NAMES[h.type]} from worker {wid}, but this is {handler.kind} server")
             else:
-                raise P.ProtocolError("unexpected %s from worker %d" % (P.TYPE_NAMES[h.type], wid))
+                raise P.ProtocolError(f"unexpected {P.TYPE_NAMES[h.type]} from worker {wid}")
 
 def joined(prev, iteration, peer):
     """A worker's stats as its connection from `peer` joins at `iteration`, carried over from its previous

@@ -80,7 +80,7 @@ def _recv_some(sock, view, got):
     """Read what has arrived into view[got:]; the new fill level. PeerClosed if the stream ended."""
     k = sock.recv_into(view[got:])
     if not k:
-        raise PeerClosed("peer closed the connection after %d of %d bytes" % (got, len(view)))
+        raise PeerClosed(f"peer closed the connection after {got} of {len(view)} bytes")
     return got + k
 
 
@@ -188,8 +188,8 @@ class Connection:
             recv_exact(self.sock, self.tag)
             if not protocol.proofs_match(mac.digest(), self.tag):
                 raise protocol.IntegrityError(
-                    "frame %d from %s failed its integrity check (changed on the way, or not from this job's "
-                    "peer)" % (self._in.sequence - 1, self.peer))
+                    f"frame {self._in.sequence - 1} from {self.peer} failed its integrity check (changed on the way, "
+                    "or not from this job's peer)")
         verified, self.on_verified = self.on_verified, None
         if verified is not None:
             verified()
