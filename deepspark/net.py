@@ -20,6 +20,7 @@ import numpy as np
 
 from deepspark import checkpoint, config
 from deepspark.backends import create_model
+from deepspark.data import READ_SOURCES, feeder_for, source_shape
 from deepspark.graph import Graph, fmt, layers_between, tap_name, with_taps
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -110,12 +111,18 @@ class Net:
             net, source = prototxt, None
         else:
             net, source = config.load_net(config.net_path(prototxt))
-        self._graph = Graph(net, phase, source=source)  # the net as written: its blobs, inputs and outputs
+        # A data layer that reads a source (HDF5Data, ImageData, Data) takes its shape from it, as describe does.
+        options.setdefault("data_shape", source_shape)
+        self._graph = Graph(net, phase, source=source, data_shape=options["data_shape"])  # the net as written
         self._model, self._taps = tapped_model(net, self._graph, backend, phase, options)
         self._options = options
         self._spans = {}  # (first, last) layer: (model, taps, its params' indices) for forward's start and end
         self.backend = backend
-        self.inputs = list(self._model.feeds)
+        # Such a layer reads its next batch at each forward, as Caffe's does: its tops are not pycaffe's inputs.
+        self._sourced = [layer for layer in self._graph.layers if layer.type in READ_SOURCES]
+        self._feeders = {}  # layer name: its batches, opened at the first forward that reads them
+        read = {top for layer in self._sourced for top in layer.tops}
+        self.inputs = [name for name in self._model.feeds if name not in read]
         self.outputs = sorted(self._graph.outputs)  # Caffe's Net lists them from a std::set: by name
         shapes = self._model.graph.blobs
         names = OrderedDict((top, None) for layer in self._graph.layers for top in layer.tops)
@@ -176,8 +183,8 @@ class Net:
             if name not in self.blobs:
                 raise KeyError(f"the net has no blob '{name}'; its blobs are {', '.join(self.blobs)}")
         arrays = {}
-        for name, value in inputs.items():
-            if name not in self.inputs:
+        for name, value in {**self._read_sources(inputs), **inputs}.items():
+            if name not in self._model.feeds:
                 raise KeyError(f"'{name}' is not an input of this net; its inputs are {', '.join(self.inputs)}")
             arrays[name] = np.asarray(value, np.float32)
             if arrays[name].shape != self.blobs[name].shape:
@@ -195,6 +202,17 @@ class Net:
         for name, tap in taps.items():
             self.blobs[name]._data = np.asarray(results[tap], np.float32)
         return {name: self.blobs[name].data for name in wanted}
+
+    def _read_sources(self, given):
+        """{top: array} of the next batch of each data layer that reads a source, for the tops not `given`."""
+        batch = {}
+        for layer in self._sourced:
+            if all(top in given for top in layer.tops):
+                continue
+            if layer.name not in self._feeders:
+                self._feeders[layer.name] = feeder_for(layer.param, self.phase, batch_size=layer.top_shapes[0][0])
+            batch.update(self._feeders[layer.name].next_batch())
+        return {top: array for top, array in batch.items() if top not in given}
 
     def _span(self, first, last):
         """(model, taps, indices) of the layers first..last, made once per span (layers_between: the blobs they
@@ -241,4 +259,6 @@ class Net:
         """Release the backend's nets (pycaffe's, their scratch folders)."""
         for model, _, _ in self._spans.values():
             model.close()
+        for feeder in self._feeders.values():
+            feeder.close()
         self._model.close()

@@ -209,3 +209,43 @@ def test_describe_names_phase_test_when_the_train_phase_of_a_deploy_net_fails(tm
     path.write_text(DEPLOY_ONLY.replace(" include { phase: TEST }", "").replace('"data" top: "fc"', '"x" top: "fc"'))
     status, _, err = run_cli("describe", str(path))
     assert status == 1 and "--phase TEST" not in err and "'x'" in err, err
+
+
+HDF5_NET = """name: "hdf5_fed"
+layer { name: "data" type: "HDF5Data" top: "data" top: "label" include { phase: TEST }
+        hdf5_data_param { source: "{source}" batch_size: 2 } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 2 kernel_size: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "prob" type: "Softmax" bottom: "ip" top: "prob" }
+layer { name: "silence" type: "Silence" bottom: "label" }
+"""
+
+
+@pytest.mark.caffe
+@pytest.mark.parametrize("backend", ["caffe", "tensorflow"])
+def test_net_reads_an_hdf5_data_layers_source_as_pycaffe(tmp_path, backend):
+    """Net refused a net with an HDF5Data layer ("its data shape is unknown") though describe read the shape from
+    the same list: it now takes the shape from the source and, as pycaffe, reads the next batch at each forward."""
+    import h5py
+    import deepspark
+    from test_net import random_weights  # deferred: it imports pycaffe
+    import caffe
+
+    rng = np.random.default_rng(3)
+    with h5py.File(tmp_path / "rows.h5", "w") as stream:
+        stream["data"] = rng.normal(0, 1, (6, 3, 5, 5)).astype(np.float32)
+        stream["label"] = np.arange(6, dtype=np.float32)
+    (tmp_path / "list.txt").write_text(f"{tmp_path / 'rows.h5'}\n")
+    prototxt = tmp_path / "net.prototxt"
+    prototxt.write_text(HDF5_NET.replace("{source}", str(tmp_path / "list.txt")))
+    weights = random_weights(str(prototxt), str(tmp_path / "net.caffemodel"), seed=2)
+    theirs = caffe.Net(str(prototxt), weights, caffe.TEST)
+    net = deepspark.Net(str(prototxt), weights, backend=backend)
+    assert net.inputs == [] and net.blobs["data"].shape == (2, 3, 5, 5)
+    for _ in range(3):
+        expected = np.array(theirs.forward()["prob"])
+        ours = net.forward()["prob"]
+        assert np.ptp(expected) > 0 and np.abs(ours - expected).max() <= 1e-5, (ours, expected)
+        assert np.array_equal(net.blobs["data"].data, theirs.blobs["data"].data)
