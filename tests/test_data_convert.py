@@ -1,6 +1,7 @@
 """The dataset tools: convert-mnist, convert-imageset, compute-image-mean — results and bad inputs."""
 
 import gzip
+import logging
 import os
 
 import numpy as np
@@ -34,11 +35,12 @@ def idx(tmp_path):
 
 # -- convert-mnist ----------------------------------------------------------------------
 
-def test_convert_mnist_round_trips(idx, tmp_path, capfd):
+def test_convert_mnist_round_trips(idx, tmp_path, capfd, caplog):
     images, labels, pixels, label_values = idx
     out = str(tmp_path / "mnist_lmdb")
+    caplog.set_level(logging.INFO, logger=convert.__name__)
     assert convert.convert_mnist(images, labels, out) == 5
-    assert "A total of 5 items." in capfd.readouterr().err
+    assert "A total of 5 items." in caplog.messages and capfd.readouterr() == ("", "")  # logged, not printed
     records = list(lmdb_io.read_records(out))
     assert [k for k, _ in records] == [f"{i:08d}".encode() for i in range(5)]
     for i, (key, value) in enumerate(records):
@@ -197,19 +199,20 @@ def test_convert_imageset_bad_inputs(images, tmp_path):
 
 # -- compute-image-mean --------------------------------------------------------------------
 
-def test_compute_image_mean(tmp_path, capfd):
+def test_compute_image_mean(tmp_path, caplog):
     arrays = [np.full((2, 3, 3), v, dtype=np.uint8) for v in (10, 20, 60)]
     arrays[0][1, 2, 2] = 250
     db = str(tmp_path / "db_lmdb")
     lmdb_io.write_lmdb(db, ((f"{i:08d}", encode_datum(a, 0)) for i, a in enumerate(arrays)))
     out = str(tmp_path / "mean.binaryproto")
+    caplog.set_level(logging.INFO, logger=convert.__name__)
     assert convert.compute_image_mean(db, out) == 3
     mean = load_mean(out)
     assert mean.shape == (2, 3, 3) and mean[0, 0, 0] == 30 and mean[1, 2, 2] == 110
     blob = pb.BlobProto.FromString(open(out, "rb").read())
     assert (blob.num, blob.channels, blob.height, blob.width) == (1, 2, 3, 3)
     assert list(blob.shape.dim) == [1, 2, 3, 3]
-    assert "Number of channels: 2" in capfd.readouterr().err
+    assert "Number of channels: 2" in caplog.messages
 
 
 def test_compute_image_mean_bad_inputs(tmp_path):

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 
 from deepspark import nets
-from deepspark.data import decode_datum, lmdb_io, reader
+from deepspark.data import decode_datum, lmdb_io, source_for
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -261,7 +261,7 @@ def test_extract_features_writes_datums_caffes_data_layer_reads_with_pycaffes_va
     pycaffe_ip1, pycaffe_ip2 = np.load(tmp_path / "ip1.npy"), np.load(tmp_path / "ip2.npy")
     assert read.shape == (250, 500, 1, 1)
     assert np.abs(read.reshape(250, 500) - pycaffe_ip1).max() <= 1e-4 * np.abs(pycaffe_ip1).max()
-    keys, values = zip(*reader(outputs[1]).read_records(outputs[1]))
+    keys, values = zip(*source_for(outputs[1]).read())
     assert list(keys) == [b"%010d" % i for i in range(250)]  # Caffe's keys: the record's index, 10 digits
     ours = np.stack([decode_datum(v)[0] for v in values]).reshape(250, 10)
     assert np.abs(ours - pycaffe_ip2).max() <= 1e-4 * np.abs(pycaffe_ip2).max()

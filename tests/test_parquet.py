@@ -16,14 +16,14 @@ from test_data import data_layer, leftovers
 from test_data_convert import write_idx
 from deepspark.cli import main
 from deepspark.data import DataError, DataFeeder, count, missing_source, parquet, peek_shape, source_shape
-from deepspark.data import lmdb_io
+from deepspark.data import lmdb_io, source_for
 from deepspark.proto import deepspark_pb2 as pb
 
 FASHION_TEST = os.path.join(ROOT, "data", "fashion_mnist_test_lmdb")
 
 
 def records_of(source):
-    return list(parquet.reader(source).read_records(source))
+    return list(source_for(source).read())
 
 
 def to_parquet(lmdb, out, **kwargs):

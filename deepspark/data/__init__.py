@@ -1,4 +1,4 @@
-"""The shared data pipeline: Datum, LMDB and Parquet I/O, sharding, Caffe's transform_param, batches, converters."""
+"""The shared data pipeline: Datum, record sources (LMDB, Parquet, DataFrame), sharding, Caffe's transform_param, batches, converters."""
 
 import os
 
@@ -7,26 +7,27 @@ from deepspark.data.datum import (DataError, check_datum, checked_records, decod
                                   load_mean)
 from deepspark.data.feeder import DataFeeder
 from deepspark.data.lmdb_io import shard_range
-from deepspark.data.parquet import is_parquet, is_uri, reader
+from deepspark.data.parquet import is_uri
+from deepspark.data.sources import SOURCES, RecordSource, Shard, source_for
 from deepspark.data.table import FEEDERS, check_feeders, feeder_for
 from deepspark.data.transform import Transformer
 from deepspark.graph import FED_TYPES, crop_of
 from deepspark.proto import deepspark_pb2 as pb
 
-__all__ = ["LISTED_SOURCES", "READ_SOURCES", "SOURCE_PARAMS", "absolute_sources", "check_listed", "DataError",
-           "DataFeeder", "Transformer", "check_datum", "checked_records", "count", "decode_datum", "encode_datum",
-           "feeder_for", "is_parquet", "load_mean", "missing_source", "peek_shape", "shard_range", "source_of",
-           "source_shape"]
+__all__ = ["LISTED_SOURCES", "READ_SOURCES", "SOURCES", "SOURCE_PARAMS", "absolute_sources", "check_listed",
+           "DataError", "DataFeeder", "RecordSource", "Shard", "Transformer", "check_datum", "checked_records", "count",
+           "decode_datum", "encode_datum", "feeder_for", "load_mean", "missing_source", "peek_shape", "shard_range",
+           "source_for", "source_of", "source_shape"]
 
 
 def count(source):
     """Number of records in an LMDB or a Parquet dataset."""
-    return reader(source).count(source)
+    return source_for(source).count()
 
 
 def peek_shape(source):
     """(C, H, W) of the first record of an LMDB or a Parquet dataset (decoding it if it is an encoded image)."""
-    key, value = reader(source).first_record(source)
+    key, value = source_for(source).first_record()
     array, _ = decode_datum(value, key, source)
     return tuple(int(d) for d in array.shape)
 

@@ -1,17 +1,18 @@
 """The dataset tools: convert-mnist, convert-imageset and compute-image-mean, as Caffe's tools do them, and convert-lmdb."""
 
-import functools
 import gzip
 import io
+import logging
 import os
 import random
-import sys
 import zlib
 
 import numpy as np
 
 from deepspark.errors import ConfigError
-from deepspark.data import lmdb_io, parquet
+from deepspark.data import lmdb_io
+from deepspark.data.parquet import is_uri
+from deepspark.data.sources import SOURCES, source_for, write_records
 from deepspark.data.datum import (DataError, datum_to_array, encode_image, save_mean,
                                   image_to_array, make_datum, parse_datum)
 from deepspark.proto import deepspark_pb2 as pb
@@ -19,15 +20,8 @@ from deepspark.proto import deepspark_pb2 as pb
 IDX_IMAGES_MAGIC = 2051
 IDX_LABELS_MAGIC = 2049
 
-
-def _say(message):
-    print(message, file=sys.stderr, flush=True)
-
-
-def write_records(out, records, overwrite=False):
-    """(key, Datum bytes) pairs to a new dataset at out: Parquet when out ends in `.parquet`, else an LMDB."""
-    write = parquet.write_parquet if parquet.writes_parquet(out) else lmdb_io.write_lmdb
-    return write(out, records, overwrite=overwrite)
+# What Caffe's tools print as they go (counts, progress), as log lines: the CLI shows them.
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------
@@ -69,8 +63,8 @@ def convert_mnist(images, labels, out, overwrite=False):
     (n_labels,), label_bytes = read_idx(labels, IDX_LABELS_MAGIC)
     if n != n_labels:
         raise DataError(f"holds {n} images but {labels} holds {n_labels} labels", images)
-    _say(f"A total of {n} items.")
-    _say(f"Rows: {rows} Cols: {cols}")
+    log.info(f"A total of {n} items.")
+    log.info(f"Rows: {rows} Cols: {cols}")
     pixels = np.frombuffer(pixels, dtype=np.uint8).reshape(n, 1, rows, cols)
     label_values = np.frombuffer(label_bytes, dtype=np.uint8)
 
@@ -79,7 +73,7 @@ def convert_mnist(images, labels, out, overwrite=False):
             yield f"{i:08d}".encode(), make_datum(pixels[i], int(label_values[i])).SerializeToString()
 
     written = write_records(out, records(), overwrite=overwrite)
-    _say(f"Processed {written} files.")
+    log.info(f"Processed {written} files.")
     return written
 
 
@@ -173,9 +167,9 @@ def convert_imageset(root, listfile, out, gray=False, shuffle=False, resize_heig
         encoded = True  # Caffe: "encode_type specified, assuming encoded=true"
     entries = read_list_file(listfile)
     if shuffle:
-        _say("Shuffling data")
+        log.info("Shuffling data")
         random.Random(seed).shuffle(entries)
-    _say(f"A total of {len(entries)} images.")
+    log.info(f"A total of {len(entries)} images.")
     resize = (resize_height, resize_width) if resize_height else None
     color = not gray
     first_size = []
@@ -206,11 +200,11 @@ def convert_imageset(root, listfile, out, gray=False, shuffle=False, resize_heig
                 first_size[:] = [size]
             yield f"{index:08d}_{filename}".encode(), datum.SerializeToString()
             if (index + 1) % 1000 == 0:
-                _say(f"Processed {index + 1} files.")
+                log.info(f"Processed {index + 1} files.")
 
     written = write_records(out, records(), overwrite=overwrite)
     if written % 1000:
-        _say(f"Processed {written} files.")
+        log.info(f"Processed {written} files.")
     return written
 
 
@@ -222,7 +216,7 @@ def compute_image_mean(db, out, overwrite=False):
     lmdb_io.refuse_existing(out, overwrite)
     total, shape, first_key = None, None, None
     n = 0
-    for key, value in parquet.reader(db).read_records(db):
+    for key, value in source_for(db).read():
         array = datum_to_array(parse_datum(value, key, db), key, db)
         if total is None:
             shape, first_key = array.shape, key
@@ -235,17 +229,17 @@ def compute_image_mean(db, out, overwrite=False):
         total += array
         n += 1
         if n % 10000 == 0:
-            _say(f"Processed {n} files.")
+            log.info(f"Processed {n} files.")
     if n == 0:
         raise DataError("the dataset is empty; no mean to compute", db)
     if n % 10000:
-        _say(f"Processed {n} files.")
+        log.info(f"Processed {n} files.")
     mean = (total / n).astype(np.float32)
-    _say(f"Write to {out}")
+    log.info(f"Write to {out}")
     save_mean(mean, out)
-    _say(f"Number of channels: {shape[0]}")
+    log.info(f"Number of channels: {shape[0]}")
     for c in range(shape[0]):
-        _say(f"mean_value channel [{c}]: {float(mean[c].mean())}")
+        log.info(f"mean_value channel [{c}]: {float(mean[c].mean())}")
     return n
 
 
@@ -261,28 +255,25 @@ def convert_lmdb(source, out, overwrite=False):
     Keys and Datum bytes are copied as they are, in the source's order, so LMDB →
     Parquet → LMDB gives back the same database. Returns the record count.
     """
-    if parquet.is_parquet(source):
-        reader, write, kind = parquet, lmdb_io.write_lmdb, "LMDB"
-    elif lmdb_io.is_lmdb(source):
-        reader, write, kind = lmdb_io, functools.partial(parquet.write_parquet, source=source), "Parquet"
-    elif not os.path.exists(source):
-        raise DataError("no such LMDB or Parquet dataset", source)
-    else:
+    reader = source_for(source)
+    if not reader.present():
         raise DataError("neither an LMDB (a folder holding data.mdb) nor a Parquet dataset (a .parquet file, "
-                        "a folder of them, or a URI)", source)
-    if kind == "LMDB" and (parquet.writes_parquet(out) or parquet.is_uri(out)):
-        raise DataError("the source is Parquet, so the output is an LMDB: a local folder, not a name ending "
-                        "in .parquet or a URI", out)
-    if not parquet.is_uri(out):
+                        "a folder of them, or a URI)" if os.path.exists(source) else "no such LMDB or Parquet dataset",
+                        source)
+    target = SOURCES[reader.counterpart]
+    refusal = target.output_refusal(out)
+    if refusal:
+        raise DataError(f"the source is a {reader.kind}, so {refusal}", out)
+    if not is_uri(out):
         lmdb_io.refuse_existing(out, overwrite)  # before a long read
-    total = reader.count(source)
-    _say(f"A total of {total} records: {source} -> {kind} {out}")
+    total = reader.count()
+    log.info(f"A total of {total} records: {source} -> {target.kind} {out}")
     in_order = True
 
     def records():
         nonlocal in_order
         previous = None
-        for n, (key, value) in enumerate(reader.read_records(source), 1):
+        for n, (key, value) in enumerate(reader.read(), 1):
             if key == previous:
                 raise DataError(f"key {key.decode('utf-8', 'backslashreplace')!r} repeats, and an LMDB holds "
                                 "one record per key; give every row its own key", source)
@@ -290,17 +281,17 @@ def convert_lmdb(source, out, overwrite=False):
             previous = key
             yield key, value
             if n % REPORT_EVERY == 0:
-                _say(f"Processed {n} of {total} records.")
+                log.info(f"Processed {n} of {total} records.")
 
-    written = write(out, records(), overwrite=overwrite)
+    written = target.write(out, records(), overwrite=overwrite, source=source)
     if written % REPORT_EVERY:
-        _say(f"Processed {written} of {total} records.")
-    if kind == "LMDB" and not in_order:
-        stored = lmdb_io.count(out)
+        log.info(f"Processed {written} of {total} records.")
+    if target.key_order and not in_order:
+        stored = target(out).count()
         if stored < written:  # a repeat that was not next to its first: found only now
             lmdb_io.remove_path(out)
             raise DataError(f"{written - stored} of its keys repeat, and an LMDB holds one record per key; "
                             "give every row its own key", source)
-        _say(f"warning: the keys of {source} are not in increasing order; the LMDB holds the records "
-             "in key order, not the Parquet's")
+        log.warning(f"the keys of {source} are not in increasing order; the LMDB holds the records in key order, "
+                    "not the Parquet's")
     return written

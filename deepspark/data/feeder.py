@@ -1,16 +1,15 @@
 """Batches for a Data layer: one shard of an LMDB or Parquet dataset, looped like Caffe's Data layer, transformed."""
 
 import logging
-import os
 import queue
 import threading
 
 import numpy as np
 
 from deepspark.errors import ConfigError
-from deepspark.data import lmdb_io, parquet
 from deepspark.data.datum import DataError, decode_datum, decode_datums
 from deepspark.data.resume import Resumable
+from deepspark.data.sources import source_for
 from deepspark.data.table import feeds
 from deepspark.data.transform import Transformer, _phase
 from deepspark.proto import deepspark_pb2 as pb
@@ -78,16 +77,10 @@ class DataFeeder(Resumable):
                                        seed=seeds[1])
         self.shuffle = bool(shuffle)
 
-        self._io = parquet.reader(self.path)  # lmdb_io or parquet: the same reading functions
-        total = self._io.count(self.path)
-        self.start, self.stop = lmdb_io.shard_range(total, shard, num_shards)
-        self.size = self.stop - self.start
-        if self.size == 0:
-            kind = "Parquet dataset" if self._io is parquet else "LMDB"
-            raise DataError(f"shard {shard} of {num_shards} is empty: the {kind} holds only {total} records",
-                            self.path)
+        self.shard = source_for(self.path).shard(shard, num_shards)
+        self.start, self.stop, self.size = self.shard.start, self.shard.stop, self.shard.size
         self._color = _color(layer_param.transform_param)
-        key, value = next(self._io.read_records(self.path, self.start, self.start + 1))
+        key, value = self.shard.first_record()
         first, _ = decode_datum(value, key, self.path, self._color)
         self.source_shape, self._dtype = tuple(first.shape), first.dtype
         self.transformer.check(self.source_shape)
@@ -98,11 +91,10 @@ class DataFeeder(Resumable):
         if self.in_memory:
             self._images, self._labels = self._load()
         else:
-            if self.shuffle and self._io is parquet:
-                raise ConfigError(f"layer {self.name!r}: a shuffled shard of a Parquet dataset must fit in "
-                                  f"memory ({memory_limit} bytes); Parquet has no lookup by key")
-            self._stream = StreamedShard(self._io, self.path, self.start, self.stop, self._decode, first,
-                                         self.batch_size, self.shuffle)
+            if self.shuffle and not self.shard.source.keyed:
+                raise ConfigError(f"layer {self.name!r}: a shuffled shard of a {self.shard.source.kind} must fit "
+                                  f"in memory ({memory_limit} bytes); it has no lookup by key")
+            self._stream = StreamedShard(self.shard, self._decode, first, self.batch_size, self.shuffle)
         self._order = None
         self._position = 0
         self.epoch = 0
@@ -120,7 +112,7 @@ class DataFeeder(Resumable):
         images = np.empty((self.size,) + self.source_shape, dtype=self._dtype)
         labels = np.empty(self.size, dtype=np.float32)
         filled = 0
-        for block in self._io.read_chunks(self.path, self.start, self.stop, chunk):
+        for block in self.shard.chunks(0, chunk):
             end = filled + len(block)
             images[filled:end], labels[filled:end] = decode_block(self._decode, block)
             filled = end
@@ -131,8 +123,8 @@ class DataFeeder(Resumable):
         out = np.empty(n, dtype=np.int64)
         filled = 0
         while filled < n:
-            if self._position == 0 and self.shuffle:
-                self._order = self.order_rng.permutation(self.size)
+            if self._position == 0:
+                self._order = self._epoch_order()
             take = min(n - filled, self.size - self._position)
             if self._order is not None:
                 out[filled:filled + take] = self._order[self._position:self._position + take]
@@ -212,12 +204,6 @@ class DataFeeder(Resumable):
             raise ValueError(f"{self.name}: a prefetching feeder has no single position")
         return super().get_state()
 
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return self.next_batch()
-
     def close(self):
         """Stop the prefetch thread and release the database."""
         self._stop.set()
@@ -226,12 +212,6 @@ class DataFeeder(Resumable):
             self._thread = None
         if self._stream is not None:
             self._stream.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __del__(self):
         try:
@@ -246,15 +226,15 @@ def decode_block(decode, block):
 
 
 class StreamedShard:
-    """Records [start, stop) of an LMDB or Parquet dataset (`io`: lmdb_io or parquet) read as a batch asks for
-    them, never held whole: in order a decoded window of records at a time, or (shuffle, an LMDB) one lookup
-    per record by its key. decode(keys, values) gives (images, labels); `first` is the shard's first image."""
+    """A Shard of a record source read as a batch asks for it, never held whole: in order a decoded window of
+    records at a time, or (shuffle, a keyed source: an LMDB) one lookup per record by its key.
+    decode(keys, values) gives (images, labels); `first` is the shard's first image."""
 
-    def __init__(self, io, path, start, stop, decode, first, batch_size, shuffle):
-        self._io, self.path, self.start, self.stop, self._decode = io, path, start, stop, decode
+    def __init__(self, shard, decode, first, batch_size, shuffle):
+        self.shard, self._decode = shard, decode
         self._shape, self._dtype = tuple(first.shape), first.dtype
-        self._keys = list(lmdb_io.read_records(path, start, stop, keys_only=True)) if shuffle else None
-        self._txn = None
+        self._keys = list(shard.read(keys_only=True)) if shuffle else None
+        self._lookup = shard.source.lookup() if shuffle else None
         self._chunks = None
         self._window = (0, (), ())
         self._window_size = max(batch_size, min(8192, STREAM_WINDOW_BYTES // max(first.nbytes, 1)))
@@ -263,10 +243,8 @@ class StreamedShard:
         """(images, labels) of the records at shard positions `indices`."""
         if self._keys is not None:
             # Shuffled: one lookup per record, in this epoch's order.
-            if self._txn is None:
-                self._txn = lmdb_io.open_db(self.path).begin(buffers=False)
             keys = [self._keys[index] for index in indices]
-            return self._decode(keys, [self._txn.get(key) for key in keys])
+            return self._decode(keys, self._lookup.values(keys))
         # In order: decode a window of records at a time; a batch takes runs of it.
         images = np.empty((len(indices),) + self._shape, dtype=self._dtype)
         labels = np.empty(len(indices), dtype=np.float32)
@@ -289,23 +267,20 @@ class StreamedShard:
         if self._chunks is None or index != first + len(window_images):
             if self._chunks is not None:
                 self._chunks.close()
-            self._chunks = self._io.read_chunks(self.path, self.start + index, self.stop,
-                                                self._window_size)
+            self._chunks = self.shard.chunks(index, self._window_size)
         block = next(self._chunks, None)
         if block is None:
-            raise DataError(f"the dataset changed while being read (record {self.start + index} "
-                            "is gone)", self.path)
+            raise DataError(f"the dataset changed while being read (record {self.shard.start + index} "
+                            "is gone)", self.shard.source.where)
         return (index,) + decode_block(self._decode, block)
 
     def close(self):
-        """Release the chunk reader and the LMDB."""
+        """Release the chunk reader and the lookup."""
         if self._chunks is not None:
             self._chunks.close()
             self._chunks = None
-        if self._txn is not None:
-            self._txn.abort()
-            self._txn = None
-            lmdb_io.close_db(self.path)
+        if self._lookup is not None:
+            self._lookup.close()
 
 
 def _merged_transform(layer_param):
@@ -329,7 +304,3 @@ feeds("Data", make=lambda layer_param, phase, where, options: DataFeeder(layer_p
       param="data_param")
 feeds("WindowData", param="window_data_param", refusal=WINDOW_DATA_UNTRAINED)
 
-
-def source_path(layer_param):
-    """The Data layer's source, as the user wrote it (relative paths are relative to cwd)."""
-    return os.path.abspath(layer_param.data_param.source) if layer_param.data_param.source else None

@@ -20,6 +20,7 @@ from deepspark.config import resolve
 from deepspark.data.convert import read_list_text
 from deepspark.data.datum import DataError
 from deepspark.data.lmdb_io import shard_range
+from deepspark.data.resume import Resumable
 from deepspark.data.table import feeds
 from deepspark.errors import ConfigError
 
@@ -80,9 +81,12 @@ def given_rows(layer_param, shape):
     return {top: tuple(shape) if i == 0 else () for i, top in enumerate(layer_param.top)}
 
 
-class HDF5Feeder:
+class HDF5Feeder(Resumable):
     """Batches {top: float32 array} for one HDF5Data layer: rows [start, stop) of all its files together
-    (shard `shard` of `num_shards`), file by file as Caffe's HDF5DataLayer goes, looping."""
+    (shard `shard` of `num_shards`), file by file as Caffe's HDF5DataLayer goes, looping. Its state: the file
+    it is in and its row there, the files' order this pass, and `rng` (which draws both orders)."""
+
+    unit = "rows"
 
     def __init__(self, layer_param, shard=0, num_shards=1, seed=None, batch_size=None):
         param = layer_param.hdf5_data_param
@@ -120,8 +124,8 @@ class HDF5Feeder:
         self.row_shapes = shapes
         self.size = stop - start
         self.epoch = 0
-        self._order = list(range(len(self.pieces)))
-        self._piece = -1  # position in _order of the loaded piece
+        self._files = list(range(len(self.pieces)))  # the order of this pass's pieces
+        self._piece = -1  # position in _files of the loaded piece
         self._rows = None  # {top: float32 rows} of the loaded piece, in the order they are served
         self._row = 0
         self._read_from = None  # the RNG's state before the loaded piece's rows were permuted
@@ -133,16 +137,20 @@ class HDF5Feeder:
     def _load_next(self):
         """Move to the next file of this shard (a new pass after the last, its order drawn anew) and read it."""
         self._piece += 1
-        if self._piece == len(self._order):
+        if self._piece == len(self._files):
             self._piece, self.epoch = 0, self.epoch + 1
         if self._piece == 0 and self.shuffle:
-            self._order = [int(i) for i in self.rng.permutation(len(self.pieces))]
+            self._files = self._epoch_order()
         self._read()
+
+    def _epoch_order(self):
+        """Caffe's shuffle of HDF5Data: the files in a new order every pass (their rows permuted as each is read)."""
+        return [int(i) for i in self.rng.permutation(len(self.pieces))]
 
     def _read(self):
         """Read the current file's rows of this shard, permuted with shuffle."""
         self._read_from = self.rng.bit_generator.state
-        path, lo, hi = self.pieces[self._order[self._piece]]
+        path, lo, hi = self.pieces[self._files[self._piece]]
         with _h5py().File(path, "r") as h5:
             rows = {top: np.asarray(h5[top][lo:hi], np.float32) for top in self.tops}
         if self.shuffle:
@@ -163,17 +171,14 @@ class HDF5Feeder:
             self._row += take
         return batch
 
-    def get_state(self):
-        """(JSON-able position, None): set_state reads the current file again, its rows permuted the same way."""
-        meta = {"piece": self._piece, "row": self._row, "epoch": self.epoch, "order": list(self._order),
-                "rng": self.rng.bit_generator.state, "size": self.size,
+    def _state(self):
+        """(JSON-able position, None): _restore reads the current file again, its rows permuted the same way."""
+        meta = {"piece": self._piece, "row": self._row, "order": list(self._files), "rng": self.rng.bit_generator.state,
                 "read_from": self._read_from if self._rows is not None else None}
         return meta, None
 
-    def set_state(self, meta, order=None):
-        if meta["size"] != self.size:
-            raise ValueError(f"{self.name}: the state is of a shard of {meta['size']} rows, not {self.size}")
-        self._order, self.epoch, self._piece = list(meta["order"]), int(meta["epoch"]), int(meta["piece"])
+    def _restore(self, meta, order):
+        self._files, self._piece = list(meta["order"]), int(meta["piece"])
         self._rows = None
         if meta["read_from"] is not None:
             self.rng.bit_generator.state = meta["read_from"]

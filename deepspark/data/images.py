@@ -88,7 +88,7 @@ class ImageFeeder(Resumable):
         self.shuffle = bool(param.shuffle)
         self.source_shape = tuple(load(param, *self.images[0][::2]).shape)
         self.transformer.check(self.source_shape)
-        self._order = self.order_rng.permutation(self.size) if self.shuffle else None
+        self._order = self._epoch_order()
         self._position = int(self.order_rng.integers(param.rand_skip)) % self.size if param.rand_skip else 0
         self.epoch = 0
 
@@ -106,8 +106,7 @@ class ImageFeeder(Resumable):
             self._position += 1
             if self._position == self.size:
                 self._position, self.epoch = 0, self.epoch + 1
-                if self.shuffle:
-                    self._order = self.order_rng.permutation(self.size)
+                self._order = self._epoch_order()
         return indices
 
     def next_batch(self):
@@ -126,9 +125,6 @@ class ImageFeeder(Resumable):
         if len(self.tops) > 1:
             batch[self.tops[1]] = labels
         return batch
-
-    def close(self):
-        pass
 
 
 feeds("ImageData", make=lambda layer_param, phase, where, options: ImageFeeder(layer_param, phase,

@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import re
-import sys
 import urllib.parse
 
 from deepspark.data import lmdb_io
@@ -151,7 +150,7 @@ def _parts(source):
 
 
 # ---------------------------------------------------------------------------
-# Reading: lmdb_io's reading functions, by record range in file order
+# Reading by record range in file order (sources.ParquetSource)
 
 def count(source):
     """Number of records in the dataset, from its footers (no data read)."""
@@ -223,19 +222,6 @@ def read_records(source, start=0, stop=None, keys_only=False):
     """(key, value) bytes of records start..stop-1 in file order (keys only: key)."""
     for block in read_chunks(source, start, stop):
         yield from ((key for key, _ in block) if keys_only else block)
-
-
-def first_record(source):
-    """(key, value) of the first record, or DataError if the dataset is empty."""
-    for key, value in read_records(source, 0, 1):
-        return key, value
-    raise DataError("the Parquet dataset is empty", source)
-
-
-def reader(source):
-    """The module that reads `source` by record range: this one for Parquet, lmdb_io for an LMDB; the
-    two have the same count, first_record, read_records and read_chunks."""
-    return sys.modules[__name__] if is_parquet(source) else lmdb_io
 
 
 # ---------------------------------------------------------------------------

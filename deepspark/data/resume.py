@@ -1,25 +1,58 @@
-"""Where a feeder is in its shard, saved and restored: the same batches again from another feeder of the same shard."""
+"""The feeder interface every fed data layer's batches come through: batches, resume where another feeder stopped, each epoch's order."""
 
 import numpy as np
 
 
 class Resumable:
-    """get_state and set_state of a feeder that reads `size` items of its shard in an order: its `_position`
-    and `epoch`, this epoch's `_order` (None: in order), its `order_rng` and its transformer's rng."""
+    """A feeder of one shard of `size` items (records, images, rows) for one layer `name`: next_batch() gives
+    {top: array}, `shapes` their shapes, `epoch` the passes completed; get_state/set_state carry where it is
+    to another feeder of the same shard, which then gives the same batches; _epoch_order draws each epoch's
+    order (the hook of per-epoch shuffling). A record feeder keeps `_position`, this epoch's `_order` (None:
+    the shard's own order), `order_rng` and its transformer's rng; another kind says its own by _state and
+    _restore."""
 
     unit = "records"  # what the shard holds, as an error names it
 
-    def get_state(self):
-        """(position, epoch, RNG states) as JSON-able values, and this epoch's order."""
-        meta = {"position": self._position, "epoch": self.epoch, "size": self.size,
-                "order_rng": self.order_rng.bit_generator.state,
-                "transform_rng": self.transformer.rng.bit_generator.state}
-        return meta, self._order
+    def next_batch(self):
+        raise NotImplementedError
 
-    def set_state(self, meta, order):
+    def _epoch_order(self):
+        """The order of the next epoch's positions: a fresh permutation from order_rng with shuffle, else None
+        (the shard's own order). The one place a feeder draws an epoch's order."""
+        return self.order_rng.permutation(self.size) if self.shuffle else None
+
+    def get_state(self):
+        """(position, epoch, RNG states) as JSON-able values, and this epoch's order (an array, or None)."""
+        meta, order = self._state()
+        return {"epoch": self.epoch, "size": self.size, **meta}, order
+
+    def set_state(self, meta, order=None):
         if meta["size"] != self.size or (order is not None and len(order) != self.size):
             raise ValueError(f"{self.name}: the state is of a shard of {meta['size']} {self.unit}, not {self.size}")
-        self._position, self.epoch = int(meta["position"]), int(meta["epoch"])
+        self.epoch = int(meta["epoch"])
+        self._restore(meta, order)
+
+    def _state(self):
+        return {"position": self._position, "order_rng": self.order_rng.bit_generator.state,
+                "transform_rng": self.transformer.rng.bit_generator.state}, self._order
+
+    def _restore(self, meta, order):
+        self._position = int(meta["position"])
         self.order_rng.bit_generator.state = meta["order_rng"]
         self.transformer.rng.bit_generator.state = meta["transform_rng"]
         self._order = None if order is None else np.asarray(order, dtype=np.int64)
+
+    def close(self):
+        """Release what the feeder holds open."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.next_batch()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

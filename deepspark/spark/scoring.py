@@ -27,8 +27,8 @@ from pyspark.sql import functions as F
 from deepspark import checkpoint, engine
 from deepspark.backends import create_model
 from deepspark.config import load_net, net_path
-from deepspark.data import (DataError, Transformer, decode_datum, encode_datum, is_parquet, lmdb_io, load_mean,
-                            peek_shape)
+from deepspark.data import (DataError, Transformer, decode_datum, encode_datum, lmdb_io, load_mean, peek_shape,
+                            source_for)
 from deepspark.data.datum import decode_datums, parse_datum
 from deepspark.data.parquet import is_uri, write_parquet, writes_parquet
 from deepspark.errors import ConfigError, DeepSparkError
@@ -338,23 +338,36 @@ def partitions_for(spark, total, batch_size):
 def dataset_frame(spark, source, batch_size):
     """(a DataFrame of RECORDS of the LMDB or Parquet dataset at `source`, its partitions holding whole batches of
     `batch_size` in index order; the record count; the partition count): DataFrame operations, which Spark
-    Connect serves too."""
-    if is_parquet(source):
-        located, indexed, _, total = parquet_located(spark, source)
-        count = partitions_for(spark, total, batch_size)
-        frame = located.mapInArrow(parquet_rows(indexed), RECORDS)
-        # Ranges of batch numbers: a range partitioning never splits a key, so no batch straddles two partitions.
-        batch = F.floor(F.col("index") / batch_size)
-        return frame.repartitionByRange(count, batch).sortWithinPartitions("index"), total, count
-    if not lmdb_io.is_lmdb(source):
-        raise ConfigError("not an LMDB or a Parquet dataset", source)
-    total = lmdb_io.count(source)
+    Connect serves too. The record source's kind picks how Spark reads it (FRAMES)."""
+    found = source_for(source)
+    return FRAMES[found.name](spark, found, batch_size)
+
+
+def parquet_frame(spark, source, batch_size):
+    """dataset_frame of a Parquet dataset, read by Spark's own reader."""
+    located, indexed, _, total = parquet_located(spark, source.location)
+    count = partitions_for(spark, total, batch_size)
+    frame = located.mapInArrow(parquet_rows(indexed), RECORDS)
+    # Ranges of batch numbers: a range partitioning never splits a key, so no batch straddles two partitions.
+    batch = F.floor(F.col("index") / batch_size)
+    return frame.repartitionByRange(count, batch).sortWithinPartitions("index"), total, count
+
+
+def lmdb_frame(spark, source, batch_size):
+    """dataset_frame of an LMDB, each partition's record range read by its executor."""
+    if not source.present():
+        raise ConfigError("not an LMDB or a Parquet dataset", source.location)
+    total = source.count()
     if not total:
-        raise ConfigError("the LMDB is empty", source)
+        raise ConfigError("the LMDB is empty", source.location)
     ranges = batch_ranges(total, batch_size, partitions_for(spark, total, batch_size))
     frame = spark.range(0, len(ranges), 1, len(ranges)).mapInArrow(
-        lmdb_ranges(os.path.abspath(source), total, ranges), RECORDS)
+        lmdb_ranges(os.path.abspath(source.location), total, ranges), RECORDS)
     return frame, total, len(ranges)
+
+
+# How score and extract-features read each kind of record source (data.sources.SOURCES) on Spark.
+FRAMES = {"lmdb": lmdb_frame, "parquet": parquet_frame}
 
 
 # -- the driver's side of score and extract-features: a net that reads its own data, as Caffe's tools take --

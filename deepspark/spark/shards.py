@@ -8,11 +8,11 @@ import socket
 import numpy as np
 
 from deepspark import nets
-from deepspark.data import (LISTED_SOURCES, DataError, check_datum, checked_records, decode_datum, encode_datum,
-                            is_parquet, lmdb_io)
+from deepspark.data import LISTED_SOURCES, checked_records, decode_datum, lmdb_io, source_for
 from deepspark.data.parquet import COLUMNS, DATUM, null_row
+from deepspark.data.sources import datum_shape, row_datum
 from deepspark.errors import ConfigError
-from deepspark.graph import fmt, layer_included
+from deepspark.graph import layer_included
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.failures import failed, first_line
 from deepspark.spark.session import sql_session
@@ -23,31 +23,53 @@ STREAMED = "each task streams its partition into its local LMDB; the driver hold
 def plan(sc, solver, data, workers, ship_records, log):
     """The RDD of the workers' shards, one partition each, and the (C, H, W) of their images when the plan
     read it (None: the net's Data layer says it); the plan's line logged. data: a DataFrame, else the train
-    net's LMDB or Parquet dataset, or the data its own layers read."""
-    source = None if data is not None else train_source(solver)
-    if data is None and source is None:
+    net's LMDB or Parquet dataset, or the data its own layers read. The record source's kind picks its plan
+    (PLANS)."""
+    location = data if data is not None else train_source(solver)
+    source = None if location is None else source_for(location)
+    if source is None:
         shards, shape = sc.parallelize([Listed(worker, workers) for worker in range(workers)], workers), None
         log.info(f"Sharded the train net's own data sources into {workers} shards (each executor reads its share "
                  "of them itself; nothing is spilled)")
-    elif source is not None and is_parquet(source):
-        shards, shape, total = parquet_shards(sql_session(sc), source, workers)
-        log.info(f"Planned {workers} shards of the {total} records of the Parquet dataset {source} ({STREAMED})")
-    elif data is not None:
-        shards, shape, total = dataframe_shards(data, workers)
-        log.info(f"Training on a DataFrame of {data.columns}, repartitioned into {workers} shards of its "
-                 f"{total} records ({STREAMED})")
-    elif ship_records:
-        (shards, total), shape = shipped_shards(sc, source, workers), None
-        log.info(f"Sharded {total} records into {workers} shards (shipped through Spark from the driver: "
-                 f"ship_records, bounded by the driver's memory)")
     else:
-        ranges, total = shard_payloads(solver, workers)
-        shards, shape = sc.parallelize(ranges, workers), None
-        log.info(f"Sharded {total} records into {workers} shards (each executor reads its record range of "
-                 f"{ranges[0].source} itself; no records pass through the driver)")
-    if ship_records and (data is not None or source is None or is_parquet(source)):
+        shards, shape, line = PLANS[source.name](sc, source, workers, ship_records)
+        log.info(line)
+    if ship_records and (source is None or source.name not in SHIPPED):
         log.warning("ship_records applies to an LMDB source; this job's shards are read by the executors")
     return shards, shape
+
+
+def lmdb_plan(sc, source, workers, ship_records):
+    """(shards, None, the plan's line) of an LMDB: each executor's record range, or (ship_records) its
+    records shipped from the driver."""
+    if ship_records:
+        shards, total = shipped_shards(sc, source.location, workers)
+        return shards, None, (f"Sharded {total} records into {workers} shards (shipped through Spark from the driver: "
+                              "ship_records, bounded by the driver's memory)")
+    ranges, total = lmdb_ranges(source.location, workers)
+    return sc.parallelize(ranges, workers), None, (
+        f"Sharded {total} records into {workers} shards (each executor reads its record range of "
+        f"{ranges[0].source} itself; no records pass through the driver)")
+
+
+def parquet_plan(sc, source, workers, ship_records):
+    """(shards, (C, H, W), the plan's line) of a Parquet dataset, read by Spark's own reader."""
+    shards, shape, total = parquet_shards(sql_session(sc), source.location, workers)
+    return shards, shape, (f"Planned {workers} shards of the {total} records of {source.describe()} "
+                           f"({STREAMED})")
+
+
+def frame_plan(sc, source, workers, ship_records):
+    """(shards, (C, H, W), the plan's line) of a DataFrame, repartitioned by Spark."""
+    shards, shape, total = dataframe_shards(source.location, workers)
+    return shards, shape, (f"Training on {source.describe()}, repartitioned into {workers} shards of its "
+                           f"{total} records ({STREAMED})")
+
+
+# How a job's shards are planned, by the kind of its record source (data.sources.SOURCES), and the kinds
+# whose records the driver can ship (ship_records).
+PLANS = {"lmdb": lmdb_plan, "parquet": parquet_plan, "dataframe": frame_plan}
+SHIPPED = frozenset({"lmdb"})
 
 
 def train_source(solver):
@@ -85,9 +107,13 @@ def too_few(workers, total, what):
 
 
 def shard_payloads(solver, workers):
-    """Per worker: the Range of the train net's LMDB that its executor reads itself, and the LMDB's
+    """lmdb_ranges of the train net's LMDB."""
+    return lmdb_ranges(train_source(solver), workers)
+
+
+def lmdb_ranges(source, workers):
+    """Per worker: the Range of the LMDB at `source` that its executor reads itself, and the LMDB's
     record count. Only the count is read here."""
-    source = train_source(solver)
     total = lmdb_io.count(source)
     if total < workers:
         raise ConfigError(too_few(workers, total, "the LMDB"), source)
@@ -236,20 +262,11 @@ def dataframe_shards(df, workers, what="the DataFrame"):
     Rows hold either `datum` (serialized Caffe Datum bytes) or `data` (an image
     array: C x H x W, or H x W for one channel; uint8 or float) and `label`.
     """
-    columns = set(df.columns)
-    if "datum" not in columns and not {"data", "label"} <= columns:
-        raise ConfigError(f"the DataFrame needs a 'datum' column (Datum bytes) or 'data' and 'label' columns; "
-                          f"it has {sorted(columns)}")
-    if "datum" not in columns:
-        kind = df.schema["label"].dataType.typeName()
-        if kind not in ("byte", "short", "integer", "long"):
-            raise ConfigError(f"the DataFrame's 'label' column holds {kind} values; Caffe's labels are integers "
-                              "(cast it: df.withColumn('label', df.label.cast('int')))")
-    rows = df.select(*(["datum"] if "datum" in columns else ["data", "label"])).rdd
+    rows = df.select(*source_for(df).columns).rdd
     counts, first = partition_counts(df.sparkSession.sparkContext, rows)
     if first is None:
         raise ConfigError(f"{what} is empty")
-    shape = tuple(int(d) for d in decode_datum(row_datum(0, first))[0].shape)
+    shape = datum_shape(row_datum(0, first))
     shards, total = balanced_shards(rows, counts, workers, lambda index, row: row_datum(index, row, shape), what)
     return shards, shape, total
 
@@ -288,32 +305,3 @@ def unreadable_lmdb(source, total, who, ways_on=""):
         return (f"{who} on {host}: the LMDB {source} holds {here} records here and {total} on the driver; every "
                 "executor must see the same LMDB")
     return None
-
-
-def row_datum(index, row, shape=None):
-    """The Datum bytes of DataFrame row `index`: its `datum` bytes, or its `data` array (of `shape`,
-    when given: the first row's) and `label`; a DataError naming the row when it cannot be one."""
-    fields = row.asDict() if hasattr(row, "asDict") else dict(row)
-    if "datum" in fields:
-        if fields["datum"] is None:
-            raise DataError(f"DataFrame row {index}: its 'datum' is null; every row needs its Datum bytes")
-        datum = bytes(fields["datum"])
-        try:
-            check_datum(datum, index, None, shape)  # a parse: row_datum runs once per row, where it is known
-        except DataError as error:
-            raise DataError(f"DataFrame {error}") from None  # "row N: what" as "DataFrame row N: what"
-        return datum
-    image = np.asarray(fields["data"])
-    if image.ndim == 2:
-        image = image[None]
-    if image.dtype.kind not in "buif" or image.ndim != 3:
-        raise DataError(f"DataFrame row {index}: 'data' must be an image array (C x H x W, or H x W) of numbers, "
-                        f"not {image.dtype} of shape {fmt(image.shape)}")
-    if shape is not None and image.shape != tuple(shape):
-        raise DataError(f"DataFrame row {index}: its image is {fmt(image.shape)}, the first row's is {fmt(shape)}; "
-                        "a net takes images of one size")
-    try:
-        label = int(fields["label"])
-    except (TypeError, ValueError):
-        raise DataError(f"DataFrame row {index}: label {fields['label']!r} is not an integer") from None
-    return encode_datum(image if image.dtype == np.uint8 else image.astype(np.float32), label)
