@@ -24,8 +24,8 @@ class ExchangeServer:
 
     center        initial x̃ (copied into one float32 vector)
     secret        the per-job secret (str or bytes) both sides prove they hold
-    handler       the application: handlers.EasgdHandler (asynchronous EASGD on EXCHANGE frames)
-                  or handlers.RoundsHandler (synchronous averaging rounds on AVERAGE frames)
+    handler       the application, a handlers.Handler: an algorithm's (algorithms/easgd.py's EasgdHandler on EXCHANGE
+                  frames, algorithms/sync.py's RoundsHandler on AVERAGE frames)
     options       ExchangeOptions (default: the schema's): its timeout is the idle timeout (seconds an
                   authenticated worker may stay silent before it is dropped; set it above the longest expected
                   period: a dropped worker rejoins from x̃); integrity: tag every frame after the handshake and
