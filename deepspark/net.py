@@ -21,7 +21,8 @@ import numpy as np
 from deepspark import checkpoint, config
 from deepspark.backends import create_model
 from deepspark.data import READ_SOURCES, feeder_for, source_shape
-from deepspark.graph import Graph, fmt, layers_between, tap_name, with_taps
+from deepspark.errors import ConfigError
+from deepspark.graph import Graph, fmt, layers_between, tap_name, with_input_shapes, with_taps
 from deepspark.proto import deepspark_pb2 as pb
 
 PHASES = {"train": pb.TRAIN, "test": pb.TEST}
@@ -75,6 +76,38 @@ def tapped_model(net, graph, backend, phase, options):
     return model, {name: tap for name, tap in taps.items() if tap in outputs}
 
 
+PROBE_SIZES = (16, 64, 256, 1024)  # the height and width tried for placeholder inputs: the first every layer takes
+
+
+def built(net, phase, source, data_shape):
+    """(the net as Net builds it, its Graph, {input: declared shape} of placeholder inputs, else empty).
+
+    OpenPose's deploy nets declare a 1x3x1x1 input "defined at runtime", reshaped before every forward: Caffe
+    sets them up at that size and checks the shapes at Reshape, while the graph's rules refuse a 2x2 pooling
+    over a 1x1 map at construction. Where the declared input shapes are refused, the net is built with its
+    inputs' height and width raised to the first of PROBE_SIZES that every layer takes (the parameters' shapes
+    do not depend on it), and its input blobs keep the declared shapes: the next forward reshapes the net to
+    them or to the caller's, a ValueError there if refused. Where no size is taken, the first error stands."""
+    try:
+        return net, Graph(net, phase, source=source, data_shape=data_shape), {}
+    except ConfigError as error:
+        refused = error
+    net = with_input_shapes(net, {})  # legacy input fields as Input layers
+    declared = {}
+    for layer in net.layer:
+        shapes = [tuple(shape.dim) for shape in layer.input_param.shape] if layer.type == "Input" else []
+        declared.update(zip(layer.top, shapes * len(layer.top) if len(shapes) == 1 else shapes))
+    placeholders = {top: shape for top, shape in declared.items() if len(shape) > 2}
+    for size in PROBE_SIZES if placeholders else ():
+        probe = with_input_shapes(net, {top: shape[:2] + tuple(max(d, size) for d in shape[2:])
+                                        for top, shape in placeholders.items()})
+        try:
+            return probe, Graph(probe, phase, source=source, data_shape=data_shape), placeholders
+        except ConfigError:
+            continue
+    raise refused
+
+
 def check_input_shape(name, shape, net_shape):
     """A one-line ValueError where input `name` of `shape` cannot be fed to a net whose input is `net_shape` now
     (before the layers' shape rules would name a layer far from the cause, or TensorFlow's and Caffe's kernels
@@ -113,7 +146,7 @@ class Net:
             net, source = config.load_net(config.net_path(prototxt))
         # A data layer that reads a source (HDF5Data, ImageData, Data) takes its shape from it, as describe does.
         options.setdefault("data_shape", source_shape)
-        self._graph = Graph(net, phase, source=source, data_shape=options["data_shape"])  # the net as written
+        net, self._graph, placeholders = built(net, phase, source, options["data_shape"])  # the net as written
         self._model, self._taps = tapped_model(net, self._graph, backend, phase, options)
         self._options = options
         self._spans = {}  # (first, last) layer: (model, taps, its params' indices) for forward's start and end
@@ -127,6 +160,8 @@ class Net:
         shapes = self._model.graph.blobs
         names = OrderedDict((top, None) for layer in self._graph.layers for top in layer.tops)
         self.blobs = OrderedDict((name, Blob(np.zeros(shapes[name], np.float32))) for name in names)
+        for name, shape in placeholders.items():  # the next forward reshapes the net to them, or to the caller's
+            self.blobs[name].reshape(*shape)
         self._params = [Blob(array) for array in self._model.get_params()]
         # pycaffe's names of the layers in order, and of each one's bottoms and tops (Caffe's splits not listed)
         self._layer_names = [layer.name for layer in self._graph.layers]

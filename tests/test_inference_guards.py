@@ -249,3 +249,30 @@ def test_net_reads_an_hdf5_data_layers_source_as_pycaffe(tmp_path, backend):
         ours = net.forward()["prob"]
         assert np.ptp(expected) > 0 and np.abs(ours - expected).max() <= 1e-5, (ours, expected)
         assert np.array_equal(net.blobs["data"].data, theirs.blobs["data"].data)
+
+
+@pytest.mark.caffe
+@pytest.mark.parametrize("backend", ["caffe", "tensorflow"])
+def test_openpose_placeholder_inputs_load_and_are_checked_at_forward(tmp_path, backend):
+    """OpenPose's deploy input is 1x3x1x1, "defined at runtime": pycaffe loads it, Net refused it at construction
+    (a 2x2 pooling over a 1x1 map). It now loads with the input blob as declared; a forward at the caller's size
+    gives pycaffe's outputs, and one at a size the layers refuse is one ValueError, as Caffe checks at Reshape."""
+    import caffe
+    import deepspark
+    from test_net import random_weights  # deferred: it imports pycaffe
+
+    prototxt = os.path.join(DATA, "openpose_placeholder.prototxt")
+    weights = random_weights(prototxt, str(tmp_path / "openpose.caffemodel"), seed=9)
+    net = deepspark.Net(prototxt, weights, backend=backend)
+    assert net.inputs == ["image"] and net.blobs["image"].shape == (1, 3, 1, 1)
+    image = np.random.default_rng(4).normal(0, 1, (2, 3, 24, 20)).astype(np.float32)
+    theirs = caffe.Net(prototxt, weights, caffe.TEST)
+    theirs.blobs["image"].reshape(*image.shape)
+    theirs.reshape()
+    expected = np.array(theirs.forward(image=image)["net_output"])
+    ours = net.forward(image=image)["net_output"]
+    assert ours.shape == expected.shape == (2, 5, 6, 5) and np.ptp(expected) > 0
+    assert np.abs(ours - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+    with pytest.raises(ValueError) as raised:
+        net.forward(image=np.zeros((1, 3, 1, 1), np.float32))
+    assert "\n" not in str(raised.value) and "pool1_stage1" in str(raised.value), raised.value
