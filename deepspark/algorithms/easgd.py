@@ -109,13 +109,13 @@ class EasgdHandler(Handler):
             server.record(wid, latency=time.monotonic() - started)
 
     def _reply(self, conn, count):
-        """DIFF d to the worker and x̃ += server_factor·d, overlapped (the transport's send_difference says how)."""
+        """DIFF d to the worker and x̃ += server_factor·d, overlapped (the transport's send_delta says how)."""
         center, buf, scratch, factor = self.center, conn.buf, conn.scratch, self.server_factor
 
         def add(start, end):
             rules.apply_to_center(center[start:end], buf[start:end], factor, scratch[:end - start])
 
-        conn.frames.send_difference(count, self.server.history.reply_flags(conn.worker_id), self.span, add)
+        conn.frames.send_delta(P.DIFF, count, self.server.history.reply_flags(conn.worker_id), self.span, add)
 
 
 def handler(ds):

@@ -118,7 +118,7 @@ class RoundsHandler(Handler):
                 raise P.Refusal(P.E_TIMEOUT, rnd.failure)
             # The center changes again only when a round completes, which needs this
             # worker's next frame: sending it outside the lock is safe (and so is a PULL's).
-        conn.frames.send_mean(self.center, h.iteration, self.server.history.reply_flags(wid))
+        conn.frames.send_model(P.CENTER, self.center, h.iteration, self.server.history.reply_flags(wid))
 
     def _fail_late(self, rnd):
         """Fail `rnd`, which round_timeout passed without. A worker that left may be rejoining (Spark retries

@@ -212,7 +212,7 @@ class Link:
         h = self._request(P.EXCHANGE, send_from, iteration, loss, reply=P.DIFF)
         self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
         if apply_to is None:
-            conn.frames.receive_difference()
+            conn.frames.receive_delta()
         else:
             buf = conn.buf
 
@@ -221,7 +221,7 @@ class Link:
             # x −= d slice by slice while the rest of d is still arriving; a d that fails its check
             # (ProtocolError, or a coded one that does not decode) makes the round trip rejoin and reset x
             # from the center.
-            conn.frames.receive_difference(apply, self._apply_step)
+            conn.frames.receive_delta(apply, self._apply_step)
         self.exchanges += 1
         return APPLIED
 
@@ -265,7 +265,7 @@ class ExchangeClient(Link):
         with self.blocking():
             self._ensure(params.size)
             h = self._request(P.AVERAGE, params, iteration, loss, reply=P.CENTER)
-            self._conn.frames.receive_mean(h, params)
+            self._conn.frames.receive_model(h, params)
             self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
             self.exchanges += 1
 

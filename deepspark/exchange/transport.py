@@ -324,9 +324,11 @@ class Float32Frames:
     """A connection's model frames in float32: a payload is an array's own bytes, received into the connection's
     buffer slice by slice while the application applies what is in (recv_applying), sealed as it goes.
 
-    Parameters out (EXCHANGE, AVERAGE) and the elastic difference d back (DIFF), the round's mean back
-    (CENTER, the reply to AVERAGE) and the center whole (CENTER, the reply to PULL): each has a send and a
-    receive here, the same names in CodedFrames, so that the application never sees the codec.
+    Three kinds of model payload, whatever frame type the application's handler names for each: parameters
+    (a worker's x: EASGD's EXCHANGE, sync's AVERAGE), a delta (sent with the codec's error feedback: EASGD's DIFF
+    d) and a model (in the codec, as the receiver's picture of it: sync's CENTER mean); and the center whole
+    (CENTER, the reply to PULL, float32 whatever the codec). Each has a send and a receive here, the same names
+    in CodedFrames, so that the application never sees the codec.
     """
 
     coded_bytes = None  # a model frame is model_bytes long
@@ -357,30 +359,31 @@ class Float32Frames:
         received, self._received = self._received, 0
         self.conn.receive(self.conn.view, apply, step, received)
 
-    def send_difference(self, iteration, flags, step, add):
-        """DIFF d (the connection's buffer) back to the worker, add(start, end) run on every `step`-float slice
-        of it: a model of one slice goes whole and is added after (the add overlaps the worker's own x −= d);
-        a bigger one slice by slice, each added just before it goes, so that the worker applies while this adds."""
+    def send_delta(self, type_, iteration, flags, step, add):
+        """A `type_` frame of the delta in the connection's buffer (EASGD's DIFF d) back to the worker, add(start,
+        end) run on every `step`-float slice of it: a model of one slice goes whole and is added after (the add
+        overlaps the worker's own x −= d); a bigger one slice by slice, each added just before it goes, so that
+        the worker applies while this adds."""
         conn, n = self.conn, self.conn.buf.size
         if step < n:
-            conn.send_sliced(protocol.DIFF, conn.view, step, add, iteration=iteration, flags=flags)
+            conn.send_sliced(type_, conn.view, step, add, iteration=iteration, flags=flags)
             return
-        conn.send(protocol.DIFF, conn.view, iteration=iteration, tag_after=True, flags=flags)
+        conn.send(type_, conn.view, iteration=iteration, tag_after=True, flags=flags)
         add(0, n)
 
-    def receive_difference(self, apply=None, step=1):
+    def receive_delta(self, apply=None, step=1):
         """d into the connection's buffer, apply(start, end) on its floats as they arrive; one that fails its
         check raises (ProtocolError) before this returns."""
         self.conn.receive(self.conn.view, apply, step)
 
-    def send_mean(self, values, iteration, flags):
-        """CENTER: a synchronous round's mean `values` back to the worker."""
-        self.conn.send(protocol.CENTER, byte_view(values), iteration=iteration, tag_after=True, flags=flags)
+    def send_model(self, type_, values, iteration, flags):
+        """A `type_` frame of the model `values` back to the worker (sync's CENTER: a round's mean)."""
+        self.conn.send(type_, byte_view(values), iteration=iteration, tag_after=True, flags=flags)
 
-    def receive_mean(self, h, out):
-        """The round's mean into `out` (h: the CENTER's header)."""
+    def receive_model(self, h, out):
+        """send_model's model into `out` (h: its frame's header)."""
         if h.flags & protocol.F_CODED:
-            raise protocol.ProtocolError("a CENTER in the job's codec")
+            raise protocol.ProtocolError(f"a {protocol.TYPE_NAMES[h.type]} in the job's codec")
         self.conn.receive(byte_view(out))
 
     def send_center(self, center, iteration):
@@ -450,28 +453,28 @@ class CodedFrames(Float32Frames):
         if apply is not None:
             apply(0, self.conn.buf.size)
 
-    def send_difference(self, iteration, flags, step, add):
-        """d in the codec, with what earlier replies' rounding left out; add runs on d exact, after it went."""
+    def send_delta(self, type_, iteration, flags, step, add):
+        """The delta in the codec, with what earlier replies' rounding left out; add runs on it exact, after it
+        went."""
         conn, n = self.conn, self.conn.buf.size
-        conn.send(protocol.DIFF, self.channel.send_difference(conn.buf), iteration=iteration, tag_after=True,
-                  flags=flags)
+        conn.send(type_, self.channel.send_difference(conn.buf), iteration=iteration, tag_after=True, flags=flags)
         for start in range(0, n, step):
             add(start, min(start + step, n))
 
-    def receive_difference(self, apply=None, step=1):
+    def receive_delta(self, apply=None, step=1):
         self.conn.receive(self.channel.payload)
         self.channel.receive_difference(self.conn.buf)
         if apply is not None:
             apply(0, self.conn.buf.size)
 
-    def send_mean(self, values, iteration, flags):
-        """The mean in the codec: the worker's picture of it, and so its parameters, move by what decodes."""
-        self.conn.send(protocol.CENTER, self.channel.send_toward(values), iteration=iteration, tag_after=True,
+    def send_model(self, type_, values, iteration, flags):
+        """The model in the codec: the worker's picture of it, and so its parameters, move by what decodes."""
+        self.conn.send(type_, self.channel.send_toward(values), iteration=iteration, tag_after=True,
                        flags=flags | protocol.F_CODED)
 
-    def receive_mean(self, h, out):
+    def receive_model(self, h, out):
         if not h.flags & protocol.F_CODED:
-            raise protocol.ProtocolError("a CENTER outside the job's codec")
+            raise protocol.ProtocolError(f"a {protocol.TYPE_NAMES[h.type]} outside the job's codec")
         self.conn.receive(self.channel.payload)
         self.channel.receive_toward(out)
 
