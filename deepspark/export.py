@@ -95,10 +95,12 @@ def refuse_no_outputs(graph):
     if graph.outputs:
         return
     silent = [layer for layer in graph.layers if layer.type == "Silence"]
-    why = (f"layer '{silent[-1].name}' (Silence) takes {', '.join(silent[-1].bottoms)}" if silent
-           else "every blob is read by a later layer")
-    raise ConfigError(f"the net has no outputs ({why}), so its SavedModel would give nothing; remove the Silence "
-                      "layer or let a blob be the net's output", *graph.source.where(silent[-1].index if silent else 0))
+    why, fix = ((f"layer '{silent[-1].name}' (Silence) takes {', '.join(silent[-1].bottoms)}",
+                 "remove the Silence layer") if silent else
+                ("every blob is read by a later layer, or is a loss layer's automatic top",
+                 "let a named blob be the net's output"))
+    raise ConfigError(f"the net has no outputs ({why}), so its SavedModel would give nothing; {fix}",
+                      *graph.source.where(silent[-1].index if silent else 0))
 
 
 def missing_parent(path):
