@@ -1,5 +1,7 @@
 """Batches for a Data layer: one shard of an LMDB or Parquet dataset, looped like Caffe's Data layer, transformed."""
 
+import collections
+import itertools
 import logging
 import queue
 import threading
@@ -8,7 +10,7 @@ import numpy as np
 
 from deepspark.errors import ConfigError
 from deepspark.data.datum import DataError, decode_datum, decode_datums
-from deepspark.data.resume import Resumable
+from deepspark.data.resume import BLOCKS, Resumable, block_order
 from deepspark.data.sources import source_for
 from deepspark.data.table import feeds
 from deepspark.data.transform import Transformer, _phase
@@ -22,8 +24,10 @@ MEMORY_LIMIT = 2 << 30
 # a larger one is re-read every test pass (streamed, about as fast as from memory into
 # a batch: bench/data.py).
 TEST_MEMORY_LIMIT = 64 << 20
-# A streamed shard is decoded a window of records at a time.
+# A streamed shard is decoded a window of records at a time; shuffled by blocks, its shuffle buffer holds as many
+# bytes of records, read in blocks of BLOCK_BYTES (one LMDB cursor run or Parquet range each).
 STREAM_WINDOW_BYTES = 64 << 20
+BLOCK_BYTES = 4 << 20
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +48,13 @@ class DataFeeder(Resumable):
     Reads records [start, stop) (shard `shard` of `num_shards`) of the LMDB in key
     order or of the Parquet dataset in file order, and like Caffe's Data layer goes
     back to the shard's first record at its end, a batch spanning the seam. With
-    shuffle=True the order is a fresh permutation every epoch. The same seed gives
-    the same batches, whichever backend consumes them. A shard whose pixels fit in
-    memory_limit (default MEMORY_LIMIT; TEST_MEMORY_LIMIT in TEST) is read once and
-    held; a larger one is streamed, the same batches in bounded memory.
+    shuffle=True the order is a fresh permutation every epoch; with shuffle="blocks"
+    a fresh block_order (permuted blocks of BLOCK_BYTES through a shuffle buffer of
+    STREAM_WINDOW_BYTES), which a streamed shard of any source reads each block of
+    once an epoch. The same seed gives the same batches, whichever backend consumes
+    them. A shard whose pixels fit in memory_limit (default MEMORY_LIMIT;
+    TEST_MEMORY_LIMIT in TEST) is read once and held; a larger one is streamed, the
+    same batches in bounded memory.
     """
 
     def __init__(self, layer_param, phase=pb.TRAIN, source=None, shard=0, num_shards=1,
@@ -75,26 +82,9 @@ class DataFeeder(Resumable):
         self.order_rng = np.random.default_rng(seeds[0])
         self.transformer = Transformer(_merged_transform(layer_param), self.phase, mean=mean,
                                        seed=seeds[1])
-        self.shuffle = bool(shuffle)
-
-        self.shard = source_for(self.path).shard(shard, num_shards)
-        self.start, self.stop, self.size = self.shard.start, self.shard.stop, self.shard.size
+        self.shuffle = shuffle if shuffle == BLOCKS else bool(shuffle)
         self._color = _color(layer_param.transform_param)
-        key, value = self.shard.first_record()
-        first, _ = decode_datum(value, key, self.path, self._color)
-        self.source_shape, self._dtype = tuple(first.shape), first.dtype
-        self.transformer.check(self.source_shape)
-        if memory_limit is None:
-            memory_limit = TEST_MEMORY_LIMIT if self.phase == pb.TEST else MEMORY_LIMIT
-        self.in_memory = self.size * first.nbytes <= memory_limit
-        self._stream = None
-        if self.in_memory:
-            self._images, self._labels = self._load()
-        else:
-            if self.shuffle and not self.shard.source.keyed:
-                raise ConfigError(f"layer {self.name!r}: a shuffled shard of a {self.shard.source.kind} must fit "
-                                  f"in memory ({memory_limit} bytes); it has no lookup by key")
-            self._stream = StreamedShard(self.shard, self._decode, first, self.batch_size, self.shuffle)
+        self._open(source_for(self.path).shard(shard, num_shards), memory_limit)
         self._order = None
         self._position = 0
         self.epoch = 0
@@ -102,6 +92,33 @@ class DataFeeder(Resumable):
         self._queue = None
         self._thread = None
         self._stop = threading.Event()
+
+    def _open(self, shard, memory_limit):
+        """Read `shard` into memory, or set up its stream: by the size of its records, the first one's."""
+        self.shard, self.start, self.stop, self.size = shard, shard.start, shard.stop, shard.size
+        key, value = shard.first_record()
+        first, _ = decode_datum(value, key, self.path, self._color)
+        self.source_shape, self._dtype = tuple(first.shape), first.dtype
+        self.transformer.check(self.source_shape)
+        block = max(1, BLOCK_BYTES // max(first.nbytes, 1))
+        self.blocks = (block, max(1, STREAM_WINDOW_BYTES // (block * max(first.nbytes, 1))))  # (records, window)
+        if memory_limit is None:
+            memory_limit = TEST_MEMORY_LIMIT if self.phase == pb.TEST else MEMORY_LIMIT
+        self.in_memory = self.size * first.nbytes <= memory_limit
+        self._stream = None
+        if self.in_memory:
+            self._images, self._labels = self._load()
+            return
+        if self.shuffle is True and not shard.source.keyed:
+            raise ConfigError(f"layer {self.name!r}: a shard of a {shard.source.kind} shuffled whole must fit in "
+                              f"memory ({memory_limit} bytes), having no lookup by key (shuffled by blocks, it streams)")
+        self._stream = BlockStream(shard, self._decode, self.blocks) if self.shuffle == BLOCKS else \
+            StreamedShard(shard, self._decode, first, self.batch_size, self.shuffle)
+
+    def _epoch_order(self):
+        if self.shuffle == BLOCKS:
+            return block_order(self.size, self.order_rng, *self.blocks)
+        return super()._epoch_order()
 
     # -- reading -----------------------------------------------------------
 
@@ -279,6 +296,65 @@ class StreamedShard:
         if self._chunks is not None:
             self._chunks.close()
             self._chunks = None
+        if self._lookup is not None:
+            self._lookup.close()
+
+
+class BlockStream:
+    """A Shard read as a block_order asks for it: blocks of `block` records, the last `window` + 2 it read held
+    decoded, so that each block is read once an epoch and memory holds about one shuffle buffer. A keyed
+    source's block (an LMDB's) is a cursor run from its first key, those keys read once here."""
+
+    def __init__(self, shard, decode, blocks):
+        self.shard, self._decode = shard, decode
+        self.block, window = blocks
+        self._capacity = window + 2
+        self._held = collections.OrderedDict()  # block number -> (images, labels), least recently used first
+        self.reads = 0  # blocks read so far (the test counts them)
+        self._lookup = shard.source.lookup() if shard.source.keyed else None
+        self._starts = None if self._lookup is None else \
+            list(itertools.islice(shard.read(keys_only=True), 0, None, self.block))
+
+    def read(self, indices):
+        """(images, labels) of the records at shard positions `indices`. The blocks held after it are the
+        most recently used in the order's sense: by their last record in `indices`."""
+        numbers = indices // self.block
+        reverse, last = np.unique(numbers[::-1], return_index=True)
+        used = [int(n) for n in reverse[np.argsort(-last)]]  # by their last record in `indices`, the latest last
+        for number in used:
+            if number not in self._held:
+                self._held[number] = self._read_block(number)
+            self._held.move_to_end(number)
+        images, labels = None, np.empty(len(indices), dtype=np.float32)
+        by_block = np.argsort(numbers, kind="stable")
+        for at in np.split(by_block, np.flatnonzero(np.diff(numbers[by_block])) + 1):  # a block's places at a time
+            number = int(numbers[at[0]])
+            held_images, held_labels = self._held[number]
+            if images is None:
+                images = np.empty((len(indices),) + held_images.shape[1:], dtype=held_images.dtype)
+            offsets = indices[at] - number * self.block
+            images[at], labels[at] = held_images[offsets], held_labels[offsets]
+        while len(self._held) > self._capacity:
+            self._held.popitem(last=False)
+        return images, labels
+
+    def _read_block(self, number):
+        """The decoded records of block `number`, read now."""
+        first = number * self.block
+        count = min(self.block, self.shard.size - first)
+        if self._lookup is not None:
+            records = self._lookup.run(self._starts[number], count)
+        else:
+            start = self.shard.start + first
+            records = [record for chunk in self.shard.source.chunks(start, start + count, count) for record in chunk]
+        if len(records) != count:
+            raise DataError(f"the dataset changed while being read (record {self.shard.start + first + len(records)} "
+                            "is gone)", self.shard.source.where)
+        self.reads += 1
+        return decode_block(self._decode, records)
+
+    def close(self):
+        self._held.clear()
         if self._lookup is not None:
             self._lookup.close()
 

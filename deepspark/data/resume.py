@@ -2,6 +2,23 @@
 
 import numpy as np
 
+# The shuffle of a stream (DataFeeder's shuffle="blocks"): permuted record blocks through a shuffle buffer.
+BLOCKS = "blocks"
+
+
+def block_order(size, rng, block, window):
+    """A permutation of range(size) that a stream reads in bounded memory: the shard's blocks of `block`
+    consecutive positions in a random order, then the positions of each run of `window` x `block` of that
+    stream shuffled together (a shuffle buffer, filled and drained whole). A reader holding the last
+    window + 2 blocks it read reads each block once an epoch."""
+    starts = rng.permutation(-(-size // block)) * block
+    stream = (starts[:, None] + np.arange(block)).ravel()
+    stream = stream[stream < size]  # the last block's missing tail
+    span = window * block
+    for start in range(0, size, span):
+        rng.shuffle(stream[start:start + span])  # a view: shuffled in place
+    return stream
+
 
 class Resumable:
     """A feeder of one shard of `size` items (records, images, rows) for one layer `name`: next_batch() gives

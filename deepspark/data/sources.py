@@ -15,6 +15,7 @@ share the feeder interface of resume.py (shards, resume, the order hook).
 """
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -267,15 +268,25 @@ class Shard:
 
 
 class Lookup:
-    """Records of an LMDB fetched by key in one read transaction, opened on first use (a shuffled streamed shard)."""
+    """Records of an LMDB fetched by key in one read transaction, opened on first use (a shuffled streamed shard):
+    each of some keys, or a run of records from a key on."""
 
     def __init__(self, path):
         self.path, self._txn = path, None
 
-    def values(self, keys):
+    def _begun(self):
         if self._txn is None:
             self._txn = lmdb_io.open_db(self.path).begin(buffers=False)
-        return [self._txn.get(key) for key in keys]
+        return self._txn
+
+    def values(self, keys):
+        txn = self._begun()
+        return [txn.get(key) for key in keys]
+
+    def run(self, key, count):
+        """Up to `count` (key, value) records in key order from `key` on: a cursor placed by key, not stepped to."""
+        cursor = self._begun().cursor()
+        return list(itertools.islice(cursor.iternext(), count)) if cursor.set_range(key) else []
 
     def close(self):
         if self._txn is not None:
