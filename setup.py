@@ -39,11 +39,13 @@ setup(
                  "mlflow-skinny>=3.0", "sqlalchemy>=2.0,<2.1", "alembic>=1.13", "sqlparse>=0.5", "scipy>=1.11",
                  # tests/test_notebook.py: a notebook run in a real kernel (the [notebook] extra's, and its runner)
                  "ipykernel>=6.29", "ipywidgets>=8.1", "nbclient>=0.10", "nbformat>=5.10",
-                 "mkdocs>=1.6", "mkdocstrings-python>=1.10"],  # the docs site, built in the suite (tests/test_docs.py)
-        "docs": ["mkdocs>=1.6", "mkdocstrings-python>=1.10"],
+                 # the docs site, built in the suite (tests/test_docs.py)
+                 "mkdocs>=1.6", "mkdocstrings-python>=1.10", "pymdown-extensions>=10", "pygments>=2.17"],
+        "docs": ["mkdocs>=1.6", "mkdocstrings-python>=1.10", "pymdown-extensions>=10", "pygments>=2.17"],
         "connect": ["pyspark[connect]>=3.5"],
-        # A Jupyter kernel on this environment's Python, and the widgets tqdm draws a fit's per-worker bars with.
-        "notebook": ["ipykernel>=6.29", "ipywidgets>=8.1"],
+        # A Jupyter kernel on this environment's Python, the widgets tqdm draws a fit's per-worker bars with, and
+        # what a fit's default backend runs (alone, [notebook] would leave a fit's workers without TensorFlow).
+        "notebook": ["ipykernel>=6.29", "ipywidgets>=8.1", "tensorflow-cpu>=2.16"],
         # MLflow tracking over a fit: mlflow.pyspark.ml.autolog and the pyfunc model (deepspark/ml/flavor.py).
         # MLflow 3 keeps its local file store behind MLFLOW_ALLOW_FILE_STORE: sqlite ("sqlite:///mlflow.db") needs
         # sqlalchemy (2.1 warns of a deprecated loader at every run), alembic and sqlparse; autolog's dataset

@@ -1,6 +1,8 @@
 """DeepSparkModel.transform under Spark Connect: a local Spark Connect server (pyspark's own, started by the client
 in a process of its own) transforms the same Parquet rows (vectors in [0, 1], integer arrays, Datum bytes) to the
-same outputs as classic Spark; fit there is one line saying where it runs."""
+same outputs as classic Spark, its Python workers the client's with no PYSPARK_PYTHON given (deepspark's import sets
+it); fit there is one line saying where it runs, and workers whose Python lacks what transform runs one line naming
+PYSPARK_PYTHON."""
 
 import os
 import subprocess
@@ -106,7 +108,14 @@ def test_transform_under_spark_connect_gives_classic_sparks_outputs(tmp_path):
 
     script = tmp_path / "connect.py"
     script.write_text(CONNECT)
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    # No PYSPARK_PYTHON and no venv on PATH (`python3` is another Python): the local server the client starts after
+    # `import deepspark` runs the client's Python, which deepspark's import named in PYSPARK_PYTHON.
+    venv_bin = os.path.dirname(sys.executable)
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1",
+           "PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                   if os.path.abspath(p) != os.path.abspath(venv_bin))}
+    for name in ("PYSPARK_PYTHON", "VIRTUAL_ENV"):
+        env.pop(name, None)
     done = subprocess.run([sys.executable, str(script), DEPLOY, weights, data, str(tmp_path / "connect.npz"),
                            str(saved)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]

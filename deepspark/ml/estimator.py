@@ -89,6 +89,10 @@ class DeepSparkEstimator(Estimator, Stage, DefaultParamsWritable, DefaultParamsR
 
     def _fit(self, dataset):
         no_spark_bar(dataset.sparkSession)  # in a notebook, DeepSpark's progress shows, not Spark's \r stage bar
-        model = Fit(self, dataset).run()
+        try:
+            model = Fit(self, dataset).run()
+        except BaseException:
+            flavor.discard_run()  # under autolog, a failed fit leaves no FAILED run
+            raise
         flavor.autologged(model)  # under mlflow.pyspark.ml.autolog, the model as an MLflow pyfunc (ml/flavor.py)
         return model

@@ -3,6 +3,7 @@ labels checked and their scale found, validation rows held out for the driver's 
 the rest, the final model tested, and the Model of its last snapshot with the fit's history."""
 
 import contextlib
+import importlib.util
 import math
 import os
 import secrets
@@ -22,12 +23,16 @@ from deepspark.errors import ConfigError
 from deepspark.graph import DATA_TYPES, Graph, layer_included
 from deepspark.log import Log
 from deepspark.ml import frames, images
+from deepspark.ml.columns import BACKEND_MODULES
 from deepspark.ml.images import DATUM
 from deepspark.ml.model import DeepSparkModel, check_shape, image_shape, parse_transform
 from deepspark.spark.failures import failed
 from deepspark.spark.session import is_connect, quiet_tasks, this_python
 from deepspark.proto import deepspark_pb2 as pb
 
+# How a backend's library gets into the environment: setup.py's extras, or pycaffe built (tools/build-caffe.sh).
+INSTALL = {"tensorflow": "pip install -e '.[tensorflow]' (or '.[notebook]', which brings it)",
+           "caffe": "make caffe (it builds pycaffe into this environment)"}
 # The layers whose first bottom's channels are the classes a label indexes, with the message of their axis.
 CLASS_LAYERS = {"SoftmaxWithLoss": "softmax_param", "Accuracy": "accuracy_param", "MultinomialLogisticLoss": None,
                 "InfogainLoss": "infogain_loss_param"}
@@ -75,6 +80,32 @@ def record_in_mlflow(history):
             mlflow.log_metrics(metrics, step=int(entry["iteration"]))
 
 
+def backend_installed(backend):
+    """One line, before anything starts, unless this Python imports `backend`'s library: the job's workers run this
+    Python (PYSPARK_PYTHON, set as deepspark is imported), and would fail one by one after connect_timeout."""
+    module = BACKEND_MODULES.get(backend)
+    if module and importlib.util.find_spec(module) is None:
+        raise ConfigError(f"backend '{backend}' needs {module}, which this Python ({sys.executable}) cannot import: "
+                          f"{INSTALL[backend]}")
+
+
+@contextlib.contextmanager
+def params_named(est):
+    """A ConfigError about a schema field that the Estimator's Param set, raised inside, said as that Param: the
+    user's word (`maxIter must be at least 1`, not `iterations ...`) and no file, since the file did not say it."""
+    names = {field: name for name, (message, field, _) in est._schema.items()
+             if message is pb.DeepSparkParameter and est.isSet(name)}
+    if est.isSet("maxIter"):
+        names["iterations"] = "maxIter"
+    try:
+        yield
+    except ConfigError as error:
+        field = error.message.split(" ", 1)[0]
+        if field not in names:
+            raise
+        raise ConfigError(f"DeepSparkEstimator's {names[field]}{error.message[len(field):]}") from None
+
+
 class Fit:
     """One fit of an Estimator on a DataFrame; run() returns the Model."""
 
@@ -83,6 +114,7 @@ class Fit:
         self.log = Log()
         self.done = set()  # the Data layers rescale() has scaled
         self.output = None  # the fit's own folder, once load_solver made it
+        self.made = []  # the folders load_solver made: the fit's own and, where it was not there, output
         self.deploy = None  # the deploy net of the Model, once load_solver found it
 
     def run(self):
@@ -92,15 +124,19 @@ class Fit:
             raise ConfigError("fit runs the training job through a SparkContext, which Spark Connect does not give; "
                               "fit in classic Spark (a DeepSparkModel's transform runs under Spark Connect too)")
         sc = this_python(self.dataset.sparkSession.sparkContext)  # before any function is shipped to the executors
-        with quiet_tasks(sc), contextlib.ExitStack() as self.kept:
-            try:
-                return self.fit()
-            except (CapturedException, Py4JJavaError) as error:
-                failure = failed(error, sc)
-            if self.output:
-                with open(os.path.join(self.output, "train.log"), "a", encoding="utf-8") as log:
-                    log.write(failure.detail.rstrip("\n") + "\n")
-            raise failure
+        try:
+            with quiet_tasks(sc), contextlib.ExitStack() as self.kept:
+                try:
+                    return self.fit()
+                except (CapturedException, Py4JJavaError) as error:
+                    failure = failed(error, sc)
+                if self.output:
+                    with open(os.path.join(self.output, "train.log"), "a", encoding="utf-8") as log:
+                        log.write(failure.detail.rstrip("\n") + "\n")
+                raise failure
+        except BaseException:
+            self.tidy()
+            raise
 
     def fit(self):
         est = self.est
@@ -133,6 +169,7 @@ class Fit:
         est._copyValues(model)
         model._setDefault(inputScale=scale)  # what its data needed: a transform checks its own against it
         model.summary, model.history = {**summary, "output": self.output}, history
+        model.labels = frames.label_names(self.dataset, inputs.label)  # a Pipeline's StringIndexer's, for MLflow
         record_in_mlflow(history)
         return model
 
@@ -149,6 +186,11 @@ class Fit:
         path = est._given("solver")
         if not path:
             raise ConfigError("DeepSparkEstimator needs a solver: DeepSparkEstimator(solver='solver.prototxt')")
+        for name in ("solver", "deepspark"):
+            given = est._given(name)
+            if given and not os.path.isfile(given):  # said with the folder a relative path is read from
+                raise ConfigError(f"{name} file not found" + ("" if os.path.isabs(given) else
+                                  f" in {os.getcwd()} (a relative path is the working directory's)"), given)
         solver = config.load_solver(path, est._given("deepspark"))
         self.deploy = est._given("deploy") or config.model_file(path, "deploy.prototxt")
         if self.deploy is None:  # said before the fit's folder is made
@@ -158,13 +200,24 @@ class Fit:
         knobs = {field: est.getOrDefault(name) for name, (message, field, _) in est._schema.items()
                  if message is pb.DeepSparkParameter and est.isSet(name)}
         base = config.output_folder(solver, est._given("output"))
-        self.output = os.path.join(base, f"fit-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}")
-        os.makedirs(self.output)
-        config.override(solver, iterations=est.getOrDefault("maxIter") if est.isSet("maxIter") else None,
-                        output=self.output, **knobs)
+        output = os.path.join(base, f"fit-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}")
+        with params_named(est):
+            config.override(solver, iterations=est.getOrDefault("maxIter") if est.isSet("maxIter") else None,
+                            output=output, **knobs)
         if est.isSet("seed"):
             solver.param.random_seed = est.getOrDefault("seed")
+        backend_installed(solver.param.deepspark_param.backend)
+        self.made = [folder for folder in (output, base) if not os.path.isdir(folder)]  # what tidy may remove
+        os.makedirs(output)
+        self.output = output
         return solver
+
+    def tidy(self):
+        """The folders this fit made and left empty (it failed before writing to them) removed: a failed fit
+        leaves no empty folder behind."""
+        for folder in self.made:
+            with contextlib.suppress(OSError):  # not empty (the failure's train.log, a snapshot): kept
+                os.rmdir(folder)
 
     def inputs(self, solver, deploy):
         """Where the DataFrame's images and labels are, the (C, H, W) an image has, and the classes of the net."""

@@ -16,7 +16,9 @@ runs it on an executor (ml/columns.py), inputScale as transform chooses it, so t
 mlflow.pyspark.ml.autolog logs a model only when its class is on autolog's allowlist (pyspark's own models), and
 then as a Spark model that needs a SparkSession to load. So a fit logs its model itself (autologged, the
 estimator's hook) when autolog is on with log_models, and autolog's "not allowlisted" warning for that fit's model
-(or the PipelineModel holding it) is left out: the pyfunc holds the DeepSpark stage alone, its input the stage's.
+(or the PipelineModel holding it) is left out: the pyfunc holds the DeepSpark stage alone, its input the stage's,
+and answers the class names a StringIndexer before it indexed (LABEL_COLUMN) beside its index. A fit that fails
+under autolog deletes the run autolog started for it (discard_run).
 mlflow is imported only where it is used: it is an optional dependency, and slow to import.
 """
 
@@ -48,6 +50,9 @@ DATA = "data"  # the model's own files, under the MLflow model's folder
 PARAMS = "params.json"
 # What mlflow.pyspark.ml.autolog says of a fitted model not on its allowlist (mlflow/pyspark/ml/__init__.py).
 NOT_ALLOWLISTED = "will not be autologged because it is not allowlisted"
+# The pyfunc's column of class names (IndexToString's outputCol in Spark ML's examples): a Pipeline logged under
+# autolog holds only the DeepSpark stage, whose prediction is the StringIndexer's index, not the user's label.
+LABEL_COLUMN = "predictedLabel"
 _LOGGED_RUNS = set()  # the runs a fit logged its model in: autolog's warning about them is left out
 
 
@@ -73,7 +78,8 @@ def save_model(deepspark_model, path, mlflow_model=None, pip_requirements=None, 
         with open(os.path.join(data, name), "wb") as out:
             out.write(content)
     params = {"uid": model.uid, "set": {p.name: v for p, v in model._paramMap.items()},
-              "default": {p.name: v for p, v in model._defaultParamMap.items()}, "history": model.getHistory()}
+              "default": {p.name: v for p, v in model._defaultParamMap.items()}, "history": model.getHistory(),
+              "labels": model.getLabels()}
     with open(os.path.join(data, PARAMS), "w", encoding="utf-8") as out:
         json.dump(params, out, indent=1)
 
@@ -137,6 +143,7 @@ def load(path):
     model._setDefault(**params["default"])
     model._set(**params["set"])
     model.history = params.get("history", [])
+    model.labels = params.get("labels")
     model._check(os.path.join(path, WEIGHTS))
     return model
 
@@ -153,7 +160,8 @@ def _load_pyfunc(path):
 
 class Scorer:
     """predict(pandas DataFrame) -> a DataFrame of the model's output columns, one row per input row, in order (with
-    handleInvalid 'skip', the rows without an image of the net's shape left out)."""
+    handleInvalid 'skip', the rows without an image of the net's shape left out), and, for a model fitted on a
+    StringIndexer's labels (a Pipeline's), each prediction's class name in LABEL_COLUMN."""
 
     def __init__(self, model):
         self.model = model
@@ -179,6 +187,9 @@ class Scorer:
             warnings.filterwarnings("ignore", "TensorFlow already runs with its default thread counts", RuntimeWarning)
             struct = next(outputs_of(forward, inputs, columns, skip)(iter([values])))
         out = pd.DataFrame({name: struct.field(name).to_pandas() for _, _, name in columns})
+        labels = model.getLabels()
+        if labels is not None and "prediction" in out:  # the class names, as IndexToString gives them after transform
+            out[LABEL_COLUMN] = [None if np.isnan(p) else labels[int(p)] for p in out["prediction"]]
         if skip:
             out = out[np.asarray(struct.is_valid())].reset_index(drop=True)
         return out
@@ -215,6 +226,25 @@ def autologged(model):
     if not any(isinstance(f, _LoggedHere) for f in quiet.filters):
         quiet.addFilter(_LoggedHere())
     return info
+
+
+def discard_run():
+    """The MLflow run that autolog started for a fit that failed, ended and deleted: a failed fit (a bad Param, a
+    job that failed) leaves no FAILED run in the experiment; a run the user started stays theirs, as it is."""
+    mlflow = sys.modules.get("mlflow")
+    run = mlflow.active_run() if mlflow is not None else None
+    if run is None:
+        return
+    from mlflow.utils.mlflow_tags import MLFLOW_AUTOLOGGING
+
+    try:
+        if MLFLOW_AUTOLOGGING not in mlflow.get_run(run.info.run_id).data.tags:
+            return
+        mlflow.end_run("FAILED")  # autolog's own end of it then finds no run to end
+        mlflow.delete_run(run.info.run_id)
+    except Exception as error:  # a tracking store's failure: the fit's own error is the one to raise
+        Log().warning(f"MLflow: the failed fit's run {run.info.run_id} was not deleted ({type(error).__name__}: "
+                      f"{error})")
 
 
 class _LoggedHere(logging.Filter):

@@ -88,6 +88,14 @@ def label_column(df, column, required):
     return column
 
 
+def label_names(df, column):
+    """The class names whose indices `column` holds, in index order, where a StringIndexer made it (its nominal ML
+    attribute: the stage before DeepSpark's in a Pipeline), else None."""
+    attribute = df.schema[column].metadata.get("ml_attr", {}) if column else {}
+    return [str(name) for name in attribute["vals"]] if attribute.get("type") == "nominal" and \
+        "vals" in attribute else None
+
+
 @contextlib.contextmanager
 def spark_job(what):
     """A Spark job DeepSpark runs for `what`, its failure the one line that says why (a worker's DeepSpark line

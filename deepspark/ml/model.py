@@ -118,6 +118,7 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         self.deploy, self.weights, self.mean = _files if _files is not None else (None, None, None)
         self.summary = None  # the training job's summary, for a fitted model
         self.history = []  # its tests and displays: [{"iteration", "seconds", "loss", "test0/accuracy", ...}]
+        self.labels = None  # the class names of its label indices, where a StringIndexer gave them (getLabels)
         self.counters = None  # (builds, build seconds) of the last classic transform, once an action ran it
 
     @classmethod
@@ -149,6 +150,11 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         """The fit's training history: per display and per test, {"iteration", "seconds", "loss" (the train loss
         displayed; NaN at a test), and each test output by name ("test0/accuracy")}."""
         return list(self.history)
+
+    def getLabels(self):
+        """The class names the predictions index (a prediction p is the class getLabels()[int(p)]), where the fit's
+        labelCol came from a StringIndexer (its labels, as IndexToString takes them); else None."""
+        return None if self.labels is None else list(self.labels)
 
     # -- the net ---------------------------------------------------------------------------
 

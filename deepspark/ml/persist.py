@@ -1,6 +1,6 @@
 """A Model's persistence with pyspark.ml's writers: its Params as pyspark.ml's metadata, its net as Caffe's own files
-under data/ (deploy.prototxt, weights.caffemodel, mean.binaryproto) and its fit's history and summary as JSON
-(data/history.json). In classic Spark on any path Spark's Hadoop file systems write (a local folder, hdfs://,
+under data/ (deploy.prototxt, weights.caffemodel, mean.binaryproto) and its fit's history, summary and class names
+as JSON (data/history.json). In classic Spark on any path Spark's Hadoop file systems write (a local folder, hdfs://,
 s3a://); under Spark Connect, which has no JVM on the client, the metadata through Spark's DataFrame writer and the
 files as plain files: a local folder or file: URI, which a local Connect server shares with its client."""
 
@@ -40,7 +40,8 @@ class ModelWriter(MLWriter):
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession)
         model = self.instance
         data = {DEPLOY: text_format.MessageToString(model.deploy).encode(), WEIGHTS: model.weights,
-                HISTORY: json.dumps({"history": model.history, "summary": model.summary}, default=plain).encode()}
+                HISTORY: json.dumps({"history": model.history, "summary": model.summary,
+                                     "labels": model.labels}, default=plain).encode()}
         if model.mean is not None:
             data[MEAN] = datum.mean_bytes(model.mean)
         for name, value in data.items():
@@ -66,6 +67,7 @@ class ModelReader(MLReader):
         if files.exists(f"data/{HISTORY}"):  # a model saved before the history travelled with it has none
             fitted = json.loads(files.read(f"data/{HISTORY}"))
             model.history, model.summary = fitted["history"], fitted["summary"]
+            model.labels = fitted.get("labels")  # saved before labels travelled: none
         model._check()
         return model
 
