@@ -232,15 +232,14 @@ def run(path, knobs, pp, data_shape=None, log=None):
     algorithms.check(ds, path)
     costs = measure(net, source, param, pp, data_shape, log)
     network = Network.of(pp.bandwidth, pp.latency)
-    algorithm = pb.DeepSparkParameter.Algorithm.Name(ds.algorithm).lower()
-    how = f"period {ds.period}, {'overlapped' if ds.overlap else 'blocking'}" if algorithm in ("easgd", "average") \
-        else ""
+    algorithm = algorithms.of(ds)
+    how = algorithm.plan_note(ds)
     coded = "" if costs.codec == "float32" else f", {costs.bytes / 1e6:.2f} MB in {costs.codec}"
     print(f"{costs.floats:,} parameters ({costs.spark_bytes / 1e6:.1f} MB a vector{coded}), batch {costs.batch}; a step "
           f"{1e3 * costs.step:.2f} ms ({ds.backend}, {pp.cores} thread{'s' * (pp.cores != 1)}"
           f"{'' if pp.step_ms else ', measured here'}); the center {1e3 * costs.server:.2f} ms an exchange"
           f"{'' if pp.server_ms else ' (measured here)'}, a worker {1e3 * costs.worker:.2f} ms; "
-          f"{pp.bandwidth:g} Gbit/s links, {pp.latency:g} ms latency; {algorithm}" + (f", {how}" if how else ""))
+          f"{pp.bandwidth:g} Gbit/s links, {pp.latency:g} ms latency; {algorithm.name}" + (f", {how}" if how else ""))
     text, rows = table(costs, network, ds, ds.workers)
     print(text)
     return rows

@@ -5,7 +5,7 @@ import math
 import numpy as np
 
 from deepspark import rules
-from deepspark.algorithms.base import Algorithm, Projection
+from deepspark.algorithms.base import Algorithm, Projection, period_note
 
 # Seconds a Spark round of `average` costs outside its steps and its transfers (task launch, the
 # broadcast's and the collect's own work), as measured on local[2] with LeNet (bench/plan_check.py checks the model).
@@ -82,6 +82,9 @@ class Average(Algorithm):
             rules.outer_step(job.center, mean, job.velocity, job.ds.outer_learning_rate, job.ds.outer_momentum)
         else:
             job.center = mean
+
+    def plan_note(self, ds):
+        return period_note(ds)
 
     def cost(self, costs, network, ds, workers, shared=1.0):
         return project(costs, network, workers, ds.period, shared)

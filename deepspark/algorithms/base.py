@@ -75,6 +75,10 @@ class Algorithm:
         """The Projection (plan) of `workers` workers; `shared` > 1 when workers share cores."""
         raise NotImplementedError
 
+    def plan_note(self, ds):
+        """What `plan`'s header says of how it runs, beside its name ("" for nothing)."""
+        return ""
+
     def saturation(self, costs, network, ds):
         """The most workers the single center serves without their exchanges queueing; None where it does not
         apply."""
@@ -94,6 +98,11 @@ def center_rate(costs, network):
     """R: the exchanges per second the single center can serve. Its link carries S in and S out per
     exchange (full duplex: S / bandwidth), its work costs T_server; the larger bounds it."""
     return 1.0 / max(costs.bytes / network.bandwidth, costs.server)
+
+
+def period_note(ds):
+    """`plan`'s note of an algorithm that exchanges every period."""
+    return f"period {ds.period}, {'overlapped' if ds.overlap else 'blocking'}"
 
 
 # -- what the worker loops share -------------------------------------------------------------------

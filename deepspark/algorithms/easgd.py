@@ -7,7 +7,7 @@ import threading
 import time
 
 from deepspark import rules
-from deepspark.algorithms.base import Algorithm, Projection, center_rate, exchange_seconds, send_history
+from deepspark.algorithms.base import Algorithm, Projection, center_rate, exchange_seconds, period_note, send_history
 from deepspark.exchange import ExchangeOptions, OverlappedExchange
 from deepspark.exchange import protocol as P
 from deepspark.exchange.handlers import Handler
@@ -180,6 +180,9 @@ class Easgd(Algorithm):
 
     def train(self, job, task):
         return job.run_workers(task, train_worker, job.ds.exchange_timeout)
+
+    def plan_note(self, ds):
+        return period_note(ds)
 
     def cost(self, costs, network, ds, workers, shared=1.0):
         return project(costs, network, workers, ds.period, ds.overlap, shared)

@@ -127,7 +127,7 @@ class Job:
     run_rounds); the rest is here.
 
     run(plan) starts Spark, the exchanger, the test nets and the scalars, and stops whatever it started,
-    whatever raises.
+    whatever raises. An algorithm without an exchanger keeps x̃ on the job itself (job.center).
     """
 
     server = None  # the exchanger, for an algorithm that has one
@@ -146,13 +146,15 @@ class Job:
         """One long Spark task per worker, each `executor.run` with the algorithm's loop `train_worker(trainer,
         client, params)` (joining the center within `timeout` seconds), followed through the exchanger (watch);
         their Summaries. barrier: Spark's barrier execution mode, all N tasks together."""
-        if not barrier:
-            return self.watch(lambda: self.shards.mapPartitionsWithIndex(
-                lambda i, items: [executor.run(i, items, task, train_worker, timeout)]).collect())
-        # The shuffle after the barrier stage makes it a ShuffleMapStage, which Spark reruns
-        # whole when a task fails (a barrier ResultStage fails the job instead).
-        return self.watch(lambda: self.shards.barrier().mapPartitionsWithIndex(
-            lambda i, items: [executor.run(i, items, task, train_worker, timeout)]).repartition(1).collect())
+        stage = self.shards.barrier() if barrier else self.shards
+
+        def tasks():
+            done = stage.mapPartitionsWithIndex(lambda i, items: [executor.run(i, items, task, train_worker, timeout)])
+            # The shuffle after a barrier stage makes it a ShuffleMapStage, which Spark reruns whole when
+            # a task fails (a barrier ResultStage fails the job instead).
+            return (done.repartition(1) if barrier else done).collect()
+
+        return self.watch(tasks)
 
     def run_rounds(self, task, train_round, update_center):
         """Rounds without an exchanger (spark/rounds.py): the center broadcast, `train_round(trainer, steps)` on
