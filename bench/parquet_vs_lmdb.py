@@ -77,7 +77,7 @@ def main():
             solver = solver_for(folder, kind, sources)
             started = time.monotonic()
             summary = deepspark.train(solver, workers=args.workers, algorithm="easgd", iterations=args.iterations,
-                                      output=os.path.join(folder, kind))
+                                      output=os.path.join(folder, kind)).summary
             accuracy = next(value for name, value in summary.items() if name.endswith("/accuracy"))
             runs[kind] = dict(bench="parquet_vs_lmdb", source=kind, workers=args.workers, algorithm="easgd",
                               iterations=summary["iterations"], accuracy=round(float(accuracy), 4),

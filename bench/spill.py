@@ -32,7 +32,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="deepspark-bench-spill-") as output:
         started = time.monotonic()
         summary = deepspark.train(args.solver, workers=args.workers, algorithm=args.algorithm,
-                                  iterations=args.iterations, output=output)
+                                  iterations=args.iterations, output=output).summary
         wall = time.monotonic() - started
     spill, train, done = summary["spill_seconds"], summary["train_seconds"], summary["iterations"]
     config = {"solver": os.path.relpath(args.solver, ROOT), "workers": args.workers, "algorithm": args.algorithm}

@@ -34,7 +34,9 @@ _executors_python()
 
 
 def train(solver, data=None, **options):
-    """Train from a solver .prototxt, as `deepspark train` does; returns the job's summary dict.
+    """Train from a solver .prototxt, as `deepspark train` does; returns the job's JobResult (`.summary`: the
+    summary dict; `.history`: the displays and tests, as train.log has them; `.weights`: the final snapshot's
+    arrays in memory; `.snapshots`), the same for every algorithm.
 
     The options are deepspark.spark.train's: weights, snapshot, iterations,
     output, and any DeepSparkParameter field by name (workers, algorithm,
@@ -42,7 +44,7 @@ def train(solver, data=None, **options):
     """
     from deepspark import spark  # deferred: deepspark.spark imports pyspark, which `import deepspark.x` need not
 
-    return spark.train(solver, data, **options).summary
+    return spark.train(solver, data, **options)
 
 
 def __getattr__(name):

@@ -56,7 +56,7 @@ ds = override(load_solver(solvers[0]), **knobs).param.deepspark_param
 spark, _ = spark_session(ds, ds.workers)
 try:
     for solver in solvers:
-        print(json.dumps(deepspark.train(solver, **knobs)), flush=True)
+        print(json.dumps(deepspark.train(solver, **knobs).summary), flush=True)
 finally:
     spark.stop()
 """

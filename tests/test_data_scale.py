@@ -110,11 +110,11 @@ for kind in kinds:
         reset_peak()
         if kind == "dataframe":
             frame = spark.read.parquet(parquets[n]).select("datum", "label")
-            summary = deepspark.train(solver_for(name, lmdbs[n]), data=frame)
+            summary = deepspark.train(solver_for(name, lmdbs[n]), data=frame).summary
         elif kind == "ship":  # the opt-in: the driver streams the records into Spark, which holds them
-            summary = deepspark.train(solver_for(name, lmdbs[n]), ship_records=True)
+            summary = deepspark.train(solver_for(name, lmdbs[n]), ship_records=True).summary
         else:
-            summary = deepspark.train(solver_for(name, (lmdbs if kind == "lmdb" else parquets)[n]))
+            summary = deepspark.train(solver_for(name, (lmdbs if kind == "lmdb" else parquets)[n])).summary
         peaks[name], summaries[name] = peak_kb(), summary
         print(f"{name}: driver peak RSS {peaks[name] / 1024:.1f} MB, summary {summary}", file=sys.stderr, flush=True)
 print(json.dumps({"peaks": peaks, "summaries": summaries}))

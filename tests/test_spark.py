@@ -82,7 +82,7 @@ for i in range(160):
     rows.append((image.tolist(), label))
 spark, _ = spark_session(pb.DeepSparkParameter(), 2)
 df = spark.createDataFrame(rows, ["data", "label"])
-summary = deepspark.train({solver!r}, data=df, workers=2)
+summary = deepspark.train({solver!r}, data=df, workers=2).summary
 assert spark.range(5).count() == 5  # the caller's session is still theirs, and running
 print(json.dumps(summary))
 """

@@ -55,7 +55,7 @@ def watched(self, results):  # training is over, the last test not yet run
     return finish(self, results)
 
 job.Job.finish = watched
-summary = deepspark.train({solver!r}, workers=2)
+summary = deepspark.train({solver!r}, workers=2).summary
 print(json.dumps({{**summary, "tensorflow_while_training": seen["tensorflow"],
                   "tensorflow_after": "tensorflow" in sys.modules}}))
 """
