@@ -11,10 +11,11 @@ the two blobs' largest magnitudes, so values near zero do not blow it up
 
 The tolerance rule: a blob differs when its relative difference exceeds the
 tolerance plus NOISE_MARGIN times its noise floor, the relative difference
-the first backend gives against itself when each value of the batch is
-nudged by up to NUDGE (one part in a million: float32 rounding of the order
-that two backends' different summation orders make, amplified as this net
-and solver amplify it). The floor scales with the blob's magnitude and with
+the first backend gives against itself (a twin model of it, in the same
+hidden state: an LSTM carries its own from pass to pass) when each value
+of the batch is nudged by up to NUDGE (one part in a million: float32
+rounding of the order that two backends' different summation orders make,
+amplified as this net and solver amplify it). The floor scales with the blob's magnitude and with
 the solver: Adam, RMSProp, AdaGrad and AdaDelta normalise each element's
 update, so an element whose gradient is within rounding of zero moves by up
 to the full step on one backend and not on the other, and the nudge moves it
@@ -287,11 +288,13 @@ def unit_batch_norm(model, params):
     return params
 
 
-def compare_forward(models, batches, repeats=TIMING_REPEATS, floors=None):
+def compare_forward(models, batches, repeats=TIMING_REPEATS, floors=None, twin=None):
     """Forward each model on one batch: ({backend: images/s}, [(blob, shape, {backend: (abs, rel)}, constant)]).
 
     Differences are against the first backend; constant: the first backend's blob holds one value only.
-    floors: a dict to fill with each blob's noise floor (the first backend against itself on the batch nudged).
+    floors: a dict to fill with each blob's noise floor, the first backend against itself on the batch nudged,
+    run by `twin` (a fresh model of the first backend: a recurrent layer carries its hidden state from pass to
+    pass, so the first's own next pass would start elsewhere).
     """
     names = list(models)
     batch = batches.next_batch()
@@ -305,7 +308,7 @@ def compare_forward(models, batches, repeats=TIMING_REPEATS, floors=None):
     rows = []
     reference = outputs[names[0]]
     if floors is not None:
-        again = models[names[0]].forward(nudged(batch))
+        again = (twin or models[names[0]]).forward(nudged(batch))
         floors.update((blob, difference(value, again[blob])[1]) for blob, value in reference.items())
     for blob, value in reference.items():
         diffs = {name: difference(value, outputs[name].get(blob, np.full(1, np.nan))) for name in names[1:]}
@@ -336,10 +339,12 @@ def compare_training(models, plan):
     return speed, losses
 
 
-def compare_steps(models, plan, params, state):
+def compare_steps(models, plan, params, state, twin=None):
     """Each iteration from the first backend's exact state: {backend: [(loss rel, weights rel, blob, floor)]},
     the weights' those of the blob furthest above its noise floor (blob_differences; the floor: the first
-    backend's own step on the batch nudged, against its step) and `blob` its name.
+    backend's own step on the batch nudged, against its step) and `blob` its name. twin: a second model of
+    the first backend that takes the nudged steps (a recurrent layer's hidden state, carried from pass to
+    pass, then follows the first's); without it the first takes them, and is set back after each.
 
     Starting every backend's step from the same weights and history separates
     a difference in one step (a bug) from float32 rounding that free-running
@@ -356,10 +361,11 @@ def compare_steps(models, plan, params, state):
         params, state = reference.get_params(), reference.get_state()
         loss = reference.step(batch)
         after, after_state = reference.get_params(), reference.get_state()
-        floors = [relative for relative, _ in blob_differences(after, step_from(reference, params, state,
+        floors = [relative for relative, _ in blob_differences(after, step_from(twin or reference, params, state,
                                                                                 nudged(batch)), blobs)]
-        reference.set_params(after)
-        reference.set_state(after_state)
+        if twin is None:
+            reference.set_params(after)
+            reference.set_state(after_state)
         for name in names[1:]:
             losses = []
             relatives = blob_differences(after, step_from(models[name], params, state, batch, losses), blobs)
@@ -440,13 +446,14 @@ def run(model_path, weights=None, solver_path=None, out=sys.stdout, data_shape=N
 def compare_forward_pass(out, result, backends, net, path, batch_size, weights, forward_tolerance, source=None,
                          finder=None, stages=None):
     """The forward table: every blob of every other backend against the first; fills result["forward"]."""
-    models = build(backends, net, None, pb.TEST, source, batch_size, finder or shape_finder(path), weights, out=out,
-                   stages=stages)
+    options = dict(source=source, batch_size=batch_size, data_shape=finder or shape_finder(path), stages=stages)
+    models = build(backends, net, None, pb.TEST, weights=weights, out=out, **options)
+    twin = twin_of(models[backends[0]], backends[0], net, None, pb.TEST, **options)
     try:
         batches, kind = batch_source(models[backends[0]], pb.TEST)
         floors = {}
         try:
-            speed, rows = compare_forward(models, batches, floors=floors)
+            speed, rows = compare_forward(models, batches, floors=floors, twin=twin)
         finally:
             batches.close()
         others = backends[1:]
@@ -473,7 +480,15 @@ def compare_forward_pass(out, result, backends, net, path, batch_size, weights, 
         _verdict(out, result, "forward", {"blobs": blobs, "worst_relative": worst, "floors": floors}, speed, worst,
                  allowed(forward_tolerance, worst_floor), "FORWARD DIFFERS: worst relative difference")
     finally:
-        close_all(models)
+        close_all({**models, "twin": twin})
+
+
+def twin_of(model, backend, net, solver_param, phase, **options):
+    """A second model of `backend` holding `model`'s parameters: what measures the noise floors (create_model's
+    options: source, batch_size, data_shape, stages)."""
+    twin = create_model(backend, net, solver_param, phase=phase, **options)
+    twin.set_params(model.get_params())
+    return twin
 
 
 def compare_training_run(out, result, backends, solver, path, batch_size, weights, iterations, loss_tolerance,
@@ -483,9 +498,10 @@ def compare_training_run(out, result, backends, solver, path, batch_size, weight
     others = backends[1:]
     solver_path = solver.path
     train_net, dropped = with_dropout_off(with_batch_size(with_dummy_data_fed(solver.train_net), batch_size))
-    models = build(backends, train_net, solver.param, pb.TRAIN, solver.train_map, batch_size,
-                   shape_finder(solver.param.net or solver.param.train_net or path, data_shape), weights,
-                   stages=list(solver.param.train_state.stage) or None)
+    options = dict(source=solver.train_map, batch_size=batch_size, stages=list(solver.param.train_state.stage) or None,
+                   data_shape=shape_finder(solver.param.net or solver.param.train_net or path, data_shape))
+    models = build(backends, train_net, solver.param, pb.TRAIN, weights=weights, **options)
+    twin = twin_of(models[backends[0]], backends[0], train_net, solver.param, pb.TRAIN, **options)
     try:
         first = models[backends[0]]
         batches, kind = batch_source(first, pb.TRAIN)
@@ -495,7 +511,10 @@ def compare_training_run(out, result, backends, solver, path, batch_size, weight
             batches.close()
         params, state = first.get_params(), first.get_state()
         speed, losses = compare_training(models, plan)
-        steps = compare_steps(models, plan, params, state)
+        twin.set_state(state)
+        for batch in plan:  # as the first did: a recurrent layer's carried hidden state then is the first's
+            twin.step(batch)
+        steps = compare_steps(models, plan, params, state, twin)
         diffs = loss_differences(losses)
         out.write(f"\ntraining: {solver_path}, {iterations} iterations ({kind} data, batch "
                   f"{images(None, models[backends[0]])}; loss tolerance {loss_tolerance:g} absolute, weight "
@@ -526,7 +545,7 @@ def compare_training_run(out, result, backends, solver, path, batch_size, weight
                  weights_line(weights_at))
         judge_weights(out, result, weights_at, weight_tolerance)
     finally:
-        close_all(models)
+        close_all({**models, "twin": twin})
 
 
 def worst_weights(steps):

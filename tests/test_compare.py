@@ -329,3 +329,14 @@ def test_adams_per_element_normalisation_is_judged_above_its_noise_floor():
     worst = adam_steps(batch, lr_mult=3)
     compare.judge_weights(out, result, worst, 1e-4)
     assert worst["blob"] == "ip[0]" and worst["floor"] < 1e-5 and not result["ok"], worst
+
+
+def test_a_recurrent_nets_noise_floor_is_measured_from_the_same_hidden_state():
+    """An LSTM carries its last hidden state into the next forward: measured on the first backend's own second
+    pass the floor was 0.2 (the state, not rounding); a fresh twin of it measures ~1e-6, so that the tolerance
+    still judges LRCN's blobs."""
+    out = io.StringIO()
+    result = compare.run(os.path.join(ROOT, "tests", "data", "lrcn_lstm.prototxt"), out=out)
+    floors = result["forward"]["floors"]
+    assert result["ok"] and set(floors) >= {"lstm1@lstm1", "lstm2@lstm2"}, out.getvalue()
+    assert 0 < max(floors.values()) < 1e-5, out.getvalue()
