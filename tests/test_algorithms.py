@@ -12,7 +12,9 @@ import pytest
 from conftest import ROOT
 from synthetic import make_job
 
-from deepspark import algorithms, rules
+from deepspark import algorithms, plan, rules
+from deepspark.algorithms import Projection
+from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
 DOCS = os.path.join(ROOT, "docs", "architecture.md")
@@ -50,6 +52,26 @@ def halfway():
     module = types.ModuleType("halfway")
     exec(compile(blocks()[0], DOCS, "exec"), module.__dict__)
     return module.HalfWay
+
+
+def test_train_plan_and_the_training_check_read_the_row(tmp_path, monkeypatch):
+    pytest.importorskip("pyspark")
+    spark = importlib.import_module("deepspark.spark")  # after the skip
+
+    class Refusing(halfway()):
+        def check(self, ds, path):
+            raise ConfigError(f"halfway cannot run period {ds.period}", path)
+
+        def cost(self, costs, network, ds, workers, shared=1.0):
+            return Projection(workers, 1.0, 2.0, 0.0, 0.0, 3.0)
+
+    monkeypatch.setitem(algorithms.ALGORITHMS, pb.DeepSparkParameter.AVERAGE, Refusing())
+    ds = pb.DeepSparkParameter(algorithm=pb.DeepSparkParameter.AVERAGE, period=7)
+    assert plan.project(None, None, ds, 4) == Projection(4, 1.0, 2.0, 0.0, 0.0, 3.0)
+    assert plan.saturation(None, None, ds) is None
+    solver = make_job(tmp_path)
+    with pytest.raises(ConfigError, match="halfway cannot run period 7"):  # said before Spark starts
+        spark.train(solver, algorithm="average", period=7)
 
 
 @pytest.mark.spark
