@@ -138,7 +138,7 @@ def test_outer_step_is_dilocos_nesterov_and_plain_averaging_at_rate_one_without_
     rng = np.random.default_rng(3)
     center, mean = rng.standard_normal(50).astype(np.float32), rng.standard_normal(50).astype(np.float32)
     velocity = np.zeros_like(center)
-    # the mean up to rounding (x̃ − (x̃ − mean)); AverageJob takes the mean itself at these defaults
+    # the mean up to rounding (x̃ − (x̃ − mean)); algorithms/average.py takes the mean itself at these defaults
     np.testing.assert_allclose(rules.outer_step(center.copy(), mean, velocity, 1.0, 0.0), mean, rtol=0, atol=1e-6)
     # two rounds by hand: g = x̃ − mean, v = μv + g, x̃ −= η(g + μv)
     x, v = np.array([1.0], np.float32), np.zeros(1, np.float32)
