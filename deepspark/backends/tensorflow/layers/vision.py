@@ -40,18 +40,54 @@ def convolution(layer, bottoms, params, ctx):
     param = layer.param.convolution_param
     kernel, pad, stride, dilation = conv_geometry(param, 2)
     weights = dilate_kernel(params[0], dilation)  # HWIO (its param_order)
-    # TF has no grouped-convolution gradient on CPU: one convolution per group.
-    group = param.group
-    filters = tf.split(weights, group, axis=3) if group > 1 else [weights]
+    convolve = grouped_convolution(weights, param.group, layer.bottom_shapes[0][1], stride, _explicit_pad(pad))
 
-    def convolve(x):
-        inputs = tf.split(x, group, axis=3) if group > 1 else [x]
-        ys = [tf.nn.conv2d(xg, wg, strides=[1, *stride, 1], padding=_explicit_pad(pad))
-              for xg, wg in zip(inputs, filters)]
-        y = tf.concat(ys, axis=3) if group > 1 else ys[0]
+    def run(x):
+        y = convolve(x)
         return tf.nn.bias_add(y, params[1]) if param.bias_term else y
 
-    return [Blob(convolve(bottom.as_nhwc), True) for bottom in bottoms]
+    return [Blob(run(bottom.as_nhwc), True) for bottom in bottoms]
+
+
+def grouped_convolution(weights, group, channels, stride, padding):
+    """NHWC x -> Caffe's convolution of x by the HWIO `weights` (kh, kw, channels/group, num_output) in `group`
+    groups, as one op: a depthwise convolution where each group is one input channel (MobileNet, Xception),
+    else one grouped conv2d. (Split into `group` convolutions, a 728-group Xception took minutes to trace.)"""
+    strides = [1, *stride, 1]
+    if group == 1:
+        return lambda x: tf.nn.conv2d(x, weights, strides, padding)
+    if group == channels:
+        # Caffe's output channel o = c M + m reads input channel c (M = num_output / channels): TF's depthwise
+        # order, so the (kh, kw, 1, C M) kernel is TF's (kh, kw, C, M) as it lies.
+        shape = weights.shape.as_list()
+        depthwise = tf.reshape(weights, shape[:2] + [channels, shape[3] // channels])
+        # Padded apart: grappler's shape inference of a depthwise op with explicit paddings aborts the process.
+        return lambda x: tf.nn.depthwise_conv2d(tf.pad(x, padding) if padding != "VALID" else x, depthwise, strides,
+                                                "VALID")
+    return lambda x: _grouped_conv2d(x, weights, group, strides, padding)
+
+
+def _split_conv2d(x, weights, group, strides, padding):
+    """A grouped convolution as `group` convolutions and a concat (what TF differentiates on CPU)."""
+    ys = [tf.nn.conv2d(xg, wg, strides, padding)
+          for xg, wg in zip(tf.split(x, group, axis=3), tf.split(weights, group, axis=3))]
+    return tf.concat(ys, axis=3)
+
+
+def _grouped_conv2d(x, weights, group, strides, padding):
+    """One grouped conv2d forward; its gradient through _split_conv2d, as TF has no grouped-convolution gradient
+    on CPU (the split forward it differentiates is pruned from the graph: the gradients read only its inputs)."""
+    @tf.custom_gradient
+    def convolve(x, weights):
+        def gradient(dy):
+            with tf.GradientTape() as tape:
+                tape.watch([x, weights])
+                y = _split_conv2d(x, weights, group, strides, padding)
+            return tape.gradient(y, [x, weights], output_gradients=dy)
+
+        return tf.nn.conv2d(x, weights, strides, padding), gradient
+
+    return convolve(x, weights)
 
 
 @layer("Deconvolution", param_order={0: HWIO})
