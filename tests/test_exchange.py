@@ -305,14 +305,14 @@ def test_exchange_options_come_from_the_schema():
     values, changes over them; the server and the client take theirs from it."""
     defaults = pb.DeepSparkParameter()
     options = ExchangeOptions.of()
-    assert (options.codec, options.integrity, options.timeout) == \
+    assert (options.codec.name, options.integrity, options.timeout) == \
         ("float32", defaults.exchange_integrity, defaults.exchange_timeout)
     assert options.moving_rate == defaults.moving_rate and options.server_factor == defaults.server_factor
     ds = pb.DeepSparkParameter(exchange_codec=pb.DeepSparkParameter.INT8, exchange_integrity=False,
                                exchange_timeout=7.0, moving_rate=0.25, moving_rate_step=3)
     options = ExchangeOptions.of(ds, timeout=9.0)
-    assert (options.codec, options.integrity, options.timeout, options.moving_rate_step) == ("int8", False, 9.0, 3)
-    assert options.but(codec="float16").codec == "float16" and options.but() is options
+    assert (options.codec.name, options.integrity, options.timeout, options.moving_rate_step) == ("int8", False, 9.0, 3)
+    assert options.but(codec="float16").codec.name == "float16" and options.but() is options
     with pytest.raises(ValueError, match="unknown exchange codec"):
         ExchangeOptions.of(codec="float8")
     with pytest.raises(TypeError):

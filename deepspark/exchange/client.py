@@ -10,7 +10,6 @@ import time
 import numpy as np
 
 from deepspark import rules
-from deepspark.exchange import codec as C
 from deepspark.exchange import handshake
 from deepspark.exchange import protocol as P
 from deepspark.exchange.options import ExchangeOptions
@@ -71,7 +70,7 @@ class Link:
         self._chunk = chunk
         self.integrity = options.integrity  # as the server's: tag every frame after the handshake
         self.history_sets = int(history_sets)
-        self.codec = C.get(options.codec)
+        self.codec = options.codec
         # The server asked for this worker's solver history (a reply's F_SEND_HISTORY): send_history it
         # once no exchange is in flight. Set by the thread that read the reply, before the result is handed over.
         self.history_wanted = False
@@ -115,7 +114,7 @@ class Link:
                 raise ValueError(f"params hold {size} values, shapes {n}")
             self._fingerprint = P.fingerprint(self._shapes)
             self._apply_step = apply_floats(n, self._chunk)
-            self._conn = Connection(None, self.where, self.worker_id).allocate(n, codec=self.codec.name)
+            self._conn = Connection(None, self.where, self.worker_id).allocate(n, codec=self.codec)
             self._conn.history_bytes = 4 * self.history_sets * n
         delay = self.backoff
         for attempt in range(1, self.retries + 1):

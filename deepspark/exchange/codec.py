@@ -159,8 +159,10 @@ CODECS = {codec.name: codec for codec in (Float32(), Float16(), BFloat16(), Bloc
 
 def get(name):
     """The codec called `name`: DeepSparkParameter.exchange_codec's value in lower case, or its number (the
-    schema's ExchangeCodec numbers are protocol.CODEC_IDS)."""
-    if isinstance(name, int):
+    schema's ExchangeCodec numbers are protocol.CODEC_IDS), or a codec (its own)."""
+    if not isinstance(name, (str, int)):
+        name = name.name
+    elif isinstance(name, int):
         name = CODEC_NAMES.get(name, f"id {name}")
     try:
         return CODECS[name]

@@ -8,7 +8,7 @@ from deepspark.exchange import codec as C
 
 # Each option's field of DeepSparkParameter: proto/deepspark.proto declares it, with its default and its meaning.
 FIELDS = {
-    "codec": "exchange_codec",          # how model frames travel (codec.CODECS)
+    "codec": "exchange_codec",          # how model frames travel: the codec itself (codec.CODECS), looked up once
     "integrity": "exchange_integrity",  # tag every frame after the handshake
     "timeout": "exchange_timeout",      # seconds either side waits on the other: the server's idle timeout,
                                         # the worker's wait for a reply, a synchronous round's
@@ -25,7 +25,7 @@ class ExchangeOptions:
     """The exchanger's knobs of one job (FIELDS names each one's field of the schema); made by `of`, never with
     defaults of its own."""
 
-    codec: str
+    codec: object  # a codec of codec.CODECS
     integrity: bool
     timeout: float
     moving_rate: float
@@ -37,13 +37,14 @@ class ExchangeOptions:
     @classmethod
     def of(cls, ds=None, **changes):
         """The options of DeepSparkParameter `ds` (None: the schema's defaults), with `changes` over them
-        (a codec by name or by the schema's number)."""
+        (a codec by name, by the schema's number, or itself)."""
         ds = pb.DeepSparkParameter() if ds is None else ds
         values = {name: getattr(ds, field) for name, field in FIELDS.items()}
         values.update(changes)
-        values["codec"] = C.get(values["codec"]).name
+        values["codec"] = C.get(values["codec"])
         return cls(**values)
 
     def but(self, **changes):
         """These options with `changes` over them (of's)."""
-        return self if not changes else ExchangeOptions.of(None, **{**dataclasses.asdict(self), **changes})
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return self if not changes else ExchangeOptions.of(None, **{**values, **changes})

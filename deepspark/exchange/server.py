@@ -9,7 +9,6 @@ import time
 import numpy as np
 
 from deepspark import rules
-from deepspark.exchange import codec as C
 from deepspark.exchange import handshake
 from deepspark.exchange import protocol as P
 from deepspark.exchange.history import HistoryHandler
@@ -68,7 +67,7 @@ class ExchangeServer:
         self.max_handshakes = int(max_handshakes)
         self._handshaking = 0  # connections accepted and not yet through their handshake (under _books)
         self.integrity = options.integrity  # tag every frame after the handshake (transport.Connection.seal)
-        self.codec = C.get(options.codec)
+        self.codec = options.codec
         self.history = HistoryHandler(int(history_sets) * self._center.size, histories)
         self._host, self._port = host, port
         self._books = threading.Lock()  # bookkeeping only, never held during the update
@@ -260,7 +259,7 @@ class Session:
             server._handshake_over()
             handshaking = False
             sock.settimeout(server.idle_timeout)
-            conn.allocate(server.size, server.handler.scratch, server.codec.name)
+            conn.allocate(server.size, server.handler.scratch, server.codec)
             self.loop()
         except (P.Refusal, P.ProtocolError) as e:
             self.refuse(e.code, str(e))

@@ -228,15 +228,14 @@ class Connection:
         self.receive(view)
         return view
 
-    def allocate(self, n, scratch=0, codec="float32"):
+    def allocate(self, n, scratch=0, codec=C.CODECS["float32"]):
         """The model buffer (x in, d or the mean out, in place) and `scratch` floats of scratch space, each on
         a mapping of its own (`mapped`); scratch pages never touched (server_factor 1) take no memory. Model
-        frames then travel in `codec` (a name of codec.CODECS)."""
+        frames then travel in `codec` (one of codec.CODECS: ExchangeOptions.codec)."""
         self.buf = mapped(n, np.float32)
         self.view = byte_view(self.buf)
         self.ok = mapped(scratch, bool)               # rules.all_finite's
         self.scratch = mapped(scratch, np.float32)    # rules.apply_to_center's
-        codec = C.get(codec)
         self.frames = Float32Frames(self) if codec.name == "float32" else CodedFrames(self, C.Channel(codec, n))
         return self
 
