@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from deepspark import checkpoint, graph, schedule
+from deepspark import checkpoint, graph, progress, schedule
 from deepspark.errors import ConfigError
-from deepspark.log import Log, progress_bar
+from deepspark.log import Log
 
 
 def next_batch(feeders):
@@ -459,6 +459,7 @@ class Trainer:
             log.info(schedule.stop_note(p))
         self.started = started = time.monotonic()
         last_time, last_iter, results = started, self.iter, []
+        shown = progress.display(log, 1, stop, exchanges=False)
         while self.iter < stop:
             if cadence.tests(self.iter) and (self.iter > 0 or p.test_initialization):
                 results = self.test_all()
@@ -472,11 +473,10 @@ class Trainer:
                 self.log_train_outputs(loss)
                 log.info(f"Iteration {iteration}, lr = {rate:.6g}")
                 last_time, last_iter = now, iteration
-            log.progress(progress_bar(self.iter, stop, started=started,
-                                      extra=f"loss {self.smoothed_loss:.4f}"))
+            shown.draw({0: {"iteration": self.iter, "loss": self.smoothed_loss}})
             if cadence.snapshots(self.iter):
                 self.snapshot()
-        log.end_progress()
+        shown.close()
         if p.snapshot_after_train and not cadence.snapshots(self.iter):
             self.snapshot()
         if cadence.displays(self.iter):

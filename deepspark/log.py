@@ -9,7 +9,6 @@ import re
 import sys
 import tempfile
 import threading
-import time
 
 # One console: a Log's lines, its progress line and other processes' lines (echo) never cut into each other.
 _CONSOLE = threading.RLock()
@@ -158,17 +157,3 @@ def import_quietly(name):
                 line = raw.decode("utf-8", "replace").rstrip("\n")
                 if not NATIVE_BANNER.search(line):
                     echo(line)
-
-
-def progress_bar(done, total, width=30, started=None, extra=""):
-    """`[=====>    ] 1200/10000  312 it/s  ETA 28s  extra`."""
-    fraction = min(done / total, 1.0) if total else 1.0
-    filled = int(fraction * width)
-    bar = "=" * filled + (">" if filled < width else "") + " " * (width - filled - 1)
-    text = f"[{bar[:width]}] {done}/{total}"
-    if started is not None and done:
-        elapsed = time.monotonic() - started
-        rate = done / elapsed if elapsed > 0 else 0.0
-        eta = (total - done) / rate if rate > 0 else 0.0
-        text += f"  {rate:.1f} it/s  ETA {eta:.0f}s"
-    return text + (f"  {extra}" if extra else "")

@@ -15,7 +15,7 @@ import pytest
 from deepspark.data import encode_datum
 from deepspark.errors import ConfigError
 from deepspark.ml import DeepSparkEstimator, DeepSparkModel, images
-from deepspark.spark.bars import WorkerBars
+from deepspark.progress import WorkerBars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOLVER = os.path.join(ROOT, "models", "lenet", "solver.prototxt")

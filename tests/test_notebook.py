@@ -5,7 +5,7 @@ cells that fail as a user's do. Its saved outputs are what the user reads: no Sp
 the workers' progress drawn with ipywidgets and, in a kernel whose Python cannot import them, as plain lines, no
 cursor codes in any text, and each failing cell's output starting with DeepSpark's one line.
 
-The progress's pieces (spark/bars.py) are tested apart, with no kernel, at the end."""
+The progress's pieces (deepspark/progress.py) are tested apart, with no kernel, at the end."""
 
 import io
 import os
@@ -17,7 +17,7 @@ import types
 import pytest
 
 from deepspark.log import Log
-from deepspark.spark import bars
+from deepspark import progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOLVER = os.path.join(ROOT, "models", "lenet", "solver.prototxt")
@@ -270,8 +270,8 @@ def test_a_notebook_without_ipywidgets_gets_plain_progress_lines(tmp_path, monke
     assert "widgets: False" in stream_text(cells[tagged(cells, "session")])
     fit = cells[tagged(cells, "fit")]
     assert not any(WIDGET in o.get("data", {}) for o in fit.outputs), fit.outputs
-    progress = re.findall(r"Progress: iteration (\d+) of 60 .*w0 .*w1 ", stream_text(fit))
-    assert progress and progress[-1] == "60" and len(progress) <= bars.LINES_PER_JOB + 1, stream_text(fit)[-3000:]
+    said = re.findall(r"Progress: iteration (\d+) of 60 .*w0 .*w1 ", stream_text(fit))
+    assert said and said[-1] == "60" and len(said) <= progress.LINES_PER_JOB + 1, stream_text(fit)[-3000:]
     check_plain(cells)
     check_quiet(cells)
 
@@ -313,8 +313,8 @@ def test_a_script_in_a_venv_with_ipykernel_prints_progress_lines_and_keeps_one_p
                           env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kernel modules: True" in done.stdout
-    progress = re.findall(r"Progress: iteration (\d+) of 20 .*w0 .*w1 ", done.stderr)
-    assert progress and progress[-1] == "20", done.stderr[-3000:]  # lines, as any stream that is no terminal gets
+    said = re.findall(r"Progress: iteration (\d+) of 20 .*w0 .*w1 ", done.stderr)
+    assert said and said[-1] == "20", done.stderr[-3000:]  # lines, as any stream that is no terminal gets
     assert "0%|" not in done.stderr + done.stdout and "HBox" not in done.stdout, done.stdout[-2000:]
     # The executors ran the venv's Python from the first job on: deepspark set it as it was imported.
     assert f"before: {sys.executable}" in done.stdout and f"after: {sys.executable}" in done.stdout, done.stdout
@@ -326,12 +326,12 @@ def test_a_script_in_a_venv_with_ipykernel_prints_progress_lines_and_keeps_one_p
 def test_a_stream_that_is_no_terminal_gets_a_line_per_tenth_of_the_job_and_one_at_its_end():
     stream = io.StringIO()
     log = Log(stream=stream)
-    progress = bars.worker_progress(log, 2, 100, 64)
-    assert isinstance(progress, bars.Lines)
+    shown = progress.display(log, 2, 100, 64)
+    assert isinstance(shown, progress.Lines)
     for iteration in range(0, 96, 5):
-        progress.draw({0: {"iteration": iteration + 3, "loss": 1.5}, 1: {"iteration": iteration}}, lost={1})
-    progress.draw({0: {"iteration": 100, "loss": 0.5}, 1: {"iteration": 97, "loss": 0.25}})
-    progress.close()
+        shown.draw({0: {"iteration": iteration + 3, "loss": 1.5}, 1: {"iteration": iteration}}, lost={1})
+    shown.draw({0: {"iteration": 100, "loss": 0.5}, 1: {"iteration": 97, "loss": 0.25}})
+    shown.close()
     lines = stream.getvalue().splitlines()
     said = [int(re.search(r"Progress: iteration (\d+) of 100", line).group(1)) for line in lines]
     assert said == [10, 20, 30, 40, 50, 60, 70, 80, 90, 97], lines  # the slowest worker's, then the end
@@ -342,21 +342,31 @@ def test_a_stream_that_is_no_terminal_gets_a_line_per_tenth_of_the_job_and_one_a
 
 def test_a_terminal_keeps_its_live_rows_and_a_kernel_without_ipywidgets_gets_lines(monkeypatch):
     pytest.importorskip("ipykernel")  # imported, as pyspark does: this process is no kernel all the same
-    assert not bars.in_notebook()
-    assert bars.worker_progress(Log(stream=io.StringIO(), progress=True), 2, 100, 64) is None  # watch.Progress
+    assert not progress.in_notebook()
+    terminal = Log(stream=io.StringIO(), progress=True)
+    rows = progress.display(terminal, 2, 100, 64)
+    assert isinstance(rows, progress.Rows)
+    rows.draw({0: {"iteration": 5, "loss": 1.5, "exchanges": 1}})
+    assert terminal.stream.getvalue().endswith("w0: it 5/100 loss 1.5000 ex 1 | w1: waiting")
+    rows.close()
+    single = progress.display(terminal, 1, 100, exchanges=False)  # the single run's bar, on a terminal alone
+    single.draw({0: {"iteration": 50, "loss": 0.25}})
+    assert "[===============>              ] 50/100" in terminal.stream.getvalue() and "loss 0.2500" in \
+        terminal.stream.getvalue()
+    single.close()
     shell = types.SimpleNamespace(kernel=object())  # what a running kernel's shell has (ipykernel's)
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # whose Python cannot import ipywidgets
-    assert bars.in_notebook() and not bars.has_widgets()
-    assert isinstance(bars.worker_progress(Log(stream=io.StringIO()), 2, 100, 64), bars.Lines)
+    assert progress.in_notebook() and not progress.has_widgets()
+    assert isinstance(progress.display(Log(stream=io.StringIO()), 2, 100, 64), progress.Lines)
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: types.SimpleNamespace()))
-    assert not bars.in_notebook()  # a terminal's IPython has a shell, and no kernel
+    assert not progress.in_notebook()  # a terminal's IPython has a shell, and no kernel
 
 
 def test_the_progress_lines_stay_out_of_the_log_file(tmp_path):
     log = Log(str(tmp_path / "train.log"), stream=io.StringIO())
-    progress = bars.Lines(log, 1, 10, 8)
-    progress.draw({0: {"iteration": 10, "loss": 1.0}})
+    lines = progress.Lines(log, 1, 10, 8)
+    lines.draw({0: {"iteration": 10, "loss": 1.0}})
     log.close()
     assert "Progress: iteration 10 of 10" in log.stream.getvalue()
     assert (tmp_path / "train.log").read_text() == ""

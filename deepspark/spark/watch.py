@@ -7,38 +7,13 @@ import time
 import numpy as np
 
 from deepspark.exchange.protocol import E_DIVERGED
-from deepspark.spark.bars import worker_progress
+from deepspark.progress import display
 from deepspark.spark.failures import JobError, executor_report, failed
 
 # Seconds the driver waits for the Spark job's thread once it has cancelled the job.
 CANCEL_SECONDS = 30
 # Seconds between two looks at the workers' progress.
 WATCH_SECONDS = 0.5
-
-
-class Progress:
-    """Per-worker rows on a terminal: iteration, loss, exchanges, seconds since the last exchange."""
-
-    def __init__(self, log, workers, max_iter):
-        self.log, self.workers, self.max_iter = log, workers, max_iter
-
-    def draw(self, stats, lost=()):
-        """The row of each worker from the exchanger's stats; `lost`: the workers lost before they finished."""
-        rows = []
-        for worker in range(self.workers):
-            s = stats.get(worker)
-            if not s:
-                rows.append(f"w{worker}: waiting")
-                continue
-            loss = s.get("loss", float("nan"))
-            since = s.get("seconds_since_exchange")
-            latency = s.get("latency")
-            loss = f"{loss:.4f}" if np.isfinite(loss) else "-"  # none reported yet
-            rows.append(f"w{worker}: it {s.get('iteration', 0)}/{self.max_iter} loss {loss} "
-                        f"ex {s.get('exchanges', 0)}"
-                        + (f" ({1e3 * latency:.1f} ms, {since:.1f}s ago)" if since is not None and latency else "")
-                        + (" lost, to rejoin" if worker in lost else ""))
-        self.log.progress(" | ".join(rows))
 
 
 @dataclasses.dataclass
@@ -78,9 +53,8 @@ class Watch:
 
         thread = threading.Thread(target=spark_job, name="deepspark-spark-job", daemon=True)
         thread.start()
-        # A terminal's live rows, else a notebook's widgets or plain lines (bars.py).
-        progress = worker_progress(self.log, self.workers, self.max_iter, self.batch_size) or \
-            Progress(self.log, self.workers, self.max_iter)
+        # A terminal's live rows, a notebook's widgets or plain lines (deepspark/progress.py).
+        progress = display(self.log, self.workers, self.max_iter, self.batch_size)
         connect_deadline = time.monotonic() + self.connect_timeout
         idle_since = None
         while thread.is_alive():
@@ -117,9 +91,7 @@ class Watch:
             stats = self.server.stats()
             progress.draw(stats, self.rejoins(stats))
             self.center(stats)
-        self.log.end_progress()
-        if not isinstance(progress, Progress):
-            progress.close()
+        progress.close()
         if "failure" in outcome:
             raise failed(outcome["failure"], self.sc)
         return outcome["results"]
