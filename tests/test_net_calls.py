@@ -1,0 +1,32 @@
+"""Net.forward called again and again, as a detector calls it at batch 1: what the caller writes into the params
+between calls is what the next call uses, though unchanged params are not set into the backend again."""
+
+import os
+
+import numpy as np
+import pytest
+
+import deepspark
+
+PNET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "zoo", "mtcnn_det1.prototxt")
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "caffe"])
+def test_params_written_between_forwards_are_used(backend):
+    if backend == "caffe":
+        pytest.importorskip("caffe")
+    data = np.random.default_rng(3).uniform(-1, 1, (1, 3, 12, 12)).astype(np.float32)
+    net = deepspark.Net(PNET, backend=backend, seed=2)
+    first = {name: value.copy() for name, value in net.forward(data=data).items()}
+    again = net.forward(data=data)
+    assert all(np.array_equal(again[name], first[name]) for name in first)
+    net.params["conv1"][0].data[...] *= 0.5  # in place, as with pycaffe's
+    net.params["conv2"][1].data = net.params["conv2"][1].data + 0.25  # through the setter
+    changed = net.forward(data=data)
+    fresh = deepspark.Net(PNET, backend=backend, seed=2)
+    fresh.params["conv1"][0].data[...] *= 0.5
+    fresh.params["conv2"][1].data[...] += 0.25
+    expected = fresh.forward(data=data)
+    assert not np.allclose(changed["conv4-2"], first["conv4-2"])
+    for name in expected:
+        np.testing.assert_allclose(changed[name], expected[name], rtol=1e-5, atol=1e-6)
