@@ -34,6 +34,7 @@ class Algorithm:
     name = None  # DeepSparkParameter.algorithm's value name, lower case
     spark = True  # trained by the spark Job; False: in this process (train)
     exchanger = True  # its workers exchange through the driver's exchanger (codec, saturation)
+    no_codec = ""  # without the exchanger: why exchange_codec means nothing to it
 
     def title(self, ds):
         """What the log's "Solving" line and the plot call it."""
@@ -45,8 +46,6 @@ class Algorithm:
         if not self.exchanger and ds.exchange_codec != pb.DeepSparkParameter.FLOAT32:
             raise ConfigError(f"exchange_codec {pb.DeepSparkParameter.ExchangeCodec.Name(ds.exchange_codec)} codes "
                               f"the exchanger's frames (easgd, sync); {self.no_codec}", path)
-
-    no_codec = ""  # why a codec means nothing to an algorithm without the exchanger
 
     def handler(self, ds, workers):
         """The exchanger's Handler (deepspark.exchange.handlers) of a job of `workers` workers; None without one."""
