@@ -199,10 +199,10 @@ def test_unknown_layer_type_is_one_line_naming_it_where_it_is_used():
 
 
 def test_unsupported_layer_with_its_own_param_message():
-    """A type of a Caffe fork (SSD's Normalize) whose parameter message Caffe's schema lacks."""
-    message = error_of('layer {\n  name: "norm"\n  type: "Normalize"\n  bottom: "x"\n  top: "y"\n'
-                       '  norm_param { across_spatial: false }\n}\n')
-    assert message.startswith("net.prototxt:6:3: layer type 'Normalize' is not supported")
+    """A type of a Caffe fork (DeepLab's Interp) whose parameter message the bundled Caffe's schema lacks."""
+    message = error_of('layer {\n  name: "interp"\n  type: "Interp"\n  bottom: "x"\n  top: "y"\n'
+                       '  interp_param { zoom_factor: 2 }\n}\n')
+    assert message.startswith("net.prototxt:6:3: layer type 'Interp' is not supported")
     assert "Convolution" not in message and "\n" not in message
 
 

@@ -2,7 +2,7 @@
 
 Which module holds what:
 - registry: the registry (LayerSpec, REGISTRY, layer_type, check_table) and the helpers shape rules share;
-- neuron, vision, common, loss, recurrent, data: the shape rules of each family of layer types, one
+- neuron, vision, common, loss, recurrent, detection, data: the shape rules of each family of layer types, one
   `@layer_type` row per type (backends/tensorflow/layers/ keeps each type's compute under the same family name);
 - phase: Caffe's include/exclude filter; dag: Layer, Param, BuildContext and Graph;
 - backward: which diffs Caffe's backward computes; rewrites: batch size, input shapes, taps and a span of a net.
@@ -15,10 +15,11 @@ here, and its feeder in deepspark/data/, registered there with data.table.feeds 
 """
 
 # The families register their rows as they are imported, so the flag sets below are computed after them.
-from deepspark.graph import common, data, loss, neuron, recurrent, vision  # noqa: F401
+from deepspark.graph import common, data, detection, loss, neuron, recurrent, vision  # noqa: F401
 from deepspark.graph.backward import backward_needs
 from deepspark.graph.data import crop_of, crop_shape
 from deepspark.graph.dag import BuildContext, Graph, Layer, Param
+from deepspark.graph.detection import aspect_ratios, permute_order, prior_image_size, prior_step
 from deepspark.graph.phase import layer_included, make_state, state_meets_rule
 from deepspark.graph.recurrent import RECURRENT_STATES, recurrent_inputs
 from deepspark.graph.registry import (AUTOMATIC, REGISTRY, LayerSpec, ShapeError, canonical_axis, check_table, count,

@@ -79,6 +79,19 @@ def infogain_loss(layer, graph, keep_data):
     return passed_through(layer, graph, keep_data)
 
 
+@layer("DetectionOutput")
+def detection_output(layer, graph, keep_data):
+    """Caffe's own, without what makes it act outside the net: this fork's Forward writes no file
+    (its saving is commented out), yet its LayerSetUp empties save_output_param's output_directory and aborts
+    on a missing label map or name-size file; `visualize` needs OpenCV, which this pycaffe lacks, and reads
+    transform_param's mean file. Its detections are the same without them."""
+    out = passed_through(layer, graph, keep_data)
+    out.detection_output_param.ClearField("save_output_param")
+    out.detection_output_param.ClearField("visualize")
+    out.ClearField("transform_param")
+    return out
+
+
 def lacking(graph, net, caffe_types):
     """A ConfigError for the first layer of `net` (net_param's of `graph`) whose type this pycaffe lacks
     (Clip and Swish came to BVLC Caffe after the one it was built from); Caffe would abort on it."""

@@ -14,7 +14,7 @@ Where Caffe's Backward is not the gradient of its Forward (a clipped log, a
 """
 
 # Each family module fills LAYERS as it is imported.
-from deepspark.backends.tensorflow.layers import common, data, loss, neuron, recurrent, vision  # noqa: F401
+from deepspark.backends.tensorflow.layers import common, data, detection, loss, neuron, recurrent, vision  # noqa: F401
 from deepspark.backends.tensorflow.layers.table import LAYERS, Entry, layer  # noqa: F401 (the package's names)
 from deepspark.graph import check_table
 

@@ -110,3 +110,52 @@ def clip(x, lp):
 def swish(x, lp):
     """x * sigmoid(beta x): its gradient is Caffe's beta y + sigmoid(beta x) (1 - beta y)."""
     return x * tf.sigmoid(lp.swish_param.beta * x)
+
+
+@layer("ReLU6")
+def relu6(layer, bottoms, params, ctx):
+    """The fork's ReLU6: min(max(x, 0) + negative_slope min(x, 0), threshold). Its Backward: the diff times 1
+    where the input is positive, else negative_slope, and 0 from the threshold on; in place, Caffe reads the
+    top for the input, and so does this."""
+    p = layer.param.relu6_param
+
+    @tf.custom_gradient
+    def clipped(x):
+        y = tf.minimum(tf.maximum(x, 0.0) + p.negative_slope * tf.minimum(x, 0.0), p.threshold)
+        seen = y if layer.in_place else x
+
+        def backward(dy):
+            return dy * tf.where(seen > 0, 1.0, p.negative_slope) * tf.cast(seen < p.threshold, tf.float32)
+        return y, backward
+    return [bottoms[0].like(clipped(bottoms[0].tensor))]
+
+
+def _without_backward(function):
+    """A layer function whose Caffe Backward is empty: no diff reaches its bottom, except in place, where the
+    bottom's diff is the top's own, unchanged."""
+    def run(layer, bottoms, params, ctx):
+        x = bottoms[0].tensor
+        if not layer.in_place:
+            return [bottoms[0].like(tf.stop_gradient(function(x, layer.param)))]
+
+        @tf.custom_gradient
+        def passed(x):
+            return function(x, layer.param), lambda dy: dy
+        return [bottoms[0].like(passed(x))]
+    run.__name__, run.__doc__ = function.__name__, function.__doc__
+    return run
+
+
+def hard_swish(x, lp):
+    """The fork's HardSwish: x max(0, min(1, x / 6 + 0.5)); Caffe's Backward is empty."""
+    return x * tf.clip_by_value(x / 6.0 + 0.5, 0.0, 1.0)
+
+
+def hard_sigmoid(x, lp):
+    """The fork's HardSigmoid: max(0, min(1, alpha x + beta)); Caffe's Backward is empty."""
+    p = lp.hardsigmoid_param
+    return tf.clip_by_value(x * p.alpha + p.beta, 0.0, 1.0)
+
+
+layer("HardSwish")(_without_backward(hard_swish))
+layer("HardSigmoid")(_without_backward(hard_sigmoid))
