@@ -1,0 +1,219 @@
+"""Shape rules of the SSD fork's detection layers: Permute, Normalize, PriorBox, DetectionOutput, MultiBoxLoss.
+
+Written from brocolli-caffe 9.0.2's permute_layer.cpp, normalize_layer.cpp, prior_box_layer.cpp,
+detection_output_layer.cpp and multibox_loss_layer.cpp: each CHECK there (a process abort in pycaffe) is a
+ShapeError here.
+"""
+
+import numpy as np
+
+from deepspark.graph.registry import ShapeError, constant_filler, count, fmt, given_filler, layer_type, legacy
+from deepspark.proto import deepspark_pb2 as pb
+
+
+def permute_order(param, rank):
+    """Caffe's full axis order of a Permute layer: the given orders, then the axes they leave out, in order."""
+    orders = []
+    for order in param.order:
+        if order >= rank:
+            raise ShapeError(f"Permute order {order} is not an axis of a {rank}-axis input")
+        if order in orders:
+            raise ShapeError(f"Permute order {order} is given twice")
+        orders.append(order)
+    return orders + [axis for axis in range(rank) if axis not in orders]
+
+
+@layer_type("Permute")
+def _permute(lp, bottoms, ctx):
+    if len(bottoms) != 1 or len(lp.top) != 1:
+        raise ShapeError(f"Permute takes 1 bottom and makes 1 top, got {len(bottoms)} and {len(lp.top)}")
+    shape = bottoms[0]
+    return [tuple(shape[axis] for axis in permute_order(lp.permute_param, len(shape)))], []
+
+
+def _normalize_fillers(lp):
+    return [given_filler(lp.norm_param, "scale_filler", constant_filler(1.0))]
+
+
+@layer_type("Normalize", fillers=_normalize_fillers)
+def _normalize(lp, bottoms, ctx):
+    """L2 normalisation over each item (across_spatial) or each position's channels; its scale blob is one
+    value (channel_shared, a 0-axis blob) or one per channel."""
+    if len(bottoms) != 1 or len(lp.top) != 1:
+        raise ShapeError(f"Normalize takes 1 bottom and makes 1 top, got {len(bottoms)} and {len(lp.top)}")
+    shape = bottoms[0]
+    if len(shape) < 2:
+        raise ShapeError(f"Normalize needs an input of at least 2 axes, got {fmt(shape)}")
+    channels = legacy(shape, 1)
+    return [shape], [() if lp.norm_param.channel_shared else (channels,)]
+
+
+def aspect_ratios(param):
+    """PriorBox's aspect ratios in Caffe's order: 1, then each given ratio not yet listed (within 1e-6) and,
+    with flip, its inverse, as float32 (Caffe's vector<float>)."""
+    ratios = [np.float32(1.0)]
+    for ratio in param.aspect_ratio:
+        ratio = np.float32(ratio)
+        if any(abs(np.float32(ratio - known)) < 1e-6 for known in ratios):
+            continue
+        ratios.append(ratio)
+        if param.flip:
+            ratios.append(np.float32(1.0 / np.float64(ratio)))
+    return ratios
+
+
+def prior_count(param):
+    """How many priors PriorBox places at each position: each min_size with every aspect ratio, plus one per
+    max_size."""
+    return len(aspect_ratios(param)) * len(param.min_size) + len(param.max_size)
+
+
+def prior_image_size(param):
+    """(img_h, img_w) given in the prototxt, or None where the second bottom gives them."""
+    if param.HasField("img_h") or param.HasField("img_w"):
+        if param.HasField("img_size"):
+            raise ShapeError("PriorBox takes img_size or img_h/img_w, not both")
+        if param.img_h <= 0 or param.img_w <= 0:
+            raise ShapeError("PriorBox needs img_h and img_w larger than 0")
+        return param.img_h, param.img_w
+    if param.HasField("img_size"):
+        if param.img_size <= 0:
+            raise ShapeError("PriorBox needs img_size larger than 0")
+        return param.img_size, param.img_size
+    return None
+
+
+def prior_step(param):
+    """(step_h, step_w) given in the prototxt, or None where the image and the feature map give them."""
+    if param.HasField("step_h") or param.HasField("step_w"):
+        if param.HasField("step"):
+            raise ShapeError("PriorBox takes step or step_h/step_w, not both")
+        if param.step_h <= 0 or param.step_w <= 0:
+            raise ShapeError("PriorBox needs step_h and step_w larger than 0")
+        return param.step_h, param.step_w
+    if param.HasField("step"):
+        if param.step <= 0:
+            raise ShapeError("PriorBox needs step larger than 0")
+        return param.step, param.step
+    return None
+
+
+@layer_type("PriorBox")
+def _prior_box(lp, bottoms, ctx):
+    """1 x 2 x (H * W * priors * 4): the boxes of every position of the feature map, then their variances.
+    Its second bottom (the image) gives only its size, and neither bottom takes a diff (Caffe's Backward
+    does nothing)."""
+    param = lp.prior_box_param
+    if len(lp.top) != 1:
+        raise ShapeError(f"PriorBox makes 1 top, got {len(lp.top)}")
+    if not param.min_size:
+        raise ShapeError("PriorBox needs min_size")
+    if any(size <= 0 for size in param.min_size):
+        raise ShapeError("PriorBox needs every min_size positive")
+    if param.max_size:
+        if len(param.max_size) != len(param.min_size):
+            raise ShapeError(f"PriorBox gives {len(param.max_size)} max_size for {len(param.min_size)} min_size")
+        if any(high <= low for low, high in zip(param.min_size, param.max_size)):
+            raise ShapeError("PriorBox needs each max_size greater than its min_size")
+    if len(param.variance) not in (0, 1, 4):
+        raise ShapeError(f"PriorBox takes 1 or 4 variances, got {len(param.variance)}")
+    if any(v <= 0 for v in param.variance):
+        raise ShapeError("PriorBox needs every variance positive")
+    image = prior_image_size(param)
+    prior_step(param)
+    if image is None and len(bottoms) < 2:
+        raise ShapeError("PriorBox needs the image as a second bottom, or img_size / img_h and img_w")
+    for shape in bottoms[:2]:
+        legacy(shape, 0)
+    positions = legacy(bottoms[0], 2) * legacy(bottoms[0], 3)
+    size = positions * prior_count(param) * 4
+    if size <= 0:
+        raise ShapeError(f"PriorBox places no box on a {fmt(bottoms[0])} input")
+    return [(1, 2, size)], []
+
+
+def detection_classes(param):
+    """(num_classes, how many classes the locations are given for), Caffe's DetectionOutput's checks made."""
+    if not param.HasField("num_classes"):
+        raise ShapeError("DetectionOutput needs num_classes")
+    if param.HasField("nms_param"):
+        if param.nms_param.nms_threshold < 0:
+            raise ShapeError("DetectionOutput needs nms_threshold non-negative")
+        if not 0 < param.nms_param.eta <= 1:
+            raise ShapeError(f"DetectionOutput needs 0 < eta <= 1, got {param.nms_param.eta}")
+    if param.share_location and param.background_label_id == -1 and param.num_classes > 0:
+        raise ShapeError("DetectionOutput with share_location and background_label_id -1 decodes no box for any "
+                         "class (Caffe aborts)")
+    return param.num_classes, 1 if param.share_location else param.num_classes
+
+
+@layer_type("DetectionOutput", bottoms=3, no_backward=(0, 1, 2, 3))
+def _detection_output(lp, bottoms, ctx):
+    """Locations (N x priors * loc classes * 4), confidences (N x priors * classes) and the priors
+    (1 x 2 x priors * 4) into 1 x 1 x K x 7 rows [item, label, score, xmin, ymin, xmax, ymax]: K is known only
+    from the data, so the shape given here is Caffe's before its first forward pass (one row). No backward
+    (Caffe's aborts)."""
+    if not 3 <= len(bottoms) <= 4 or len(lp.top) != 1:
+        raise ShapeError(f"DetectionOutput takes 3 or 4 bottoms and makes 1 top, got {len(bottoms)} and "
+                         f"{len(lp.top)}")
+    classes, loc_classes = detection_classes(lp.detection_output_param)
+    loc, conf, priors = bottoms[:3]
+    if legacy(loc, 0) != legacy(conf, 0):
+        raise ShapeError(f"DetectionOutput's locations {fmt(loc)} and confidences {fmt(conf)} differ in items")
+    num_priors = legacy(priors, 2) // 4
+    if num_priors * loc_classes * 4 != legacy(loc, 1):
+        raise ShapeError(f"DetectionOutput has {num_priors} priors ({fmt(priors)}): the locations need "
+                         f"{num_priors * loc_classes * 4} channels, got {fmt(loc)}")
+    if num_priors * classes != legacy(conf, 1):
+        raise ShapeError(f"DetectionOutput has {num_priors} priors ({fmt(priors)}) and {classes} classes: the "
+                         f"confidences need {num_priors * classes} channels, got {fmt(conf)}")
+    if count(priors) < 2 * num_priors * 4:
+        raise ShapeError(f"DetectionOutput's priors {fmt(priors)} hold no variances")
+    return [(1, 1, 1, 7)], []
+
+
+def multibox_check(lp):
+    """MultiBoxLoss's LayerSetUp checks (a pycaffe abort each) as ShapeErrors: (num_classes, location classes)."""
+    param = lp.multibox_loss_param
+    if not param.HasField("num_classes") or param.num_classes < 1:
+        raise ShapeError("MultiBoxLoss needs num_classes of at least 1")
+    mining = param.mining_type != pb.MultiBoxLossParameter.NONE
+    if param.HasField("do_neg_mining") and param.do_neg_mining != mining:
+        raise ShapeError(f"MultiBoxLoss's deprecated do_neg_mining: {str(param.do_neg_mining).lower()} contradicts "
+                         f"mining_type {pb.MultiBoxLossParameter.MiningType.Name(param.mining_type)}")
+    if mining and not param.share_location:
+        raise ShapeError("MultiBoxLoss mines negatives only with share_location: true")
+    if param.mining_type == pb.MultiBoxLossParameter.HARD_EXAMPLE and param.sample_size <= 0:
+        raise ShapeError("MultiBoxLoss's HARD_EXAMPLE mining needs sample_size larger than 0")
+    if param.conf_loss_type == pb.MultiBoxLossParameter.SOFTMAX and param.background_label_id >= param.num_classes:
+        raise ShapeError(f"MultiBoxLoss's background_label_id {param.background_label_id} is not one of its "
+                         f"{param.num_classes} classes (Softmax needs it within)")
+    if param.map_object_to_agnostic and param.num_classes != 2:
+        raise ShapeError("MultiBoxLoss's map_object_to_agnostic needs num_classes 2 (background and object)")
+    return param.num_classes, 1 if param.share_location else param.num_classes
+
+
+@layer_type("MultiBoxLoss", loss=True, bottoms=4, no_backward=(2, 3), unforced=(2, 3))
+def _multibox_loss(lp, bottoms, ctx):
+    """Locations (N x priors * loc classes * 4), confidences (N x priors * classes), the priors
+    (1 x 2 x priors * 4) and the ground truth (1 x 1 x G x 8 rows [item, label, instance, xmin, ymin, xmax,
+    ymax, difficult]) into one loss. Only the locations and confidences take a diff (Caffe aborts on the
+    others')."""
+    if len(bottoms) != 4 or len(lp.top) != 1:
+        raise ShapeError(f"MultiBoxLoss takes 4 bottoms and makes 1 top, got {len(bottoms)} and {len(lp.top)}")
+    classes, loc_classes = multibox_check(lp)
+    loc, conf, priors, truth = bottoms
+    if legacy(loc, 0) != legacy(conf, 0):
+        raise ShapeError(f"MultiBoxLoss's locations {fmt(loc)} and confidences {fmt(conf)} differ in items")
+    num_priors = legacy(priors, 2) // 4
+    if num_priors * loc_classes * 4 != legacy(loc, 1) or count(loc, 2) != 1:
+        raise ShapeError(f"MultiBoxLoss has {num_priors} priors ({fmt(priors)}): the locations need "
+                         f"{num_priors * loc_classes * 4} channels, got {fmt(loc)}")
+    if num_priors * classes != legacy(conf, 1) or count(conf, 2) != 1:
+        raise ShapeError(f"MultiBoxLoss has {num_priors} priors ({fmt(priors)}) and {classes} classes: the "
+                         f"confidences need {num_priors * classes} channels, got {fmt(conf)}")
+    if count(priors) < 2 * num_priors * 4:
+        raise ShapeError(f"MultiBoxLoss's priors {fmt(priors)} hold no variances")
+    if legacy(truth, 3) != 8 or legacy(truth, 0) * legacy(truth, 1) != 1:
+        raise ShapeError(f"MultiBoxLoss's ground truth must be 1 x 1 x G x 8 rows, got {fmt(truth)}")
+    return [()], []
