@@ -1,7 +1,7 @@
 """The TensorFlow backend's speed where #43 found it slow: depthwise compile time, and batch-1 calls against pycaffe.
 
 1. `tf_speed_depthwise_compile`: an Xception-sized stack (Xception's middle flow: 728 channels at 19x19, each
-   block three ReLU -> 3x3 depthwise Convolution (group 728) -> 1x1 Convolution -> BatchNorm -> Scale, a residual
+   block three ReLU -> 3x3 depthwise Convolution (group 728) -> 1x1 Convolution -> Scale, a residual
    Eltwise per block) built by `deepspark.Net` and run forward once, on each backend: the seconds from
    construction to the first forward's answer (the TensorFlow backend builds and traces its pass there), and
    their ratio. Before depthwise ran as one op, 728 convolutions a layer took minutes.
@@ -40,15 +40,14 @@ CHANNELS, SIZE = 728, 19  # Xception's middle flow
 
 
 def separable(name, bottom):
-    """ReLU -> depthwise 3x3 -> pointwise 1x1 -> BatchNorm -> Scale, as Xception's Caffe ports write it."""
+    """ReLU -> depthwise 3x3 -> pointwise 1x1 -> Scale, as Xception's Caffe ports write it less their BatchNorm
+    (whose unset statistics, zeros, would scale each layer by 1/sqrt(eps) into infinities)."""
     conv = 'weight_filler { type: "msra" } bias_term: false'
     return (f'layer {{ name: "{name}_relu" type: "ReLU" bottom: "{bottom}" top: "{name}_relu" }}\n'
             f'layer {{ name: "{name}_dw" type: "Convolution" bottom: "{name}_relu" top: "{name}_dw" '
             f'convolution_param {{ num_output: {CHANNELS} group: {CHANNELS} kernel_size: 3 pad: 1 {conv} }} }}\n'
             f'layer {{ name: "{name}_pw" type: "Convolution" bottom: "{name}_dw" top: "{name}_pw" '
             f'convolution_param {{ num_output: {CHANNELS} kernel_size: 1 {conv} }} }}\n'
-            f'layer {{ name: "{name}_bn" type: "BatchNorm" bottom: "{name}_pw" top: "{name}_pw" '
-            f'batch_norm_param {{ use_global_stats: true }} }}\n'
             f'layer {{ name: "{name}_scale" type: "Scale" bottom: "{name}_pw" top: "{name}_pw" '
             f'scale_param {{ bias_term: true }} }}\n')
 

@@ -14,7 +14,6 @@ import pytest
 
 from deepspark import fillers
 from deepspark.backends import create_model
-from deepspark.backends.caffe import runtime
 from deepspark.config import parse_net
 from deepspark.graph import Graph, tap_name, with_taps
 from deepspark.proto import deepspark_pb2 as pb
@@ -22,19 +21,12 @@ from deepspark.proto import deepspark_pb2 as pb
 pytestmark = pytest.mark.caffe
 
 tf = pytest.importorskip("tensorflow")
+pytest.importorskip("caffe")  # pycaffe, the reference
 
 from deepspark.backends.tensorflow import compiler  # noqa: E402
 
 SOLVER = pb.SolverParameter(type="SGD", base_lr=0.01)
 FILLERS = 'weight_filler { type: "gaussian" std: 0.4 } bias_filler { type: "gaussian" std: 0.3 }'
-
-
-@pytest.fixture(scope="module", autouse=True)
-def caffe():
-    try:
-        return runtime.caffe()
-    except ImportError as error:
-        pytest.skip(str(error))
 
 
 def net_text(shape, conv):
