@@ -9,6 +9,8 @@ from deepspark import checkpoint, config, engine, upgrade
 from deepspark.backends import create_model, use_gpu
 from deepspark.config import load_net, net_path, random_seed
 from deepspark.data import SOURCE_PARAMS, check_listed, feeder_for, missing_source, source_shape
+from deepspark.data.feeder import BLOCK_BYTES, STREAM_WINDOW_BYTES
+from deepspark.data.resume import BLOCKS
 from deepspark.data.table import FEEDERS
 from deepspark.errors import ConfigError
 from deepspark.graph import DATA_TYPES, FED_TYPES, Graph, layer_included
@@ -30,9 +32,10 @@ def check_sources(net, source_map, phase):
             check_listed(layer)
 
 
-def feeders_for(model, phase, seed=None, shard=0, num_shards=1):
+def feeders_for(model, phase, seed=None, shard=0, num_shards=1, shuffle=False):
     """One feeder per data layer of a model's net that reads a source (Data, HDF5Data, ImageData); a fed
-    layer with no data source is an error."""
+    layer with no data source is an error. shuffle: a Data layer's order each epoch (train_order's); HDF5Data
+    and ImageData keep their own `shuffle`, as Caffe defines it (their feeders take no other)."""
     feeders = []
     for layer in model.graph.layers:
         where = model.graph.source.where(layer.index)
@@ -43,14 +46,45 @@ def feeders_for(model, phase, seed=None, shard=0, num_shards=1):
             missing = missing_source(layer.param)
             if missing:
                 raise ConfigError(missing, *where)
+            options = {"shuffle": shuffle} if layer.type == "Data" else {}
             try:
                 feeders.append(feeder_for(layer.param, phase, shard=shard, num_shards=num_shards, seed=seed,
-                                          batch_size=model.graph.context.batch_size))
+                                          batch_size=model.graph.context.batch_size, **options))
             except ConfigError as error:
                 if error.filename is None:  # about the layer itself: point at it
                     raise ConfigError(error.message, *where) from None
                 raise
     return feeders
+
+
+def train_order(ds, spark):
+    """The train feeders' shuffle for DeepSparkParameter.data_order: BLOCKS (a new seeded order every epoch,
+    which a streamed shard reads in bounded memory) or False (the source's order, Caffe's). DEFAULT: shuffled
+    on Spark (a job's workers, fit) and the source's in this process (a single run, as pycaffe reads it)."""
+    order = ds.data_order
+    if order == pb.DeepSparkParameter.DEFAULT:
+        order = pb.DeepSparkParameter.SHUFFLED if spark else pb.DeepSparkParameter.SOURCE
+    return BLOCKS if order == pb.DeepSparkParameter.SHUFFLED else False
+
+
+def order_line(shuffle, seed, feeders=()):
+    """The log's line of the order a job's train shards are read in (`shuffle`: train_order's; `seed`: what
+    seeds it, a number or words, None where random_seed is unset) and, for `feeders` built, each layer's own: a Data layer's
+    blocks and shuffle buffer in records, an HDF5Data's or ImageData's own `shuffle`."""
+    if shuffle:
+        seeded = "unseeded: random_seed is not set" if seed is None else f"seed {seed}"
+        line = (f"Data order: shuffled per epoch ({seeded}), blocks of {BLOCK_BYTES >> 20} MB of records "
+                f"through a {STREAM_WINDOW_BYTES >> 20} MB shuffle buffer")
+    else:
+        line = "Data order: as the source (Caffe's)"
+    layers = []
+    for feeder in feeders:
+        if not hasattr(feeder, "blocks"):  # HDF5Data, ImageData: Caffe's shuffle param
+            layers.append(f"'{feeder.name}' {'shuffled' if feeder.shuffle else 'in order'} by its own shuffle")
+        elif feeder.shuffle == BLOCKS:
+            block, window = feeder.blocks
+            layers.append(f"'{feeder.name}' {block} records a block, {block * window} a buffer")
+    return line + (f"; {', '.join(layers)}" if layers else "")
 
 
 def evaluator(solver, log, threads=None):
@@ -64,20 +98,23 @@ def evaluator(solver, log, threads=None):
     return engine.Evaluator(nets, log)
 
 
-def trainer(solver, log=None, *, shard=0, num_shards=1, seed_offset=None, threads=None, evaluate=True):
+def trainer(solver, log=None, *, shard=0, num_shards=1, seed_offset=None, threads=None, evaluate=True, spark=False):
     """A Trainer of the solver's train net on the solver's backend, reading shard `shard` of `num_shards`.
 
     The feeders are seeded with random_seed + seed_offset (default: + shard), so that
-    every worker of a job sees its own order; evaluate: build the test nets too.
+    every worker of a job sees its own order, in data_order's order (train_order: spark, a
+    Spark worker's); evaluate: build the test nets too. The log says the order.
     """
     log = log or Log()
     backend, seed = solver.param.deepspark_param.backend, random_seed(solver.param)
     model = create_model(backend, solver.train_net, solver.param, source=solver.train_map, data_shape=source_shape,
                          threads=threads)
     offset = shard if seed_offset is None else seed_offset
+    seed = None if seed is None else seed + offset
+    shuffle = train_order(solver.param.deepspark_param, spark)
     try:
-        feeders = feeders_for(model, pb.TRAIN, seed=None if seed is None else seed + offset, shard=shard,
-                              num_shards=num_shards)
+        feeders = feeders_for(model, pb.TRAIN, seed=seed, shard=shard, num_shards=num_shards, shuffle=shuffle)
+        log.info(order_line(shuffle, seed, feeders))
         tests = evaluator(solver, log, threads) if evaluate and solver.test_nets else None
     except BaseException:
         model.close()

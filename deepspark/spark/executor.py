@@ -18,7 +18,7 @@ import deepspark
 from deepspark import nets, schedule
 from deepspark.algorithms.base import WorkerError
 from deepspark.backends import backend_module, use_gpu
-from deepspark.config import Solver
+from deepspark.config import Solver, random_seed
 from deepspark.data import checked_records, decode_datum, lmdb_io
 from deepspark.errors import SourceMap
 from deepspark.exchange import ExchangeClient, ExchangeOptions
@@ -291,7 +291,7 @@ def build(worker, payload, task):
         log, solver = Log(progress=False), task.solver_for(shard_path)
         gpu, device = place(worker, solver, log)
         trainer = nets.trainer(solver, log, shard=shard, num_shards=shards, seed_offset=worker, threads=task.threads,
-                               evaluate=False)
+                               evaluate=False, spark=True)
         trainer.on_step = functools.partial(check_finite, worker, None)  # until it joins the center
     except BaseException:
         remove_shard(shard_path)
@@ -299,6 +299,14 @@ def build(worker, payload, task):
     prepared = Prepared(records, spill_seconds, spill_rss, ready_at, import_seconds=imported - began,
                         build_seconds=time.monotonic() - imported, gpu=gpu, device=device)
     return trainer, shard_path, prepared
+
+
+def order_line(param):
+    """The driver's line of the order every worker reads its train shard in (each worker's own log adds its
+    blocks in records): data_order's on Spark, seeded by random_seed + the worker's rank, as build seeds it."""
+    seed = random_seed(param)
+    return nets.order_line(nets.train_order(param.deepspark_param, spark=True),
+                           None if seed is None else f"{seed} + the worker's rank")
 
 
 def task_gpu():

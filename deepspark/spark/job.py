@@ -209,6 +209,7 @@ class Job:
             self.task = self.start(stack)
             self.log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
                           f"({self.ds.backend} backend, {self.title})")
+            self.log.info(executor.order_line(self.param))
             if schedule.stop_note(self.param):
                 self.log.info(schedule.stop_note(self.param))
             self.submitted = time.time()  # the workers' ready_at is in the same clock

@@ -1,0 +1,181 @@
+"""The order a job reads its train shards in (DeepSparkParameter.data_order): each epoch of an LMDB, a Parquet and a
+DataFrame-fed shard sees every record once, in a new order each epoch that the same seed repeats, where the job
+shuffles (Spark's default); a single run's default is Caffe's, the source's order."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from deepspark import nets
+from deepspark.config import load_solver, override
+from deepspark.data import encode_datum
+from deepspark.data.sources import write_records
+from deepspark.log import Log
+from deepspark.proto import deepspark_pb2 as pb
+from synthetic import NET, SOLVER
+
+RECORDS = 60  # each record's label is its number: a batch's labels say which records it holds
+
+
+def numbered(path, count=RECORDS):
+    """A dataset at `path` (an LMDB, or Parquet for a name ending in .parquet) of `count` 1x8x8 records, record i
+    labelled i, in key order."""
+    rng = np.random.default_rng(0)
+    records = [(b"%08d" % i, encode_datum(rng.integers(0, 255, (1, 8, 8), dtype=np.uint8), i)) for i in range(count)]
+    assert write_records(str(path), iter(records)) == count
+    return str(path)
+
+
+def solver_at(folder, train, **knobs):
+    (folder / "net.prototxt").write_text(NET.format(train=train, test=train))
+    (folder / "solver.prototxt").write_text(SOLVER.format(net=folder / "net.prototxt", test_interval=0, max_iter=10,
+                                                          snapshot=0, prefix=folder / "tiny", workers=2,
+                                                          connect_timeout=60))
+    return override(load_solver(str(folder / "solver.prototxt")), **knobs)
+
+
+def epochs_seen(solver, count, spark, shard=1, num_shards=2, log=None):
+    """The labels of `count` epochs of the train feeder of worker `shard` (seeded as that worker), one array each."""
+    trainer = nets.trainer(solver, log or Log(progress=False), shard=shard, num_shards=num_shards, evaluate=False,
+                           spark=spark)
+    try:
+        (feeder,) = trainer.feeders
+        seen = np.concatenate([feeder.next_batch()["label"] for _ in range(count * feeder.size // 10)])
+        return seen.astype(int).reshape(count, feeder.size)
+    finally:
+        trainer.close()
+
+
+def assert_shuffled_epochs(epochs, records):
+    """Every epoch a permutation of `records`, none in their order, each in another order than the last's."""
+    for epoch in epochs:
+        assert sorted(epoch) == sorted(records)
+        assert list(epoch) != sorted(records)
+    for last, this in zip(epochs, epochs[1:]):
+        assert list(this) != list(last)
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "parquet"])
+def test_a_spark_workers_shard_is_shuffled_every_epoch_and_the_seed_repeats_it(tmp_path, kind):
+    train = numbered(tmp_path / ("train_lmdb" if kind == "lmdb" else "train.parquet"))
+    lines = []
+    log = Log(progress=False)
+    log.info = lines.append
+    epochs = epochs_seen(solver_at(tmp_path, train), 3, spark=True, log=log)
+    assert_shuffled_epochs(epochs, range(30, 60))  # shard 1 of 2: the second half
+    assert lines == ["Data order: shuffled per epoch (seed 4), blocks of 4 MB of records through a 64 MB shuffle "
+                     "buffer; 'data' 65536 records a block, 1048576 a buffer"]  # random_seed 3, worker 1
+    assert (epochs_seen(solver_at(tmp_path, train), 3, spark=True) == epochs).all()
+    # asked for, a single run shuffles too (seeded as worker 1 here); another seed, another order
+    again = epochs_seen(solver_at(tmp_path, train, data_order="shuffled"), 3, spark=False)
+    assert (again == epochs).all()
+    reseeded = solver_at(tmp_path, train)
+    reseeded.param.random_seed = 4
+    assert not (epochs_seen(reseeded, 3, spark=True) == epochs).all()
+
+
+def test_a_single_runs_default_order_is_caffes_and_source_is_asked_on_spark(tmp_path):
+    train = numbered(tmp_path / "train_lmdb")
+    lines = []
+    log = Log(progress=False)
+    log.info = lines.append
+    in_order = np.tile(np.arange(30, 60), (2, 1))
+    assert (epochs_seen(solver_at(tmp_path, train), 2, spark=False, log=log) == in_order).all()
+    assert lines == ["Data order: as the source (Caffe's)"]
+    assert (epochs_seen(solver_at(tmp_path, train, data_order="source"), 2, spark=True) == in_order).all()
+
+
+# A Python layer that passes the labels on, and appends each batch's to a file of its process's (one per worker).
+RECORDER = '''import os
+import caffe
+
+
+class Recorder(caffe.Layer):
+    def setup(self, bottom, top):
+        self.path = os.path.join(self.param_str, "%d.txt" % os.getpid())
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = bottom[0].data
+        with open(self.path, "a") as out:
+            out.write(" ".join(str(int(label)) for label in bottom[0].data) + "\\n")
+
+    def backward(self, top, propagate_down, bottom):
+        pass
+'''
+
+RECORDED_NET = """name: "recorded"
+layer {{ name: "data" type: "Data" top: "data" top: "label" include {{ phase: TRAIN }}
+  transform_param {{ scale: 0.00390625 }} data_param {{ source: "{train}" batch_size: 10 backend: LMDB }} }}
+layer {{ name: "seen" type: "Python" bottom: "label" top: "seen"
+  python_param {{ module: "order_recorder" layer: "Recorder" param_str: "{seen}" }} }}
+layer {{ name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param {{ num_output: 1 weight_filler {{ type: "constant" }} }} }}
+layer {{ name: "loss" type: "EuclideanLoss" bottom: "ip" bottom: "seen" top: "loss" }}
+"""
+
+RECORDED_SOLVER = """net: "{net}"
+base_lr: 1e-12
+lr_policy: "fixed"
+max_iter: 24
+snapshot_prefix: "{prefix}"
+random_seed: 5
+deepspark_param {{ workers: 2 period: 4 exchange_timeout: 60 connect_timeout: 120 }}
+"""
+
+# Two runs of the same solver on one DataFrame of 160 rows (row i labelled i), in one driver and one session.
+DATAFRAME_RUNS = """
+import sys, json, numpy as np
+from deepspark.spark.session import spark_session
+from deepspark.proto import deepspark_pb2 as pb
+import deepspark
+rng = np.random.default_rng(0)
+rows = [(rng.integers(0, 255, size=(8, 8)).tolist(), i) for i in range(160)]
+spark, _ = spark_session(pb.DeepSparkParameter(), 2)
+df = spark.createDataFrame(rows, ["data", "label"]).cache()
+for solver in sys.argv[1:]:
+    print(json.dumps(deepspark.train(solver, data=df).summary["iterations"]))
+"""
+
+
+@pytest.mark.spark
+def test_a_dataframe_fed_shard_is_shuffled_every_epoch_on_the_executors(tmp_path):
+    train = numbered(tmp_path / "train_lmdb")
+    solvers = []
+    for run in ("first", "second"):
+        folder = tmp_path / run
+        (folder / "seen").mkdir(parents=True)
+        (folder / "order_recorder.py").write_text(RECORDER)
+        (folder / "net.prototxt").write_text(RECORDED_NET.format(train=train, seen=folder / "seen"))
+        (folder / "solver.prototxt").write_text(RECORDED_SOLVER.format(net=folder / "net.prototxt",
+                                                                       prefix=folder / "out" / "recorded"))
+        solvers.append(str(folder / "solver.prototxt"))
+    done = subprocess.run([sys.executable, "-c", DATAFRAME_RUNS, *solvers], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Data order: shuffled per epoch (seed 5 + the worker's rank)" in done.stderr
+    runs = []
+    for run in ("first", "second"):
+        seen = {}  # a worker's shard (its records) -> the labels it read, in order
+        for name in os.listdir(tmp_path / run / "seen"):
+            lines = (tmp_path / run / "seen" / name).read_text().split()
+            labels = np.array(lines, dtype=int)
+            seen[frozenset(labels.tolist())] = labels
+        assert len(seen) == 2 and sorted(r for shard in seen for r in shard) == list(range(160)), seen.keys()
+        runs.append(seen)
+    assert set(runs[0]) == set(runs[1])  # each worker the same shard in both runs
+    for shard, labels in runs[0].items():
+        size = len(shard)
+        epochs = labels[:len(labels) // size * size].reshape(-1, size)
+        assert len(epochs) >= 2, (size, len(labels))
+        assert_shuffled_epochs(epochs, shard)
+        again = runs[1][shard]
+        common = min(len(labels), len(again))
+        assert (again[:common] == labels[:common]).all()  # the same seed, the same orders
