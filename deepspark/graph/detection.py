@@ -193,11 +193,11 @@ def multibox_check(lp):
     return param.num_classes, 1 if param.share_location else param.num_classes
 
 
-@layer_type("MultiBoxLoss", loss=True, bottoms=4, no_backward=(2, 3), unforced=(2, 3))
+@layer_type("MultiBoxLoss", loss=True, bottoms=4, no_backward=(2, 3), unforced=(1,))  # LossLayer's rule
 def _multibox_loss(lp, bottoms, ctx):
     """Locations (N x priors * loc classes * 4), confidences (N x priors * classes), the priors
     (1 x 2 x priors * 4) and the ground truth (1 x 1 x G x 8 rows [item, label, instance, xmin, ymin, xmax,
-    ymax, difficult]) into one loss. Only the locations and confidences take a diff (Caffe aborts on the
+    ymax, difficult]; as Caffe's, the first G rows of any N x C x G x 8 blob) into one loss. Only the locations and confidences take a diff (Caffe aborts on the
     others')."""
     if len(bottoms) != 4 or len(lp.top) != 1:
         raise ShapeError(f"MultiBoxLoss takes 4 bottoms and makes 1 top, got {len(bottoms)} and {len(lp.top)}")
@@ -214,6 +214,7 @@ def _multibox_loss(lp, bottoms, ctx):
                          f"confidences need {num_priors * classes} channels, got {fmt(conf)}")
     if count(priors) < 2 * num_priors * 4:
         raise ShapeError(f"MultiBoxLoss's priors {fmt(priors)} hold no variances")
-    if legacy(truth, 3) != 8 or legacy(truth, 0) * legacy(truth, 1) != 1:
-        raise ShapeError(f"MultiBoxLoss's ground truth must be 1 x 1 x G x 8 rows, got {fmt(truth)}")
+    if legacy(truth, 3) != 8:
+        raise ShapeError(f"MultiBoxLoss reads its ground truth as rows of 8 values (N x C x G x 8, the first G "
+                         f"rows read), got {fmt(truth)}")
     return [()], []

@@ -657,9 +657,10 @@ def multibox_loss(layer, bottoms, params, ctx):
     param = layer.param.multibox_loss_param
     loc, conf, prior, truth = (b.caffe for b in bottoms)
     softmax = param.conf_loss_type == MB.SOFTMAX
+    rows_read = legacy(layer.bottom_shapes[3], 2) * 8  # Caffe's num_gt: the blob's height, from its start
     plan = tf.numpy_function(lambda *arrays: multibox_plan(*arrays, param),
                              [tf.stop_gradient(loc), tf.stop_gradient(conf), tf.stop_gradient(prior),
-                              tf.stop_gradient(truth)],
+                              tf.stop_gradient(tf.reshape(truth, (-1,))[:rows_read])],
                              [tf.int64, tf.bool, tf.float32, tf.float32, tf.int64,
                               tf.int32 if softmax else tf.float32, tf.float32], stateful=False,
                              name=f"{layer.name}_match")
