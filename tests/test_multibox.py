@@ -10,13 +10,15 @@ weights pycaffe sets from a RandomState: every weight's diff, and 3 SGD steps, a
 rule's refusals need no pycaffe.
 """
 
+import io
 import os
 
+import h5py
 import numpy as np
 import pytest
 
 from conftest import ROOT
-from deepspark import graph
+from deepspark import compare, graph
 from deepspark.backends import create_model
 from deepspark.backends.caffe import runtime
 from deepspark.config import parse_net
@@ -239,3 +241,29 @@ def test_three_sgd_steps_of_a_tiny_ssd_net_are_pycaffes(tiny):
     assert want[2] < want[0]  # it learns
     for a, b in zip(ours, caffe):
         close(a, b, "weights after 3 steps")
+
+
+@pytest.mark.caffe
+def test_compare_solver_on_a_tiny_ssd_net_agrees_with_pycaffe(pycaffe, tmp_path):
+    """`deepspark compare --solver` on the tiny net fed by an HDF5Data layer (Caffe reads the first G rows of
+    its N x 1 x G x 8 label: item 0's holds the batch's boxes, item 1's none): 3 steps within its tolerances."""
+    text = open(TINY).read()
+    start = text.index('layer { name: "data" type: "Input"')
+    end = text.index("\n", text.index("input_param", start)) + 1
+    text = (text[:start] + f'layer {{ name: "data" type: "HDF5Data" top: "data" top: "label" hdf5_data_param {{ '
+            f'source: "{tmp_path}/list.txt" batch_size: 2 }} }}\n' + text[end:])
+    (tmp_path / "net.prototxt").write_text(text)
+    label = np.full((2, 1, len(TRUTH), 8), -1, np.float32)
+    label[0, 0] = TRUTH
+    with h5py.File(tmp_path / "ssd.h5", "w") as stream:
+        stream["data"] = np.random.RandomState(11).uniform(-1, 1, (2, 3, 24, 24)).astype(np.float32)
+        stream["label"] = label
+    (tmp_path / "list.txt").write_text(f"{tmp_path}/ssd.h5\n")
+    (tmp_path / "solver.prototxt").write_text(f'net: "{tmp_path}/net.prototxt"\nbase_lr: 0.05\nmomentum: 0.9\n'
+                                              'weight_decay: 0.0005\nlr_policy: "fixed"\nmax_iter: 3\n')
+    out = io.StringIO()
+    result = compare.run(str(tmp_path / "net.prototxt"), solver_path=str(tmp_path / "solver.prototxt"), out=out,
+                         iterations=3)
+    assert result["ok"], out.getvalue()
+    losses = result["training"]["losses"]
+    assert losses["caffe"][2] < losses["caffe"][0] and result["training"]["worst_absolute"] < 1e-4
