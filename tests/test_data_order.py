@@ -2,8 +2,9 @@
 DataFrame-fed shard sees every record once, in a new order each epoch that the same seed repeats, where the job
 shuffles (Spark's default); a single run's default is Caffe's, the source's order."""
 
-import json
+import io
 import os
+import re
 import subprocess
 import sys
 
@@ -40,15 +41,21 @@ def solver_at(folder, train, **knobs):
 
 
 def epochs_seen(solver, count, spark, shard=1, num_shards=2, log=None):
-    """The labels of `count` epochs of the train feeder of worker `shard` (seeded as that worker), one array each."""
-    trainer = nets.trainer(solver, log or Log(progress=False), shard=shard, num_shards=num_shards, evaluate=False,
-                           spark=spark)
+    """The labels of `count` epochs of the train feeder of worker `shard` (seeded as that worker), one array each;
+    its trainer's log goes to the file `log` if given."""
+    log = Log(str(log), stream=io.StringIO(), progress=False) if log else Log(progress=False)
+    trainer = nets.trainer(solver, log, shard=shard, num_shards=num_shards, evaluate=False, spark=spark)
     try:
         (feeder,) = trainer.feeders
         seen = np.concatenate([feeder.next_batch()["label"] for _ in range(count * feeder.size // 10)])
         return seen.astype(int).reshape(count, feeder.size)
     finally:
         trainer.close()
+        log.close()
+
+
+def order_lines(log):
+    return re.findall(r"Data order: .*", log.read_text())
 
 
 def assert_shuffled_epochs(epochs, records):
@@ -63,12 +70,10 @@ def assert_shuffled_epochs(epochs, records):
 @pytest.mark.parametrize("kind", ["lmdb", "parquet"])
 def test_a_spark_workers_shard_is_shuffled_every_epoch_and_the_seed_repeats_it(tmp_path, kind):
     train = numbered(tmp_path / ("train_lmdb" if kind == "lmdb" else "train.parquet"))
-    lines = []
-    log = Log(progress=False)
-    log.info = lines.append
+    log = tmp_path / "train.log"
     epochs = epochs_seen(solver_at(tmp_path, train), 3, spark=True, log=log)
     assert_shuffled_epochs(epochs, range(30, 60))  # shard 1 of 2: the second half
-    assert lines == ["Data order: shuffled per epoch (seed 4), blocks of 4 MB of records through a 64 MB shuffle "
+    assert order_lines(log) == ["Data order: shuffled per epoch (seed 4), blocks of 4 MB of records through a 64 MB shuffle "
                      "buffer; 'data' 65536 records a block, 1048576 a buffer"]  # random_seed 3, worker 1
     assert (epochs_seen(solver_at(tmp_path, train), 3, spark=True) == epochs).all()
     # asked for, a single run shuffles too (seeded as worker 1 here); another seed, another order
@@ -81,12 +86,10 @@ def test_a_spark_workers_shard_is_shuffled_every_epoch_and_the_seed_repeats_it(t
 
 def test_a_single_runs_default_order_is_caffes_and_source_is_asked_on_spark(tmp_path):
     train = numbered(tmp_path / "train_lmdb")
-    lines = []
-    log = Log(progress=False)
-    log.info = lines.append
+    log = tmp_path / "train.log"
     in_order = np.tile(np.arange(30, 60), (2, 1))
     assert (epochs_seen(solver_at(tmp_path, train), 2, spark=False, log=log) == in_order).all()
-    assert lines == ["Data order: as the source (Caffe's)"]
+    assert order_lines(log) == ["Data order: as the source (Caffe's)"]
     assert (epochs_seen(solver_at(tmp_path, train, data_order="source"), 2, spark=True) == in_order).all()
 
 
@@ -160,6 +163,7 @@ def test_a_dataframe_fed_shard_is_shuffled_every_epoch_on_the_executors(tmp_path
     done = subprocess.run([sys.executable, "-c", DATAFRAME_RUNS, *solvers], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["24", "24"]
     assert "Data order: shuffled per epoch (seed 5 + the worker's rank)" in done.stderr
     runs = []
     for run in ("first", "second"):
