@@ -82,8 +82,9 @@ def order_line(shuffle, seed, feeders=()):
         if not hasattr(feeder, "blocks"):  # HDF5Data, ImageData: Caffe's shuffle param
             layers.append(f"'{feeder.name}' {'shuffled' if feeder.shuffle else 'in order'} by its own shuffle")
         elif feeder.shuffle == BLOCKS:
-            block, window = feeder.blocks
-            layers.append(f"'{feeder.name}' {block} records a block, {block * window} a buffer")
+            block, window = feeder.blocks  # a shard smaller than either is one block, shuffled whole
+            layers.append(f"'{feeder.name}' {min(block, feeder.size)} records a block, "
+                          f"{min(block * window, feeder.size)} a buffer, of {feeder.size}")
     return line + (f"; {', '.join(layers)}" if layers else "")
 
 

@@ -74,7 +74,7 @@ def test_a_spark_workers_shard_is_shuffled_every_epoch_and_the_seed_repeats_it(t
     epochs = epochs_seen(solver_at(tmp_path, train), 3, spark=True, log=log)
     assert_shuffled_epochs(epochs, range(30, 60))  # shard 1 of 2: the second half
     assert order_lines(log) == ["Data order: shuffled per epoch (seed 4), blocks of 4 MB of records through a 64 MB shuffle "
-                     "buffer; 'data' 65536 records a block, 1048576 a buffer"]  # random_seed 3, worker 1
+                     "buffer; 'data' 30 records a block, 30 a buffer, of 30"]  # random_seed 3, worker 1
     assert (epochs_seen(solver_at(tmp_path, train), 3, spark=True) == epochs).all()
     # asked for, a single run shuffles too (seeded as worker 1 here); another seed, another order
     again = epochs_seen(solver_at(tmp_path, train, data_order="shuffled"), 3, spark=False)
