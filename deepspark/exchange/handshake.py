@@ -12,14 +12,17 @@ def refused(conn, h):
     return P.RefusedError(h.flags, P.decode_error(conn.read_small(h.length)))
 
 
-def authenticate(conn, secret, fingerprint, shapes, codec="float32"):
+def authenticate(conn, secret, fingerprint, shapes, codec="float32", on_hello=None):
     """The server's side up to WELCOME: the peer proves it holds `secret`, speaks `codec` and was built with the
-    model of `fingerprint` (blob `shapes`), else Refusal; (its worker id, the session keys (c2s, s2c))."""
+    model of `fingerprint` (blob `shapes`), else Refusal; (its worker id, the session keys (c2s, s2c)).
+    on_hello() runs once a whole HELLO is in (the server's admission ranks such a peer above one still sending it)."""
     h = conn.read_header(None)
     if h.type != P.HELLO:
         raise P.ProtocolError(f"expected HELLO, got {P.TYPE_NAMES[h.type]}")
     wid = h.worker_id
     client_nonce = bytes(conn.read_small(h.length))
+    if on_hello is not None:
+        on_hello()
     server_nonce = P.new_nonce()
     proof = P.server_proof(secret, client_nonce, server_nonce, wid)
     send_frame(conn.sock, P.encode_header(P.CHALLENGE, wid, length=len(server_nonce) + len(proof)),

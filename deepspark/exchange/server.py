@@ -13,9 +13,16 @@ from deepspark.exchange import handshake
 from deepspark.exchange import protocol as P
 from deepspark.exchange.history import HistoryHandler
 from deepspark.exchange.options import ExchangeOptions
-from deepspark.exchange.transport import Connection, PeerClosed, tune
+from deepspark.exchange.transport import Connection, Deadline, PeerClosed, tune
 
 log = logging.getLogger("deepspark.exchange.server")
+
+# A handshake is two round trips and two HMACs, milliseconds on any network; the rest is slack for a loaded
+# executor. A peer that paces its bytes (a byte every few seconds) is cut off here, not at each read's timeout.
+HANDSHAKE_SECONDS = 10.0
+# Connections from one address in their handshake at once: local[N]'s workers all join from one address at the
+# job's start, and a few more than that absorb a rejoin beside them; a flood from one address churns within these.
+PER_ADDRESS = 16
 
 
 class ExchangeServer:
@@ -35,10 +42,14 @@ class ExchangeServer:
     resume_iteration  the iteration a worker id never seen before starts from (a resumed job's);
                   a rejoining worker is told its own last reported iteration instead, unless
                   the handler says otherwise
-    handshake_timeout  seconds a new connection has to complete the handshake
-    max_handshakes  connections in their handshake at once; one more is closed as it is accepted,
-                  unanswered (and noted in `refused`), so that strangers that connect and stay silent
-                  hold at most this many threads, each for handshake_timeout
+    handshake_timeout  seconds a new connection has for its whole handshake (a deadline, however its bytes
+                  are paced), refused with E_TIMEOUT past it
+    max_handshakes  connections from strangers' addresses (none a worker has authenticated from) in their
+                  handshake at once; per_address  connections from one address in their handshake at once.
+                  One more closes, unanswered (and noted in `refused`), the connection it would exceed a limit
+                  with that has made least progress (no whole HELLO yet before a HELLO), oldest first (Gate):
+                  the newcomer always gets in, so that no number of slow or garbage connections keeps a worker
+                  out, and a worker's address keeps per_address slots of its own that strangers cannot take
     history_sets  the workers' solver history is this many model-sized vectors (Caffe's SolverState
                   history: 1 for SGD, 2 for Adam); 0 keeps none. The server then holds one history
                   per worker (history.HistoryHandler) for the driver's snapshots, and hands it back
@@ -47,8 +58,8 @@ class ExchangeServer:
     """
 
     def __init__(self, center, secret, handler, host="127.0.0.1", port=0, *, options=None, shapes=None,
-                 resume_iteration=0, handshake_timeout=10.0, max_handshakes=64, history_sets=0, histories=None,
-                 **changes):
+                 resume_iteration=0, handshake_timeout=HANDSHAKE_SECONDS, max_handshakes=64, per_address=PER_ADDRESS,
+                 history_sets=0, histories=None, **changes):
         center = np.asarray(center)
         if not np.issubdtype(center.dtype, np.floating) or center.size == 0:
             raise ValueError("center must be a non-empty float array")
@@ -64,8 +75,8 @@ class ExchangeServer:
         self.options = options = (options or ExchangeOptions.of()).but(**changes)
         self.idle_timeout = options.timeout
         self.handshake_timeout = handshake_timeout
-        self.max_handshakes = int(max_handshakes)
-        self._handshaking = 0  # connections accepted and not yet through their handshake (under _books)
+        self.gate = Gate(int(max_handshakes), int(per_address))
+        self._flooded = -math.inf  # when a connection in its handshake was last closed to make way
         self.integrity = options.integrity  # tag every frame after the handshake (transport.Connection.seal)
         self.codec = options.codec
         self.history = HistoryHandler(int(history_sets) * self._center.size, histories)
@@ -196,7 +207,6 @@ class ExchangeServer:
     # ---- connections --------------------------------------------------------
 
     def _accept_loop(self):
-        turning_away = False  # the last connection was closed unanswered (max_handshakes were in progress)
         while not self._stopping.is_set():
             try:
                 sock, peer = self._listener.accept()
@@ -204,30 +214,24 @@ class ExchangeServer:
                 continue
             except OSError:
                 break
-            with self._books:
-                full = self._handshaking >= self.max_handshakes
-                if not full:
-                    self._handshaking += 1
-                    t = threading.Thread(target=self._serve, args=(sock, peer),
-                                         name=f"exchange-{peer[0]}:{peer[1]}", daemon=True)
-                    self._conns.add((sock, t))
-            if full:
-                reason = f"{self.max_handshakes} connections were in their handshake: closed unanswered"
-                if not turning_away:  # once while full, not once a connection: a flood would flood the log
-                    log.warning(f"refused {peer[0]}:{peer[1]} and any more until a handshake ends: {reason}")
-                self._note_refused(f"{peer[0]}:{peer[1]}", reason)  # noted before the peer sees the close
-                sock.close()
-            else:
-                tune(sock)
-                t.start()
-            turning_away = full
+            self._admit(sock, peer)
 
-    def _serve(self, sock, peer):
-        Session(self, Connection(sock, f"{peer[0]}:{peer[1]}")).run()
-
-    def _handshake_over(self):
+    def _admit(self, sock, peer):
+        """Serve a new connection in a thread of its own, past the Gate (a function of its own, so that nothing
+        here keeps its buffers alive once it has ended)."""
+        tune(sock)
+        session = Session(self, Connection(sock, f"{peer[0]}:{peer[1]}"), peer[0])
+        t = threading.Thread(target=session.run, name=f"exchange-{peer[0]}:{peer[1]}", daemon=True)
         with self._books:
-            self._handshaking -= 1
+            self._conns.add((sock, t))
+        for old in self.gate.admit(session):
+            reason = f"made way for a newer connection ({self.gate.describe(session.address)})"
+            if time.monotonic() - self._flooded > 60:  # one warning per quiet spell, not one per connection
+                log.warning(f"closed {old.conn.peer} in its handshake, and may close more: {reason}")
+            self._flooded = time.monotonic()
+            self._note_refused(old.conn.peer, reason)  # noted before the peer sees the close
+            old.close_unanswered()
+        t.start()
 
     def _note_refused(self, peer, reason):
         with self._books:
@@ -245,36 +249,42 @@ class Session:
     frames until it leaves (its handler's, the history's, PULL, REPORT, BYE, ERROR); a refusal gets its
     ERROR frame before the close."""
 
-    def __init__(self, server, conn):
-        self.server, self.conn = server, conn
+    def __init__(self, server, conn, address=None):
+        self.server, self.conn, self.address = server, conn, address
+        self.hello = False    # a whole HELLO came (Gate ranks it above one still coming)
+        self.evicted = False  # closed by the Gate to make way (under its lock)
+
+    def close_unanswered(self):
+        """End the handshake from another thread (the Gate's eviction): the session's read returns at once."""
+        try:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def run(self):
         server, conn = self.server, self.conn
-        sock = conn.sock
+        sock = self.sock = conn.sock
         entry = (sock, threading.current_thread())
-        handshaking = True
         try:
-            sock.settimeout(server.handshake_timeout)
+            conn.sock = Deadline(sock, server.handshake_timeout)
             self.handshake()
-            server._handshake_over()
-            handshaking = False
+            conn.sock = sock
             sock.settimeout(server.idle_timeout)
             conn.allocate(server.size, server.handler.scratch, server.codec)
             self.loop()
         except (P.Refusal, P.ProtocolError) as e:
             self.refuse(e.code, str(e))
         except socket.timeout:
-            wid = conn.worker_id
-            phase = "handshake" if wid is None else "exchange"
-            limit = server.handshake_timeout if wid is None else server.idle_timeout
-            self.refuse(P.E_TIMEOUT, f"silent for more than {limit:g}s during the {phase}")
+            if conn.worker_id is None:
+                self.refuse(P.E_TIMEOUT, f"handshake not done within {server.handshake_timeout:g}s (silent or slow)")
+            else:
+                self.refuse(P.E_TIMEOUT, f"silent for more than {server.idle_timeout:g}s during the exchange")
         except (PeerClosed, OSError) as e:
-            if not server._stopping.is_set():
+            if not server._stopping.is_set() and not self.evicted:
                 log.info(f"worker {conn.worker_id} ({conn.peer}) disconnected: {e}")
         finally:
             sock.close()
-            if handshaking:
-                server._handshake_over()
+            server.gate.done(self)
             wid = conn.worker_id
             with server._books:
                 server._conns.discard(entry)
@@ -291,6 +301,7 @@ class Session:
         who = f"worker {wid} ({conn.peer})" if wid is not None else conn.peer
         log.warning(f"refused {who}: {P.ERROR_NAMES[code]}: {reason}")
         self.server._note_refused(conn.peer, reason)
+        conn.sock = self.sock  # past the handshake's deadline too: the ERROR has its own second
         try:
             conn.sock.settimeout(1.0)
             conn.send_frame_bytes(P.encode_error(code, reason, wid or 0))
@@ -302,9 +313,11 @@ class Session:
         opened; sets and returns conn.worker_id."""
         server, conn = self.server, self.conn
         wid, keys = handshake.authenticate(conn, server._secret, server._fingerprint, server._shapes,
-                                           server.codec.name)
+                                           server.codec.name, on_hello=self.said_hello)
         # Asked before the books are taken: a handler may hold its own lock and then the books.
         iteration = server.handler.start_iteration(wid)
+        if not server.gate.done(self, authenticated=True):  # closed to make way just now: no WELCOME
+            raise PeerClosed("closed to make way for a newer connection")
         with server._books:
             prev = server._workers.get(wid)
             if iteration is None:
@@ -316,6 +329,9 @@ class Session:
         conn.worker_id = wid
         conn.history_bytes = 4 * server.history.floats
         return wid
+
+    def said_hello(self):
+        self.hello = True
 
     @staticmethod
     def note(me, h):
@@ -378,3 +394,50 @@ def joined(prev, iteration, peer):
         "history_iteration": prev["history_iteration"] if prev else None,  # of the last it sent
         "restored_history": None,  # the iteration of the history handed to this connection
     }
+
+
+class Gate:
+    """Who may be in a handshake: the connections from each address, and those from strangers' addresses (none a
+    worker has authenticated from) together, each up to a limit. A newcomer always gets in; the connection that
+    makes way is, of those the newcomer would exceed a limit with, the one with least progress (no whole HELLO
+    before a HELLO), oldest first. A worker's rejoin takes milliseconds and so is never the oldest, and its address's
+    slots are its own: a flood from elsewhere cannot touch them, one from beside it churns within them."""
+
+    def __init__(self, strangers, per_address):
+        self.strangers, self.per_address = strangers, per_address
+        self.known = set()  # addresses a worker has authenticated from
+        self._open = {}     # id(session): session, in their handshake, oldest first
+        self._lock = threading.Lock()
+
+    def admit(self, session):
+        """Let `session` in; the sessions that make way for it (evicted: theirs to close)."""
+        with self._lock:
+            mine = [s for s in self._open.values() if s.address == session.address]
+            strangers = [s for s in self._open.values() if s.address not in self.known]
+            if len(mine) >= self.per_address:
+                crowd = mine
+            elif session.address not in self.known and len(strangers) >= self.strangers:
+                crowd = strangers
+            else:
+                crowd = []
+            out = [min(crowd, key=lambda s: s.hello)] if crowd else []  # min: the first, oldest, of the least
+            for s in out:
+                s.evicted = True
+                del self._open[id(s)]
+            self._open[id(session)] = session
+            return out
+
+    def done(self, session, authenticated=False):
+        """`session`'s handshake is over (its address now a worker's when `authenticated`); False if it was
+        evicted first."""
+        with self._lock:
+            self._open.pop(id(session), None)
+            if authenticated and not session.evicted:
+                self.known.add(session.address)
+            return not session.evicted
+
+    def describe(self, address):
+        """The limit a newcomer from `address` met, for the log."""
+        if address in self.known:
+            return f"{self.per_address} from {address}, a worker's address"
+        return f"{self.strangers} from strangers' addresses or {self.per_address} from {address}"

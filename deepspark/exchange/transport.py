@@ -3,6 +3,7 @@
 import math
 import mmap
 import socket
+import time
 import weakref
 
 import numpy as np
@@ -130,6 +131,36 @@ def send_frame(sock, header, payload=None, tag=b""):
             continue
         sock.sendall(part[sent:])
         sent = 0
+
+
+class Deadline:
+    """A socket whose every read and write ends by one deadline, however the peer paces its bytes: a handshake's.
+    A socket's own timeout restarts at each read, so a peer that sends a byte every few seconds would hold a
+    handshake open without end; here each read waits at most what is left (socket.timeout once it is spent)."""
+
+    def __init__(self, sock, seconds):
+        self.sock, self.deadline = sock, time.monotonic() + seconds
+
+    def _arm(self):
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("the deadline has passed")
+        self.sock.settimeout(left)
+
+    def recv_into(self, view):
+        self._arm()
+        return self.sock.recv_into(view)
+
+    def sendmsg(self, parts):
+        self._arm()
+        return self.sock.sendmsg(parts)
+
+    def sendall(self, data):
+        self._arm()
+        return self.sock.sendall(data)
+
+    def __getattr__(self, name):  # settimeout, close, shutdown, ...: the socket's own
+        return getattr(self.sock, name)
 
 
 class Connection:
