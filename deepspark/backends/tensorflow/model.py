@@ -57,6 +57,7 @@ class Model(base.Model):
         self._get_flat_fn = traced(self._flat, input_signature=[])
         self._set_flat_fn = traced(self._assign_flat, input_signature=[flat])
         self._shaped = {}  # the input shapes -> their graph, carried state and passes (see _compile)
+        self._calls = {}  # a forward tf.function -> its concrete function, once traced (see forward)
         self._compile()
 
     def _compile(self):
@@ -73,10 +74,8 @@ class Model(base.Model):
                 step=traced(self._step, input_signature=[feed, scalar, scalar], **options),
                 accumulate=traced(self._accumulate, input_signature=[feed], **options),
                 forward=traced(self._forward, input_signature=[feed], **options),
-                gradients=traced(self._gradients, input_signature=[feed], **options),
-                forward_call=None)  # forward's concrete function, once traced (see forward)
+                gradients=traced(self._gradients, input_signature=[feed], **options))
         shaped = self._shaped[key]
-        self._current = shaped
         self.graph, self._state = shaped.graph, shaped.state
         self._step_fn, self._accumulate_fn = shaped.step, shaped.accumulate
         self._forward_fn, self._gradients_fn = shaped.forward, shaped.gradients
@@ -202,13 +201,11 @@ class Model(base.Model):
         return None if outputs is None else {name: value.numpy() for name, value in outputs.items()}
 
     def forward(self, batch):
-        # Its concrete function, fed tensors: a tf.function's call matches and converts its arguments anew each
-        # time, more than half of a small net's forward at batch 1 (bench/tf_speed.py).
-        shaped = self._current
-        if shaped.forward_call is None:
-            shaped.forward_call = shaped.forward.get_concrete_function()
+        # Its concrete function fed tensors: a tf.function's call re-binds its arguments each time (bench/tf_speed.py).
+        if self._forward_fn not in self._calls:
+            self._calls[self._forward_fn] = self._forward_fn.get_concrete_function()
         inputs = {top: tf.constant(array) for top, array in self.feed(batch).items()}
-        return {name: value.numpy() for name, value in shaped.forward_call(inputs).items()}
+        return {name: value.numpy() for name, value in self._calls[self._forward_fn](inputs).items()}
 
     def gradients(self, batch):
         loss, grads = self._gradients_fn(self.feed(batch))
