@@ -33,7 +33,8 @@ import deepspark  # noqa: E402
 from deepspark.backends.caffe import runtime  # noqa: E402
 from deepspark.config import parse_net  # noqa: E402
 
-MTCNN = {name: os.path.join(ROOT, "tests", "data", "zoo", f"mtcnn_{name}.prototxt") for name in ("det1", "det2", "det3")}
+MTCNN = {name: os.path.join(ROOT, "tests", "data", "zoo", f"mtcnn_{name}.prototxt")
+         for name in ("det1", "det2", "det3")}
 # P-Net at its prototxt's 12x12 and at the first scale of MTCNN's pyramid for a 640x480 image (min face 20: 0.6)
 CASES = [("det1", None), ("det1", (1, 3, 288, 384)), ("det2", None), ("det3", None)]
 CHANNELS, SIZE = 728, 19  # Xception's middle flow
@@ -142,8 +143,8 @@ def bench_mtcnn(name, shape, rounds, seconds, threads, emit):
         emit({**case, "impl": impl, "threads": threads, "images_per_s": round(statistics.median(values), 1)})
     for impl in ("deepspark_tf", "deepspark_caffe"):
         ratios = [mine / base for mine, base in zip(rates[impl], rates["pycaffe"])]
-        emit({**case, "impl": impl, "outputs_agree": bool(agree), "ratio_vs_pycaffe": round(statistics.median(ratios), 3),
-              "target": 0.5})
+        emit({**case, "impl": impl, "outputs_agree": bool(agree),
+              "ratio_vs_pycaffe": round(statistics.median(ratios), 3), "target": 0.5})
     ours.close()
     theirs.close()
 
