@@ -29,12 +29,17 @@ def executor_report(sc, listing=False):
         return None if listing else f"Spark's executor list is unavailable ({error})"
 
 
-_EXCEPTION_LINE = re.compile(r"^\s*([\w.]+(?:Error|Exception)): (.+)$")
+# Py4J puts the Java exception on a line of its own after ": " (": org.apache.spark.SparkException: Job aborted ...").
+_EXCEPTION_LINE = re.compile(r"^\s*(?::\s*)?([\w.]+(?:Error|Exception)): (.+)$")
+# Spark's abort names the task, its failures and the last one's cause, which is what a user needs of it.
+_STAGE_FAILURE = re.compile(r"Job aborted due to stage failure: (Task \S+ in stage \S+ failed \d+ times?), most recent "
+                            r"failure: Lost task [^:]*: (?:[\w.]+(?:Error|Exception): )?(.+?)(?:\. |\.?$)")
 
 
 def first_line(error):
     """The one line that says why a Spark job failed: our own error's message if a worker raised one,
-    else the first Python exception, else the first exception named anywhere in Spark's report."""
+    else the first Python exception, else the first exception named anywhere in Spark's report (a stage's
+    abort as its task, failures and the last failure's cause)."""
     text = str(error).strip()
     found = [m.groups() for m in map(_EXCEPTION_LINE.match, text.splitlines()) if m]
     ours = [message for name, message in found if name.startswith("deepspark.")]
@@ -43,6 +48,9 @@ def first_line(error):
     python = [(name, message) for name, message in found if not name.startswith(("org.", "java.", "py4j.", "scala."))]
     if python or found:
         name, message = (python or found)[0]
+        aborted = _STAGE_FAILURE.search(message)
+        if aborted:
+            return f"{aborted.group(1)}, the last: {aborted.group(2)}"
         return f"{name.rsplit('.', 1)[-1]}: {message.strip()}"
     return text.splitlines()[0] if text else type(error).__name__
 
