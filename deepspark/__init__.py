@@ -7,7 +7,8 @@ __version__ = "0.1.0"
 
 # The Python API's classes, each imported from its module when first asked for (`from deepspark import Net`),
 # so that `import deepspark` stays light: TensorFlow or pycaffe load only when a net is built.
-LAZY = {"Net": "deepspark.net", "Classifier": "deepspark.classifier"}
+LAZY = {"Net": "deepspark.net", "Classifier": "deepspark.classifier", "Detector": "deepspark.detect",
+        "detections": "deepspark.detect"}
 
 # TensorFlow prints its C++ start-up notices (oneDNN, CPU features, absl) unless told before it loads, and
 # more than our backend load it (tensorboard's writer does); every DeepSpark process, driver or worker,

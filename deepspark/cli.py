@@ -14,7 +14,7 @@ import sys
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from deepspark import compare, config, export, nets, plan
+from deepspark import compare, config, detect, export, nets, plan
 from deepspark.backends import BACKENDS
 from deepspark.data import convert
 from deepspark.errors import DeepSparkError
@@ -173,6 +173,33 @@ def cmd_extract_features(args):
     return 0
 
 
+def cmd_detect(args):
+    detector = detect.Detector(args.model, args.weights, mean=args.mean, input_scale=args.input_scale,
+                               raw_scale=args.raw_scale, channel_swap=args.channel_swap, backend=args.backend)
+    try:
+        images = [detect.read_image(path) for path in args.images]
+        for path, found in zip(args.images, detector.detect(images)):
+            for box, score, label in zip(*found):
+                if score >= args.threshold:
+                    print("\t".join([path, str(label), f"{score:.6f}"] + [f"{v:.2f}" for v in box]))
+    finally:
+        detector.close()
+    return 0
+
+
+def numbers(text):
+    """Comma-separated numbers, as a list of floats."""
+    try:
+        return [float(item) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def mean_values(text):
+    """A mean: comma-separated per-channel values, or the path of a .binaryproto."""
+    return text if os.path.splitext(text)[1] == ".binaryproto" else numbers(text)
+
+
 def split_list(text):
     return [item.strip() for item in text.split(",") if item.strip()]
 
@@ -303,7 +330,7 @@ def parser():
         prog="deepspark", description="Train Caffe-defined networks on Spark with asynchronous EASGD.")
     verbs = top.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
-    for add in (add_training_verbs, add_net_verbs, upgrade_verbs, add_data_verbs):
+    for add in (add_training_verbs, add_net_verbs, add_detect_verb, upgrade_verbs, add_data_verbs):
         add(verbs)
     return top
 
@@ -392,6 +419,27 @@ def add_net_verbs(verbs):
                                                            "(repeat it for several)")
     describe.set_defaults(run=cmd_describe)
 
+
+
+def add_detect_verb(verbs):
+    """detect: an SSD deploy net's boxes in images, one line each."""
+    found = verbs.add_parser("detect", help="boxes an SSD deploy net (a DetectionOutput layer) finds in images: one "
+                                            "tab-separated line per box, image, class, score, xmin, ymin, xmax, ymax "
+                                            "(pixels)")
+    found.add_argument("images", nargs="+", help="image files (each resized to the net's input)")
+    found.add_argument("--model", required=True, help="deploy .prototxt (or model folder)")
+    found.add_argument("--weights", required=True, help="trained .caffemodel")
+    # Flags of this verb alone for now, as SSD's ssd_detect.py sets its Transformer; they belong in the schema.
+    found.add_argument("--mean", type=mean_values, help="mean to subtract: per-channel values in the net's "
+                                                        "channel order (104,117,123) or a .binaryproto")
+    found.add_argument("--input-scale", type=float, help="scale after the mean (MobileNet-SSD: 0.007843)")
+    found.add_argument("--raw-scale", type=float, default=255.0, help="scale of the [0, 1] image before the mean "
+                                                                     "(default 255)")
+    found.add_argument("--channel-swap", type=lambda text: [int(v) for v in numbers(text)], default=[2, 1, 0],
+                       help="channel order fed to the net (default 2,1,0: RGB images to Caffe's BGR)")
+    found.add_argument("--threshold", type=float, default=0.0, help="print boxes scoring at least this (default 0)")
+    found.add_argument("--backend", choices=CHOICES["backend"], default=DEFAULT_BACKEND)
+    found.set_defaults(run=cmd_detect)
 
 
 def add_data_verbs(verbs):

@@ -57,7 +57,8 @@ def loss_net(body="num_classes: 3", extra="", loc=2 * NUM_PRIORS * 4, truth=(1, 
     shapes = " ".join("shape { " + " ".join(f"dim: {d}" for d in shape) + " }" for shape in fed.values())
     return (f'layer {{ name: "in" type: "Input" {tops} input_param {{ {shapes} }} }}\n'
             + L("priors", "PriorBox", ["feat", "data"], PRIORS)
-            + L("loss", "MultiBoxLoss", ["loc", "conf", "priors", "label"], f"multibox_loss_param {{ {body} }} {extra}"))
+            + L("loss", "MultiBoxLoss", ["loc", "conf", "priors", "label"],
+                f"multibox_loss_param {{ {body} }} {extra}"))
 
 
 def refusal(text):

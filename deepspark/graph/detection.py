@@ -197,8 +197,8 @@ def multibox_check(lp):
 def _multibox_loss(lp, bottoms, ctx):
     """Locations (N x priors * loc classes * 4), confidences (N x priors * classes), the priors
     (1 x 2 x priors * 4) and the ground truth (1 x 1 x G x 8 rows [item, label, instance, xmin, ymin, xmax,
-    ymax, difficult]; as Caffe's, the first G rows of any N x C x G x 8 blob) into one loss. Only the locations and confidences take a diff (Caffe aborts on the
-    others')."""
+    ymax, difficult]; as Caffe's, the first G rows of any N x C x G x 8 blob) into one loss. Only the
+    locations and confidences take a diff (Caffe aborts on the others')."""
     if len(bottoms) != 4 or len(lp.top) != 1:
         raise ShapeError(f"MultiBoxLoss takes 4 bottoms and makes 1 top, got {len(bottoms)} and {len(lp.top)}")
     classes, loc_classes = multibox_check(lp)
