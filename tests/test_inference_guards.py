@@ -276,3 +276,33 @@ def test_openpose_placeholder_inputs_load_and_are_checked_at_forward(tmp_path, b
     with pytest.raises(ValueError) as raised:
         net.forward(image=np.zeros((1, 3, 1, 1), np.float32))
     assert "\n" not in str(raised.value) and "pool1_stage1" in str(raised.value), raised.value
+
+
+FASHION_TEST = os.path.join(ROOT, "data", "fashion_mnist_test_lmdb")
+
+
+@pytest.mark.caffe
+@pytest.mark.skipif(not os.path.exists(FASHION_TEST), reason="needs `make data` (Fashion-MNIST's test LMDB)")
+def test_net_reads_a_data_layers_lmdb_as_pycaffe(monkeypatch):
+    """LeNet's train_val TEST phase reads Fashion-MNIST's LMDB: Net takes its shape from it and feeds the same
+    batches (scaled by transform_param) as pycaffe's Data layer, forward after forward, on both backends.
+    (One pycaffe net only: two on one LMDB hang pycaffe itself.)"""
+    import caffe
+    import deepspark
+
+    monkeypatch.chdir(ROOT)  # the prototxt's source is relative, read from the current folder as Caffe does
+    prototxt = os.path.join("models", "lenet", "train_val.prototxt")
+    theirs = caffe.Net(prototxt, caffe.TEST)
+    nets = [deepspark.Net(prototxt, backend=backend) for backend in ("tensorflow", "caffe")]
+    for net in nets:
+        assert net.inputs == [] and net.blobs["data"].shape == theirs.blobs["data"].data.shape
+        for name, blobs in theirs.params.items():
+            for ours, blob in zip(net.params[name], blobs):
+                ours.data[...] = blob.data
+    for _ in range(2):
+        expected = {name: float(value) for name, value in theirs.forward().items()}
+        for net in nets:
+            got = net.forward()
+            assert np.array_equal(net.blobs["data"].data, theirs.blobs["data"].data)
+            assert np.array_equal(net.blobs["label"].data, theirs.blobs["label"].data)
+            assert abs(float(got["loss"]) - expected["loss"]) < 1e-5 and float(got["accuracy"]) == expected["accuracy"]
