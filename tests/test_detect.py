@@ -1,19 +1,30 @@
 """deepspark.detections, Detector and `deepspark detect`: an SSD deploy net's DetectionOutput rows as boxes in
-pixels, scores and classes per image, against pycaffe's own preprocessing and forward pass.
+pixels, scores and classes per image, against pycaffe's own preprocessing and forward pass; DetectionEvaluate on
+both backends and mean_average_precision against pycaffe's layer and its solver's mAP.
 
 The net is the vendored MobileNet-SSD-shaped one (tests/data/ssd_mobilenet.prototxt, batch 2, 64 x 64 input)
 with the weights test_detection's make_weights sets by pycaffe from a RandomState; the images are three PNGs of
 seeded noise of three sizes (so that the last batch is padded). The rows-to-boxes helper needs no pycaffe.
 """
 
+import os
+import re
+import subprocess
+import sys
+
+import h5py
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import run_cli
-from deepspark import Detector, detections
+from conftest import ROOT, run_cli
+from deepspark import Detector, detections, graph
+from deepspark.backends import create_model
 from deepspark.backends.caffe import runtime
-from deepspark.detect import read_image
+from deepspark.config import parse_net
+from deepspark.detect import AP_VERSIONS, mean_average_precision, read_image
+from deepspark.errors import ConfigError
+from deepspark.proto import deepspark_pb2 as pb
 from test_detection import NETS, make_weights
 
 MEAN, SCALE = [127.5, 127.5, 127.5], 0.007843  # MobileNet-SSD's preprocessing
@@ -34,12 +45,17 @@ def test_detections_scales_each_images_rows_and_drops_caffes_empty_row():
 
 
 @pytest.fixture(scope="module")
-def ssd(tmp_path_factory):
-    """(prototxt, caffemodel, image paths, pycaffe's Detections per image)."""
+def pycaffe():
     try:
-        caffe = runtime.caffe()
+        return runtime.caffe()
     except ImportError as error:
         pytest.skip(str(error))
+
+
+@pytest.fixture(scope="module")
+def ssd(pycaffe, tmp_path_factory):
+    """(prototxt, caffemodel, image paths, pycaffe's Detections per image)."""
+    caffe = pycaffe
     folder = tmp_path_factory.mktemp("detect")
     prototxt, weights = NETS["mobilenet"], str(folder / "mobilenet.caffemodel")
     make_weights(caffe, prototxt, weights)
@@ -121,3 +137,94 @@ def test_the_detect_verb_refuses_in_one_line(tmp_path):
     assert status == 1 and len(err.strip().splitlines()) == 1 and "missing.png" in err
     status, _, err = run_cli("detect", "--model", NETS["mobilenet"], "--weights", missing, "--mean", "1,x", missing)
     assert status == 2 and "comma-separated numbers" in err
+
+
+# -- DetectionEvaluate and the solver's mAP ---------------------------------------------------------------------
+
+# Ground truth of 3 images (one difficult box; rows after the first item -1 row are not read, as Caffe's) and
+# detections near them or anywhere, with DetectionOutput's "none" row for a fourth image and an item -1 row.
+TRUTH = np.array([[0, 1, 0, 0.1, 0.1, 0.4, 0.5, 0], [0, 1, 1, 0.5, 0.5, 0.9, 0.9, 1], [0, 2, 0, 0.2, 0.6, 0.5, 0.9, 0],
+                  [1, 2, 0, 0.3, 0.3, 0.7, 0.7, 0], [2, 3, 0, 0.1, 0.1, 0.3, 0.3, 0], [-1] * 8,
+                  [1, 1, 0, 0, 0, 1, 1, 0]], np.float32)
+
+
+def evaluated_detections():
+    rs = np.random.RandomState(1)
+    rows = []
+    for item in range(3):
+        for label in (1, 2, 3):
+            for k in range(3):
+                boxes = TRUTH[(TRUTH[:, 0] == item) & (TRUTH[:, 1] == label)]
+                box = (boxes[0, 3:7] + rs.uniform(-0.1, 0.1, 4) if len(boxes) and k < 2
+                       else rs.uniform(0, 0.5, 4) + [0, 0, 0.4, 0.4])
+                rows.append([item, label, rs.uniform(), *box])
+    rows += [[3, -1, -1, -1, -1, -1, -1], [-1, 0, 0, 0, 0, 0, 0]]
+    return np.array(rows, np.float32).reshape(1, 1, -1, 7)
+
+
+def evaluate(backend, body):
+    fed = {"det": evaluated_detections(), "gt": TRUTH.reshape(1, 1, -1, 8)}
+    text = (L_INPUT.format(dims=" ".join("shape { " + " ".join(f"dim: {d}" for d in v.shape) + " }"
+                                         for v in fed.values()))
+            + f'layer {{ name: "ev" type: "DetectionEvaluate" bottom: "det" bottom: "gt" top: "ev" '
+              f'detection_evaluate_param {{ num_classes: 4 {body} }} }}\n')
+    model = create_model(backend, parse_net(text)[0], phase=pb.TEST)
+    try:
+        return model.forward(fed)["ev"]
+    finally:
+        model.close()
+
+
+L_INPUT = 'layer {{ name: "in" type: "Input" top: "det" top: "gt" input_param {{ {dims} }} }}\n'
+
+
+@pytest.mark.caffe
+@pytest.mark.parametrize("body", ["", "evaluate_difficult_gt: false overlap_threshold: 0.3",
+                                  "overlap_threshold: 0.05"])
+def test_detection_evaluate_is_pycaffes_bit_for_bit(pycaffe, body):
+    want = evaluate("caffe", body)
+    np.testing.assert_array_equal(evaluate("tensorflow", body), want)
+    rows = want[0, 0]
+    assert rows.shape == (3 + 29, 5) and set(rows[3:30, 3]) == {0, 1}  # true and false positives both
+
+
+@pytest.mark.caffe
+def test_mean_average_precision_is_the_fork_solvers(pycaffe, tmp_path):
+    """pycaffe's solver with eval_type "detection" (2 test iterations over an HDF5 of the same rows) logs the
+    mAP of each ap_version; mean_average_precision of the TensorFlow backend's rows gives the same."""
+    rows = evaluate("tensorflow", "")
+    with h5py.File(tmp_path / "ev.h5", "w") as stream:
+        stream["det"], stream["gt"] = evaluated_detections(), TRUTH.reshape(1, 1, -1, 8)
+    (tmp_path / "list.txt").write_text(f"{tmp_path}/ev.h5\n")
+    (tmp_path / "net.prototxt").write_text(
+        f'layer {{ name: "in" type: "HDF5Data" top: "det" top: "gt" hdf5_data_param {{ source: "{tmp_path}/list.txt" '
+        'batch_size: 1 } }\nlayer { name: "ev" type: "DetectionEvaluate" bottom: "det" bottom: "gt" top: "ev" '
+        'include { phase: TEST } detection_evaluate_param { num_classes: 4 } }\n')
+    script = ("import sys\nfrom deepspark.backends.caffe import runtime\n"
+              "runtime.caffe().get_solver(sys.argv[1]).step(1)\n")
+    for version in AP_VERSIONS:
+        solver = tmp_path / f"{version}.prototxt"
+        solver.write_text(f'net: "{tmp_path}/net.prototxt"\ntest_iter: 2\ntest_interval: 100\n'
+                          f'test_initialization: true\nbase_lr: 0.1\nlr_policy: "fixed"\neval_type: "detection"\n'
+                          f'ap_version: "{version}"\nmax_iter: 1\n')
+        done = subprocess.run([sys.executable, "-c", script, str(solver)], capture_output=True, text=True,
+                              env={**os.environ, "GLOG_logtostderr": "1", "GLOG_minloglevel": "0",
+                                   "PYTHONPATH": ROOT}, timeout=300)
+        logged = re.search(r"Test net output #0: ev = ([0-9.e+-]+)", done.stderr)
+        assert logged, done.stderr[-2000:]
+        got, per_class = mean_average_precision([rows, rows], version)
+        assert got == pytest.approx(float(logged.group(1)), abs=1e-6), version
+        assert 0 < got < 1 and len(per_class) == 3
+
+
+def test_detection_evaluate_refuses_what_it_cannot_run():
+    text = (L_INPUT.format(dims="shape { dim: 1 dim: 1 dim: 4 dim: 7 } shape { dim: 1 dim: 1 dim: 2 dim: 8 }")
+            + 'layer { name: "ev" type: "DetectionEvaluate" bottom: "det" bottom: "gt" top: "ev" '
+              'detection_evaluate_param { num_classes: 4 %s } }\n')
+    assert graph.Graph(parse_net(text % "")[0], pb.TEST).layers[-1].top_shapes == [(1, 1, 7, 5)]
+    for body, message in [('name_size_file: "sizes.txt"', "name_size_file"),
+                          ("overlap_threshold: 0", "overlap_threshold above 0"),
+                          ("background_label_id: 4", "background_label_id one of them")]:
+        with pytest.raises(ConfigError) as caught:
+            graph.Graph(parse_net(text % body)[0], pb.TEST)
+        assert message in str(caught.value) and "\n" not in str(caught.value)

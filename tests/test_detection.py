@@ -167,12 +167,6 @@ def test_a_net_that_needs_a_diff_through_detection_output_is_refused():
     assert "(DetectionOutput) takes no gradient" in str(caught.value) and "\n" not in str(caught.value)
 
 
-@pytest.mark.parametrize("kind, param", [("DetectionEvaluate", "detection_evaluate_param { num_classes: 2 }")])
-def test_the_ssd_types_not_yet_run_are_refused_in_one_line(kind, param):
-    message = error_of(inputs(x=(2, 4)) + L("l", kind, ["x", "x"], param))
-    assert f"unknown layer type '{kind}'" in message
-
-
 # -- each layer against pycaffe ------------------------------------------------------------------------------
 
 def outputs(backend, text, fed):

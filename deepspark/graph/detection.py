@@ -218,3 +218,26 @@ def _multibox_loss(lp, bottoms, ctx):
         raise ShapeError(f"MultiBoxLoss reads its ground truth as rows of 8 values (N x C x G x 8, the first G "
                          f"rows read), got {fmt(truth)}")
     return [()], []
+
+
+@layer_type("DetectionEvaluate", bottoms=2, no_backward=(0, 1))
+def _detection_evaluate(lp, bottoms, ctx):
+    """DetectionOutput's rows (1 x 1 x K x 7) against the ground truth (1 x 1 x G x 8) into 1 x 1 x
+    (classes - 1 + K) x 5 rows: [-1, label, positives, -1, -1] per class, then [item, label, score, true
+    positive, false positive] per detection (zeros after the last). K is known only from the data. No
+    backward (Caffe's aborts)."""
+    param = lp.detection_evaluate_param
+    if len(bottoms) != 2 or len(lp.top) != 1:
+        raise ShapeError(f"DetectionEvaluate takes 2 bottoms and makes 1 top, got {len(bottoms)} and {len(lp.top)}")
+    if not param.HasField("num_classes") or param.background_label_id >= param.num_classes:
+        raise ShapeError("DetectionEvaluate needs num_classes, with background_label_id one of them")
+    if param.overlap_threshold <= 0:
+        raise ShapeError(f"DetectionEvaluate needs overlap_threshold above 0, got {param.overlap_threshold:g}")
+    if param.name_size_file:
+        raise ShapeError("DetectionEvaluate's name_size_file (evaluating in pixels of each image of a listed DB) is "
+                         "not supported: leave it out to evaluate in normalized coordinates")
+    detections, truth = bottoms
+    for shape, width, what in ((detections, 7, "detections"), (truth, 8, "ground truth")):
+        if legacy(shape, 0) != 1 or legacy(shape, 1) != 1 or legacy(shape, 3) != width:
+            raise ShapeError(f"DetectionEvaluate's {what} must be 1 x 1 x rows x {width}, got {fmt(shape)}")
+    return [(1, 1, param.num_classes - 1 + legacy(detections, 2), 5)], []

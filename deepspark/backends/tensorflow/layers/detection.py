@@ -1,4 +1,5 @@
-"""The SSD fork's detection layers in TensorFlow: Permute, Normalize, PriorBox, DetectionOutput, MultiBoxLoss.
+"""The SSD fork's detection layers in TensorFlow: Permute, Normalize, PriorBox, DetectionOutput, MultiBoxLoss,
+DetectionEvaluate.
 
 Each follows brocolli-caffe 9.0.2's layer (permute_layer.cpp, normalize_layer.cpp, prior_box_layer.cpp,
 detection_output_layer.cpp with util/bbox_util.cpp) down to its float and double arithmetic, so that the boxes
@@ -686,3 +687,69 @@ def multibox_loss(layer, bottoms, params, ctx):
     if down[1]:
         loss += tf.reduce_sum(conf_loss) / normalizer
     return [Blob(loss)]
+
+
+# -- DetectionEvaluate ------------------------------------------------------------------------------------------
+
+def np_grouped(rows, width, stop_at_first_blank):
+    """{item: {label: rows}} in Caffe's map order, each group in row order; rows of item -1 skipped
+    (GetGroundTruth's LabelBBox form stops at the first one instead)."""
+    groups = {}
+    for row in rows.reshape(-1, width):
+        if int(row[0]) == -1:
+            if stop_at_first_blank:
+                break
+            continue
+        groups.setdefault(int(row[0]), {}).setdefault(int(row[1]), []).append(row)
+    return {item: {label: np.array(found[label], F32) for label in sorted(found)}
+            for item, found in sorted(groups.items())}
+
+
+def np_evaluate(detections, truth, param):
+    """DetectionEvaluate's Forward on numpy: the per-class positives, then each detection (by item, label and,
+    where the label has ground truth, best first) true positive when its best overlap with the label's truths
+    reaches overlap_threshold and that truth is not taken yet (a difficult one, without evaluate_difficult_gt,
+    makes it neither)."""
+    found, expected = np_grouped(detections, 7, False), np_grouped(truth, 8, True)
+    background = param.background_label_id
+    for item in list(found) + list(expected):
+        if background in found.get(item, {}) or background in expected.get(item, {}):
+            raise ValueError(f"DetectionEvaluate: item {item} has the background label {background} (Caffe aborts)")
+    top = np.zeros((param.num_classes - 1 + len(detections.reshape(-1, 7)), 5), F32)
+    rows = []
+    for label in range(param.num_classes):
+        if label != background:
+            boxes = [group[label] for group in expected.values() if label in group]
+            hard = np.concatenate([b[:, 7] for b in boxes]) if boxes else np.zeros(0)
+            rows.append([-1, label, len(hard) if param.evaluate_difficult_gt else np.sum(hard == 0), -1, -1])
+    for item, groups in found.items():
+        for label, dets in groups.items():
+            truths = expected.get(item, {}).get(label)
+            if truths is None:
+                rows += [[item, label, det[2], 0, 1] for det in dets]
+                continue
+            dets = dets[np.argsort(-dets[:, 2], kind="stable")]
+            overlap = np_overlaps(dets[:, 3:7], truths[:, 3:7])
+            taken = np.zeros(len(truths), bool)
+            for det, over in zip(dets, overlap):
+                j = int(np.argmax(over))
+                if over[j] < F32(param.overlap_threshold):
+                    rows.append([item, label, det[2], 0, 1])
+                elif not param.evaluate_difficult_gt and truths[j, 7]:
+                    rows.append([item, label, det[2], 0, 0])
+                else:
+                    rows.append([item, label, det[2], int(not taken[j]), int(taken[j])])
+                    taken[j] = True
+    top[:len(rows)] = np.array(rows, F32).reshape(-1, 5)
+    return top
+
+
+@layer("DetectionEvaluate")
+def detection_evaluate(layer, bottoms, params, ctx):
+    """Caffe's DetectionEvaluate (no backward) on numpy through tf.numpy_function: rows a test net hands the
+    solver's mAP (deepspark.detect.mean_average_precision)."""
+    param = layer.param.detection_evaluate_param
+    detections, truth = (tf.stop_gradient(b.caffe) for b in bottoms)
+    top = tf.numpy_function(lambda d, t: np_evaluate(d, t, param), [detections, truth], tf.float32,
+                            stateful=False, name=f"{layer.name}_evaluate")
+    return [Blob(tf.reshape(top, (1, 1, -1, 5)))]
