@@ -20,12 +20,11 @@ from PIL import Image
 from conftest import ROOT, run_cli
 from deepspark import Detector, detections, graph
 from deepspark.backends import create_model
-from deepspark.backends.caffe import runtime
 from deepspark.config import parse_net
 from deepspark.detect import AP_VERSIONS, mean_average_precision, read_image
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
-from test_detection import NETS, make_weights
+from test_detection import NETS, make_weights, pycaffe  # noqa: F401 (pycaffe: a fixture)
 
 MEAN, SCALE = [127.5, 127.5, 127.5], 0.007843  # MobileNet-SSD's preprocessing
 
@@ -42,14 +41,6 @@ def test_detections_scales_each_images_rows_and_drops_caffes_empty_row():
     assert len(detections(rows, 100, 100, images=4)) == 4
     none = np.array([[0, -1, -1, -1, -1, -1, -1], [1, -1, -1, -1, -1, -1, -1]], np.float32)  # Caffe's "none"
     assert [len(found.scores) for found in detections(none, 64, 64, images=2)] == [0, 0]
-
-
-@pytest.fixture(scope="module")
-def pycaffe():
-    try:
-        return runtime.caffe()
-    except ImportError as error:
-        pytest.skip(str(error))
 
 
 @pytest.fixture(scope="module")

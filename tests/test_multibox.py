@@ -20,10 +20,10 @@ import pytest
 from conftest import ROOT
 from deepspark import compare, graph
 from deepspark.backends import create_model
-from deepspark.backends.caffe import runtime
 from deepspark.config import parse_net
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
+from test_detection import pycaffe  # noqa: F401 (a fixture)
 from test_zoo_layers import L, close, net_text, run
 
 tf = pytest.importorskip("tensorflow")
@@ -38,14 +38,6 @@ NUM_PRIORS = FEATURE[0] * FEATURE[1] * 4
 TRUTH = np.array([[0, 1, 0, 0.1, 0.1, 0.45, 0.5, 0], [0, 2, 0, 0.5, 0.4, 0.9, 0.95, 0],
                   [-1, -1, -1, -1, -1, -1, -1, -1], [1, 1, 0, 0.2, 0.3, 0.7, 0.8, 0],
                   [1, 2, 0, 0.05, 0.6, 0.3, 0.9, 1]], np.float32)
-
-
-@pytest.fixture(scope="module")
-def pycaffe():
-    try:
-        return runtime.caffe()
-    except ImportError as error:
-        pytest.skip(str(error))
 
 
 # -- the shape rule (no pycaffe) ------------------------------------------------------------------------------
