@@ -6,8 +6,9 @@ not see), its priors a PriorBox over fed shapes, its ground truth fed rows over 
 item -1 row); the loss and the locations' and confidences' diffs must agree with pycaffe's within 1e-4 of the
 largest, for each matching, encoding, mining, loss and normalization option. Then a tiny SSD train net
 (tests/data/ssd_tiny_train.prototxt: two feature maps with their heads, Permute, Flatten, PriorBox, Concat) with
-weights pycaffe sets from a RandomState: every weight's diff, and 3 SGD steps, against pycaffe's. The shape
-rule's refusals need no pycaffe.
+weights pycaffe sets from a RandomState: every weight's diff, 3 SGD steps and `compare --solver` against
+pycaffe's, and its test phase (DetectionOutput, then DetectionEvaluate). The shape rule's refusals need no
+pycaffe.
 """
 
 import io
@@ -260,3 +261,41 @@ def test_compare_solver_on_a_tiny_ssd_net_agrees_with_pycaffe(pycaffe, tmp_path)
     assert result["ok"], out.getvalue()
     losses = result["training"]["losses"]
     assert losses["caffe"][2] < losses["caffe"][0] and result["training"]["worst_absolute"] < 1e-4
+
+
+# SSD's test phase on the tiny net: softmax confidences, DetectionOutput, then DetectionEvaluate's rows
+TEST_PHASE = '''
+layer { name: "mbox_conf_reshape" type: "Reshape" bottom: "mbox_conf" top: "mbox_conf_reshape"
+  include { phase: TEST } reshape_param { shape { dim: 0 dim: -1 dim: 3 } } }
+layer { name: "mbox_conf_softmax" type: "Softmax" bottom: "mbox_conf_reshape" top: "mbox_conf_softmax"
+  include { phase: TEST } softmax_param { axis: 2 } }
+layer { name: "mbox_conf_flatten" type: "Flatten" bottom: "mbox_conf_softmax" top: "mbox_conf_flatten"
+  include { phase: TEST } flatten_param { axis: 1 } }
+layer { name: "detection_out" type: "DetectionOutput" bottom: "mbox_loc" bottom: "mbox_conf_flatten"
+  bottom: "mbox_priorbox" top: "detection_out" include { phase: TEST }
+  detection_output_param { num_classes: 3 share_location: true background_label_id: 0 code_type: CENTER_SIZE
+    nms_param { nms_threshold: 0.45 top_k: 100 } keep_top_k: 50 confidence_threshold: 0.2 } }
+layer { name: "detection_eval" type: "DetectionEvaluate" bottom: "detection_out" bottom: "label"
+  top: "detection_eval" include { phase: TEST }
+  detection_evaluate_param { num_classes: 3 background_label_id: 0 overlap_threshold: 0.3
+    evaluate_difficult_gt: false } }
+'''
+
+
+@pytest.mark.caffe
+def test_a_tiny_ssd_test_nets_detection_evaluate_rows_are_pycaffes(tiny):
+    weights, batch = tiny
+    net = parse_net(open(TINY).read() + TEST_PHASE)[0]
+    found = {}
+    for backend in ("caffe", "tensorflow"):
+        model = create_model(backend, net, phase=pb.TEST)
+        try:
+            for name, arrays in weights.items():
+                model.set_blobs(name, arrays)
+            found[backend] = model.forward(batch)["detection_eval"]
+        finally:
+            model.close()
+    want = found["caffe"]
+    assert want.shape[2] > 20 and set(want[0, 0, 2:, 3]) == {0, 1}  # detections, true and false positives
+    np.testing.assert_array_equal(found["tensorflow"][..., [0, 1, 3, 4]], want[..., [0, 1, 3, 4]])
+    np.testing.assert_allclose(found["tensorflow"], want, atol=1e-5)
