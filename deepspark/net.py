@@ -137,7 +137,7 @@ class Net:
             weights, phase = None, weights
         phase = phase_of(phase)
         if backend == "caffe":  # pycaffe before the graph: a Python layer's module may use its parts (pylayer)
-            from deepspark.backends.caffe import runtime
+            from deepspark.backends.caffe import runtime  # deferred: it loads pycaffe
 
             runtime.caffe()
         if isinstance(prototxt, pb.NetParameter):

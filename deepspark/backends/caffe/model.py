@@ -68,9 +68,7 @@ class Model(base.Model):
                 self._solver.add_callback(self._on_start, self._on_gradients_ready)
             else:
                 self._net = caffe.Net(self._write("net.prototxt", compiler.to_text(net)), caffe.TEST)
-        # Caffe's Recurrent layers fix T, the first axis of x, at setup: another aborts in Reshape.
-        self._steps = [layer.bottom_shapes[0][0] if layer.type in ("LSTM", "RNN") else None
-                       for layer in self.graph.layers]
+        self._steps = timesteps(self.graph)  # as Caffe's Recurrent layers are set up
         self._blobs = param_blobs(self.graph, self._net)
         self._views = [blob.data for blob in self._blobs]  # parameters never reshape
         self._loss_tops = self._loss_blobs()
@@ -80,8 +78,7 @@ class Model(base.Model):
         self.set_params(fillers.init_params(self.graph, self.seed))
 
     def reshape(self, shapes):
-        """base.Model.reshape; where Caffe's layers refuse the new shapes (a ValueError before pycaffe could
-        abort), the net stays as it was."""
+        """base.Model.reshape; the net as it was where Caffe's layers refuse the shapes (before pycaffe aborts)."""
         before = self.net_param, self.graph, self.feeds
         try:
             super().reshape(shapes)
@@ -90,13 +87,9 @@ class Model(base.Model):
             raise
 
     def _reshaped(self):
-        """pycaffe's Net::Reshape after the fed blobs' (the graph checked them: Caffe aborts on a shape it refuses,
-        and on a Recurrent layer's other number of timesteps, checked here)."""
-        for layer, steps in zip(self.graph.layers, self._steps):
-            if steps is not None and layer.bottom_shapes[0][0] != steps:
-                raise ValueError(f"layer '{layer.name}' ({layer.type}) was set up for {steps} timesteps and "
-                                 f"Caffe's Recurrent layer cannot take {layer.bottom_shapes[0][0]} (it aborts: "
-                                 "input number of timesteps changed); build a new net at that size")
+        """pycaffe's Net::Reshape after the fed blobs' (the graph and check_timesteps checked them: Caffe aborts on
+        a shape it refuses)."""
+        check_timesteps(self.graph, self._steps)
         self.feeds = compiler.fed_tops(self.graph, compiler.net_param(self.graph, self.data_layers == "caffe"))
         for top, shape in self.feeds.items():
             self._net.blobs[top].reshape(*shape)
@@ -271,6 +264,22 @@ class Model(base.Model):
         self._require_solver()
         arrays = self.check_arrays(arrays, self.history_shapes, "history blob")
         self._restore(checkpoint.solver_state(self.iter, self.current_step, arrays))
+
+
+def timesteps(graph):
+    """Per layer of `graph`, the number of timesteps T (x's first axis) of an LSTM or RNN, else None: Caffe's
+    Recurrent layer fixes it at setup, and aborts in Reshape on another."""
+    return [layer.bottom_shapes[0][0] if layer.type in ("LSTM", "RNN") else None for layer in graph.layers]
+
+
+def check_timesteps(graph, steps):
+    """A ValueError where a Recurrent layer of `graph` has another T than `steps` (timesteps') say it was set
+    up for: pycaffe would abort the process."""
+    for layer, before, now in zip(graph.layers, steps, timesteps(graph)):
+        if before != now:
+            raise ValueError(f"layer '{layer.name}' ({layer.type}) was set up for {before} timesteps and Caffe's "
+                             f"Recurrent layer cannot take {now} (it aborts: input number of timesteps changed); "
+                             "build a new net at that size")
 
 
 def param_blobs(graph, net):
