@@ -68,34 +68,30 @@ def prior_count(param):
     return len(aspect_ratios(param)) * len(param.min_size) + len(param.max_size)
 
 
+def _given_pair(param, one, high, wide):
+    """PriorBox's (height, width) from the fields `high` and `wide`, or both from `one`, or None where neither
+    is given; each at least 1, and not both forms."""
+    if param.HasField(high) or param.HasField(wide):
+        if param.HasField(one):
+            raise ShapeError(f"PriorBox takes {one} or {high}/{wide}, not both")
+        if getattr(param, high) <= 0 or getattr(param, wide) <= 0:
+            raise ShapeError(f"PriorBox needs {high} and {wide} larger than 0")
+        return getattr(param, high), getattr(param, wide)
+    if param.HasField(one):
+        if getattr(param, one) <= 0:
+            raise ShapeError(f"PriorBox needs {one} larger than 0")
+        return getattr(param, one), getattr(param, one)
+    return None
+
+
 def prior_image_size(param):
     """(img_h, img_w) given in the prototxt, or None where the second bottom gives them."""
-    if param.HasField("img_h") or param.HasField("img_w"):
-        if param.HasField("img_size"):
-            raise ShapeError("PriorBox takes img_size or img_h/img_w, not both")
-        if param.img_h <= 0 or param.img_w <= 0:
-            raise ShapeError("PriorBox needs img_h and img_w larger than 0")
-        return param.img_h, param.img_w
-    if param.HasField("img_size"):
-        if param.img_size <= 0:
-            raise ShapeError("PriorBox needs img_size larger than 0")
-        return param.img_size, param.img_size
-    return None
+    return _given_pair(param, "img_size", "img_h", "img_w")
 
 
 def prior_step(param):
     """(step_h, step_w) given in the prototxt, or None where the image and the feature map give them."""
-    if param.HasField("step_h") or param.HasField("step_w"):
-        if param.HasField("step"):
-            raise ShapeError("PriorBox takes step or step_h/step_w, not both")
-        if param.step_h <= 0 or param.step_w <= 0:
-            raise ShapeError("PriorBox needs step_h and step_w larger than 0")
-        return param.step_h, param.step_w
-    if param.HasField("step"):
-        if param.step <= 0:
-            raise ShapeError("PriorBox needs step larger than 0")
-        return param.step, param.step
-    return None
+    return _given_pair(param, "step", "step_h", "step_w")
 
 
 @layer_type("PriorBox")
