@@ -79,6 +79,7 @@ class CenterCadence:
         self.tested, self.snapshotted, self.last_test_values = None, None, {}
         self.evaluator = None  # the test nets: test_nets() builds them
         self.initial = None  # x̃ as the job starts, while Caffe's test of the start iteration is owed: start() keeps it
+        self.observed = start  # the slowest worker's iteration when the driver last looked (observe)
 
     def start(self, folder):
         """The test nets, when the solver tests, and TensorBoard's scalars in `folder`. The test nets load
@@ -118,6 +119,7 @@ class CenterCadence:
     def observe(self, iteration, loss):
         """The driver loop's step, every algorithm's: the workers are at `iteration` (the slowest) with `loss` (their
         mean): Caffe's display when due, then the tests and snapshots due; True when the display was shown."""
+        self.observed = max(self.observed, iteration)
         shown = self.display(iteration, loss)
         self.due(iteration)
         return shown
@@ -228,6 +230,19 @@ class CenterCadence:
         if self.solver.test_nets and self.multiples.tests(final) and self.tested != final:  # Caffe's last test
             values = self.test(final)
         return weights, values, arrays
+
+    def stop_early(self, why):
+        """Caffe's Solve stopped early (SIGINT, SIGHUP): x̃ snapshotted as the iteration the workers were last seen
+        at (the slowest), with the workers' solver states the driver holds, unless the job trained nothing since its
+        start or its last snapshot, or snapshot_after_train is off; the model's path (None: no snapshot)."""
+        iteration = self.observed
+        if self.param.snapshot_after_train and iteration not in (self.multiples.start, self.snapshotted):
+            self.log.warning(f"Stopping early at iteration {iteration} ({why}): snapshotting x̃")
+            path = self.snapshot(iteration)
+        else:
+            path = None
+        self.log.info("Optimization stopped early.")
+        return path
 
     def plot(self, folder, title):
         """The loss and test outputs against time, in folder/progress.png; its path."""

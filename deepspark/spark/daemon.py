@@ -102,7 +102,21 @@ def zygote(path):
     """Listen at `path`, import the backend meanwhile (a daemon launched sooner waits in the backlog), then serve
     one hand-over: fork the daemon with the streams, environment and folder handed over, answer its pid, and wait
     for it (it stays this process's child, in the driver's process tree). Exits when the driver closes this
-    process's stdin first."""
+    process's stdin first. A driver that died first (SIGKILL) never removes the folder (session.close_zygote):
+    this process does, as it exits."""
+    driver = os.getppid()
+    try:
+        serve_hand_over(path)
+    finally:
+        if os.getppid() != driver:  # orphaned: the driver is gone
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(path))
+
+
+def serve_hand_over(path):
+    """zygote's work: listen, import, take one hand-over and fork its daemon, and wait for it."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(path)
         listener.listen(1)

@@ -2,16 +2,20 @@
 
 import contextlib
 import dataclasses
+import logging
 import os
+import re
 import secrets
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import uuid
 
 import numpy as np
 
-from deepspark import algorithms, checkpoint, fillers, pylayer, schedule
+from deepspark import algorithms, checkpoint, fillers, pylayer, rules, schedule
 from deepspark.engine import JobResult
 from deepspark.config import host_port, output_folder, random_seed
 from deepspark.data import absolute_sources, source_shape
@@ -29,6 +33,64 @@ from deepspark.spark.session import (is_local, on_loopback, quiet_tasks, setting
 from deepspark.spark.watch import Watch
 
 _WARNED = set()  # masters already warned about, in this process
+# A worker's divergence (executor.check_finite's line): its job stops with no snapshot, the center being suspect.
+_DIVERGED = re.compile(r"worker \d+ diverged at iteration \d+")
+
+
+class HungUp(KeyboardInterrupt):
+    """SIGHUP while a job runs: it stops as on SIGINT, its center snapshotted first."""
+
+
+class StopSignals:
+    """SIGINT and SIGHUP while a job runs in the main thread (installed by `with`, the previous handlers back
+    after): each raises there (KeyboardInterrupt, HungUp), and the job stops with its center snapshotted
+    (Job.stopped_early). SIGHUP would kill the driver with no snapshot and nothing of its own cleaned up; pyspark's
+    SIGINT handler cancels Spark's jobs through Py4J from inside the Py4J call the main thread may be in (a round's
+    collect), which Py4J refuses with a traceback: the job's end stops Spark's session instead. Py4J logs an
+    interrupt of its call with a traceback on the root logger: those records are dropped meanwhile (Py4JQuiet)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self):
+        self.previous, self.quiet = {}, Py4JQuiet()
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {number: signal.signal(number, self.handle) for number in self.SIGNALS}
+            self.quiet.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        if self.previous:
+            self.quiet.__exit__(*exc)
+
+    @staticmethod
+    def handle(number, frame):
+        raise HungUp("SIGHUP") if number == signal.SIGHUP else KeyboardInterrupt()
+
+
+class Py4JQuiet(logging.Filter):
+    """Py4J's log of an interrupted call ("KeyboardInterrupt while sending command.", a traceback through the root
+    logger) dropped while `with`; and the handler Py4J's logging.exception gave a root logger that had none taken
+    away after (logging.basicConfig's: it would print every record that reaches the root from then on)."""
+
+    def filter(self, record):
+        interrupt = record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt)
+        return not (interrupt and f"{os.sep}py4j{os.sep}" in record.pathname)
+
+    def __enter__(self):
+        root = logging.getLogger()
+        self.unconfigured = not root.handlers
+        root.addFilter(self)
+
+    def __exit__(self, *exc):
+        root = logging.getLogger()
+        root.removeFilter(self)
+        if self.unconfigured:
+            for handler in list(root.handlers):
+                root.removeHandler(handler)
 
 
 def warn_if_the_secret_is_readable(sc, log):
@@ -213,9 +275,36 @@ class Job:
             if schedule.stop_note(self.param):
                 self.log.info(schedule.stop_note(self.param))
             self.submitted = time.time()  # the workers' ready_at is in the same clock
-            results = self.algorithm.train(self, self.task)
+            results = self.train()
             self.stop_session()  # its executors and Python workers are done: their memory goes before the last test
             return self.finish(results)
+
+    def train(self):
+        """The algorithm's training (its workers' Summaries); a job that stops early (StopSignals, or a JobError)
+        is snapshotted (stopped_early) and its Spark session stopped before the exception goes on."""
+        try:
+            with StopSignals():
+                return self.algorithm.train(self, self.task)
+        except (KeyboardInterrupt, JobError) as error:
+            self.stopped_early(error)
+            if self.own_sc is not None:  # Spark's errors about the tasks its stop kills are no news
+                with contextlib.suppress(Exception):
+                    self.own_sc.setLogLevel("OFF")
+            self.stop_session()  # the workers go before the exchanger does, or each says it lost it
+            raise
+
+    def stopped_early(self, error):
+        """Before a job that stops early (SIGINT, SIGHUP, Spark's retries spent, its workers lost) exits, its
+        center (intact: held by the driver) snapshotted with the workers' solver states the driver holds, as
+        Caffe's Solve does when a signal stops it; not after a divergence, whose center is suspect."""
+        if _DIVERGED.search(str(error)) or not rules.all_finite(self.center_flat()):
+            return
+        why = ("SIGHUP" if isinstance(error, HungUp) else "SIGINT" if isinstance(error, KeyboardInterrupt)
+               else "the job failed")
+        try:
+            self.cadence.stop_early(why)
+        except Exception as failure:  # the job's own error is the one to report
+            self.log.warning(f"could not snapshot x̃ as the job stopped: {failure}")
 
     def start(self, stack):
         """The shards planned, x̃ at its start and held, the test nets and the scalars up (each stopped by
