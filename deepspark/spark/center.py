@@ -235,12 +235,12 @@ class CenterCadence:
         """Caffe's Solve stopped early (SIGINT, SIGHUP): x̃ snapshotted as the iteration the workers were last seen
         at (the slowest), with the workers' solver states the driver holds, unless the job trained nothing since its
         start or its last snapshot, or snapshot_after_train is off; the model's path (None: no snapshot)."""
-        iteration = self.observed
-        if self.param.snapshot_after_train and iteration not in (self.multiples.start, self.snapshotted):
+        iteration, path = self.observed, None
+        if iteration == self.multiples.start:  # stopped before training: nothing to keep, nothing to say
+            return path
+        if self.param.snapshot_after_train and iteration != self.snapshotted:
             self.log.warning(f"Stopping early at iteration {iteration} ({why}): snapshotting x̃")
             path = self.snapshot(iteration)
-        else:
-            path = None
         self.log.info("Optimization stopped early.")
         return path
 
