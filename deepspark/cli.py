@@ -16,7 +16,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from deepspark import compare, config, detect, export, nets, plan
 from deepspark.backends import BACKENDS
-from deepspark.data import convert
+from deepspark.data import annotated, convert
 from deepspark.errors import DeepSparkError
 from deepspark.log import Log
 from deepspark.plot import plot_log
@@ -283,6 +283,16 @@ def cmd_convert_imageset(args):
 
 
 @data_tool
+def cmd_convert_annoset(args):
+    annotated.convert_annoset(args.root, args.listfile, args.out, label_map_file=args.label_map_file,
+                              anno_type=args.anno_type, label_type=args.label_type, gray=args.gray,
+                              shuffle=args.shuffle, resize_height=args.resize_height,
+                              resize_width=args.resize_width, min_dim=args.min_dim, max_dim=args.max_dim,
+                              encoded=args.encoded, encode_type=args.encode_type, check_label=args.check_label)
+    return 0
+
+
+@data_tool
 def cmd_convert_lmdb(args):
     convert.convert_lmdb(args.source, args.dest, overwrite=args.overwrite)
     return 0
@@ -442,6 +452,31 @@ def add_detect_verb(verbs):
     found.set_defaults(run=cmd_detect)
 
 
+def add_annoset_verb(verbs):
+    """convert-annoset: the SSD fork's convert_annoset (images and VOC XML or txt boxes to AnnotatedDatum)."""
+    anno = verbs.add_parser("convert-annoset", help="images and their annotation files listed in LISTFILE "
+                                                    "('image annotation' pairs) to an LMDB of AnnotatedDatum, "
+                                                    "as the SSD fork's convert_annoset")
+    anno.add_argument("root", help="folder the listed paths are relative to")
+    anno.add_argument("listfile")
+    anno.add_argument("out")
+    anno.add_argument("--label-map-file", default="", help="a LabelMap text proto naming the classes")
+    anno.add_argument("--anno-type", default="detection", choices=("detection", "classification"),
+                      help="detection (boxes, default) or classification ('image label' lines)")
+    anno.add_argument("--label-type", default="xml", choices=("xml", "txt"),
+                      help="VOC XML files, or txt rows 'label xmin ymin xmax ymax' in pixels")
+    anno.add_argument("--check-label", action="store_true", help="refuse a label map that repeats a name")
+    anno.add_argument("--gray", action="store_true", help="load images in grayscale")
+    anno.add_argument("--shuffle", action="store_true", help="shuffle the order of images")
+    anno.add_argument("--resize-height", type=non_negative, default=0)
+    anno.add_argument("--resize-width", type=non_negative, default=0)
+    anno.add_argument("--min-dim", type=non_negative, default=0, help="scale up so the short side is at least this")
+    anno.add_argument("--max-dim", type=non_negative, default=0, help="scale down so the long side is at most this")
+    anno.add_argument("--encoded", action="store_true", help="store encoded images")
+    anno.add_argument("--encode-type", default="", choices=("", "png", "jpg"), help="png or jpg (with --encoded)")
+    anno.set_defaults(run=cmd_convert_annoset)
+
+
 def add_data_verbs(verbs):
     """Caffe's data tools (convert-mnist, convert-imageset, convert-lmdb, compute-image-mean) and plot."""
     mnist = verbs.add_parser("convert-mnist", help="MNIST-format IDX files (gzipped or not) to an LMDB "
@@ -463,6 +498,8 @@ def add_data_verbs(verbs):
     imageset.add_argument("--encoded", action="store_true", help="store encoded images")
     imageset.add_argument("--encode-type", default="", choices=("", "png", "jpg"), help="png or jpg (with --encoded)")
     imageset.set_defaults(run=cmd_convert_imageset)
+
+    add_annoset_verb(verbs)
 
     lmdb = verbs.add_parser("convert-lmdb", help="an LMDB to Parquet, or Parquet to an LMDB (the direction "
                                                  "read from SOURCE); keys and Datum bytes as they are")

@@ -1,0 +1,150 @@
+"""convert-annoset's AnnotatedDatum LMDB, read back by the bundled pycaffe's AnnotatedData layer (#43)."""
+
+import io
+import os
+
+import lmdb
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import run_cli
+from deepspark.backends.caffe import runtime
+from deepspark.data.annotated import convert_annoset
+from deepspark.errors import ConfigError
+from deepspark.proto import deepspark_pb2 as pb
+
+LABEL_MAP = """item { name: "none_of_the_above" label: 0 display_name: "background" }
+item { name: "cat" label: 1 display_name: "cat" }
+item { name: "dog" label: 2 display_name: "dog" }
+"""
+# (image name, width, height, [(name, xmin, ymin, xmax, ymax, difficult)])
+IMAGES = [("a.png", 20, 16, [("cat", 2, 3, 10, 12, 0), ("dog", 5, 1, 19, 15, 1), ("cat", 0, 0, 4, 4, 0)]),
+          ("b.jpg", 20, 16, [("dog", 1, 2, 7, 9, 0)]),
+          ("c.png", 20, 16, [])]
+
+
+def voc_xml(width, height, objects):
+    """A VOC annotation file's text."""
+    body = "".join(f"<object><name>{name}</name><pose>Left</pose><truncated>0</truncated>"
+                   f"<difficult>{difficult}</difficult><bndbox><xmin>{x0}</xmin><ymin>{y0}</ymin>"
+                   f"<xmax>{x1}</xmax><ymax>{y1}</ymax></bndbox></object>"
+                   for name, x0, y0, x1, y1, difficult in objects)
+    return (f"<annotation><folder>VOC</folder><size><width>{width}</width><height>{height}</height>"
+            f"<depth>3</depth></size>{body}</annotation>")
+
+
+@pytest.fixture(scope="module")
+def annoset(tmp_path_factory):
+    """(root folder, list file, label map file, {image: RGB pixels}) of three images and their XML files."""
+    root = tmp_path_factory.mktemp("annoset")
+    (root / "Images").mkdir()
+    (root / "Annotations").mkdir()
+    rng = np.random.default_rng(7)
+    pixels, lines = {}, []
+    for name, width, height, objects in IMAGES:
+        image = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        Image.fromarray(image).save(root / "Images" / name)
+        with Image.open(root / "Images" / name) as stored:  # a JPEG's pixels are what it decodes to
+            pixels[name] = np.asarray(stored.convert("RGB"))
+        stem = os.path.splitext(name)[0]
+        (root / "Annotations" / f"{stem}.xml").write_text(voc_xml(width, height, objects))
+        lines.append(f"Images/{name} Annotations/{stem}.xml")
+    (root / "list.txt").write_text("\n".join(lines) + "\n")
+    (root / "labelmap.prototxt").write_text(LABEL_MAP)
+    return str(root), str(root / "list.txt"), str(root / "labelmap.prototxt"), pixels
+
+
+def read_lmdb(path):
+    """[(key, AnnotatedDatum)] of an LMDB, in key order."""
+    with lmdb.open(path, readonly=True, lock=False) as env, env.begin() as txn:
+        return [(bytes(k), pb.AnnotatedDatum.FromString(bytes(v))) for k, v in txn.cursor()]
+
+
+def expected_labels(records):
+    """The fork's AnnotatedData label rows [item, group, instance, xmin, ymin, xmax, ymax, difficult]."""
+    rows = [[item, group.group_label, anno.instance_id, anno.bbox.xmin, anno.bbox.ymin, anno.bbox.xmax,
+             anno.bbox.ymax, anno.bbox.difficult]
+            for item, (_, record) in enumerate(records)
+            for group in record.annotation_group for anno in group.annotation]
+    return np.array(rows or [[-1] * 8], dtype=np.float32)
+
+
+def test_records_hold_the_fork_layout(annoset, tmp_path):
+    root, listfile, label_map, pixels = annoset
+    out = str(tmp_path / "lmdb")
+    assert convert_annoset(root, listfile, out, label_map_file=label_map) == 3
+    records = read_lmdb(out)
+    assert [k for k, _ in records] == [b"00000000_Images/a.png", b"00000001_Images/b.jpg", b"00000002_Images/c.png"]
+    first = records[0][1]
+    assert first.type == pb.AnnotatedDatum.BBOX and first.datum.label == -1
+    assert first.datum.HasField("encoded") and not first.datum.encoded
+    data = np.frombuffer(first.datum.data, np.uint8).reshape(3, 16, 20)
+    np.testing.assert_array_equal(data, pixels["a.png"][:, :, ::-1].transpose(2, 0, 1))
+    # Groups in first-seen order; instance ids count within a group; boxes are float32 quotients.
+    assert [(g.group_label, [a.instance_id for a in g.annotation]) for g in first.annotation_group] == \
+        [(1, [0, 1]), (2, [0])]
+    dog = first.annotation_group[1].annotation[0].bbox
+    assert (dog.xmin, dog.ymin, dog.xmax, dog.ymax, dog.difficult) == \
+        (np.float32(5) / np.float32(20), np.float32(1) / np.float32(16), np.float32(19) / np.float32(20),
+         np.float32(15) / np.float32(16), True)
+    assert not records[2][1].annotation_group and records[2][1].type == pb.AnnotatedDatum.BBOX
+
+
+def test_pycaffe_reads_the_lmdb(annoset, tmp_path):
+    try:
+        caffe = runtime.caffe()
+    except ImportError as error:
+        pytest.skip(str(error))
+    root, listfile, label_map, _ = annoset
+    out = str(tmp_path / "lmdb")
+    convert_annoset(root, listfile, out, label_map_file=label_map)
+    records = read_lmdb(out)
+    prototxt = tmp_path / "net.prototxt"
+    prototxt.write_text(f'layer {{ name: "data" type: "AnnotatedData" top: "data" top: "label" '
+                        f'include {{ phase: TEST }} data_param {{ source: "{out}" batch_size: 3 backend: LMDB }} '
+                        f'annotated_data_param {{ label_map_file: "{label_map}" }} }}')
+    net = caffe.Net(str(prototxt), caffe.TEST)
+    net.forward()
+    images = np.stack([np.frombuffer(r.datum.data, np.uint8).reshape(3, 16, 20) for _, r in records])
+    np.testing.assert_array_equal(net.blobs["data"].data, images.astype(np.float32))
+    np.testing.assert_array_equal(net.blobs["label"].data[0, 0], expected_labels(records))
+
+
+def test_txt_annotations_resize_and_encoding(annoset, tmp_path):
+    root, _, _, pixels = annoset
+    (tmp_path / "a.txt").write_text("1 2.5 3 10 12\n2 5 1 19 15\n")
+    listfile = tmp_path / "list.txt"
+    listfile.write_text(f"Images/a.png {tmp_path / 'a.txt'}\nImages/b.jpg {tmp_path / 'missing.txt'}\n")
+    out = str(tmp_path / "lmdb")
+    convert_annoset(root, str(listfile), out, label_type="txt", resize_width=10, resize_height=8,
+                    encode_type="png")
+    (_, a), (_, b) = read_lmdb(out)
+    assert a.datum.encoded and (a.datum.channels, a.datum.height, a.datum.width) == (3, 8, 10)
+    with Image.open(io.BytesIO(a.datum.data)) as image:
+        assert image.format == "PNG" and image.size == (10, 8)
+    # Boxes are normalised by the original image's size, before any resize.
+    assert a.annotation_group[0].annotation[0].bbox.xmin == np.float32(2.5) / np.float32(20)
+    assert not b.annotation_group  # no annotation file: an image without boxes, as the fork writes it
+
+
+def test_unknown_name_and_missing_label_map_are_refused(annoset, tmp_path):
+    root, listfile, _, _ = annoset
+    with pytest.raises(ConfigError, match="needs --label-map-file"):
+        convert_annoset(root, listfile, str(tmp_path / "x"))
+    (tmp_path / "map.prototxt").write_text('item { name: "cat" label: 1 }')
+    with pytest.raises(ConfigError, match="unknown name: dog"):
+        convert_annoset(root, listfile, str(tmp_path / "y"), label_map_file=str(tmp_path / "map.prototxt"))
+
+
+def test_cli_convert_annoset(annoset, tmp_path):
+    root, listfile, label_map, _ = annoset
+    out = str(tmp_path / "cli")
+    status, _, err = run_cli("convert-annoset", root, listfile, out, "--label-map-file", label_map,
+                             "--encoded", "--encode-type", "jpg")
+    assert status == 0, err
+    assert "Processed 3 files." in err
+    records = read_lmdb(out)
+    assert all(r.datum.encoded for _, r in records)
+    with open(os.path.join(root, "Images", "b.jpg"), "rb") as f:
+        assert records[1][1].datum.data == f.read()  # a JPEG asked for as JPEG is stored as it is
