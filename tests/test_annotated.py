@@ -148,3 +148,73 @@ def test_cli_convert_annoset(annoset, tmp_path):
     assert all(r.datum.encoded for _, r in records)
     with open(os.path.join(root, "Images", "b.jpg"), "rb") as f:
         assert records[1][1].datum.data == f.read()  # a JPEG asked for as JPEG is stored as it is
+
+
+def annotated_layer(source, label_map, batch, transform="", phase="TEST"):
+    """An AnnotatedData layer's text."""
+    return (f'layer {{ name: "data" type: "AnnotatedData" top: "data" top: "label" include {{ phase: {phase} }} '
+            f'transform_param {{ {transform} }} data_param {{ source: "{source}" batch_size: {batch} backend: LMDB }} '
+            f'annotated_data_param {{ label_map_file: "{label_map}" }} }}')
+
+
+def feeder(text, phase=pb.TEST, seed=None):
+    from google.protobuf import text_format
+    from deepspark.data import feeder_for
+    net = text_format.Parse(text, pb.NetParameter())
+    return feeder_for(net.layer[0], phase=phase, seed=seed)
+
+
+def test_feeder_gives_pycaffe_batches(annoset, tmp_path):
+    try:
+        caffe = runtime.caffe()
+    except ImportError as error:
+        pytest.skip(str(error))
+    root, listfile, label_map, _ = annoset
+    out = str(tmp_path / "lmdb")
+    convert_annoset(root, listfile, out, label_map_file=label_map)
+    # crop_size 12 of 16x20 images, centred in TEST: the boxes are projected into the crop and clipped.
+    text = annotated_layer(out, label_map, 2, "crop_size: 12 scale: 0.5 mean_value: 100 mean_value: 110 "
+                                              "mean_value: 120")
+    (tmp_path / "net.prototxt").write_text(text)
+    net = caffe.Net(str(tmp_path / "net.prototxt"), caffe.TEST)
+    ours = feeder(text)
+    assert ours.shapes == {"data": (2, 3, 12, 12), "label": (1, 1, 4, 8)}  # a and b: 3 + 1 boxes, the most two hold
+    for _ in range(4):  # past the end: the LMDB loops, a batch spanning the seam
+        net.forward()
+        batch = ours.next_batch()
+        np.testing.assert_array_equal(batch["data"], net.blobs["data"].data)
+        theirs = net.blobs["label"].data[0, 0]
+        kept = batch["label"][0, 0]
+        np.testing.assert_array_equal(kept[:len(theirs)] if theirs[0, 0] != -1 else kept[:1], theirs)
+        assert (kept[len(theirs):] == -1).all()
+
+
+def test_mirror_flips_boxes_with_the_image(annoset, tmp_path):
+    root, listfile, label_map, _ = annoset
+    out = str(tmp_path / "lmdb")
+    convert_annoset(root, listfile, out, label_map_file=label_map)
+    plain = feeder(annotated_layer(out, label_map, 3), pb.TRAIN).next_batch()
+    mirrored = feeder(annotated_layer(out, label_map, 3, "mirror: true", "TRAIN"), pb.TRAIN, seed=3)
+    flips = set()
+    for _ in range(4):
+        batch = mirrored.next_batch()
+        for item in range(3):
+            flipped = (batch["data"][item] != plain["data"][item]).any()
+            assert flipped == (batch["data"][item] == plain["data"][item][:, :, ::-1]).all()
+            flips.add(bool(flipped))
+            rows, expect = (label[0, 0][label[0, 0, :, 0] == item] for label in (batch["label"], plain["label"]))
+            if flipped:
+                expect = expect.copy()
+                expect[:, 3], expect[:, 5] = 1 - expect[:, 5], 1 - expect[:, 3]
+            np.testing.assert_array_equal(rows, expect)
+    assert flips == {True, False}
+
+
+def test_batch_sampler_is_refused_in_one_line(annoset, tmp_path):
+    root, listfile, label_map, _ = annoset
+    out = str(tmp_path / "lmdb")
+    convert_annoset(root, listfile, out, label_map_file=label_map)
+    text = annotated_layer(out, label_map, 2).replace(
+        "annotated_data_param {", "annotated_data_param { batch_sampler { max_sample: 1 }")
+    with pytest.raises(ConfigError, match="batch_sampler .* not supported"):
+        feeder(text)

@@ -50,7 +50,7 @@ def test_a_table_that_differs_from_the_registry_fails_naming_the_types():
 
 
 def test_derived_sets_follow_the_rows():
-    assert graph.FED_TYPES == {"Input", "Data", "MemoryData", "HDF5Data", "ImageData", "WindowData"}
+    assert graph.FED_TYPES == {"Input", "Data", "MemoryData", "HDF5Data", "ImageData", "WindowData", "AnnotatedData"}
     assert graph.DATA_TYPES == graph.FED_TYPES | {"DummyData"}
     assert graph.LOSS_TYPES == {"SoftmaxWithLoss", "SigmoidCrossEntropyLoss", "EuclideanLoss", "ContrastiveLoss",
                                 "InfogainLoss", "HingeLoss", "MultinomialLogisticLoss", "MultiBoxLoss"}

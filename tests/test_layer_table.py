@@ -39,12 +39,12 @@ def test_a_feeder_for_a_type_that_is_not_fed_is_refused_naming_it():
 
 def test_the_types_that_read_a_source_and_those_refused_come_from_the_table():
     assert SOURCE_PARAMS == {"Data": "data_param", "HDF5Data": "hdf5_data_param", "ImageData": "image_data_param",
-                             "WindowData": "window_data_param"}
+                             "WindowData": "window_data_param", "AnnotatedData": "data_param"}
     window = pb.LayerParameter(name="w", type="WindowData")
     with pytest.raises(ConfigError, match=r"^layer 'w': WindowData \(R-CNN's window sampler"):
         feeder_for(window)
     caller = pb.LayerParameter(name="in", type="Input")
     with pytest.raises(ConfigError) as error:
         feeder_for(caller)
-    assert str(error.value) == ("layer 'in': the data pipeline reads Data, HDF5Data and ImageData layers; Input is "
+    assert str(error.value) == ("layer 'in': the data pipeline reads AnnotatedData, Data, HDF5Data and ImageData layers; Input is "
                                 "handled by the backend")

@@ -2,7 +2,7 @@
 
 import os
 
-from deepspark.data import hdf5, images  # noqa: F401 (they register their feeders in the table)
+from deepspark.data import annotated, hdf5, images  # noqa: F401 (they register their feeders in the table)
 from deepspark.data.datum import (DataError, check_datum, checked_records, decode_datum, encode_datum,
                                   load_mean)
 from deepspark.data.feeder import DataFeeder

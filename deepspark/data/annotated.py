@@ -1,4 +1,4 @@
-"""Annotated detection data: convert-annoset's AnnotatedDatum records (the SSD fork's convert_annoset and io.cpp)."""
+"""Annotated detection data: convert-annoset's AnnotatedDatum records and the AnnotatedData layer's batches (the SSD fork's convert_annoset, io.cpp and annotated_data_layer.cpp)."""
 
 import os
 import random
@@ -7,11 +7,17 @@ import xml.etree.ElementTree as ElementTree
 
 import numpy as np
 from google.protobuf import text_format
+from google.protobuf.message import DecodeError
 
 from deepspark.data.convert import log, read_image, read_list_text
-from deepspark.data.datum import DataError, encode_image
 from deepspark.data import parquet
-from deepspark.data.sources import write_records
+from deepspark.data.datum import DataError, datum_to_array, encode_image
+from deepspark.data.lmdb_io import shard_range
+from deepspark.data.resume import Resumable
+from deepspark.data.sources import source_for, write_records
+from deepspark.data.table import feeds
+from deepspark.data.transform import Transformer, _phase
+from deepspark.data.feeder import _color
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -260,3 +266,174 @@ def convert_annoset(root, listfile, out, label_map_file="", anno_type="detection
     if written % 1000:
         log.info(f"Processed {written} files.")
     return written
+
+
+# ---------------------------------------------------------------------------
+# The AnnotatedData layer's batches
+
+def read_annotated(path, start=0, stop=None):
+    """[(key, AnnotatedDatum)] of records [start, stop) of an LMDB of AnnotatedDatum; a corrupt one in one line."""
+    records = []
+    for key, value in source_for(path).read(start, stop):
+        try:
+            records.append((bytes(key), pb.AnnotatedDatum.FromString(bytes(value))))
+        except DecodeError:
+            raise DataError(f"record {bytes(key).decode('utf-8', 'backslashreplace')!r} is not an AnnotatedDatum "
+                            "(convert-annoset writes them)", path) from None
+    if not records:
+        raise DataError("the dataset holds no records", path)
+    return records
+
+
+def box_count(record):
+    """The boxes of one AnnotatedDatum."""
+    return sum(len(group.annotation) for group in record.annotation_group)
+
+
+def source_shape(layer_param, given=None):
+    """What AnnotatedData's shape rule needs: {"image": (C, H, W) of the first record, "boxes": every record's box
+    count, largest first (the label top holds the batch's boxes, padded to the most a batch can hold),
+    "typed": (1,) when records carry an annotation type, else (0,) (then the label is the datum's, per image)}."""
+    if given is not None:
+        return {"image": tuple(given), "boxes": (), "typed": (1,)}
+    path = layer_param.data_param.source
+    records = read_annotated(path)
+    key, first = records[0]
+    color = _color(layer_param.transform_param)
+    image = datum_to_array(first.datum, key, path, color).shape
+    return {"image": tuple(int(d) for d in image), "typed": (int(first.HasField("type")),),
+            "boxes": tuple(sorted((box_count(r) for _, r in records), reverse=True))}
+
+
+def label_rows(boxes, batch):
+    """G of the label top (1 x 1 x G x 8): the most boxes any batch of `batch` records can hold, at least 1."""
+    return max(1, sum(boxes[:batch]))
+
+
+def transformed_rows(record, crop, mirror):
+    """The fork's TransformAnnotation: [group, instance, xmin, ymin, xmax, ymax, difficult] rows of the boxes
+    projected into the crop (float32 crop box [x0, y0, x1, y1]), clipped to [0, 1], empty ones dropped, then
+    mirrored; groups in the record's order."""
+    f32, one, zero = np.float32, np.float32(1), np.float32(0)
+    x0, y0, x1, y1 = crop
+    width, height = x1 - x0, y1 - y0
+    rows = []
+    for group in record.annotation_group:
+        for anno in group.annotation:
+            b = anno.bbox
+            bx0, by0, bx1, by1 = f32(b.xmin), f32(b.ymin), f32(b.xmax), f32(b.ymax)
+            if bx0 >= x1 or bx1 <= x0 or by0 >= y1 or by1 <= y0:
+                continue
+            box = [min(max(v, zero), one) for v in ((bx0 - x0) / width, (by0 - y0) / height,
+                                                     (bx1 - x0) / width, (by1 - y0) / height)]
+            if box[2] < box[0] or box[3] < box[1] or not (box[2] - box[0]) * (box[3] - box[1]) > 0:
+                continue
+            if mirror:
+                box[0], box[2] = one - box[2], one - box[0]
+            rows.append([group.group_label, anno.instance_id, *box, float(b.difficult)])
+    return rows
+
+
+def refused_fields(layer_param):
+    """A one-line refusal for what AnnotatedData would take but this feeder does not do, or None."""
+    if layer_param.annotated_data_param.batch_sampler:
+        return (f"layer {layer_param.name!r}: annotated_data_param.batch_sampler (SSD's sampled crops) is not "
+                "supported yet; remove it to train on whole images")
+    if layer_param.data_param.HasField("backend") and layer_param.data_param.backend != pb.DataParameter.LMDB:
+        return f"layer {layer_param.name!r}: AnnotatedData reads an LMDB; use backend: LMDB"
+    return None
+
+
+class AnnotatedFeeder(Resumable):
+    """Batches {data: float32 NCHW, label: float32 1 x 1 x G x 8} for one AnnotatedData layer, records [start, stop)
+    of its LMDB (shard `shard` of `num_shards`), looped in key order like Caffe's Data layer and transformed as
+    the fork's DataTransformer does (crop, mirror, mean, scale; boxes projected into the crop and mirrored).
+
+    The label holds the batch's rows [item, group, instance, xmin, ymin, xmax, ymax, difficult], as the fork's;
+    a net here has fixed shapes, so they are followed by rows of -1 up to G, the most boxes a batch can hold
+    (MultiBoxLoss and DetectionEvaluate skip item -1 rows as the fork does). Records without an annotation type
+    give the datum's label per image instead."""
+
+    def __init__(self, layer_param, phase=pb.TRAIN, shard=0, num_shards=1, seed=None, batch_size=None, mean=None):
+        refusal = refused_fields(layer_param)
+        if refusal:
+            raise ConfigError(refusal)
+        self.name, self.tops = layer_param.name, list(layer_param.top)
+        if len(self.tops) not in (1, 2):
+            raise ConfigError(f"layer {self.name!r}: an AnnotatedData layer has one or two tops (data, label)")
+        self.path = layer_param.data_param.source
+        self.batch_size = int(batch_size or layer_param.data_param.batch_size)
+        if self.batch_size <= 0:
+            raise ConfigError(f"layer {self.name!r}: data_param.batch_size must be positive")
+        whole = source_shape(layer_param)
+        start, stop = shard_range(len(whole["boxes"]), shard, num_shards)
+        if stop == start:
+            raise DataError(f"shard {shard} of {num_shards} is empty: the LMDB holds {len(whole['boxes'])} records",
+                            self.path)
+        self.records = read_annotated(self.path, start, stop)
+        self.size, self.typed = len(self.records), bool(whole["typed"][0])
+        self.rows = label_rows(whole["boxes"], self.batch_size)
+        self.color = _color(layer_param.transform_param)
+        self.source_shape = whole["image"]
+        self.transformer = Transformer(layer_param.transform_param, _phase(phase), mean=mean, seed=seed)
+        self.transformer.check(self.source_shape)
+        self.order_rng, self.shuffle = np.random.default_rng(seed), False  # Caffe's Data order: the keys'
+        self._order, self._position, self.epoch = None, 0, 0
+
+    @property
+    def shapes(self):
+        out = {self.tops[0]: (self.batch_size,) + self.transformer.output_shape(self.source_shape)}
+        if len(self.tops) > 1:
+            out[self.tops[1]] = (1, 1, self.rows, 8) if self.typed else (self.batch_size,)
+        return out
+
+    def _next_records(self):
+        records = []
+        while len(records) < self.batch_size:
+            records.append(self.records[self._position])
+            self._position += 1
+            if self._position == self.size:
+                self._position, self.epoch = 0, self.epoch + 1
+        return records
+
+    def _pixels(self, records):
+        pixels = np.empty((len(records),) + self.source_shape, np.uint8)
+        for i, (key, record) in enumerate(records):
+            image = datum_to_array(record.datum, key, self.path, self.color)
+            if image.shape != self.source_shape:
+                raise DataError(f"record {key.decode('utf-8', 'backslashreplace')!r} is "
+                                f"{'x'.join(map(str, image.shape))}, the first is "
+                                f"{'x'.join(map(str, self.source_shape))}: a net's images are one size (convert-annoset "
+                                "--resize-height/--resize-width)", self.path)
+            pixels[i] = image
+        return pixels
+
+    def next_batch(self):
+        records = self._next_records()
+        pixels = self._pixels(records)
+        h_off, w_off, mirror = offsets = self.transformer.offsets(len(records), self.source_shape)
+        batch = {self.tops[0]: self.transformer.apply(pixels, offsets=offsets)}
+        if len(self.tops) > 1:
+            batch[self.tops[1]] = self._labels(records, h_off, w_off, mirror)
+        return batch
+
+    def _labels(self, records, h_off, w_off, mirror):
+        if not self.typed:
+            return np.array([record.datum.label for _, record in records], np.float32)
+        _, height, width = self.source_shape
+        _, out_h, out_w = self.transformer.output_shape(self.source_shape)
+        f32 = np.float32
+        rows = []
+        for item, (_, record) in enumerate(records):
+            crop = (f32(w_off[item]) / f32(width), f32(h_off[item]) / f32(height),
+                    f32(w_off[item] + out_w) / f32(width), f32(h_off[item] + out_h) / f32(height))
+            rows += [[item, *row] for row in transformed_rows(record, crop, bool(mirror[item]))]
+        label = np.full((1, 1, self.rows, 8), -1, np.float32)
+        if rows:
+            label[0, 0, :len(rows)] = rows
+        return label
+
+
+feeds("AnnotatedData", make=lambda layer_param, phase, where, options: AnnotatedFeeder(
+          layer_param, phase, mean=options.get("mean"), **where),
+      param="data_param", shape=source_shape)

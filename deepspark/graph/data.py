@@ -86,6 +86,23 @@ def _image_data(lp, bottoms, ctx):
     return [data, (batch,)][:len(lp.top)], []
 
 
+@layer_type("AnnotatedData", data=True, fed=True)
+def _annotated_data(lp, bottoms, ctx):
+    if not lp.data_param.batch_size:
+        raise ShapeError("AnnotatedData needs data_param.batch_size")
+    if len(lp.top) not in (1, 2):
+        raise ShapeError("AnnotatedData has one or two tops (data, label)")
+    batch = ctx.batch_size or lp.data_param.batch_size
+    source = ctx.data_shape(lp)  # the first record's image, every record's box count (deepspark.data.annotated)
+    if source is None:
+        return [None, None][:len(lp.top)], []
+    data = (batch,) + crop_shape(lp.transform_param, source["image"])
+    # The fork's label is 1 x 1 x (the batch's boxes) x 8; a net here has fixed shapes, so it is as many rows as
+    # the batch_size records holding the most boxes have, the batch's own first and rows of -1 after them.
+    label = (1, 1, max(1, sum(source["boxes"][:batch])), 8) if source["typed"][0] else (batch,)
+    return [data, label][:len(lp.top)], []
+
+
 @layer_type("WindowData", data=True, fed=True)
 def _window_data(lp, bottoms, ctx):
     if len(lp.top) != 2:
