@@ -151,8 +151,9 @@ def test_cli_convert_annoset(annoset, tmp_path):
 
 
 def annotated_layer(source, label_map, batch, transform="", phase="TEST"):
-    """An AnnotatedData layer's text."""
-    return (f'layer {{ name: "data" type: "AnnotatedData" top: "data" top: "label" include {{ phase: {phase} }} '
+    """An AnnotatedData layer's text (in one phase, or both where phase is None)."""
+    include = f"include {{ phase: {phase} }} " if phase else ""
+    return (f'layer {{ name: "data" type: "AnnotatedData" top: "data" top: "label" {include}'
             f'transform_param {{ {transform} }} data_param {{ source: "{source}" batch_size: {batch} backend: LMDB }} '
             f'annotated_data_param {{ label_map_file: "{label_map}" }} }}')
 
@@ -218,3 +219,43 @@ def test_batch_sampler_is_refused_in_one_line(annoset, tmp_path):
         "annotated_data_param {", "annotated_data_param { batch_sampler { max_sample: 1 }")
     with pytest.raises(ConfigError, match="batch_sampler .* not supported"):
         feeder(text)
+
+
+TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ssd_tiny_train.prototxt")
+# Two 24x24 images' boxes (the tiny SSD net's input size): two on the first, one on the second.
+SSD_IMAGES = [("p.png", 24, 24, [("cat", 2, 3, 12, 14, 0), ("dog", 10, 8, 23, 22, 0)]),
+              ("q.png", 24, 24, [("dog", 4, 4, 16, 20, 0)])]
+
+
+def tiny_ssd_net(folder, label_map):
+    """The tiny SSD train net fed by AnnotatedData from an LMDB that convert-annoset makes of two images."""
+    rng = np.random.default_rng(5)
+    lines = []
+    for name, width, height, objects in SSD_IMAGES:
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(folder / name)
+        (folder / f"{name}.xml").write_text(voc_xml(width, height, objects))
+        lines.append(f"{name} {name}.xml")
+    (folder / "list.txt").write_text("\n".join(lines) + "\n")
+    convert_annoset(str(folder), str(folder / "list.txt"), str(folder / "lmdb"), label_map_file=label_map)
+    text = open(TINY).read()
+    start = text.index('layer { name: "data" type: "Input"')
+    end = text.index("\n", text.index("input_param", start)) + 1
+    layer = annotated_layer(folder / "lmdb", label_map, 2, "scale: 0.0078125 mean_value: 127.5", None)
+    (folder / "net.prototxt").write_text(text[:start] + layer + "\n" + text[end:])
+    return str(folder / "net.prototxt")
+
+
+def test_compare_solver_on_the_tiny_ssd_net(annoset, tmp_path):
+    try:
+        runtime.caffe()
+    except ImportError as error:
+        pytest.skip(str(error))
+    from deepspark import compare
+    net = tiny_ssd_net(tmp_path, annoset[2])
+    (tmp_path / "solver.prototxt").write_text(f'net: "{net}"\nbase_lr: 0.05\nmomentum: 0.9\n'
+                                              'weight_decay: 0.0005\nlr_policy: "fixed"\nmax_iter: 3\n')
+    out = io.StringIO()
+    result = compare.run(net, solver_path=str(tmp_path / "solver.prototxt"), out=out, iterations=3)
+    assert result["ok"], out.getvalue()
+    losses = result["training"]["losses"]
+    assert losses["caffe"][2] < losses["caffe"][0]
