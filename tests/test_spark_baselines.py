@@ -45,6 +45,8 @@ def test_average_runs_rounds_of_period_iterations(tmp_path):
     tested = [int(i) for i in re.findall(r"Iteration (\d+), Testing net", log)]
     assert tested == [0, 60, 120]  # Caffe's test iterations, exactly
     assert re.findall(r"Iteration (\d+), loss = ", log) == ["20", "40", "60", "80", "100", "120"]
+    # Each worker's progress after its rounds, as easgd's (plain lines on a console that is no terminal).
+    assert re.search(r"Progress: iteration 120 of 120 .*w0 loss \d.* \| w1 loss \d", log), log[-3000:]
     assert final_accuracy(log) >= 0.9
     out = set(os.listdir(tmp_path / "out"))
     assert {"tiny_iter_60.caffemodel", "tiny_iter_60.solverstate", "tiny_iter_120.caffemodel",

@@ -23,6 +23,7 @@ from deepspark.errors import ConfigError
 from deepspark.exchange import ExchangeOptions, ExchangeServer
 from deepspark.graph import Graph
 from deepspark.log import Log
+from deepspark.progress import display
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark import executor, rounds, shards
 from deepspark.spark.center import HISTORY_SECONDS, CenterCadence
@@ -221,7 +222,11 @@ class Job:
     def run_rounds(self, task, train_round, update_center):
         """Rounds without an exchanger (spark/rounds.py): the center broadcast, `train_round(trainer, steps)` on
         every worker, `update_center(job, returned)` on the driver; the workers' Summaries."""
-        return rounds.run_rounds(self, task, train_round, update_center)
+        progress = display(self.log, self.workers, schedule.stop_iteration(self.param), batch_size(self.graph))
+        try:
+            return rounds.run_rounds(self, task, train_round, update_center, progress.draw)
+        finally:
+            progress.close()
 
     def exchange_address(self):
         """(host, port) the workers connect to: exchange_address when set, else where the exchanger listens;

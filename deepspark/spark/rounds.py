@@ -13,10 +13,11 @@ from deepspark.spark import executor
 from deepspark.spark.failures import failed, first_line
 
 
-def run_rounds(job, task, train_round, update_center):
+def run_rounds(job, task, train_round, update_center, draw):
     """Rounds to schedule.stop_iteration: each broadcasts the center (job.center), runs `train_round(trainer,
     steps)` on every worker from it, and hands what they returned (in worker order) to `update_center(job,
-    returned)`; drives the cadence's tests, snapshots and display. The workers' Summaries."""
+    returned)`; drives the cadence's tests, snapshots and display, and `draw`s each worker's iteration and loss
+    after each round (progress.display's draw). The workers' Summaries."""
     p, ds, log = job.param, job.ds, job.log
     boundaries = [x for x in (p.test_interval, p.snapshot) if x and x % ds.period]
     if boundaries:
@@ -38,6 +39,7 @@ def run_rounds(job, task, train_round, update_center):
             for r in returned:
                 account(workers.setdefault(r["worker"], executor.Summary(r["worker"])), r, steps, wall,
                         handovers, restarts)
+            draw({r["worker"]: {"iteration": iteration, "loss": r["loss"]} for r in returned})
             job.cadence.observe(iteration, float(np.mean([r["loss"] for r in returned])))
     finally:
         release_all(job, task.job_id)
