@@ -1,8 +1,11 @@
 """ExchangeServer: holds the center x̃ and serves every worker's connection (handshake, frames, bookkeeping) for one handler."""
 
+import array
+import fcntl
 import logging
 import math
 import socket
+import termios
 import threading
 import time
 
@@ -214,16 +217,17 @@ class ExchangeServer:
                 continue
             except OSError:
                 break
-            self._admit(sock, peer)
+            try:
+                self._admit(sock, peer)
+            except Exception as error:  # one connection's trouble must not end the accepting: that would be a way in
+                log.warning(f"could not serve {peer[0]}:{peer[1]}: {error}")
+                sock.close()
 
     def _admit(self, sock, peer):
         """Serve a new connection in a thread of its own, past the Gate (a function of its own, so that nothing
         here keeps its buffers alive once it has ended)."""
         tune(sock)
         session = Session(self, Connection(sock, f"{peer[0]}:{peer[1]}"), peer[0])
-        t = threading.Thread(target=session.run, name=f"exchange-{peer[0]}:{peer[1]}", daemon=True)
-        with self._books:
-            self._conns.add((sock, t))
         for old in self.gate.admit(session):
             reason = f"made way for a newer connection ({self.gate.describe(session.address)})"
             if time.monotonic() - self._flooded > 60:  # one warning per quiet spell, not one per connection
@@ -231,7 +235,16 @@ class ExchangeServer:
             self._flooded = time.monotonic()
             self._note_refused(old.conn.peer, reason)  # noted before the peer sees the close
             old.close_unanswered()
-        t.start()
+        t = threading.Thread(target=session.run, name=f"exchange-{peer[0]}:{peer[1]}", daemon=True)
+        with self._books:
+            self._conns.add((sock, t))
+        try:
+            t.start()
+        except RuntimeError:  # no thread to be had: the Gate must not keep it
+            with self._books:
+                self._conns.discard((sock, t))
+            self.gate.done(session)
+            raise
 
     def _note_refused(self, peer, reason):
         with self._books:
@@ -253,6 +266,19 @@ class Session:
         self.server, self.conn, self.address = server, conn, address
         self.hello = False    # a whole HELLO came (Gate ranks it above one still coming)
         self.evicted = False  # closed by the Gate to make way (under its lock)
+
+    def progress(self):
+        """How far the handshake has come, for the Gate: 2 a whole HELLO read, 1 one in the socket's buffer not yet
+        read (a worker's is there microseconds after it connects, however long its thread takes to start), 0
+        neither."""
+        if self.hello:
+            return 2
+        waiting = array.array("i", [0])
+        try:
+            fcntl.ioctl(self.conn.sock.fileno(), termios.FIONREAD, waiting)
+        except (OSError, ValueError):  # closed meanwhile (its descriptor -1)
+            return 0
+        return int(waiting[0] >= P.HEADER_SIZE + P.NONCE_SIZE)
 
     def close_unanswered(self):
         """End the handshake from another thread (the Gate's eviction): the session's read returns at once."""
@@ -399,13 +425,14 @@ def joined(prev, iteration, peer):
 class Gate:
     """Who may be in a handshake: the connections from each address, and those from strangers' addresses (none a
     worker has authenticated from) together, each up to a limit. A newcomer always gets in; the connection that
-    makes way is, of those the newcomer would exceed a limit with, the one with least progress (no whole HELLO
-    before a HELLO), oldest first. A worker's rejoin takes milliseconds and so is never the oldest, and its address's
+    makes way is, of those the newcomer would exceed a limit with, the one with least progress (Session.progress:
+    no whole HELLO before a HELLO), oldest first. A worker's rejoin takes milliseconds and so is never the oldest, and its address's
     slots are its own: a flood from elsewhere cannot touch them, one from beside it churns within them."""
 
     def __init__(self, strangers, per_address):
         self.strangers, self.per_address = strangers, per_address
         self.known = set()  # addresses a worker has authenticated from
+        self.evictions = 0  # connections closed to make way so far
         self._open = {}     # id(session): session, in their handshake, oldest first
         self._lock = threading.Lock()
 
@@ -420,7 +447,8 @@ class Gate:
                 crowd = strangers
             else:
                 crowd = []
-            out = [min(crowd, key=lambda s: s.hello)] if crowd else []  # min: the first, oldest, of the least
+            out = [min(crowd, key=Session.progress)] if crowd else []  # min: the first, oldest, of the least
+            self.evictions += len(out)
             for s in out:
                 s.evicted = True
                 del self._open[id(s)]
