@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 
 import lmdb
 import numpy as np
@@ -179,7 +180,7 @@ def test_feeder_gives_pycaffe_batches(annoset, tmp_path):
     (tmp_path / "net.prototxt").write_text(text)
     net = caffe.Net(str(tmp_path / "net.prototxt"), caffe.TEST)
     ours = feeder(text)
-    assert ours.shapes == {"data": (2, 3, 12, 12), "label": (1, 1, 4, 8)}  # a and b: 3 + 1 boxes, the most two hold
+    assert ours.shapes == {"data": (2, 3, 12, 12), "label": (1, 1, 6, 8)}  # 2 x the 3 boxes of a
     for _ in range(4):  # past the end: the LMDB loops, a batch spanning the seam
         net.forward()
         batch = ours.next_batch()
@@ -259,3 +260,27 @@ def test_compare_solver_on_the_tiny_ssd_net(annoset, tmp_path):
     assert result["ok"], out.getvalue()
     losses = result["training"]["losses"]
     assert losses["caffe"][2] < losses["caffe"][0]
+
+
+@pytest.mark.spark
+def test_a_two_worker_easgd_job_lowers_the_tiny_ssd_loss(annoset, tmp_path):
+    """Each of 2 local Spark workers reads its half of convert-annoset's LMDB; pycaffe's own AnnotatedData layer
+    then reads the LMDB for the loss of the untrained net (Caffe's constant fillers, as training starts) and of
+    the job's snapshot."""
+    try:
+        caffe = runtime.caffe()
+    except ImportError as error:
+        pytest.skip(str(error))
+    net = tiny_ssd_net(tmp_path, annoset[2])
+    (tmp_path / "solver.prototxt").write_text(f'net: "{net}"\nbase_lr: 0.05\nmomentum: 0.9\nweight_decay: 0.0005\n'
+                                              f'lr_policy: "fixed"\nmax_iter: 40\ndisplay: 10\nsnapshot: 0\n'
+                                              f'snapshot_prefix: "{tmp_path}/out/ssd"\n')
+    status, _, log = run_cli("train", "--solver", str(tmp_path / "solver.prototxt"), "--workers", "2",
+                             "--algorithm", "easgd", "--output", str(tmp_path / "out"))
+    assert status == 0, log[-3000:]
+    assert "each executor reads its share of them itself" in log
+    assert len(re.findall(r"Worker \d on \S+ \(in [^)]*\): 40 iterations", log)) == 2, log[-3000:]
+    trained = caffe.Net(net, caffe.TRAIN)
+    untrained = float(trained.forward()["mbox_loss"])
+    trained.copy_from(str(tmp_path / "out" / "ssd_iter_40.caffemodel"))
+    assert float(trained.forward()["mbox_loss"]) < 0.8 * untrained

@@ -291,23 +291,25 @@ def box_count(record):
 
 
 def source_shape(layer_param, given=None):
-    """What AnnotatedData's shape rule needs: {"image": (C, H, W) of the first record, "boxes": every record's box
-    count, largest first (the label top holds the batch's boxes, padded to the most a batch can hold),
-    "typed": (1,) when records carry an annotation type, else (0,) (then the label is the datum's, per image)}."""
+    """What AnnotatedData's shape rule needs: {"image": (C, H, W) of the first record, "boxes": (the most boxes one
+    record holds,) (the label top holds the batch's boxes, padded to the most a batch can hold), "records": (the
+    record count,), "typed": (1,) when records carry an annotation type, else (0,) (then the label is the datum's,
+    per image)}; with --data-shape `given`, one box per record."""
     if given is not None:
-        return {"image": tuple(given), "boxes": (), "typed": (1,)}
+        return {"image": tuple(given), "boxes": (1,), "records": (0,), "typed": (1,)}
     path = layer_param.data_param.source
     records = read_annotated(path)
     key, first = records[0]
     color = _color(layer_param.transform_param)
     image = datum_to_array(first.datum, key, path, color).shape
     return {"image": tuple(int(d) for d in image), "typed": (int(first.HasField("type")),),
-            "boxes": tuple(sorted((box_count(r) for _, r in records), reverse=True))}
+            "boxes": (max(box_count(r) for _, r in records),), "records": (len(records),)}
 
 
 def label_rows(boxes, batch):
-    """G of the label top (1 x 1 x G x 8): the most boxes any batch of `batch` records can hold, at least 1."""
-    return max(1, sum(boxes[:batch]))
+    """G of the label top (1 x 1 x G x 8): the most boxes a batch can hold, at least 1. A shard smaller than the
+    batch repeats its records in one batch (a Spark worker's may hold one), so it is batch x the most one holds."""
+    return max(1, batch * boxes[0])
 
 
 def transformed_rows(record, crop, mirror):
@@ -366,9 +368,9 @@ class AnnotatedFeeder(Resumable):
         if self.batch_size <= 0:
             raise ConfigError(f"layer {self.name!r}: data_param.batch_size must be positive")
         whole = source_shape(layer_param)
-        start, stop = shard_range(len(whole["boxes"]), shard, num_shards)
+        start, stop = shard_range(whole["records"][0], shard, num_shards)
         if stop == start:
-            raise DataError(f"shard {shard} of {num_shards} is empty: the LMDB holds {len(whole['boxes'])} records",
+            raise DataError(f"shard {shard} of {num_shards} is empty: the LMDB holds {whole['records'][0]} records",
                             self.path)
         self.records = read_annotated(self.path, start, stop)
         self.size, self.typed = len(self.records), bool(whole["typed"][0])
@@ -434,6 +436,17 @@ class AnnotatedFeeder(Resumable):
         return label
 
 
+def check_source(layer_param):
+    """A one-line error unless the layer's LMDB is there and its first record is an AnnotatedDatum."""
+    path = layer_param.data_param.source
+    if not os.path.isdir(path):
+        raise ConfigError(f"layer {layer_param.name!r}: source {path!r} is not an LMDB folder "
+                          "(deepspark convert-annoset makes one)")
+    read_annotated(path, 0, 1)
+
+
+# `listed`: on Spark each executor reads its own share of the LMDB's records (AnnotatedDatum, not the Datum
+# records the driver shards for a Data layer).
 feeds("AnnotatedData", make=lambda layer_param, phase, where, options: AnnotatedFeeder(
           layer_param, phase, mean=options.get("mean"), **where),
-      param="data_param", shape=source_shape)
+      param="data_param", listed=check_source, shape=source_shape)

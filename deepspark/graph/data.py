@@ -97,9 +97,10 @@ def _annotated_data(lp, bottoms, ctx):
     if source is None:
         return [None, None][:len(lp.top)], []
     data = (batch,) + crop_shape(lp.transform_param, source["image"])
-    # The fork's label is 1 x 1 x (the batch's boxes) x 8; a net here has fixed shapes, so it is as many rows as
-    # the batch_size records holding the most boxes have, the batch's own first and rows of -1 after them.
-    label = (1, 1, max(1, sum(source["boxes"][:batch])), 8) if source["typed"][0] else (batch,)
+    # The fork's label is 1 x 1 x (the batch's boxes) x 8; a net here has fixed shapes, so it has the rows of a
+    # batch of the record holding the most boxes (a shard smaller than a batch repeats its records), the batch's
+    # own first and rows of -1 after them (deepspark.data.annotated.label_rows).
+    label = (1, 1, max(1, batch * source["boxes"][0]), 8) if source["typed"][0] else (batch,)
     return [data, label][:len(lp.top)], []
 
 
