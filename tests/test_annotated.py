@@ -1,4 +1,4 @@
-"""convert-annoset's AnnotatedDatum LMDB, read back by the bundled pycaffe's AnnotatedData layer (#43)."""
+"""convert-annoset's AnnotatedDatum LMDB and the AnnotatedData layer, against the bundled pycaffe's: records, batches, compare --solver, a 2-worker Spark job (#43)."""
 
 import io
 import os
@@ -10,10 +10,10 @@ import pytest
 from PIL import Image
 
 from conftest import run_cli
-from deepspark.backends.caffe import runtime
 from deepspark.data.annotated import convert_annoset
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
+from test_detection import pycaffe  # noqa: F401 (a fixture)
 
 LABEL_MAP = """item { name: "none_of_the_above" label: 0 display_name: "background" }
 item { name: "cat" label: 1 display_name: "cat" }
@@ -56,6 +56,15 @@ def annoset(tmp_path_factory):
     return str(root), str(root / "list.txt"), str(root / "labelmap.prototxt"), pixels
 
 
+@pytest.fixture(scope="module")
+def converted(annoset, tmp_path_factory):
+    """The annoset's LMDB as convert-annoset writes it by default (raw BGR pixels, XML boxes)."""
+    root, listfile, label_map, _ = annoset
+    out = str(tmp_path_factory.mktemp("converted") / "lmdb")
+    convert_annoset(root, listfile, out, label_map_file=label_map)
+    return out
+
+
 def read_lmdb(path):
     """[(key, AnnotatedDatum)] of an LMDB, in key order."""
     with lmdb.open(path, readonly=True, lock=False) as env, env.begin() as txn:
@@ -92,14 +101,9 @@ def test_records_hold_the_fork_layout(annoset, tmp_path):
     assert not records[2][1].annotation_group and records[2][1].type == pb.AnnotatedDatum.BBOX
 
 
-def test_pycaffe_reads_the_lmdb(annoset, tmp_path):
-    try:
-        caffe = runtime.caffe()
-    except ImportError as error:
-        pytest.skip(str(error))
-    root, listfile, label_map, _ = annoset
-    out = str(tmp_path / "lmdb")
-    convert_annoset(root, listfile, out, label_map_file=label_map)
+@pytest.mark.caffe
+def test_pycaffe_reads_the_lmdb(pycaffe, annoset, converted, tmp_path):
+    caffe, label_map, out = pycaffe, annoset[2], converted
     records = read_lmdb(out)
     prototxt = tmp_path / "net.prototxt"
     prototxt.write_text(f'layer {{ name: "data" type: "AnnotatedData" top: "data" top: "label" '
@@ -166,14 +170,9 @@ def feeder(text, phase=pb.TEST, seed=None):
     return feeder_for(net.layer[0], phase=phase, seed=seed)
 
 
-def test_feeder_gives_pycaffe_batches(annoset, tmp_path):
-    try:
-        caffe = runtime.caffe()
-    except ImportError as error:
-        pytest.skip(str(error))
-    root, listfile, label_map, _ = annoset
-    out = str(tmp_path / "lmdb")
-    convert_annoset(root, listfile, out, label_map_file=label_map)
+@pytest.mark.caffe
+def test_feeder_gives_pycaffe_batches(pycaffe, annoset, converted, tmp_path):
+    caffe, label_map, out = pycaffe, annoset[2], converted
     # crop_size 12 of 16x20 images, centred in TEST: the boxes are projected into the crop and clipped.
     text = annotated_layer(out, label_map, 2, "crop_size: 12 scale: 0.5 mean_value: 100 mean_value: 110 "
                                               "mean_value: 120")
@@ -191,10 +190,8 @@ def test_feeder_gives_pycaffe_batches(annoset, tmp_path):
         assert (kept[len(theirs):] == -1).all()
 
 
-def test_mirror_flips_boxes_with_the_image(annoset, tmp_path):
-    root, listfile, label_map, _ = annoset
-    out = str(tmp_path / "lmdb")
-    convert_annoset(root, listfile, out, label_map_file=label_map)
+def test_mirror_flips_boxes_with_the_image(annoset, converted):
+    label_map, out = annoset[2], converted
     plain = feeder(annotated_layer(out, label_map, 3), pb.TRAIN).next_batch()
     mirrored = feeder(annotated_layer(out, label_map, 3, "mirror: true", "TRAIN"), pb.TRAIN, seed=3)
     flips = set()
@@ -212,11 +209,8 @@ def test_mirror_flips_boxes_with_the_image(annoset, tmp_path):
     assert flips == {True, False}
 
 
-def test_batch_sampler_is_refused_in_one_line(annoset, tmp_path):
-    root, listfile, label_map, _ = annoset
-    out = str(tmp_path / "lmdb")
-    convert_annoset(root, listfile, out, label_map_file=label_map)
-    text = annotated_layer(out, label_map, 2).replace(
+def test_batch_sampler_is_refused_in_one_line(annoset, converted):
+    text = annotated_layer(converted, annoset[2], 2).replace(
         "annotated_data_param {", "annotated_data_param { batch_sampler { max_sample: 1 }")
     with pytest.raises(ConfigError, match="batch_sampler .* not supported"):
         feeder(text)
@@ -246,11 +240,8 @@ def tiny_ssd_net(folder, label_map):
     return str(folder / "net.prototxt")
 
 
-def test_compare_solver_on_the_tiny_ssd_net(annoset, tmp_path):
-    try:
-        runtime.caffe()
-    except ImportError as error:
-        pytest.skip(str(error))
+@pytest.mark.caffe
+def test_compare_solver_on_the_tiny_ssd_net(pycaffe, annoset, tmp_path):
     from deepspark import compare
     net = tiny_ssd_net(tmp_path, annoset[2])
     (tmp_path / "solver.prototxt").write_text(f'net: "{net}"\nbase_lr: 0.05\nmomentum: 0.9\n'
@@ -263,14 +254,12 @@ def test_compare_solver_on_the_tiny_ssd_net(annoset, tmp_path):
 
 
 @pytest.mark.spark
-def test_a_two_worker_easgd_job_lowers_the_tiny_ssd_loss(annoset, tmp_path):
+@pytest.mark.caffe
+def test_a_two_worker_easgd_job_lowers_the_tiny_ssd_loss(pycaffe, annoset, tmp_path):
     """Each of 2 local Spark workers reads its half of convert-annoset's LMDB; pycaffe's own AnnotatedData layer
     then reads the LMDB for the loss of the untrained net (Caffe's constant fillers, as training starts) and of
     the job's snapshot."""
-    try:
-        caffe = runtime.caffe()
-    except ImportError as error:
-        pytest.skip(str(error))
+    caffe = pycaffe
     net = tiny_ssd_net(tmp_path, annoset[2])
     (tmp_path / "solver.prototxt").write_text(f'net: "{net}"\nbase_lr: 0.05\nmomentum: 0.9\nweight_decay: 0.0005\n'
                                               f'lr_policy: "fixed"\nmax_iter: 40\ndisplay: 10\nsnapshot: 0\n'
