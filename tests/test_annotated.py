@@ -273,3 +273,13 @@ def test_a_two_worker_easgd_job_lowers_the_tiny_ssd_loss(pycaffe, annoset, tmp_p
     untrained = float(trained.forward()["mbox_loss"])
     trained.copy_from(str(tmp_path / "out" / "ssd_iter_40.caffemodel"))
     assert float(trained.forward()["mbox_loss"]) < 0.8 * untrained
+
+
+def test_encoded_records_give_the_raw_records_batches(annoset, converted, tmp_path):
+    """PNG records (which the bundled pycaffe, built without OpenCV, cannot decode) decode to the raw ones."""
+    root, listfile, label_map, _ = annoset
+    encoded = str(tmp_path / "png")
+    convert_annoset(root, listfile, encoded, label_map_file=label_map, encode_type="png")
+    batches = [feeder(annotated_layer(path, label_map, 3, "scale: 0.5")).next_batch() for path in (converted, encoded)]
+    for top in ("data", "label"):
+        np.testing.assert_array_equal(batches[0][top], batches[1][top])
