@@ -9,12 +9,12 @@ import numpy as np
 from google.protobuf import text_format
 from google.protobuf.message import DecodeError
 
-from deepspark.data.convert import log, read_image, read_list_text
+from deepspark.data.convert import image_errors, log, read_image, read_list_text, write_images
 from deepspark.data import parquet
 from deepspark.data.datum import DataError, datum_to_array, encode_image
 from deepspark.data.lmdb_io import shard_range
 from deepspark.data.resume import Resumable
-from deepspark.data.sources import source_for, write_records
+from deepspark.data.sources import source_for
 from deepspark.data.table import feeds
 from deepspark.data.transform import Transformer, _phase
 from deepspark.data.feeder import _color
@@ -245,7 +245,7 @@ def convert_annoset(root, listfile, out, label_map_file="", anno_type="detection
         for index, (filename, second, number) in enumerate(entries):
             encoding = _encoding_for(filename, encoded, encode_type, listfile, number)
             path = os.path.join(root, filename)
-            try:
+            with image_errors(path, listfile, number):
                 if detection:
                     record = annotated_datum(path, os.path.join(root, second), names, label_type, not gray, resize,
                                              min_dim, max_dim, encoding, previous)
@@ -253,19 +253,10 @@ def convert_annoset(root, listfile, out, label_map_file="", anno_type="detection
                     datum, _ = _image_datum(path, not gray, resize, min_dim, max_dim, encoding, previous)
                     datum.label = second
                     record = pb.AnnotatedDatum(datum=datum)
-            except OSError as e:
-                raise ConfigError(f"cannot read image {path} ({e.strerror or e})", listfile, number) from None
-            except (ValueError, SyntaxError) as e:
-                raise ConfigError(f"cannot decode image {path} ({e})", listfile, number) from None
             previous = record.datum
             yield f"{index:08d}_{filename}".encode(), record.SerializeToString()
-            if (index + 1) % 1000 == 0:
-                log.info(f"Processed {index + 1} files.")
 
-    written = write_records(out, records(), overwrite=overwrite)
-    if written % 1000:
-        log.info(f"Processed {written} files.")
-    return written
+    return write_images(out, records(), overwrite)
 
 
 # ---------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The dataset tools: convert-mnist, convert-imageset and compute-image-mean, as Caffe's tools do them, and convert-lmdb."""
 
+import contextlib
 import gzip
 import io
 import logging
@@ -184,13 +185,8 @@ def convert_imageset(root, listfile, out, gray=False, shuffle=False, resize_heig
                                       "give --encode-type png|jpg", listfile, number)
             else:
                 kind = ""
-            try:
+            with image_errors(path, listfile, number):
                 datum = _read_image_datum(path, label, color, resize, kind)
-            except OSError as e:
-                what = e.strerror or str(e)
-                raise ConfigError(f"cannot read image {path} ({what})", listfile, number) from None
-            except (ValueError, SyntaxError) as e:
-                raise ConfigError(f"cannot decode image {path} ({e})", listfile, number) from None
             if check_size and not encoded:
                 size = (datum.channels, datum.height, datum.width)
                 if first_size and size != first_size[0]:
@@ -199,10 +195,31 @@ def convert_imageset(root, listfile, out, gray=False, shuffle=False, resize_heig
                                       listfile, number)
                 first_size[:] = [size]
             yield f"{index:08d}_{filename}".encode(), datum.SerializeToString()
-            if (index + 1) % 1000 == 0:
-                log.info(f"Processed {index + 1} files.")
 
-    written = write_records(out, records(), overwrite=overwrite)
+    return write_images(out, records(), overwrite)
+
+
+@contextlib.contextmanager
+def image_errors(path, listfile, number):
+    """An image that cannot be read or decoded, as one line naming it and the list's line."""
+    try:
+        yield
+    except OSError as e:
+        raise ConfigError(f"cannot read image {path} ({e.strerror or e})", listfile, number) from None
+    except (ValueError, SyntaxError) as e:
+        raise ConfigError(f"cannot decode image {path} ({e})", listfile, number) from None
+
+
+def write_images(out, records, overwrite):
+    """(key, value) records of a list of images written to the LMDB `out`, with convert_imageset's lines
+    ("Processed N files." every 1,000 and at the end); the count."""
+    def counted():
+        for index, record in enumerate(records, 1):
+            yield record
+            if index % 1000 == 0:
+                log.info(f"Processed {index} files.")
+
+    written = write_records(out, counted(), overwrite=overwrite)
     if written % 1000:
         log.info(f"Processed {written} files.")
     return written
