@@ -6,7 +6,7 @@ import os
 from deepspark import config, nets
 from deepspark.ml import DeepSparkEstimator
 from deepspark.ml.fit import Fit
-from deepspark.spark.job import Job
+from deepspark.spark.job import JobPlan
 from synthetic import make_job
 
 
@@ -64,7 +64,7 @@ def test_single_and_spark_write_to_the_same_folder(tmp_path, monkeypatch):
     solver = tiny(tmp_path, "tiny", algorithm="single", backend="tensorflow")
     nets.train(solver)
     assert (tmp_path / "train.log").exists() and (tmp_path / "tiny_iter_2.caffemodel").exists()
-    job = Job(tiny(tmp_path, "tiny", algorithm="easgd"))  # its constructor starts nothing
-    assert job.output == config.output_folder(solver) == "."
-    job = Job(tiny(tmp_path))
-    assert job.output == str(tmp_path / "out")
+    plan = JobPlan.of(tiny(tmp_path, "tiny", algorithm="easgd"))  # a plan starts nothing
+    assert plan.output == config.output_folder(solver) == "."
+    plan = JobPlan.of(tiny(tmp_path))
+    assert plan.output == str(tmp_path / "out")
