@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 
 from deepspark.backends.caffe import runtime
-from test_zoo_layers import L, check_backends, normal, seeded  # noqa: F401 (seeded: a fixture)
+from deepspark.config import parse_net
+from deepspark.errors import ConfigError
+from deepspark.graph import Graph
+from deepspark.proto import deepspark_pb2 as pb
+from test_zoo_layers import L, check_backends, net_text, normal, seeded  # noqa: F401 (seeded: a fixture)
 
 pytestmark = pytest.mark.caffe
 
@@ -55,3 +59,44 @@ def test_hard_neurons_and_their_empty_backward(kind, body, reference):
     values, diffs = check_backends(layers, {"x": x, "y": y, "z": z}, ranks={"h": 4, "r": 2, "zc": 4})
     np.testing.assert_allclose(values["h"], reference(x), rtol=1e-6, atol=1e-7)
     assert not np.any(diffs["x"][0]) and np.any(diffs["z"][0])
+
+
+# -- Pad, Unsqueeze: the fork's, with an empty Backward -------------------------------------------------------
+
+CONV = L("conv", "Convolution", ["x"], 'convolution_param { num_output: 3 kernel_size: 1 bias_term: false '
+         'weight_filler { type: "constant" value: 1 } }')
+
+
+@pytest.mark.parametrize("body, reference", [
+    ("pad_param { pad_u: 1 pad_d: 2 pad_l: 3 pad_r: 0 pad_value: 1.5 }",
+     lambda x: np.pad(x, [(0, 0), (0, 0), (1, 2), (3, 0)], constant_values=1.5)),
+    ("pad_param { pad_type: REPLICATE pad_u: 2 pad_d: 1 pad_l: 0 pad_r: 3 }",
+     lambda x: np.pad(x, [(0, 0), (0, 0), (2, 1), (0, 3)], mode="edge")),
+    ("pad_param { pad_type: REFLECT pad_u: 1 pad_d: 3 pad_l: 2 pad_r: 1 }",
+     lambda x: np.pad(x, [(0, 0), (0, 0), (1, 3), (2, 1)], mode="reflect")),
+    ("pad_param { pad_u: -1 pad_d: -2 pad_l: -1 pad_r: -3 }", lambda x: x[:, :, 1:-2, 1:-3]),
+])
+@pytest.mark.parametrize("after_conv", [False, True])
+def test_pad_and_its_empty_backward(body, reference, after_conv):
+    """Both layouts (after a Convolution the TF backend's blob is NHWC); a ReLU on a second input gives the check
+    a diff: Pad's own input gets none from Caffe's empty Backward."""
+    x, y = normal(2, 3, 5, 6), normal(2, 3)
+    source = "conv" if after_conv else "x"
+    layers = (CONV if after_conv else "") + L("p", "Pad", [source], body) + L("r", "ReLU", ["y"])
+    values, diffs = check_backends(layers, {"x": x, "y": y}, ranks={"p": 4, "r": 2})
+    expected = reference(x.sum(axis=1, keepdims=True).repeat(3, axis=1) if after_conv else x)
+    np.testing.assert_allclose(values["p"], expected, rtol=1e-5, atol=1e-6)
+    assert not np.any(diffs["x"][0])
+
+
+@pytest.mark.parametrize("body, tops, message", [
+    ("pad_param { pad_u: 1 pad_d: -1 }", None, "all non-negative or all negative"),
+    ("pad_param { pad_type: REFLECT pad_l: 6 }", None, "must be smaller than"),
+    ("pad_param { pad_u: -3 pad_d: -3 pad_l: -1 pad_r: -1 }", None, "negative size"),
+    ("pad_param { pad_u: 1 }", ["x"], "in-place"),
+])
+def test_pad_refuses_what_caffe_aborts_or_indexes_past_on(body, tops, message):
+    text = net_text(L("p", "Pad", ["x"], body, tops), {"x": normal(2, 3, 5, 6)}, {}, {})
+    with pytest.raises(ConfigError, match=message) as error:
+        Graph(parse_net(text)[0], pb.TRAIN)
+    assert "\n" not in str(error.value)

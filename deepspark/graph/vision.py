@@ -1,4 +1,4 @@
-"""Shape rules of the vision layers: convolution, pooling, LRN, Im2col, SPP, Crop, and their geometry."""
+"""Shape rules of the vision layers: convolution, pooling, LRN, Im2col, SPP, Crop, Pad, and their geometry."""
 
 import math
 
@@ -208,3 +208,26 @@ def _im2col(lp, bottoms, ctx):
     shape = bottoms[0]
     axis, kernel, out = _conv_output(lp, shape)
     return [shape[:axis] + (shape[axis] * math.prod(kernel),) + tuple(out)], []
+
+
+@layer_type("Pad")
+def _pad(lp, bottoms, ctx):
+    """The fork's Pad: a 4-axis blob's H and W grown by pad_u + pad_d and pad_l + pad_r (CONSTANT, REPLICATE,
+    REFLECT), or all four negative, cut; Caffe's Backward is empty. Its Forward indexes past the blob where the
+    pads mix signs or a REFLECT pad reaches the edge, and its other ranks read a 4-axis blob's axes: refused."""
+    p = lp.pad_param
+    shape = bottoms[0]
+    if lp.top[0] == lp.bottom[0]:
+        raise ShapeError("Pad does not allow in-place computation")
+    if len(shape) != 4:
+        raise ShapeError(f"Pad takes a 4-axis input here, got {fmt(shape)}")
+    pads = (p.pad_u, p.pad_d, p.pad_l, p.pad_r)
+    if not (all(q >= 0 for q in pads) or all(q < 0 for q in pads)):
+        raise ShapeError(f"Pad's pads must be all non-negative or all negative, got {pads}")
+    height, width = shape[2] + p.pad_u + p.pad_d, shape[3] + p.pad_l + p.pad_r
+    if height < 0 or width < 0:
+        raise ShapeError(f"Pad {pads} leaves a negative size of {fmt(shape)}")
+    if p.pad_type == pb.PadParameter.REFLECT and (max(p.pad_u, p.pad_d) >= shape[2]
+                                                 or max(p.pad_l, p.pad_r) >= shape[3]):
+        raise ShapeError(f"Pad REFLECT pads {pads} must be smaller than the input's {shape[2]}x{shape[3]}")
+    return [(shape[0], shape[1], height, width)], []

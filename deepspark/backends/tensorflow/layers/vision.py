@@ -1,4 +1,4 @@
-"""Vision layers in TensorFlow: convolution, deconvolution, pooling, LRN, im2col, SPP and crop, in NHWC."""
+"""Vision layers in TensorFlow: convolution, deconvolution, pooling, LRN, im2col, SPP, crop and Pad, in NHWC."""
 
 import numpy as np
 
@@ -244,3 +244,34 @@ def im2col(layer, bottoms, params, ctx):
     patches = tf.reshape(patches, (-1, height, width, kernel[0], kernel[1], channels))  # TF orders (i, j, c)
     y = tf.reshape(tf.transpose(patches, (0, 1, 2, 5, 3, 4)), (-1, height, width, channels * kernel[0] * kernel[1]))
     return [Blob(y, True)]
+
+
+@layer("Pad")
+def pad(layer, bottoms, params, ctx):
+    """The fork's Pad: H and W grown by the pads (CONSTANT with pad_value, REPLICATE as TensorFlow's SYMMETRIC
+    cannot: the edge repeated, REFLECT without the edge), or all four negative, cut; either layout kept.
+    Caffe's Backward is empty: no diff reaches the input."""
+    p = layer.param.pad_param
+    blob = bottoms[0]
+    x = blob.tensor
+    h, w = blob.axis(2), blob.axis(3)
+    if p.pad_u < 0:
+        begin = [0] * 4
+        begin[h], begin[w] = -p.pad_u, -p.pad_l
+        size = [-1] * 4
+        top = layer.top_shapes[0]
+        size[h], size[w] = top[2], top[3]
+        return [blob.like(tf.stop_gradient(tf.slice(x, begin, size)))]
+    paddings = [[0, 0] for _ in range(4)]
+    paddings[h], paddings[w] = [p.pad_u, p.pad_d], [p.pad_l, p.pad_r]
+    if p.pad_type == pb.PadParameter.CONSTANT:
+        y = tf.pad(x, paddings, constant_values=p.pad_value)
+    elif p.pad_type == pb.PadParameter.REFLECT:
+        y = tf.pad(x, paddings, mode="REFLECT")
+    else:
+        for axis, (before, after) in ((h, paddings[h]), (w, paddings[w])):
+            size = tf.shape(x)[axis]
+            index = tf.concat([tf.zeros([before], tf.int32), tf.range(size), tf.fill([after], size - 1)], 0)
+            x = tf.gather(x, index, axis=axis)
+        y = x
+    return [blob.like(tf.stop_gradient(y))]
