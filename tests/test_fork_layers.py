@@ -100,3 +100,24 @@ def test_pad_refuses_what_caffe_aborts_or_indexes_past_on(body, tops, message):
     with pytest.raises(ConfigError, match=message) as error:
         Graph(parse_net(text)[0], pb.TRAIN)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("dim, expected", [(0, (1, 2, 3, 4)), (2, (2, 3, 1, 4)), (-1, (2, 3, 4, 1)),
+                                           (-4, (1, 2, 3, 4))])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_unsqueeze_and_its_empty_backward(dim, expected, in_place):
+    """Caffe's empty Backward: no diff reaches the input; in place, the input's diff is the top's own."""
+    x, y = normal(2, 3, 4), normal(2, 3)
+    top = "copy" if in_place else "u"
+    layers = COPY + L("u", "Unsqueeze", ["copy"], f"unsqueeze_param {{ dim: {dim} }}", [top]) + L("r", "ReLU", ["y"])
+    values, diffs = check_backends(layers, {"x": x, "y": y}, ranks={top: 4, "r": 2})
+    assert values[top].shape == expected
+    np.testing.assert_array_equal(values[top], x.reshape(expected))
+    assert np.any(diffs["x"][0]) == in_place
+
+
+def test_unsqueeze_refuses_a_dim_out_of_range():
+    text = net_text(L("u", "Unsqueeze", ["x"], "unsqueeze_param { dim: 4 }"), {"x": normal(2, 3, 4)}, {}, {})
+    with pytest.raises(ConfigError, match="Unsqueeze dim 4 is out of range") as error:
+        Graph(parse_net(text)[0], pb.TRAIN)
+    assert "\n" not in str(error.value)

@@ -123,6 +123,19 @@ def _flatten(lp, bottoms, ctx):
     return [shape[:start] + (count(shape, start, end + 1),) + shape[end + 1:]], []
 
 
+@layer_type("Unsqueeze")
+def _unsqueeze(lp, bottoms, ctx):
+    """The fork's Unsqueeze: a 1 inserted at `dim` (negative from the end, -1 after the last axis); its
+    Backward is empty."""
+    shape, param = bottoms[0], lp.unsqueeze_param
+    if not param.HasField("dim"):
+        raise ShapeError("Unsqueeze needs unsqueeze_param.dim (Caffe aborts)")
+    index = param.dim + len(shape) + 1 if param.dim < 0 else param.dim
+    if not 0 <= index <= len(shape):
+        raise ShapeError(f"Unsqueeze dim {param.dim} is out of range for {fmt(shape)}")
+    return [shape[:index] + (1,) + shape[index:]], []
+
+
 @layer_type("Reshape")
 def _reshape(lp, bottoms, ctx):
     shape, param = bottoms[0], lp.reshape_param

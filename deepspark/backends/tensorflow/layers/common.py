@@ -142,6 +142,14 @@ def reshape(layer, bottoms, params, ctx):
     return [Blob(tf.reshape(bottoms[0].caffe, batch_free(layer.top_shapes[0])))]
 
 
+@layer("Unsqueeze")
+def unsqueeze(layer, bottoms, params, ctx):
+    """The fork's Unsqueeze: a copy with a 1 inserted at `dim`. Its Backward is empty: no diff reaches the
+    bottom, except in place, where the bottom's diff is the top's own."""
+    y = tf.reshape(bottoms[0].caffe, batch_free(layer.top_shapes[0]))
+    return [Blob(y if layer.in_place else tf.stop_gradient(y))]
+
+
 @layer("Softmax")
 def softmax(layer, bottoms, params, ctx):
     blob = bottoms[0]
