@@ -121,3 +121,32 @@ def test_unsqueeze_refuses_a_dim_out_of_range():
     with pytest.raises(ConfigError, match="Unsqueeze dim 4 is out of range") as error:
         Graph(parse_net(text)[0], pb.TRAIN)
     assert "\n" not in str(error.value)
+
+
+# -- SmoothL1Loss ---------------------------------------------------------------------------------------------
+
+def smooth_l1_reference(a, b):
+    d = a - b
+    return np.where(np.abs(d) < 1, 0.5 * d * d, np.abs(d) - 0.5).sum() / a.shape[0]
+
+
+def test_smooth_l1_loss():
+    """Both inputs take Caffe's diff, +-f'(d) / N times the loss weight; the values cross |d| = 1 both ways."""
+    a, b = normal(2, 3, 4, 5) * 2, normal(2, 3, 4, 5)
+    layers = L("loss", "SmoothL1Loss", ["a", "b"], "loss_weight: 3")
+    values, diffs = check_backends(layers, {"a": a, "b": b}, tops=["loss"])
+    np.testing.assert_allclose(values["loss"], smooth_l1_reference(a, b), rtol=1e-5)
+    assert np.any(diffs["a"][0]) and np.any(diffs["b"][0])
+
+
+@pytest.mark.parametrize("shapes, message", [
+    ([(2, 3, 4), (2, 4, 3)], "SmoothL1Loss's inputs differ in shape"),
+    ([(2, 3), (3, 3)], "differ in their first axis"),
+    ([(2, 3), (2, 3), (2, 3)], "abort this pycaffe"),
+])
+def test_smooth_l1_loss_refuses_what_caffe_aborts_on(shapes, message):
+    sources = {name: normal(*shape) for name, shape in zip("abw", shapes)}
+    text = net_text(L("loss", "SmoothL1Loss", list(sources)), sources, {}, {})
+    with pytest.raises(ConfigError, match=message) as error:
+        Graph(parse_net(text)[0], pb.TRAIN)
+    assert "\n" not in str(error.value)

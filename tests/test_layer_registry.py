@@ -53,7 +53,7 @@ def test_derived_sets_follow_the_rows():
     assert graph.FED_TYPES == {"Input", "Data", "MemoryData", "HDF5Data", "ImageData", "WindowData", "AnnotatedData"}
     assert graph.DATA_TYPES == graph.FED_TYPES | {"DummyData"}
     assert graph.LOSS_TYPES == {"SoftmaxWithLoss", "SigmoidCrossEntropyLoss", "EuclideanLoss", "ContrastiveLoss",
-                                "InfogainLoss", "HingeLoss", "MultinomialLogisticLoss", "MultiBoxLoss"}
+                                "InfogainLoss", "HingeLoss", "MultinomialLogisticLoss", "MultiBoxLoss", "SmoothL1Loss"}
     assert graph.LABELLED_TYPES == {"SoftmaxWithLoss", "Accuracy", "SigmoidCrossEntropyLoss", "InfogainLoss",
                                     "HingeLoss", "MultinomialLogisticLoss"}
     assert graph.supported_types() == sorted(REGISTERED)

@@ -69,3 +69,21 @@ def _class_loss(lp, bottoms, ctx):
     if bottoms[0][:1] != bottoms[1][:1] or (lp.type == "MultinomialLogisticLoss" and count(bottoms[1], 1) != 1):
         raise ShapeError(f"{lp.type} needs one label per item: input {fmt(bottoms[0])}, labels {fmt(bottoms[1])}")
     return [()], []
+
+
+@layer_type("SmoothL1Loss", loss=True, bottoms=2)
+def _smooth_l1_loss(lp, bottoms, ctx):
+    """The fork's (Fast R-CNN's) SmoothL1Loss: predictions and targets of one legacy shape past the first axis,
+    the same first axis; one loss top. Its third bottom (weights) is refused: LossLayer's ExactNumBottomBlobs
+    (2) makes this pycaffe abort on it."""
+    if len(bottoms) == 3:
+        raise ShapeError("SmoothL1Loss's weights (a third bottom) abort this pycaffe (its LossLayer takes exactly "
+                         "2 bottoms)")
+    exactly(lp, bottoms, 2, 1)
+    shape = bottoms[0]
+    if shape[:1] != bottoms[1][:1]:
+        raise ShapeError(f"SmoothL1Loss's predictions {fmt(shape)} and targets {fmt(bottoms[1])} differ in "
+                         "their first axis")
+    if any(legacy(bottoms[1], axis) != legacy(shape, axis) for axis in (1, 2, 3)):
+        raise ShapeError(f"SmoothL1Loss's inputs differ in shape: {fmt(shape)}, {fmt(bottoms[1])}")
+    return [()], []

@@ -276,3 +276,12 @@ def contrastive_loss(layer, bottoms, params, ctx):
             return coefficient[:, None] * diff, -coefficient[:, None] * diff
         return tf.reduce_sum(tf.where(similar, squared, apart)) / pairs / 2.0, grad
     return [Blob(loss(a, b))]
+
+
+@layer("SmoothL1Loss")
+def smooth_l1_loss(layer, bottoms, params, ctx):
+    """The fork's SmoothL1Loss: d = a - b, sum(0.5 d^2 where |d| < 1, else |d| - 0.5) / N. Caffe's Backward,
+    +-f'(d) / N to a and b (f'(d) = d inside 1, else its sign), is the gradient of its Forward."""
+    a = bottoms[0].caffe
+    d = a - tf.reshape(bottoms[1].caffe, batch_free(layer.bottom_shapes[0]))
+    return [Blob(tf.reduce_sum(tf.where(tf.abs(d) < 1.0, 0.5 * d * d, tf.abs(d) - 0.5)) / items(a))]
