@@ -150,3 +150,38 @@ def test_smooth_l1_loss_refuses_what_caffe_aborts_on(shapes, message):
     with pytest.raises(ConfigError, match=message) as error:
         Graph(parse_net(text)[0], pb.TRAIN)
     assert "\n" not in str(error.value)
+
+
+# -- Upsample: the fork's nearest neighbour, with an empty Backward -------------------------------------------
+
+@pytest.mark.parametrize("body, shape, axes, after_conv", [
+    ("upsample_param { scale: 2 }", (2, 3, 4, 5), (2, 3), False),
+    ("upsample_param { scale: 2 }", (2, 3, 4, 5), (2, 3), True),
+    ("upsample_param { scale: 3 dims_num: 3 }", (2, 3, 4), (2,), False),
+    ("", (2, 3, 4, 5), (), True),
+])
+def test_upsample_and_its_empty_backward(body, shape, axes, after_conv):
+    """Both layouts (after a Convolution the TF backend's blob is NHWC); the input takes no diff."""
+    x, y = normal(*shape), normal(2, 3)
+    source = "conv" if after_conv else "x"
+    layers = (CONV if after_conv else "") + L("u", "Upsample", [source], body) + L("r", "ReLU", ["y"])
+    values, diffs = check_backends(layers, {"x": x, "y": y}, ranks={"u": len(shape), "r": 2})
+    expected = x.sum(axis=1, keepdims=True).repeat(3, axis=1) if after_conv else x
+    scale = 3 if "scale: 3" in body else 2 if axes else 1
+    for axis in axes:
+        expected = expected.repeat(scale, axis=axis)
+    np.testing.assert_allclose(values["u"], expected, rtol=1e-5, atol=1e-6)
+    assert not np.any(diffs["x"][0])
+
+
+@pytest.mark.parametrize("body, shape, tops, message", [
+    ("upsample_param { dims_num: 5 }", (2, 3, 4, 5), None, "dims_num must be 3 or 4"),
+    ("upsample_param { dims_num: 3 }", (2, 3, 4, 5), None, "needs a 3-axis input"),
+    ("upsample_param { scale: 0 }", (2, 3, 4, 5), None, "at least 1"),
+    ("upsample_param { scale: 2 }", (2, 3, 4, 5), ["x"], "in place"),
+])
+def test_upsample_refuses_what_caffe_aborts_or_misreads_on(body, shape, tops, message):
+    text = net_text(L("u", "Upsample", ["x"], body, tops), {"x": normal(*shape)}, {}, {})
+    with pytest.raises(ConfigError, match=message) as error:
+        Graph(parse_net(text)[0], pb.TRAIN)
+    assert "\n" not in str(error.value)

@@ -1,4 +1,4 @@
-"""Shape rules of the vision layers: convolution, pooling, LRN, Im2col, SPP, Crop, Pad, and their geometry."""
+"""Shape rules of the vision layers: convolution, pooling, LRN, Im2col, SPP, Crop, Pad, Upsample, their geometry."""
 
 import math
 
@@ -231,3 +231,22 @@ def _pad(lp, bottoms, ctx):
                                                  or max(p.pad_l, p.pad_r) >= shape[3]):
         raise ShapeError(f"Pad REFLECT pads {pads} must be smaller than the input's {shape[2]}x{shape[3]}")
     return [(shape[0], shape[1], height, width)], []
+
+
+@layer_type("Upsample")
+def _upsample(lp, bottoms, ctx):
+    """The fork's Upsample: nearest neighbour, the last two axes (dims_num 4, an NCHW blob) or the last (dims_num 3,
+    NCW) times `scale`; Caffe's Backward is empty. Its Forward reads exactly that many axes, and in place it
+    would read the input it overwrites: the rest refused."""
+    p = lp.upsample_param
+    shape = bottoms[0]
+    if p.dims_num not in (3, 4):
+        raise ShapeError(f"Upsample dims_num must be 3 or 4, got {p.dims_num}")
+    if len(shape) != p.dims_num:
+        raise ShapeError(f"Upsample dims_num {p.dims_num} needs a {p.dims_num}-axis input, got {fmt(shape)}")
+    if p.scale < 1:
+        raise ShapeError(f"Upsample scale must be at least 1, got {p.scale}")
+    if lp.top[0] == lp.bottom[0]:
+        raise ShapeError("Upsample in place would read the input it overwrites")
+    scaled = 2 if p.dims_num == 4 else 1
+    return [shape[:-scaled] + tuple(d * p.scale for d in shape[-scaled:])], []

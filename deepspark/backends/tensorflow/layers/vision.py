@@ -1,4 +1,4 @@
-"""Vision layers in TensorFlow: convolution, deconvolution, pooling, LRN, im2col, SPP, crop and Pad, in NHWC."""
+"""Vision layers in TensorFlow: convolution, deconvolution, pooling, LRN, im2col, SPP, crop, Pad, Upsample."""
 
 import numpy as np
 
@@ -274,4 +274,16 @@ def pad(layer, bottoms, params, ctx):
             index = tf.concat([tf.zeros([before], tf.int32), tf.range(size), tf.fill([after], size - 1)], 0)
             x = tf.gather(x, index, axis=axis)
         y = x
+    return [blob.like(tf.stop_gradient(y))]
+
+
+@layer("Upsample")
+def upsample(layer, bottoms, params, ctx):
+    """The fork's Upsample: each value repeated `scale` times along H and W (dims_num 4, either layout kept) or
+    along the last axis (dims_num 3). Caffe's Backward is empty: no diff reaches the input."""
+    p = layer.param.upsample_param
+    blob = bottoms[0]
+    y = blob.tensor
+    for axis in ((2, 3) if p.dims_num == 4 else (2,)):
+        y = tf.repeat(y, p.scale, axis=blob.axis(axis))
     return [blob.like(tf.stop_gradient(y))]
