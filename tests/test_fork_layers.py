@@ -185,3 +185,40 @@ def test_upsample_refuses_what_caffe_aborts_or_misreads_on(body, shape, tops, me
     with pytest.raises(ConfigError, match=message) as error:
         Graph(parse_net(text)[0], pb.TRAIN)
     assert "\n" not in str(error.value)
+
+
+# -- PixelShuffle: the fork's, with an empty Backward ---------------------------------------------------------
+
+def pixel_shuffle_reference(x, r):
+    n, c, h, w = x.shape
+    out = c // (r * r)
+    y = x[:, :out * r * r].reshape(n, out, r, r, h, w).transpose(0, 1, 4, 2, 5, 3)
+    return y.reshape(n, out, h * r, w * r)
+
+
+@pytest.mark.parametrize("channels, r, after_conv", [(8, 2, False), (12, 2, True), (6, 2, False), (9, 3, False),
+                                                     (3, 1, False)])
+def test_pixel_shuffle_and_its_empty_backward(channels, r, after_conv):
+    """6 channels at r 2: Caffe's CHECK passes (6 % 2) and it keeps 1 channel, from the first 4."""
+    x, y = normal(2, channels, 3, 4), normal(2, 3)
+    conv = (L("conv", "Convolution", ["x"], f'convolution_param {{ num_output: {channels} kernel_size: 1 '
+              'bias_term: false weight_filler { type: "gaussian" std: 1 } }') if after_conv else "")
+    layers = conv + L("s", "PixelShuffle", ["conv" if after_conv else "x"],
+                      f"pixelshuffle_param {{ upscale_factor: {r} }}") + L("r", "ReLU", ["y"])
+    values, diffs = check_backends(layers, {"x": x, "y": y}, ranks={"s": 4, "r": 2})
+    assert values["s"].shape == (2, channels // (r * r), 3 * r, 4 * r)
+    if not after_conv:
+        np.testing.assert_array_equal(values["s"], pixel_shuffle_reference(x, r))
+    assert not np.any(diffs["x"][0])
+
+
+@pytest.mark.parametrize("body, shape, message", [
+    ("pixelshuffle_param { upscale_factor: 2 }", (2, 3, 4, 5), "do not divide by upscale_factor 2"),
+    ("pixelshuffle_param { upscale_factor: 2 }", (2, 4, 5), "takes a 4-axis input"),
+    ("pixelshuffle_param { upscale_factor: 0 }", (2, 4, 4, 5), "at least 1"),
+])
+def test_pixel_shuffle_refuses_what_caffe_aborts_or_misreads_on(body, shape, message):
+    text = net_text(L("s", "PixelShuffle", ["x"], body), {"x": normal(*shape)}, {}, {})
+    with pytest.raises(ConfigError, match=message) as error:
+        Graph(parse_net(text)[0], pb.TRAIN)
+    assert "\n" not in str(error.value)

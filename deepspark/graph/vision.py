@@ -1,4 +1,4 @@
-"""Shape rules of the vision layers: convolution, pooling, LRN, Im2col, SPP, Crop, Pad, Upsample, their geometry."""
+"""Shape rules of the vision layers: convolution, pooling, LRN, Im2col, SPP, Crop, the fork's resamplings."""
 
 import math
 
@@ -250,3 +250,22 @@ def _upsample(lp, bottoms, ctx):
         raise ShapeError("Upsample in place would read the input it overwrites")
     scaled = 2 if p.dims_num == 4 else 1
     return [shape[:-scaled] + tuple(d * p.scale for d in shape[-scaled:])], []
+
+
+@layer_type("PixelShuffle")
+def _pixel_shuffle(lp, bottoms, ctx):
+    """The fork's PixelShuffle: a 4-axis blob's channels p r^2 + i r + j moved to channel p at (h r + i, w r + j);
+    Caffe CHECKs the channels divide by r (not r^2) and keeps C / r^2 of them, rounded down; its Backward is
+    empty."""
+    p = lp.pixelshuffle_param
+    shape = bottoms[0]
+    if not p.HasField("upscale_factor") or p.upscale_factor < 1:
+        raise ShapeError("PixelShuffle needs a pixelshuffle_param.upscale_factor of at least 1")
+    if len(shape) != 4:
+        raise ShapeError(f"PixelShuffle takes a 4-axis input, got {fmt(shape)}")
+    r = p.upscale_factor
+    if shape[1] % r:
+        raise ShapeError(f"PixelShuffle's {shape[1]} channels do not divide by upscale_factor {r}")
+    if lp.top[0] == lp.bottom[0]:
+        raise ShapeError("PixelShuffle in place would read the input it overwrites")
+    return [(shape[0], shape[1] // (r * r), shape[2] * r, shape[3] * r)], []

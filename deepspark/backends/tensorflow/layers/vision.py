@@ -1,4 +1,4 @@
-"""Vision layers in TensorFlow: convolution, deconvolution, pooling, LRN, im2col, SPP, crop, Pad, Upsample."""
+"""Vision layers in TensorFlow: convolution, pooling, LRN, im2col, SPP, crop, the fork's resamplings."""
 
 import numpy as np
 
@@ -287,3 +287,15 @@ def upsample(layer, bottoms, params, ctx):
     for axis in ((2, 3) if p.dims_num == 4 else (2,)):
         y = tf.repeat(y, p.scale, axis=blob.axis(axis))
     return [blob.like(tf.stop_gradient(y))]
+
+
+@layer("PixelShuffle")
+def pixel_shuffle(layer, bottoms, params, ctx):
+    """The fork's PixelShuffle in Caffe's layout: channel p r^2 + i r + j to channel p at (h r + i, w r + j), the
+    channels past the last whole r^2 dropped. Caffe's Backward is empty: no diff reaches the input."""
+    r = layer.param.pixelshuffle_param.upscale_factor
+    _, channels, height, width = layer.top_shapes[0]
+    x = bottoms[0].caffe[:, :channels * r * r]
+    y = tf.reshape(x, (-1, channels, r, r, height // r, width // r))
+    y = tf.reshape(tf.transpose(y, (0, 1, 4, 2, 5, 3)), (-1, channels, height, width))
+    return [Blob(tf.stop_gradient(y))]
