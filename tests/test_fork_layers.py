@@ -222,3 +222,63 @@ def test_pixel_shuffle_refuses_what_caffe_aborts_or_misreads_on(body, shape, mes
     with pytest.raises(ConfigError, match=message) as error:
         Graph(parse_net(text)[0], pb.TRAIN)
     assert "\n" not in str(error.value)
+
+
+# -- MaxUnPool: the fork's, with an empty Backward ------------------------------------------------------------
+
+def max_unpool_reference(x, mask, height, width):
+    n, c = x.shape[:2]
+    y = np.zeros((n, c, height * width), np.float32)
+    for item in range(n):
+        for channel in range(c):
+            for value, index in zip(x[item, channel].ravel(), mask[item, channel].ravel()):
+                y[item, channel, int(index)] = value  # in order: the later of two at one index wins
+    return y.reshape(n, c, height, width)
+
+
+def max_pooling(x, kernel, stride):
+    """Caffe's max Pooling (no pad) and its mask: the first largest of each window, as index h W + w."""
+    n, c, height, width = x.shape
+    out = [-(-(size - kernel) // stride) + 1 for size in (height, width)]
+    pooled, mask = np.zeros((n, c, *out), np.float32), np.zeros((n, c, *out), np.float32)
+    for i in range(out[0]):
+        for j in range(out[1]):
+            h, w = i * stride, j * stride
+            window = x[:, :, h:h + kernel, w:w + kernel]
+            rows, cols = window.shape[2:]
+            best = window.reshape(n, c, -1).argmax(axis=2)
+            pooled[:, :, i, j] = window.reshape(n, c, -1).max(axis=2)
+            mask[:, :, i, j] = (h + best // cols) * width + w + best % cols
+    return pooled, mask
+
+
+@pytest.mark.parametrize("kernel, stride", [(2, 2), (3, 2)])
+def test_max_unpool_of_a_max_pooling(kernel, stride):
+    """A max Pooling's values and mask (overlapping windows at kernel 3: one input twice; the TF backend has no
+    Pooling mask top, so the test pools); neither takes a diff, so the ReLU on a third input gives the check one."""
+    pooled, mask = max_pooling(normal(2, 3, 7, 7), kernel, stride)
+    y = normal(2, 3)
+    layers = L("u", "MaxUnPool", ["x", "mask"], "max_unpool_param { dst_h: 7 dst_w: 7 }") + L("r", "ReLU", ["y"])
+    values, diffs = check_backends(layers, {"x": pooled, "mask": mask, "y": y}, ranks={"u": 4, "r": 2})
+    np.testing.assert_array_equal(values["u"], max_unpool_reference(pooled, mask, 7, 7))
+    assert not np.any(diffs["x"][0]) and not np.any(diffs["mask"][0])
+
+
+def test_max_unpool_puts_the_later_of_two_values_at_one_index():
+    x, y = normal(1, 2, 2, 3), normal(2, 3)
+    mask = np.array([[[[0, 5, 5], [11, 0, 3]], [[1, 1, 1], [2, 2, 9]]]], np.float32)
+    layers = L("u", "MaxUnPool", ["x", "mask"], "max_unpool_param { dst_h: 3 dst_w: 4 }") + L("r", "ReLU", ["y"])
+    values, _ = check_backends(layers, {"x": x, "mask": mask, "y": y}, ranks={"u": 4, "r": 2})
+    np.testing.assert_array_equal(values["u"], max_unpool_reference(x, mask, 3, 4))
+
+
+@pytest.mark.parametrize("body, mask, message", [
+    ("max_unpool_param { dst_h: 4 }", (2, 3, 2, 2), "needs max_unpool_param.dst_h and dst_w"),
+    ("max_unpool_param { dst_h: 4 dst_w: 4 }", (2, 3, 4), "is not the shape of its input"),
+])
+def test_max_unpool_refuses_what_caffe_aborts_or_misreads_on(body, mask, message):
+    sources = {"x": normal(2, 3, 2, 2), "mask": np.zeros(mask, np.float32)}
+    text = net_text(L("u", "MaxUnPool", ["x", "mask"], body), sources, {}, {})
+    with pytest.raises(ConfigError, match=message) as error:
+        Graph(parse_net(text)[0], pb.TRAIN)
+    assert "\n" not in str(error.value)

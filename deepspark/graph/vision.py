@@ -269,3 +269,22 @@ def _pixel_shuffle(lp, bottoms, ctx):
     if lp.top[0] == lp.bottom[0]:
         raise ShapeError("PixelShuffle in place would read the input it overwrites")
     return [(shape[0], shape[1] // (r * r), shape[2] * r, shape[3] * r)], []
+
+
+@layer_type("MaxUnPool", bottoms=2)
+def _max_unpool(lp, bottoms, ctx):
+    """The fork's MaxUnPool: each value of a 4-axis blob put at its mask's index (a max Pooling's second top) in
+    a zeroed dst_h x dst_w plane of its item and channel; Caffe's Backward is empty. Its Forward steps through the
+    mask by the data's plane, so a mask of another shape is refused."""
+    p = lp.max_unpool_param
+    exactly(lp, bottoms, 2, 1)
+    if not (p.HasField("dst_h") and p.HasField("dst_w")):
+        raise ShapeError("MaxUnPool needs max_unpool_param.dst_h and dst_w")
+    shape = bottoms[0]
+    if len(shape) != 4:
+        raise ShapeError(f"MaxUnPool's input must have 4 axes, got {fmt(shape)}")
+    if bottoms[1] != shape:
+        raise ShapeError(f"MaxUnPool's mask {fmt(bottoms[1])} is not the shape of its input {fmt(shape)}")
+    if lp.top[0] in lp.bottom:
+        raise ShapeError("MaxUnPool in place would read the input it overwrites")
+    return [(shape[0], shape[1], p.dst_h, p.dst_w)], []

@@ -299,3 +299,30 @@ def pixel_shuffle(layer, bottoms, params, ctx):
     y = tf.reshape(x, (-1, channels, r, r, height // r, width // r))
     y = tf.reshape(tf.transpose(y, (0, 1, 4, 2, 5, 3)), (-1, channels, height, width))
     return [Blob(tf.stop_gradient(y))]
+
+
+@layer("MaxUnPool")
+def max_unpool(layer, bottoms, params, ctx):
+    """The fork's MaxUnPool: each value at its mask's index in a zeroed dst_h x dst_w plane; where two share an
+    index the later one wins, as Caffe's loop writes them in order. An index outside the plane stops the forward
+    pass (Caffe aborts). Caffe's Backward is empty: neither input takes a diff."""
+    _, channels, height, width = layer.top_shapes[0]
+    plane = height * width
+    x = tf.stop_gradient(bottoms[0].caffe)
+    size = count(layer.bottom_shapes[0], 2)
+    values = tf.reshape(x, (-1, size))
+    index = tf.cast(tf.reshape(tf.stop_gradient(bottoms[1].caffe), (-1, size)), tf.int32)
+    checks = [tf.debugging.assert_less(index, plane, message=f"layer '{layer.name}': a MaxUnPool index is out "
+                                       f"of its {height}x{width} plane"),
+              tf.debugging.assert_non_negative(index, message=f"layer '{layer.name}': a MaxUnPool index is "
+                                               "negative")]
+    with tf.control_dependencies(checks):
+        planes = tf.shape(values)[0]
+        segments = tf.range(planes)[:, None] * plane + index
+        position = tf.broadcast_to(tf.range(size)[None, :], tf.shape(index))
+        last = tf.math.unsorted_segment_max(position, segments, planes * plane)  # the last write to each place
+    found = last >= 0
+    offsets = tf.repeat(tf.range(planes), plane) * size
+    picked = tf.gather(tf.reshape(values, [-1]), tf.where(found, last, 0) + offsets)
+    y = tf.where(found, picked, 0.0)
+    return [Blob(tf.reshape(y, (-1, channels, height, width)))]
