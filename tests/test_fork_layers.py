@@ -282,3 +282,36 @@ def test_max_unpool_refuses_what_caffe_aborts_or_misreads_on(body, mask, message
     with pytest.raises(ConfigError, match=message) as error:
         Graph(parse_net(text)[0], pb.TRAIN)
     assert "\n" not in str(error.value)
+
+
+# -- BilinearInterpolate: the fork's, with an empty Backward --------------------------------------------------
+
+@pytest.mark.parametrize("body, size", [
+    ("bilinear_interpolate_param { dst_h: 9 dst_w: 4 }", (9, 4)),
+    ("bilinear_interpolate_param { dst_h: 3 dst_w: 11 align_corners: false }", (3, 11)),
+    ("bilinear_interpolate_param { dst_w: 8 }", (5, 8)),
+    ("bilinear_interpolate_param { scale_factor: 1.5 align_corners: false }", (7, 9)),
+    ("bilinear_interpolate_param { scale_factor: 2 }", (10, 12)),
+])
+@pytest.mark.parametrize("after_conv", [False, True])
+def test_bilinear_interpolate_and_its_empty_backward(body, size, after_conv):
+    x, y = normal(2, 3, 5, 6), normal(2, 3)
+    source = "conv" if after_conv else "x"
+    layers = (CONV if after_conv else "") + L("b", "BilinearInterpolate", [source], body) + L("r", "ReLU", ["y"])
+    values, diffs = check_backends(layers, {"x": x, "y": y}, ranks={"b": 4, "r": 2})
+    assert values["b"].shape == (2, 3) + size
+    assert not np.any(diffs["x"][0])
+
+
+@pytest.mark.parametrize("body, shape, message", [
+    ("", (2, 3, 5, 6), "one of the two"),
+    ("bilinear_interpolate_param { dst_h: 4 scale_factor: 2 }", (2, 3, 5, 6), "one of the two"),
+    ("bilinear_interpolate_param { dst_h: 4 }", (2, 3, 1, 6), "at least 2x2"),
+    ("bilinear_interpolate_param { dst_h: 1 }", (2, 3, 5, 6), "too small"),
+    ("bilinear_interpolate_param { dst_h: 4 }", (2, 3, 6), "4-axis"),
+])
+def test_bilinear_interpolate_refuses_what_caffe_leaves_unset_or_misreads(body, shape, message):
+    text = net_text(L("b", "BilinearInterpolate", ["x"], body), {"x": normal(*shape)}, {}, {})
+    with pytest.raises(ConfigError, match=message) as error:
+        Graph(parse_net(text)[0], pb.TRAIN)
+    assert "\n" not in str(error.value)

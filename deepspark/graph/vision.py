@@ -2,6 +2,8 @@
 
 import math
 
+import numpy as np
+
 from deepspark.graph.registry import ShapeError, canonical_axis, count, exactly, fmt, layer_type, weight_and_bias
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -288,3 +290,34 @@ def _max_unpool(lp, bottoms, ctx):
     if lp.top[0] in lp.bottom:
         raise ShapeError("MaxUnPool in place would read the input it overwrites")
     return [(shape[0], shape[1], p.dst_h, p.dst_w)], []
+
+
+def _bilinear_grid(lp, shape):
+    """BilinearInterpolate's output height and width: dst_h/dst_w (the input's where one is missing) when no
+    scale_factor is given, int(size * scale_factor) when only it is; the fork leaves them unset otherwise."""
+    p = lp.bilinear_interpolate_param
+    sized = p.HasField("dst_h") or p.HasField("dst_w")
+    if sized == p.HasField("scale_factor"):
+        raise ShapeError("BilinearInterpolate takes dst_h/dst_w or scale_factor, one of the two (the fork leaves "
+                         "its size unset otherwise)")
+    if sized:
+        return (p.dst_h if p.HasField("dst_h") else shape[2], p.dst_w if p.HasField("dst_w") else shape[3])
+    return tuple(int(np.float32(size) * np.float32(p.scale_factor)) for size in shape[2:4])  # in float, as Caffe
+
+
+@layer_type("BilinearInterpolate")
+def _bilinear_interpolate(lp, bottoms, ctx):
+    """The fork's BilinearInterpolate: a 4-axis blob resized to its grid; Caffe's Backward is empty. Its Forward
+    reads outside the plane where a side is under 2, and divides by zero where align_corners meets a side of 1:
+    refused."""
+    shape = bottoms[0]
+    if len(shape) != 4:
+        raise ShapeError(f"BilinearInterpolate takes a 4-axis input, got {fmt(shape)}")
+    height, width = _bilinear_grid(lp, shape)
+    if min(shape[2:4]) < 2:
+        raise ShapeError(f"BilinearInterpolate needs an input of at least 2x2, got {fmt(shape)}")
+    if height < 1 or width < 1 or (lp.bilinear_interpolate_param.align_corners and min(height, width) < 2):
+        raise ShapeError(f"BilinearInterpolate's output {height}x{width} is too small")
+    if lp.top[0] == lp.bottom[0]:
+        raise ShapeError("BilinearInterpolate in place would read the input it overwrites")
+    return [(shape[0], shape[1], height, width)], []

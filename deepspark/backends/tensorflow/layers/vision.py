@@ -326,3 +326,41 @@ def max_unpool(layer, bottoms, params, ctx):
     picked = tf.gather(tf.reshape(values, [-1]), tf.where(found, last, 0) + offsets)
     y = tf.where(found, picked, 0.0)
     return [Blob(tf.reshape(y, (-1, channels, height, width)))]
+
+
+def _bilinear_axis(source, size, align_corners):
+    """The fork's source coordinates for one axis, in its float arithmetic: (h, h0, h1) with h clamped into the
+    source and h0 into [0, source - 2]."""
+    i = np.arange(size)
+    if align_corners:
+        h = (np.float32(source - 1) / np.float32(size - 1) * i.astype(np.float32)).astype(np.float32)
+    else:
+        h = (np.float64(np.float32(source) / np.float32(size)) * (i + 0.5) - 0.5).astype(np.float32)
+    h = np.clip(h, 0, source - 1).astype(np.float32)
+    h0 = np.clip(np.floor(h).astype(np.int64), 0, source - 2)
+    return h, h0, h0 + 1
+
+
+@layer("BilinearInterpolate")
+def bilinear_interpolate(layer, bottoms, params, ctx):
+    """The fork's BilinearInterpolate: each output point from the four around its source coordinates, r0 and r1
+    along W, then along H, as Caffe computes them; either layout kept. Caffe's Backward is empty."""
+    align = layer.param.bilinear_interpolate_param.align_corners
+    blob = bottoms[0]
+    x = tf.stop_gradient(blob.tensor)
+    source, top = layer.bottom_shapes[0], layer.top_shapes[0]
+    hs, ws = blob.axis(2), blob.axis(3)
+    h, h0, h1 = _bilinear_axis(source[2], top[2], align)
+    w, w0, w1 = _bilinear_axis(source[3], top[3], align)
+
+    def along(values, axis):  # a 1-D table shaped to broadcast along a tensor axis
+        shape = [1] * 4
+        shape[axis] = -1
+        return tf.constant(values.astype(np.float32).reshape(shape))
+
+    rows = [tf.gather(x, h0, axis=hs), tf.gather(x, h1, axis=hs)]
+    q = [[tf.gather(row, w0, axis=ws), tf.gather(row, w1, axis=ws)] for row in rows]
+    right, left = along(w1 - w, ws), along(w - w0, ws)
+    r0, r1 = right * q[0][0] + left * q[0][1], right * q[1][0] + left * q[1][1]
+    y = along(h1 - h, hs) * r0 + along(h - h0, hs) * r1
+    return [blob.like(y)]
