@@ -315,3 +315,33 @@ def test_bilinear_interpolate_refuses_what_caffe_leaves_unset_or_misreads(body, 
     with pytest.raises(ConfigError, match=message) as error:
         Graph(parse_net(text)[0], pb.TRAIN)
     assert "\n" not in str(error.value)
+
+
+# -- Resize: the fork's bilinear resize, with its Backward ----------------------------------------------------
+
+@pytest.mark.parametrize("body, size", [
+    ("resize_param { height: 9 width: 4 }", (9, 4)),
+    ("resize_param { height: 3 width: 11 }", (3, 11)),
+    ("resize_param { is_pyramid_test: true out_height_scale: 1.5 out_width_scale: 0.5 }", (7, 3)),
+])
+@pytest.mark.parametrize("after_conv", [False, True])
+def test_resize_and_its_backward(body, size, after_conv):
+    x = normal(2, 3, 5, 6)
+    source = "conv" if after_conv else "x"
+    layers = (CONV if after_conv else "") + L("s", "Resize", [source], body)
+    values, diffs = check_backends(layers, {"x": x}, ranks={"s": 4})
+    assert values["s"].shape == (2, 3) + size
+    assert np.any(diffs["x"][0])
+
+
+@pytest.mark.parametrize("body, shape, message", [
+    ("resize_param { height: 4 }", (2, 3, 5, 6), "needs resize_param.height and width"),
+    ("resize_param { is_pyramid_test: true out_height_scale: 2 }", (2, 3, 5, 6), "needs out_height_scale"),
+    ("resize_param { height: 0 width: 3 }", (2, 3, 5, 6), "is empty"),
+    ("resize_param { height: 4 width: 3 }", (2, 3, 6), "4-axis"),
+])
+def test_resize_refuses_what_caffe_aborts_on(body, shape, message):
+    text = net_text(L("s", "Resize", ["x"], body), {"x": normal(*shape)}, {}, {})
+    with pytest.raises(ConfigError, match=message) as error:
+        Graph(parse_net(text)[0], pb.TRAIN)
+    assert "\n" not in str(error.value)

@@ -321,3 +321,26 @@ def _bilinear_interpolate(lp, bottoms, ctx):
     if lp.top[0] == lp.bottom[0]:
         raise ShapeError("BilinearInterpolate in place would read the input it overwrites")
     return [(shape[0], shape[1], height, width)], []
+
+
+@layer_type("Resize")
+def _resize(lp, bottoms, ctx):
+    """The fork's Resize: a 4-axis blob resized bilinearly to height x width, or (is_pyramid_test) to
+    int(out_height_scale * H) x int(out_width_scale * W), in float as Caffe; its Backward is the gradient."""
+    p, shape = lp.resize_param, bottoms[0]
+    if len(shape) != 4:
+        raise ShapeError(f"Resize takes a 4-axis input, got {fmt(shape)}")
+    if p.is_pyramid_test:
+        if not (p.HasField("out_height_scale") and p.HasField("out_width_scale")):
+            raise ShapeError("Resize with is_pyramid_test needs out_height_scale and out_width_scale")
+        size = (int(np.float32(p.out_height_scale) * np.float32(shape[2])),
+                int(np.float32(p.out_width_scale) * np.float32(shape[3])))
+    else:
+        if not (p.HasField("height") and p.HasField("width")):
+            raise ShapeError("Resize needs resize_param.height and width")
+        size = (p.height, p.width)
+    if min(size) < 1:
+        raise ShapeError(f"Resize's output {size[0]}x{size[1]} is empty")
+    if lp.top[0] == lp.bottom[0]:
+        raise ShapeError("Resize in place would read the input it overwrites")
+    return [(shape[0], shape[1]) + size], []

@@ -364,3 +364,39 @@ def bilinear_interpolate(layer, bottoms, params, ctx):
     r0, r1 = right * q[0][0] + left * q[0][1], right * q[1][0] + left * q[1][1]
     y = along(h1 - h, hs) * r0 + along(h - h0, hs) * r1
     return [blob.like(y)]
+
+
+def _resize_axis(source, size):
+    """The fork's Resize rule for one axis, in its float arithmetic: the source index i0 = floor(i source / size),
+    its neighbour i1 (i0 where past the edge) and their weights |1 - f| and |f| (0 past the edge)."""
+    f = np.arange(size, dtype=np.float32) * (np.float32(source) / np.float32(size))
+    i0 = np.floor(f).astype(np.int64)
+    f = (f - i0.astype(np.float32)).astype(np.float32)
+    inside = i0 + 1 < source
+    return i0, np.where(inside, i0 + 1, i0), np.abs(np.float32(1) - f), np.where(inside, np.abs(f), np.float32(0))
+
+
+@layer("Resize")
+def resize(layer, bottoms, params, ctx):
+    """The fork's Resize: each point the sum, in Caffe's order, of its four neighbours times (row weight x column
+    weight); a neighbour past the edge drops out, its weight not given to the others. The backward is its
+    gradient, as Caffe's (the same weights added into the input's diff); either layout kept."""
+    blob = bottoms[0]
+    x = blob.tensor
+    source, top = layer.bottom_shapes[0], layer.top_shapes[0]
+    hs, ws = blob.axis(2), blob.axis(3)
+    h0, h1, wh0, wh1 = _resize_axis(source[2], top[2])
+    w0, w1, ww0, ww1 = _resize_axis(source[3], top[3])
+
+    def table(rows, cols):  # the (row weight x column weight) products, shaped to the tensor's H and W axes
+        values = (rows[:, None] * cols[None, :]).astype(np.float32)
+        shape = [1] * 4
+        shape[hs], shape[ws] = top[2], top[3]
+        return tf.constant(values.reshape(shape))  # H before W in either layout
+
+    rows = [tf.gather(x, h0, axis=hs), tf.gather(x, h1, axis=hs)]
+    y = table(wh0, ww0) * tf.gather(rows[0], w0, axis=ws)
+    y = y + table(wh0, ww1) * tf.gather(rows[0], w1, axis=ws)
+    y = y + table(wh1, ww0) * tf.gather(rows[1], w0, axis=ws)
+    y = y + table(wh1, ww1) * tf.gather(rows[1], w1, axis=ws)
+    return [blob.like(y)]
