@@ -1,6 +1,9 @@
-"""The bundled pycaffe's extra neuron types (brocolli-caffe 9.0.2: ReLU6, HardSwish, HardSigmoid) on both
-backends against it: forward, and the diff its Backward gives (ReLU6's; HardSwish's and HardSigmoid's is empty,
-so that no diff reaches their input, except in place, where the input's diff is the top's own)."""
+"""The bundled pycaffe's extra types (brocolli-caffe 9.0.2) on both backends against it: the neurons ReLU6,
+HardSwish, HardSigmoid; Pad, Unsqueeze, Upsample, PixelShuffle, MaxUnPool, BilinearInterpolate, Resize and
+SmoothL1Loss. Forward, and the diff its Backward gives: ReLU6's, Resize's and SmoothL1Loss's; the others' is
+empty, so that no diff reaches their input (a ReLU on another input gives the check one), except in place, where
+the input's diff is the top's own. Each refuses in one line what the fork's CHECKs abort on or its Forward
+misreads."""
 
 import numpy as np
 import pytest
