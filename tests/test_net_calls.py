@@ -11,10 +11,8 @@ import deepspark
 PNET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "zoo", "mtcnn_det1.prototxt")
 
 
-@pytest.mark.parametrize("backend", ["tensorflow", "caffe"])
+@pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
 def test_params_written_between_forwards_are_used(backend):
-    if backend == "caffe":
-        pytest.importorskip("caffe")
     data = np.random.default_rng(3).uniform(-1, 1, (1, 3, 12, 12)).astype(np.float32)
     net = deepspark.Net(PNET, backend=backend, seed=2)
     first = {name: value.copy() for name, value in net.forward(data=data).items()}
