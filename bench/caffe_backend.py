@@ -10,15 +10,18 @@
    Input layers) against Caffe's own Data layer reading the LMDB
    (data_layers="caffe"); LeNet on Fashion-MNIST, when its LMDB exists.
 
-Prints one JSON line per figure and appends them to bench/results/caffe_backend.jsonl.
+Prints one JSON line per figure and appends them to bench/results/caffe_backend.jsonl (or --out).
+The backend is driven through its contract (create_model, step, get_params); the baseline builds its own pycaffe
+solver from the same compiled net and solver (the compiler's functions), never from the backend's insides.
 
-    PYTHONPATH=. .venv/bin/python bench/caffe_backend.py [--rounds 5] [--nets lenet,cifar10_quick]
+    PYTHONPATH=. .venv/bin/python bench/caffe_backend.py [--rounds 5] [--nets lenet,cifar10_quick] [--smoke]
 """
 
 import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,31 +33,43 @@ import numpy as np  # noqa: E402
 import _results  # noqa: E402  (bench/_results.py)
 from deepspark import compare, engine  # noqa: E402
 from deepspark.backends import create_model  # noqa: E402
-from deepspark.backends.caffe import runtime  # noqa: E402
+from deepspark.backends.caffe import compiler, runtime  # noqa: E402
+from deepspark.backends.caffe.model import param_blobs  # noqa: E402
 from deepspark.config import load_solver  # noqa: E402
 from deepspark.data import DataFeeder  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
 
 STEPS = {"lenet": 100, "cifar10_quick": 20}
 CHUNK = {"lenet": 10, "cifar10_quick": 2}  # steps per interleaved turn
-RESULTS = os.path.join(ROOT, "bench", "results", "caffe_backend.jsonl")
+SMOKE_STEPS = 4  # --smoke: the bench runs end to end, its figures mean nothing
+OUT = _results.results_path("caffe_backend")
 
 
 def emit(record):
-    _results.emit(record, RESULTS)
+    _results.emit(record, OUT)
 
 
 class PyCaffe:
-    """The baseline: pycaffe's solver on the net and solver the backend compiled, fed by hand."""
+    """The baseline: pycaffe's solver on the net and solver the backend compiles for `model`, with its starting
+    weights, fed by hand."""
 
     def __init__(self, model):
         caffe = runtime.caffe()
-        self.solver = caffe.get_solver(os.path.join(model._dir, "solver.prototxt"))
+        net = compiler.to_caffe(compiler.net_param(model.graph), caffe.proto.caffe_pb2.NetParameter)
+        solver = compiler.to_caffe(compiler.solver_param(model.solver_param, model.iter_size),
+                                   caffe.proto.caffe_pb2.SolverParameter)
+        solver.net_param.CopyFrom(net)
+        # Caffe reads the solver from a file; it is read whole in get_solver, so the folder can go at once.
+        with tempfile.TemporaryDirectory(prefix="deepspark-bench-pycaffe-") as scratch:
+            solver.snapshot_prefix = os.path.join(scratch, "state")
+            path = os.path.join(scratch, "solver.prototxt")
+            with open(path, "w") as stream:
+                stream.write(compiler.to_text(solver))
+            self.solver = caffe.get_solver(path)
         self.blobs = self.solver.net.blobs
         self.tops = list(model.feeds)
-        for name, params in model._net.params.items():  # the same starting weights
-            for mine, theirs in zip(params, self.solver.net.params[name]):
-                theirs.data[...] = mine.data
+        for blob, array in zip(param_blobs(model.graph, self.solver.net), model.get_params()):
+            blob.data[...] = array  # the same starting weights
 
     def step(self, batch):
         for top in self.tops:
@@ -76,8 +91,8 @@ def build(name, backend, data_layers="input"):
                         data_shape=compare.shape_finder(solver.param.net), seed=1, **kwargs)
 
 
-def bench_net(name, rounds):
-    steps = STEPS.get(name, 20)
+def bench_net(name, rounds, steps=None):
+    steps = steps or STEPS.get(name, 20)
     ours = build(name, "caffe")
     baseline = PyCaffe(ours)
     tf_model = build(name, "tensorflow")
@@ -89,7 +104,7 @@ def bench_net(name, rounds):
         ours.step(batch), baseline.step(batch), tf_model.step(batch)
     times = {"deepspark caffe": [], "pycaffe solver.step(1)": [], "deepspark tensorflow": []}
     ratios = []
-    chunk = CHUNK.get(name, 5)
+    chunk = min(CHUNK.get(name, 5), steps)
     for r in range(rounds):
         # Short turns, alternating who goes first: a noisy neighbour hits both alike.
         a = b = 0.0
@@ -132,15 +147,16 @@ def bench_data_path(rounds, steps=100):
     for _ in range(2):
         fed_step(None), own_step(None)
     times = {"pipeline": [], "caffe_data_layer": []}
+    chunk = min(10, steps)
     for r in range(rounds):
         a = b = 0.0
-        for i in range(0, steps, 10):
-            if (r + i // 10) % 2:
-                b += timed(own_step, range(10))
-                a += timed(fed_step, range(10))
+        for i in range(0, steps, chunk):
+            if (r + i // chunk) % 2:
+                b += timed(own_step, range(chunk))
+                a += timed(fed_step, range(chunk))
             else:
-                a += timed(fed_step, range(10))
-                b += timed(own_step, range(10))
+                a += timed(fed_step, range(chunk))
+                b += timed(own_step, range(chunk))
         times["pipeline"].append(a)
         times["caffe_data_layer"].append(b)
     batch = fed.feeds["data"][0]
@@ -153,14 +169,22 @@ def bench_data_path(rounds, steps=100):
 
 
 def main():
+    global OUT  # emit's file
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--nets", default="lenet,cifar10_quick")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"runs end to end only: LeNet, 1 round of {SMOKE_STEPS} steps")
+    parser.add_argument("--out", default=OUT, help="JSON lines are also appended here")
     args = parser.parse_args()
-    emit({"bench": "environment", "cpus": os.cpu_count()})
+    OUT = args.out
+    if args.smoke:
+        args.rounds, args.nets = 1, "lenet"
+    steps = SMOKE_STEPS if args.smoke else None
+    emit({"bench": "environment", "cpus": os.cpu_count(), "smoke": args.smoke})
     for name in args.nets.split(","):
-        bench_net(name.strip(), args.rounds)
-    bench_data_path(args.rounds)
+        bench_net(name.strip(), args.rounds, steps)
+    bench_data_path(args.rounds, steps or 100)
 
 
 if __name__ == "__main__":
