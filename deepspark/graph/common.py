@@ -25,6 +25,20 @@ def _batch_norm(lp, bottoms, ctx):
     return [bottoms[0]], [(channels,), (channels,), (1,)]
 
 
+def _kyle_fillers(lp):
+    """BatchNorm's three statistics, then (use_alpha_beta) alpha 1 and beta 0: the fork sets them, reading no
+    filler."""
+    alpha_beta = [constant_filler(1.0), constant_filler(0.0)] if lp.batch_norm_param.use_alpha_beta else []
+    return [constant_filler(0.0)] * 3 + alpha_beta
+
+
+@layer_type("BatchNormKyle", fillers=_kyle_fillers, statistics=3)
+def _batch_norm_kyle(lp, bottoms, ctx):
+    """The fork's BatchNorm with a learned scale and shift (use_alpha_beta) after it."""
+    tops, blobs = _batch_norm(lp, bottoms, ctx)
+    return tops, blobs + blobs[:1] * 2 * lp.batch_norm_param.use_alpha_beta
+
+
 def _broadcast_shape(lp, bottoms, param, what):
     """The shape of a Scale/Bias operand: bottom[1]'s, or the learned blob's."""
     shape = bottoms[0]

@@ -32,8 +32,24 @@ def inner_product(layer, bottoms, params, ctx):
 @layer("BatchNorm")
 def batch_norm(layer, bottoms, params, ctx):
     """Caffe's BatchNorm: blobs (mean*s, var*s, s); batch statistics update them in TRAIN."""
+    return [bottoms[0].like(_normalized(layer, bottoms[0], params, ctx)[0])]
+
+
+@layer("BatchNormKyle")
+def batch_norm_kyle(layer, bottoms, params, ctx):
+    """The fork's BatchNormKyle: BatchNorm, then (use_alpha_beta) alpha x + beta per channel. With the stored
+    statistics its Backward returns before alpha's and beta's diffs: they take none then."""
+    y, shape, use_global = _normalized(layer, bottoms[0], params[:3], ctx)
+    if layer.param.batch_norm_param.use_alpha_beta:
+        alpha, beta = (tf.stop_gradient(p) if use_global else p for p in params[3:5])
+        y = y * tf.reshape(alpha, shape) + tf.reshape(beta, shape)
+    return [bottoms[0].like(y)]
+
+
+def _normalized(layer, blob, params, ctx):
+    """(BatchNorm's output, the shape a per-channel vector broadcasts in, whether the stored statistics
+    served): the batch's statistics in TRAIN (unless use_global_stats) moving the blobs."""
     param = layer.param.batch_norm_param
-    blob = bottoms[0]
     x = blob.tensor
     channel = blob.axis(1) if blob.rank > 1 else None
     axes = [a for a in range(blob.rank) if a != channel]
@@ -54,7 +70,7 @@ def batch_norm(layer, bottoms, params, ctx):
         ctx.update(layer, 1, fraction * var_blob + correction * tf.stop_gradient(var))
         ctx.update(layer, 2, fraction * factor_blob + 1.0)
     y = (x - tf.reshape(mean, shape)) * tf.reshape(tf.math.rsqrt(var + param.eps), shape)
-    return [blob.like(y)]
+    return y, shape, use_global
 
 
 def _operand_axis(layer, param, operand_rank):
