@@ -1,0 +1,127 @@
+"""The driver's account of its workers' failures: the budget that stops a job whose workers fail too often (per worker and per job, in a row and within a window), and the losses and rejoins with the time each cost."""
+
+import collections
+import dataclasses
+
+# The longest cause a stop line quotes: Spark's reports run to a Java stack.
+CAUSE_CHARS = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """DeepSparkParameter's failure budget. in_a_row (max_failures): one worker's failures with no training
+    between them at which the job stops (a crash loop); window (failure_window): the seconds the next two count
+    over, 0 for the whole job; per_worker (max_worker_failures) and per_job (max_job_failures): the failures of one
+    worker, and of all, within a window at which the job stops (0: no such limit)."""
+
+    in_a_row: int
+    window: float
+    per_worker: int
+    per_job: int
+
+    @classmethod
+    def of(cls, ds):
+        return cls(max(ds.max_failures, 1), float(ds.failure_window), ds.max_worker_failures, ds.max_job_failures)
+
+
+class Budget:
+    """The failures seen so far, against Limits: fail() says when the job must stop, and why, in one line."""
+
+    def __init__(self, limits):
+        self.limits = limits
+        self.times = collections.defaultdict(collections.deque)  # worker -> its failures' times within the window
+        self.all = collections.deque()  # every worker's failure times within the window
+        self.run = {}  # worker -> (failures in a row without training, the first one's time)
+
+    def trained(self, worker):
+        """`worker` trained (exchanged) since its last failure: its run of failures without training ends."""
+        self.run.pop(worker, None)
+
+    def fail(self, worker, at, cause):
+        """Count a failure of `worker` at `at` (seconds, monotonic) whose cause Spark gave as `cause`: None
+        while the job may go on, else the one line that says why it stops."""
+        limits = self.limits
+        count, first = self.run.get(worker, (0, at))
+        self.run[worker] = (count + 1, first)
+        for times in (self.times[worker], self.all):
+            times.append(at)
+            while limits.window and times[0] <= at - limits.window:
+                times.popleft()
+        last = f"the last: {one_line(cause)}"
+        if count + 1 >= limits.in_a_row:
+            return (f"worker {worker} failed {count + 1} times in a row in {at - first:.0f}s without training "
+                    f"between them (max_failures {limits.in_a_row}); {last}")
+        span = f"in {limits.window:g}s" if limits.window else "in the job"
+        window = f"failure_window {limits.window:g}s"
+        if limits.per_worker and len(self.times[worker]) >= limits.per_worker:
+            return (f"worker {worker} failed {len(self.times[worker])} times {span} ({window}, max_worker_failures "
+                    f"{limits.per_worker}); {last}")
+        if limits.per_job and len(self.all) >= limits.per_job:
+            return (f"the workers failed {len(self.all)} times {span} ({window}, max_job_failures {limits.per_job}), "
+                    f"worker {worker} the last; {last}")
+        return None
+
+    def failures(self, worker):
+        """(failures of `worker` within the window, failures in a row without training)."""
+        return len(self.times[worker]), self.run.get(worker, (0, 0))[0]
+
+
+def one_line(cause):
+    """A cause as one short line."""
+    text = " ".join(str(cause).split())
+    return text if len(text) <= CAUSE_CHARS else text[:CAUSE_CHARS - 3] + "..."
+
+
+@dataclasses.dataclass
+class Outage:
+    """One loss of a worker: when (seconds, monotonic) and at which iteration, and when it rejoined (None while
+    it has not)."""
+
+    worker: int
+    lost_at: float
+    iteration: int
+    rejoined_at: float = None
+
+    def cost(self, now):
+        """The seconds it was (or has been) out."""
+        return (self.rejoined_at if self.rejoined_at is not None else now) - self.lost_at
+
+
+class Outages:
+    """Every loss and rejoin of the job's workers, over all their attempts."""
+
+    def __init__(self):
+        self.all = []
+        self.open = {}  # worker -> its Outage not yet ended
+
+    def lost(self, worker, at, iteration):
+        """`worker` lost at `at` (iteration `iteration`); its Outage, or None when it was already out."""
+        if worker in self.open:
+            return None
+        self.open[worker] = outage = Outage(worker, at, iteration)
+        self.all.append(outage)
+        return outage
+
+    def rejoined(self, worker, at):
+        """`worker` back at `at`: its Outage (its loss made now if none was seen: a loss and rejoin between two
+        looks)."""
+        outage = self.open.pop(worker, None) or Outage(worker, at, 0)
+        if outage not in self.all:
+            self.all.append(outage)
+        outage.rejoined_at = at
+        return outage
+
+    def restarts(self, worker):
+        """How many times `worker` rejoined."""
+        return sum(1 for o in self.all if o.worker == worker and o.rejoined_at is not None)
+
+    def summary(self, now):
+        """The summary's line of every loss and rejoin and their cost; "" when there was none."""
+        if not self.all:
+            return ""
+        back = [o for o in self.all if o.rejoined_at is not None]
+        per = collections.Counter(o.worker for o in self.all)
+        costs = ", ".join(f"{o.cost(now):.1f}s" for o in back)
+        return (f"Workers lost {len(self.all)} times ({', '.join(f'worker {w}: {n}' for w, n in sorted(per.items()))})"
+                f" and rejoined {len(back)} times{f' (after {costs})' if back else ''}; "
+                f"{sum(o.cost(now) for o in self.all):.1f}s of worker time lost in all")

@@ -1,0 +1,73 @@
+"""The failure budget shaped for long jobs (#45): per worker and per job within a window, a crash loop stopped in one line naming the worker; each loss and rejoin counted with its cost; on real Spark, a worker killed more times than max_failures still finishes its job."""
+
+import re
+
+from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark.budget import Budget, Limits, Outages
+
+CRASH = "SparkException: Python worker exited unexpectedly (crashed)"
+
+
+def test_the_defaults_let_a_worker_fail_every_15_s_for_hours_and_train_between():
+    budget = Budget(Limits.of(pb.DeepSparkParameter()))
+    for k in range(4 * 3600 // 15):  # four hours, one worker killed every 15 s, training between kills
+        assert budget.fail(1, 15.0 * k, CRASH) is None, k
+        budget.trained(1)
+
+
+def test_a_crash_loop_stops_at_max_failures_in_a_row_in_one_line_naming_the_worker_and_cause():
+    budget = Budget(Limits.of(pb.DeepSparkParameter(max_failures=4)))
+    budget.fail(0, 0.0, CRASH)
+    budget.trained(0)  # worker 0 trains again: its earlier failure is no part of a loop
+    lines = [budget.fail(1, 100.0 + 20 * k, "ValueError: no such file\n  at the build") for k in range(4)]
+    assert lines[:3] == [None] * 3
+    assert lines[3] == ("worker 1 failed 4 times in a row in 60s without training between them (max_failures 4); "
+                        "the last: ValueError: no such file at the build")
+    assert budget.failures(1) == (4, 4) and budget.failures(0) == (1, 0)
+
+
+def test_max_failures_1_stops_at_the_first_failure():
+    assert Budget(Limits(1, 3600, 0, 0)).fail(3, 5.0, CRASH).startswith("worker 3 failed 1 times in a row")
+
+
+def test_the_window_slides_per_worker_and_per_job():
+    budget = Budget(Limits(in_a_row=100, window=60, per_worker=3, per_job=5))
+    # Worker 0 fails every 30 s, training between: at most two in any 60 s, so it goes on.
+    for k in range(10):
+        assert budget.fail(0, 30.0 * k + 0.5, CRASH) is None
+        budget.trained(0)
+    # A third within 60 s of two others stops the job, naming the worker, the count and the window.
+    assert budget.fail(0, 275.0, CRASH) == (f"worker 0 failed 3 times in 60s (failure_window 60s, "
+                                            f"max_worker_failures 3); the last: {CRASH}")
+    # The job's count: two workers each under their own limit, five failures in all within the window.
+    budget = Budget(Limits(in_a_row=100, window=60, per_worker=3, per_job=5))
+    for at, worker in ((0, 0), (10, 1), (20, 0), (30, 1)):
+        assert budget.fail(worker, at, CRASH) is None
+        budget.trained(worker)
+    assert budget.fail(2, 40, CRASH).startswith("the workers failed 5 times in 60s (failure_window 60s, "
+                                                 "max_job_failures 5), worker 2 the last; the last: ")
+    # Window 0: the whole job.
+    budget = Budget(Limits(in_a_row=100, window=0, per_worker=3, per_job=0))
+    assert [budget.fail(0, 1e4 * k, CRASH) is None for k in range(3)] == [True, True, False]
+
+
+def test_a_long_cause_is_cut_to_one_short_line():
+    line = Budget(Limits(1, 0, 0, 0)).fail(0, 0, "x" * 1000 + "\n" + "y")
+    assert "\n" not in line and len(line) < 500 and line.endswith("...")
+
+
+def test_every_loss_and_rejoin_is_counted_with_its_cost():
+    outages = Outages()
+    assert outages.summary(0) == ""
+    assert outages.lost(1, 10.0, 300).iteration == 300
+    assert outages.lost(1, 11.0, 300) is None  # the same loss seen again (Spark's report after the exchanger's)
+    assert outages.rejoined(1, 16.5).cost(99) == 6.5
+    outages.lost(1, 30.0, 500)
+    outages.rejoined(1, 34.0)
+    outages.lost(0, 40.0, 600)  # not back by the end
+    assert outages.restarts(1) == 2 and outages.restarts(0) == 0
+    assert outages.summary(50.0) == ("Workers lost 3 times (worker 0: 1, worker 1: 2) and rejoined 2 times (after "
+                                     "6.5s, 4.0s); 20.5s of worker time lost in all")
+    # A rejoin with no loss seen (both between two looks) still counts as both.
+    outages.rejoined(2, 60.0)
+    assert re.match(r"Workers lost 4 times .* rejoined 3 times", outages.summary(60.0))
