@@ -38,6 +38,9 @@ DAEMON, DAEMON_BACKEND, ZYGOTE = "deepspark.spark.daemon", "DEEPSPARK_DAEMON_BAC
 # (executor.set_threads sets it first), which an import in the daemon would read from the daemon's environment instead.
 PRELOADED = ("tensorflow",)
 ZYGOTES = weakref.WeakKeyDictionary()  # SparkContext -> the zygote process start_zygote started for it
+# Spark's attempts of a task where the driver's failure budget counts the failures (budget.py): past any budget
+# (a failure every second for 11 days), so that Spark's count never ends a job the budget lets go on.
+WATCHED_ATTEMPTS = 1_000_000
 # The folder Spark extracts executor_env into, in each executor's working directory (`--archives ENV#environment`).
 ENV_ALIAS = "environment"
 # The JVM's class-data sharing says nothing: an archive it cannot map (another JDK) is left unused in silence.
@@ -94,23 +97,25 @@ def on_loopback(master):
     return is_local(master) or any(h in master for h in ("//127.0.0.1:", "//localhost:"))
 
 
-def spark_session(ds, workers):
+def spark_session(ds, workers, watched=False):
     """(the SparkSession, whether this call started its SparkContext): spark_context's, with Spark SQL's session
     on it."""
-    sc, started = spark_context(ds, workers)
+    sc, started = spark_context(ds, workers, watched)
     return sql_session(sc), started
 
 
-def spark_context(ds, workers):
+def spark_context(ds, workers, watched=False):
     """(the SparkContext, whether this call started it). A running one (the caller's) is used as it is
     and left running; else one starts on ds.master (`local[N,F]` by default, bound to 127.0.0.1 on a
-    loopback master), or on spark-submit's master as it configured it. Spark SQL's session is not started here:
+    loopback master), or on spark-submit's master as it configured it, its tasks' attempts as `attempts` says
+    (`watched`: the driver counts the job's failures itself, budget.py). Spark SQL's session is not started here:
     a job reading no DataFrame does without it (seconds of the JVM's start-up, on the cores the workers' start-up
     needs: bench/startup.py); sql_session starts it when a job needs it."""
     if SparkContext._active_spark_context is not None:
         return this_python(SparkContext._active_spark_context), False
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # under spark-submit the JVM is up with its master
-    master = ds.master or (None if submitted else f"local[{workers},{max(ds.max_failures, 1)}]")
+    tries = attempts(ds, watched)
+    master = ds.master or (None if submitted else f"local[{workers},{tries}]")
     conf = SparkConf().setAppName("deepspark")
     if master:
         conf.setMaster(master)
@@ -118,10 +123,10 @@ def spark_context(ds, workers):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         conf.set("spark.driver.host", "127.0.0.1").set("spark.driver.bindAddress", "127.0.0.1")
         conf.set("spark.ui.enabled", "false")
-    # A sync job's lost worker fails its barrier stage's attempt, which Spark reruns whole: max_failures
+    # A sync job's lost worker fails its barrier stage's attempt, which Spark reruns whole: the same count
     # governs those reruns too (Spark's own default, 4 attempts, would cap them whatever the flag says).
-    conf.set("spark.task.maxFailures", str(max(ds.max_failures, 1)))
-    conf.set("spark.stage.maxConsecutiveAttempts", str(max(ds.max_failures, 1)))
+    conf.set("spark.task.maxFailures", str(tries))
+    conf.set("spark.stage.maxConsecutiveAttempts", str(tries))
     conf.set("spark.python.worker.reuse", "true").set("spark.ui.showConsoleProgress", "false")
     if master and is_local(master):
         # The executors run this Python on this process's path (executor_python), where our daemon is: it imports
@@ -154,6 +159,13 @@ def spark_context(ds, workers):
         start_python_workers(sc, workers)
     sc.setLogLevel("ERROR")
     return sc, True
+
+
+def attempts(ds, watched):
+    """Spark's attempts of each task, and of a barrier stage: max_failures (1 at least) where Spark counts the
+    failures; WATCHED_ATTEMPTS where the driver's budget does (`watched`), so that Spark never ends the job first,
+    unless max_failures is 1 (no retry, whoever counts)."""
+    return WATCHED_ATTEMPTS if watched and ds.max_failures > 1 else max(ds.max_failures, 1)
 
 
 def this_python(sc):
