@@ -48,6 +48,7 @@ from network import WORKER  # noqa: E402  (bench/network.py: the workers' summar
 BACKENDS = ("caffe", "tensorflow")
 KNOBS = {"algorithm": "easgd", "workers": 2, "period": 10, "moving_rate": 0.45}
 SNAPSHOTS = 8  # points on each accuracy curve: enough to place a target, few enough that tests stay ~15 s a run
+SMOKE_ITERATIONS = 10  # --smoke: LeNet only, one snapshot; the bench runs end to end, its figures mean nothing
 
 CIFAR = os.path.join(ROOT, "models", "cifar10_quick")
 CIFAR_DATA = "synthetic 3x32x32, 10 classes, a faint band each (no CIFAR-10 here): 20,000 train, 2,000 test"
@@ -125,8 +126,8 @@ def net_accuracy(net, iterations, weights):
     from deepspark import nets
     from deepspark.log import Log
 
-    with open(os.devnull, "w") as quiet:
-        means = nets.test(net, weights, iterations, "tensorflow", log=Log(stream=quiet, progress=False))
+    with open(os.devnull, "w") as quiet, Log(stream=quiet, progress=False):
+        means = nets.test(net, weights, iterations, "tensorflow")
     return float(means["accuracy"])
 
 
@@ -137,10 +138,10 @@ def worker_figures(stderr, batch):
             for _, its, _, trained, blocked in WORKER.findall(stderr) if float(trained)]
 
 
-def run(name, model, backend, solver, accuracy, iterations, folder):
+def run(name, model, backend, solver, accuracy, iterations, folder, snapshots=SNAPSHOTS):
     """One `deepspark train` of `solver` on `backend`, its snapshots tested afterwards; its JSON record."""
     per_iteration = model.batch * KNOBS["workers"]
-    solver = tta.solver_copy(folder, max(1, iterations // SNAPSHOTS), False, solver=solver)
+    solver = tta.solver_copy(folder, max(1, iterations // snapshots), False, solver=solver)
     started = time.monotonic()
     done = subprocess.run(tta.command(solver, folder, iterations, {**KNOBS, "backend": backend}), cwd=ROOT,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -206,21 +207,26 @@ def page_section(records, data_folder):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="LeNet only, half an epoch")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"runs end to end only (make bench-smoke): LeNet, {SMOKE_ITERATIONS} iterations, 1 snapshot")
     parser.add_argument("--only", choices=tuple(MODELS))
     parser.add_argument("--out", default=_results.results_path("backends"))
     args = parser.parse_args()
+    if args.smoke:
+        args.quick, args.only = True, "lenet"
     with tempfile.TemporaryDirectory() as scratch:
         for name, model in MODELS.items():
             iterations = model.quick_iterations if args.quick else model.iterations
             if not iterations or (args.only and name != args.only):
                 continue
+            iterations = SMOKE_ITERATIONS if args.smoke else iterations
             if name == "lenet":
                 solver, accuracy = tta.SOLVER, tta.accuracy
             else:
                 solver, accuracy = cifar_job(os.path.join(scratch, name))
             for backend in BACKENDS:
                 record = run(name, model, backend, solver, accuracy, iterations,
-                             os.path.join(scratch, f"{name}-{backend}"))
+                             os.path.join(scratch, f"{name}-{backend}"), 1 if args.smoke else SNAPSHOTS)
                 _results.emit(record, args.out)
 
 

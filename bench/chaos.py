@@ -66,8 +66,12 @@ def main():
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--algorithm", choices=("easgd", "sync"), default="easgd")
+    parser.add_argument("--smoke", action="store_true",
+                        help="runs end to end only (make bench-smoke): 200 iterations, 1 kill")
     parser.add_argument("--out", default=_results.results_path("chaos"))
     args = parser.parse_args()
+    if args.smoke:
+        args.iterations, args.kills = 200, 1  # fewer and the job can end before the kill
     common = {"bench": "chaos", "algorithm": args.algorithm, "iterations": args.iterations,
               "data": "Fashion-MNIST (real), the demo's LeNet job, 2 workers"}
     with tempfile.TemporaryDirectory() as folder:

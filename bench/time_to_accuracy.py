@@ -83,7 +83,7 @@ MILESTONES = {COMPRESSED_TWIN: CODEC_PERIOD * BATCH * WORKERS, COMPRESSED: CODEC
 REPEATS = {COMPRESSED_TWIN: 3, COMPRESSED: 3}
 QUICK = ("single", "easgd period 10")
 ON_CLOCK = ("easgd period 10",)  # the single run's own tests are in its process: only the workers' share cores
-EPOCHS, QUICK_EPOCHS = 2.5, 1.5  # single reaches 0.88 in ~2.3 epochs here; the page's hour allows no more (at 4 the
+EPOCHS, QUICK_EPOCHS, SMOKE_EPOCHS = 2.5, 1.5, 0.02  # single reaches 0.88 in ~2.3 epochs here; the page's hour allows no more (at 4 the
 # page's benches came to ~70 minutes)
 # The run the loopback target names trains TARGET_EPOCHS: easgd needs more samples than single to reach 0.88 (d > 1.11
 # at 2.5 epochs, RQ5), and the target asks when it gets there, not whether within single's samples.
@@ -245,12 +245,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"only {', '.join(QUICK)}, {QUICK_EPOCHS:g} epochs, no on-clock runs")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"runs end to end only (make bench-smoke): --quick's runs, {SMOKE_EPOCHS:g} epochs")
     parser.add_argument("--epochs", type=float, default=EPOCHS)
     parser.add_argument("--only", help="comma-separated run names")
     parser.add_argument("--out", default=_results.results_path("time_to_accuracy"))
     args = parser.parse_args()
+    args.quick = args.quick or args.smoke
     names = run_names(args.only) if args.only else list(QUICK if args.quick else RUNS)
-    epochs = QUICK_EPOCHS if args.quick else args.epochs
+    epochs = SMOKE_EPOCHS if args.smoke else QUICK_EPOCHS if args.quick else args.epochs
     again = [] if args.quick else [name for name in names if name in REPEATS]
     plans = [(name, False, 1) for name in names] + \
         [(name, False, k) for k in range(2, max(REPEATS.values()) + 1) for name in again if k <= REPEATS[name]] + \
