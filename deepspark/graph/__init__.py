@@ -19,7 +19,7 @@ from deepspark.graph import common, data, detection, loss, neuron, recurrent, vi
 from deepspark.graph.backward import backward_needs
 from deepspark.graph.data import crop_of, crop_shape
 from deepspark.graph.dag import BuildContext, Graph, Layer, Param
-from deepspark.graph.detection import aspect_ratios, permute_order, prior_image_size, prior_step
+from deepspark.graph.detection import aspect_ratios, permute_order, prior_image_size, prior_step, proposal_anchors
 from deepspark.graph.phase import layer_included, make_state, state_meets_rule
 from deepspark.graph.recurrent import RECURRENT_STATES, recurrent_inputs
 from deepspark.graph.registry import (AUTOMATIC, REGISTRY, LayerSpec, ShapeError, canonical_axis, check_table, count,

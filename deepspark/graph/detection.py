@@ -1,8 +1,8 @@
-"""Shape rules of the SSD fork's detection layers: Permute, Normalize, PriorBox, DetectionOutput, MultiBoxLoss.
+"""Shape rules of the fork's detection layers: Permute, Normalize, PriorBox, DetectionOutput, MultiBoxLoss, Proposal.
 
 Written from brocolli-caffe 9.0.2's permute_layer.cpp, normalize_layer.cpp, prior_box_layer.cpp,
-detection_output_layer.cpp and multibox_loss_layer.cpp: each CHECK there (a process abort in pycaffe) is a
-ShapeError here.
+detection_output_layer.cpp, multibox_loss_layer.cpp and proposal_layer.cpp: each CHECK there (a process abort
+in pycaffe) is a ShapeError here.
 """
 
 import numpy as np
@@ -237,3 +237,42 @@ def _detection_evaluate(lp, bottoms, ctx):
         if legacy(shape, 0) != 1 or legacy(shape, 1) != 1 or legacy(shape, 3) != width:
             raise ShapeError(f"DetectionEvaluate's {what} must be 1 x 1 x rows x {width}, got {fmt(shape)}")
     return [(1, 1, param.num_classes - 1 + legacy(detections, 2), 5)], []
+
+
+def proposal_anchors(param):
+    """The fork's generate_anchors: per ratio, then per scale, (x1, y1, x2, y2) about the base box's centre, in
+    its float arithmetic (the half sizes 0.5 * round(w * scale / base_size - 1), the division in double)."""
+    f = np.float32
+    base = param.base_size
+    centre = f(0.5) * (f(base) - f(1))
+    anchors = []
+    for ratio in np.array(param.ratio, f):
+        width = f(np.sqrt(f(f(base * base) / ratio)))
+        height = f(width * ratio)
+        for scale in np.array(param.scale, f):
+            half_w, half_h = (f(0.5) * int(float(f(side * scale)) / base - 1.0 + 0.5) for side in (width, height))
+            anchors.append([centre - half_w, centre - half_h, centre + half_w, centre + half_h])
+    return np.array(anchors, f).reshape(-1, 4)
+
+
+@layer_type("Proposal", bottoms=3)
+def _proposal(lp, bottoms, ctx):
+    """Faster R-CNN's proposals from the scores (N x 2A x H x W, the second A channels the objects'), the box
+    deltas (N x 4A x H x W) and the image's height and width (the first item's two first values): rows
+    [item, x1, y1, x2, y2] and (a second top) their scores. How many each item keeps is known only from the data:
+    the shapes given here are Caffe's before its first forward pass (post_nms_topn per item). Its Backward is
+    empty: no diff reaches the inputs."""
+    param = lp.proposal_param
+    if len(bottoms) != 3 or not 1 <= len(lp.top) <= 2:
+        raise ShapeError(f"Proposal takes 3 bottoms and makes 1 or 2 tops, got {len(bottoms)} and {len(lp.top)}")
+    if not param.ratio or not param.scale:
+        raise ShapeError("Proposal needs at least one ratio and one scale (the fork's Forward reads past no anchor)")
+    scores, deltas, info = bottoms
+    anchors = len(param.ratio) * len(param.scale)
+    if len(scores) != 4 or tuple(deltas) != (scores[0], 4 * anchors) + tuple(scores[2:]) or scores[1] != 2 * anchors:
+        raise ShapeError(f"Proposal with {anchors} anchors needs scores N x {2 * anchors} x H x W and deltas "
+                         f"N x {4 * anchors} x H x W, got {fmt(scores)} and {fmt(deltas)}")
+    if count(info) < 2:
+        raise ShapeError(f"Proposal's image info {fmt(info)} needs the image's height and width")
+    rows = scores[0] * param.post_nms_topn
+    return [(rows, 5), (rows,)][:len(lp.top)], []

@@ -1,11 +1,14 @@
-"""The SSD fork's detection layers in TensorFlow: Permute, Normalize, PriorBox, DetectionOutput, MultiBoxLoss,
-DetectionEvaluate.
+"""The fork's detection layers in TensorFlow: Permute, Normalize, PriorBox, DetectionOutput, MultiBoxLoss,
+DetectionEvaluate, Proposal.
 
 Each follows brocolli-caffe 9.0.2's layer (permute_layer.cpp, normalize_layer.cpp, prior_box_layer.cpp,
-detection_output_layer.cpp with util/bbox_util.cpp) down to its float and double arithmetic, so that the boxes
-and the non-maximum suppression's decisions are Caffe's. DetectionOutput is TensorFlow ops only (no numpy
-bridge), so that a SavedModel of an SSD net runs it in plain TensorFlow.
+detection_output_layer.cpp with util/bbox_util.cpp, proposal_layer.cpp with util/nms.cpp) down to its float and
+double arithmetic, so that the boxes and the non-maximum suppression's decisions are Caffe's. DetectionOutput
+and Proposal are TensorFlow ops only (no numpy bridge), so that a SavedModel of an SSD or Faster R-CNN net runs
+them in plain TensorFlow.
 """
+
+import math
 
 import numpy as np
 
@@ -13,7 +16,7 @@ from deepspark.backends.tensorflow.layers.loss import items, loss_normalizer
 from deepspark.backends.tensorflow.layers.table import layer
 from deepspark.backends.tensorflow.layout import Blob
 from deepspark.backends.tensorflow.runtime import tf
-from deepspark.graph import aspect_ratios, legacy, permute_order, prior_image_size, prior_step
+from deepspark.graph import aspect_ratios, legacy, permute_order, prior_image_size, prior_step, proposal_anchors
 from deepspark.proto import deepspark_pb2 as pb
 
 CODE = pb.PriorBoxParameter
@@ -167,14 +170,15 @@ def jaccard(a, a_size, b, b_size):
 PAIRWISE = 512
 
 
-def suppress(boxes, sizes, valid, nms, bound):
+def suppress(boxes, sizes, valid, nms, bound, overlaps=jaccard):
     """Caffe's ApplyNMSFast on each row of candidates already in its order (R x K, K at most `bound`): a
     candidate is kept when its overlap with every kept one before it is at most nms_threshold (which eta < 1
-    lowers after each keep while it is above 0.5). The rows' kept mask (R x K)."""
+    lowers after each keep while it is above 0.5). The rows' kept mask (R x K). `overlaps` is jaccard's
+    signature (Proposal's nms_cpu measures in whole pixels)."""
     if nms.eta < 1 or bound > PAIRWISE:
-        return _suppress_in_turn(boxes, sizes, valid, nms)
+        return _suppress_in_turn(boxes, sizes, valid, nms, overlaps)
     k = tf.shape(valid)[1]
-    overlap = jaccard(boxes[:, :, None], sizes[:, :, None], boxes[:, None], sizes[:, None])  # [r, j, i]
+    overlap = overlaps(boxes[:, :, None], sizes[:, :, None], boxes[:, None], sizes[:, None])  # [r, j, i]
     earlier = tf.range(k)[None, :] < tf.range(k)[:, None]  # i before j
     beaten = ~(overlap <= nms.nms_threshold) & earlier[None]
 
@@ -188,13 +192,13 @@ def suppress(boxes, sizes, valid, nms, bound):
     return kept
 
 
-def _suppress_in_turn(boxes, sizes, valid, nms):
+def _suppress_in_turn(boxes, sizes, valid, nms, overlaps):
     """suppress, one candidate after another."""
     rows, k = tf.shape(valid)[0], tf.shape(valid)[1]
     eta = nms.eta
 
     def step(j, kept, threshold):
-        overlap = jaccard(boxes[:, j, None], sizes[:, j, None], boxes, sizes)
+        overlap = overlaps(boxes[:, j, None], sizes[:, j, None], boxes, sizes)
         clear = tf.reduce_all(~kept | (overlap <= threshold[:, None]), axis=1)
         keep = valid[:, j] & clear
         kept = kept | (keep[:, None] & tf.equal(tf.range(k), j)[None, :])
@@ -291,6 +295,70 @@ def detection_output(layer, bottoms, params, ctx):
                       tf.gather(tf.reshape(boxes, (-1, 4)), chosen)], axis=1)
     rows = tf.cond(tf.size(rows) > 0, lambda: rows, lambda: _no_detections(items)[0, 0])
     return [Blob(tf.reshape(rows, (1, 1, -1, 7)))]
+
+
+def pixel_overlaps(a, a_size, b, b_size):
+    """nms_cpu's iou of boxes `a` with boxes `b` (... x 4, broadcast) in whole pixels (a side is x2 - x1 + 1;
+    sizes so measured): 0 where they do not meet, else intersection / (size + size - intersection) in float."""
+    a, b = tf.unstack(a, axis=-1), tf.unstack(b, axis=-1)
+    apart = (a[0] > b[2]) | (a[1] > b[3]) | (a[2] < b[0]) | (a[3] < b[1])
+    width = tf.maximum(0.0, _plus(tf.minimum(a[2], b[2]) - tf.maximum(a[0], b[0]), 1.0))
+    height = tf.maximum(0.0, _plus(tf.minimum(a[3], b[3]) - tf.maximum(a[1], b[1]), 1.0))
+    inter = width * height
+    return tf.where(apart, 0.0, inter / (_plus(a_size, b_size) - inter))
+
+
+def pixel_size(boxes):
+    """(x2 - x1 + 1) (y2 - y1 + 1) of boxes ... x 4, in float."""
+    x0, y0, x1, y1 = tf.unstack(boxes, axis=-1)
+    return _plus(x1 - x0, 1.0) * _plus(y1 - y0, 1.0)
+
+
+def proposal_boxes(deltas, anchors, stride, image_hw, min_size):
+    """Each anchor at each position (N x H x W x A x 4 deltas, in that order) moved by its deltas as the fork's
+    transform_box, clipped to the image, and whether both its sides reach min_size: (N x P x 4, N x P)."""
+    sizes = tf.shape(deltas)
+    ys = tf.cast(tf.range(sizes[1]) * stride, tf.float32)[:, None, None]
+    xs = tf.cast(tf.range(sizes[2]) * stride, tf.float32)[None, :, None]
+    x0, y0, x1, y1 = (_plus(origin, anchors[:, i]) for i, origin in enumerate((xs, ys, xs, ys)))
+    dx, dy, dw, dh = tf.unstack(deltas, axis=-1)
+    width, height = _plus(x1 - x0, 1.0), _plus(y1 - y0, 1.0)
+    cx, cy = _plus(_times(dx, width), _plus(x0, 0.5 * width)), _plus(_times(dy, height), _plus(y0, 0.5 * height))
+    # the fork's exp of a float: glibc's expf, correctly rounded, as exp in double rounded to float
+    new_w = _times(tf.cast(tf.exp(_f64(dw)), tf.float32), width)
+    new_h = _times(tf.cast(tf.exp(_f64(dh)), tf.float32), height)
+    high_x, high_y = image_hw[1] - 1.0, image_hw[0] - 1.0
+    box = [tf.maximum(0.0, tf.minimum(corner, high))
+           for corner, high in ((cx - 0.5 * new_w, high_x), (cy - 0.5 * new_h, high_y),
+                                (_plus(cx, 0.5 * new_w), high_x), (_plus(cy, 0.5 * new_h), high_y))]
+    big = (_plus(box[2] - box[0], 1.0) >= min_size) & (_plus(box[3] - box[1], 1.0) >= min_size)
+    return tf.reshape(tf.stack(box, axis=-1), (sizes[0], -1, 4)), tf.reshape(big, (sizes[0], -1))
+
+
+@layer("Proposal")
+def proposal(layer, bottoms, params, ctx):
+    """The fork's Proposal (Faster R-CNN's; no backward): every anchor at every position moved by its deltas,
+    clipped, scored 0 under min_size; per item the best pre_nms_topn (ties by index, where the fork's quicksort
+    may pick either) through nms_cpu (iou over nms_thresh suppresses), the first post_nms_topn kept as rows
+    [item, x1, y1, x2, y2] by item, best first, and their scores (a second top)."""
+    param = layer.param.proposal_param
+    anchors = proposal_anchors(param)
+    count = len(anchors)
+    scores, deltas, info = [tf.stop_gradient(b.caffe) for b in bottoms]
+    scores = tf.reshape(tf.transpose(scores[:, count:], (0, 2, 3, 1)), (tf.shape(scores)[0], -1))
+    deltas = tf.transpose(tf.reshape(deltas, tf.concat([[-1, count, 4], tf.shape(deltas)[2:]], 0)), (0, 3, 4, 1, 2))
+    boxes, big = proposal_boxes(deltas, tf.constant(anchors), param.feat_stride, tf.reshape(info, (-1,))[:2],
+                                float(param.min_size))
+    scores = tf.where(big, scores, 0.0 * scores)
+    bound = min(param.pre_nms_topn, math.prod(layer.bottom_shapes[0][2:]) * count)
+    scores, order = tf.math.top_k(scores, k=tf.minimum(param.pre_nms_topn, tf.shape(scores)[1]))
+    boxes = tf.gather(boxes, order, batch_dims=1)
+    nms = pb.NonMaximumSuppressionParameter(nms_threshold=param.nms_thresh)
+    kept = suppress(boxes, pixel_size(boxes), tf.ones_like(scores, tf.bool), nms, bound, pixel_overlaps)
+    kept &= tf.cumsum(tf.cast(kept, tf.int32), axis=1) <= param.post_nms_topn
+    item = tf.cast(tf.broadcast_to(tf.range(tf.shape(kept)[0])[:, None], tf.shape(kept)), tf.float32)
+    rows = tf.concat([tf.boolean_mask(item, kept)[:, None], tf.boolean_mask(boxes, kept)], axis=1)
+    return [Blob(rows), Blob(tf.boolean_mask(scores, kept))][:len(layer.tops)]
 
 
 def _no_detections(items):
