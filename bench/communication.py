@@ -44,6 +44,7 @@ FLOOR = {"lenet": 150, "wide": 40}
 EXCHANGES = 3
 TAIL = 8
 WARM_UP = 20  # iterations of an unrecorded first job
+SMOKE_PERIOD, SMOKE_ITERATIONS = 10, 30  # --smoke: one period, overlapped and not; its figures mean nothing
 # DeepSpark's paper (Kim et al., arXiv 1602.08191), as issue #14 quotes it: communication ~10% of a minibatch's time.
 PAPER_SHARE = 0.10
 
@@ -64,9 +65,9 @@ def train(solver_path, folder, **knobs):
     return spark.train(solver, workers=WORKERS, output=folder, algorithm="easgd", **knobs).summary
 
 
-def run(model, solver_path, period, overlap, folder):
+def run(model, solver_path, period, overlap, folder, iterations=None):
     """One job's record: the workers' blocked shares, seconds per iteration and exchanges."""
-    iterations = iterations_of(model, period)
+    iterations = iterations or iterations_of(model, period)
     summary = train(solver_path, folder, iterations=iterations, period=period, overlap=overlap)
     rows = sorted(summary["workers"], key=lambda r: r["worker"])
     # The first step traces the backend's step function (seconds, where a step takes milliseconds): it is the
@@ -84,10 +85,13 @@ def run(model, solver_path, period, overlap, folder):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="LeNet only, periods 1 and 10")
+    parser.add_argument("--smoke", action="store_true", help="runs end to end only (make bench-smoke): LeNet, "
+                        f"period {SMOKE_PERIOD}, {SMOKE_ITERATIONS} iterations a run")
     parser.add_argument("--out", default=_results.results_path("communication"))
     args = parser.parse_args()
+    args.quick = args.quick or args.smoke
     started = time.monotonic()
-    periods = QUICK_PERIODS if args.quick else PERIODS
+    periods = (SMOKE_PERIOD,) if args.smoke else QUICK_PERIODS if args.quick else PERIODS
     # Before Spark starts: its JVM and workers would share the cores with these measurements.
     network = plan_check.loopback()
     _results.emit({"bench": "communication", "figure": "loopback", "bandwidth_gbit": round(8e-9 * network.bandwidth, 2),
@@ -117,7 +121,8 @@ def main():
                         folder = os.path.join(scratch, f"{model}-{period}-{'overlapped' if overlap else 'blocking'}")
                         _results.emit({"bench": "communication", "model": model, "floats": costs[model].floats,
                                        "period": period, "overlap": overlap,
-                                       **run(model, solver, period, overlap, folder),
+                                       **run(model, solver, period, overlap, folder,
+                                             SMOKE_ITERATIONS if args.smoke else None),
                                        "projected_exchange_share": round(projection.exchange_share, 4),
                                        "projected_seconds_per_iteration": round(projection.cycle / period, 5)},
                                       args.out)

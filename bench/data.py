@@ -97,7 +97,11 @@ def main(argv=None):
     ap.add_argument("--epochs", type=int, default=3, help="steady-state epochs per measurement")
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median)")
     ap.add_argument("--out", default="bench/results/data.jsonl", help="JSON lines are also appended here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="runs end to end only (make bench-smoke): 2,000 synthetic records, 1 epoch, 1 repetition")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.source, args.records, args.epochs, args.reps = "synthetic", 2000, 1, 1
 
     def emit(rec):
         _results.emit(dict(bench="data", **rec), args.out)

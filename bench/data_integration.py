@@ -140,8 +140,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="150 iterations a run, one run per source")
     parser.add_argument("--out", default=_results.results_path("data_integration"),
                         help="JSON lines are also appended here")
+    parser.add_argument("--smoke", action="store_true",
+                        help="runs end to end only (make bench-smoke): 10 iterations a run, one run per source")
     args = parser.parse_args()
-    iterations, rounds = (150, 1) if args.quick else (EPOCH, 2)
+    iterations, rounds = (10, 1) if args.smoke else (150, 1) if args.quick else (EPOCH, 2)
     os.chdir(ROOT)  # the zoo's prototxt paths are relative to the repository
     missing_data = [path for path in LMDBS.values() if not os.path.isdir(path)]
     if missing_data:
