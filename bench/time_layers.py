@@ -56,7 +56,8 @@ def emit(record):
 def ours(model, batch, iterations):
     """{layer: forward ms} as `deepspark time` reports it."""
     passes, loss = model.layer_passes(batch)
-    timing = engine.benchmark(passes, loss, iterations, Log(stream=io.StringIO()))
+    with Log(stream=io.StringIO()):
+        timing = engine.benchmark(passes, loss, iterations)
     return {name: forward for name, forward, _ in timing.layers}
 
 
@@ -141,7 +142,8 @@ def bench_tensorflow(batch, rounds, iterations):
     model.forward(batch), model.gradients(batch)  # trace the compiled passes
     layers_f, layers_fb, whole_f, whole_fb = [], [], [], []
     for _ in range(rounds):
-        timing = engine.benchmark(passes, loss, iterations, Log(stream=io.StringIO()))
+        with Log(stream=io.StringIO()):
+            timing = engine.benchmark(passes, loss, iterations)
         layers_f.append(timing.forward)
         layers_fb.append(timing.forward + timing.backward)
         started = time.perf_counter()

@@ -7,8 +7,6 @@ proto alone.
 """
 
 import argparse
-import functools
-import logging
 import os
 import sys
 
@@ -18,7 +16,6 @@ from deepspark import compare, config, detect, export, nets, plan
 from deepspark.backends import BACKENDS
 from deepspark.data import annotated, convert
 from deepspark.errors import DeepSparkError
-from deepspark.log import Log
 from deepspark.plot import plot_log
 from deepspark.proto import deepspark_pb2 as pb
 
@@ -141,8 +138,9 @@ def cmd_compare(args):
 
 
 def cmd_plan(args):
-    plan.run(args.model, fields_of(args, pb.DeepSparkParameter), message_of(args, pb.PlanParameter),
-             args.data_shape, Log())
+    report, _ = plan.run(args.model, fields_of(args, pb.DeepSparkParameter), message_of(args, pb.PlanParameter),
+                         args.data_shape)
+    print(report)
     return 0
 
 
@@ -237,44 +235,11 @@ def cmd_upgrade_solver(args):
     return 0
 
 
-class _ToolLines(logging.Handler):
-    """The data tools' INFO lines (deepspark.data.convert's log: counts, progress) as glog lines on stderr, as
-    Caffe's tools log them; their warnings reach stderr through the deepspark logger's own handler."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.log = Log()
-
-    def emit(self, record):
-        if record.levelno < logging.WARNING:
-            self.log.info(self.format(record))
-
-
-def data_tool(run):
-    """A data tool's verb that shows convert's log lines while it runs."""
-
-    @functools.wraps(run)
-    def verb(args):
-        logger, handler = logging.getLogger(convert.__name__), _ToolLines()
-        level = logger.level
-        logger.setLevel(logging.INFO)
-        logger.addHandler(handler)
-        try:
-            return run(args)
-        finally:
-            logger.removeHandler(handler)
-            logger.setLevel(level)
-
-    return verb
-
-
-@data_tool
 def cmd_convert_mnist(args):
     convert.convert_mnist(args.images, args.labels, args.out)
     return 0
 
 
-@data_tool
 def cmd_convert_imageset(args):
     convert.convert_imageset(args.root, args.listfile, args.out, gray=args.gray, shuffle=args.shuffle,
                              resize_height=args.resize_height, resize_width=args.resize_width,
@@ -282,7 +247,6 @@ def cmd_convert_imageset(args):
     return 0
 
 
-@data_tool
 def cmd_convert_annoset(args):
     annotated.convert_annoset(args.root, args.listfile, args.out, label_map_file=args.label_map_file,
                               anno_type=args.anno_type, label_type=args.label_type, gray=args.gray,
@@ -292,13 +256,11 @@ def cmd_convert_annoset(args):
     return 0
 
 
-@data_tool
 def cmd_convert_lmdb(args):
     convert.convert_lmdb(args.source, args.dest, overwrite=args.overwrite)
     return 0
 
 
-@data_tool
 def cmd_compute_image_mean(args):
     convert.compute_image_mean(args.lmdb, args.out)
     return 0

@@ -13,13 +13,15 @@ every backend hands it.
 import collections
 import dataclasses
 import gc
+import logging
 import time
 
 import numpy as np
 
 from deepspark import checkpoint, graph, progress, schedule
 from deepspark.errors import ConfigError
-from deepspark.log import Log
+
+log = logging.getLogger(__name__)
 
 
 def next_batch(feeders):
@@ -74,20 +76,20 @@ def label_classes(net):
     return classes
 
 
-def score(model, feeders, iterations, log=None):
-    """Mean of every output over `iterations` batches; logged as Caffe's `Test net output #j`."""
+def score(model, feeders, iterations, logged=False):
+    """Mean of every output over `iterations` batches; with `logged`, logged as Caffe's `Test net output #j`."""
     sums = collections.OrderedDict()
     for _ in range(iterations):
         for name, value in model.forward(next_batch(feeders)).items():
             value = np.asarray(value, np.float64)
             sums[name] = sums[name] + value if name in sums else value
     means = collections.OrderedDict((name, total / max(iterations, 1)) for name, total in sums.items())
-    if log:
-        log_outputs(log, model.graph, means, "    Test net output #{index}: ")
+    if logged:
+        log_outputs(model.graph, means, "    Test net output #{index}: ")
     return means
 
 
-def log_outputs(log, net, means, prefix):
+def log_outputs(net, means, prefix):
     """One line per output value, with Caffe's `(* weight = weighted loss)` for loss outputs; outputs in
     Caffe's order, by name (Net::Init collects them in a std::set)."""
     weights = {top: w for layer in net.layers for top, w in zip(layer.tops, layer.loss_weights)}
@@ -157,7 +159,7 @@ class Timing:
         return self.total / self.iterations
 
 
-def benchmark(passes, loss, iterations, log):
+def benchmark(passes, loss, iterations):
     """Caffe's `caffe time` (tools/caffe.cpp, time()) over a model's layer_passes, logged in its lines; a Timing.
 
     One Forward and one Backward first, untimed, where a backend compiles
@@ -221,16 +223,16 @@ class Evaluator:
     nets: [(model, feeders, iterations)], one per test net, built by the caller.
     """
 
-    def __init__(self, nets, log):
-        self.nets, self.log = list(nets), log
+    def __init__(self, nets):
+        self.nets = list(nets)
 
     def test(self, iteration, source_graph, arrays):
         """Score `arrays` (in `source_graph`'s parameter order); log and return [{output: mean value}] per net."""
         results = []
         for i, (model, feeders, iterations) in enumerate(self.nets):
-            self.log.info(f"Iteration {iteration}, Testing net (#{i})")
+            log.info(f"Iteration {iteration}, Testing net (#{i})")
             model.set_params(copy_weights(source_graph, arrays, model.graph, model.get_params()))
-            results.append(score(model, feeders, iterations, self.log))
+            results.append(score(model, feeders, iterations, logged=True))
         return results
 
     def close(self):
@@ -317,7 +319,7 @@ def hdf5_snapshots(param):
     return param.snapshot_format == param.HDF5
 
 
-def write_snapshot(log, prefix, iteration, net, arrays, solver_state, hdf5=False):
+def write_snapshot(prefix, iteration, net, arrays, solver_state, hdf5=False):
     """Caffe's Snapshot: `<prefix>_iter_N.caffemodel` of `arrays` (in `net`'s parameter order), then the
     .solverstate that names it (with hdf5, each an HDF5 file ending in .h5), each logged as Caffe logs it.
     solver_state(model path) gives (the SolverState, what its line adds). Returns both paths."""
@@ -337,10 +339,9 @@ class Trainer:
     the train net's batch sources; evaluator: the test nets, or None.
     """
 
-    def __init__(self, solver, model, feeders, log=None, evaluator=None):
+    def __init__(self, solver, model, feeders, evaluator=None):
         self.solver, self.param = solver, solver.param
         self.model, self.feeders, self.evaluator = model, list(feeders), evaluator
-        self.log = log or Log()
         self.losses = collections.deque(maxlen=max(self.param.average_loss, 1))
         self._heap_frozen = False
         # (time.time() when it was done, seconds it took) of this trainer's first step, where a backend traces
@@ -354,12 +355,12 @@ class Trainer:
         self.history, self.snapshots, self.snapshotted, self.started = [], [], None, time.monotonic()
 
     def load_weights(self, path):
-        self.log.info(f"Finetuning from {path}")
+        log.info(f"Finetuning from {path}")
         blobs = checkpoint.read_caffemodel(path)
         self.model.set_params(checkpoint.weights_for(self.model.graph, blobs, self.model.get_params(), path))
 
     def restore(self, path):
-        self.log.info(f"Restoring previous solver status from {path}")
+        log.info(f"Restoring previous solver status from {path}")
         state = checkpoint.read_solverstate(path)
         learned = checkpoint.learned_net_path(state, path)
         if learned:
@@ -425,7 +426,7 @@ class Trainer:
     def display(self, iteration, shown=None):
         """Caffe's `Iteration N... loss = L` line (`shown`: what goes between N and the comma), in the history."""
         loss = self.smoothed_loss
-        self.log.info(f"Iteration {iteration}{shown or ''}, loss = {loss:.6g}")
+        log.info(f"Iteration {iteration}{shown or ''}, loss = {loss:.6g}")
         self.history.append(entry(self.started, iteration, float(f"{loss:.6g}")))  # as the line says it
 
     def snapshot(self):
@@ -434,7 +435,7 @@ class Trainer:
             state.learned_net = model_path
             return state, ""
 
-        paths = write_snapshot(self.log, self.param.snapshot_prefix or "snapshot", self.iter, self.model.graph,
+        paths = write_snapshot(self.param.snapshot_prefix or "snapshot", self.iter, self.model.graph,
                                self.model.get_params(), state_of, hdf5_snapshots(self.param))
         self.snapshots.append(paths)
         self.snapshotted = self.iter
@@ -445,13 +446,13 @@ class Trainer:
         `(* w = v' loss)` for a loss; the step's loss alone where a backend cannot tell them."""
         outputs = self.model.train_outputs()
         if outputs is None:
-            self.log.info(f"    Train net output #0: loss = {loss:.6g}")
+            log.info(f"    Train net output #0: loss = {loss:.6g}")
         else:
-            log_outputs(self.log, self.model.graph, outputs, "    Train net output #{index}: ")
+            log_outputs(self.model.graph, outputs, "    Train net output #{index}: ")
 
     def solve(self):
         """Caffe's Solver::Solve: test every test_interval, display, snapshot; returns the last test results."""
-        p, log, cadence = self.param, self.log, Cadence(self.param)
+        p, cadence = self.param, Cadence(self.param)
         stop = schedule.stop_iteration(p)
         log.info(f"Solving {self.model.graph.name}")
         log.info(f"Learning Rate Policy: {p.lr_policy or 'fixed'}")
@@ -459,7 +460,7 @@ class Trainer:
             log.info(schedule.stop_note(p))
         self.started = started = time.monotonic()
         last_time, last_iter, results = started, self.iter, []
-        shown = progress.display(log, 1, stop, exchanges=False)
+        shown = progress.display(1, stop, exchanges=False)
         while self.iter < stop:
             if cadence.tests(self.iter) and (self.iter > 0 or p.test_initialization):
                 results = self.test_all()

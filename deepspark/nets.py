@@ -1,6 +1,6 @@
 """A solver's nets built on a backend and fed by the data pipeline (the Trainer of a single run or of a Spark worker, the test nets of either), and Caffe's verbs that run them in this process (train --algorithm single, test, time, describe)."""
 
-import os
+import logging
 import time
 
 from google.protobuf import text_format
@@ -14,8 +14,10 @@ from deepspark.data.resume import BLOCKS
 from deepspark.data.table import FEEDERS
 from deepspark.errors import ConfigError
 from deepspark.graph import DATA_TYPES, FED_TYPES, Graph, layer_included
-from deepspark.log import Log
+from deepspark.log import Log, train_log
 from deepspark.proto import deepspark_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 def check_sources(net, source_map, phase):
@@ -88,7 +90,7 @@ def order_line(shuffle, seed, feeders=()):
     return line + (f"; {', '.join(layers)}" if layers else "")
 
 
-def evaluator(solver, log, threads=None):
+def evaluator(solver, threads=None):
     """The solver's test nets on its backend, each with its test_iter and its feeders."""
     backend, seed = solver.param.deepspark_param.backend, random_seed(solver.param)
     nets = []
@@ -96,17 +98,16 @@ def evaluator(solver, log, threads=None):
         model = create_model(backend, net, None, phase=pb.TEST, source=source, stages=list(state.stage),
                              data_shape=source_shape, seed=seed, threads=threads)
         nets.append((model, feeders_for(model, pb.TEST, seed=seed), iterations))
-    return engine.Evaluator(nets, log)
+    return engine.Evaluator(nets)
 
 
-def trainer(solver, log=None, *, shard=0, num_shards=1, seed_offset=None, threads=None, evaluate=True, spark=False):
+def trainer(solver, *, shard=0, num_shards=1, seed_offset=None, threads=None, evaluate=True, spark=False):
     """A Trainer of the solver's train net on the solver's backend, reading shard `shard` of `num_shards`.
 
     The feeders are seeded with random_seed + seed_offset (default: + shard), so that
     every worker of a job sees its own order, in data_order's order (train_order: spark, a
     Spark worker's); evaluate: build the test nets too. The log says the order.
     """
-    log = log or Log()
     backend, seed = solver.param.deepspark_param.backend, random_seed(solver.param)
     model = create_model(backend, solver.train_net, solver.param, source=solver.train_map, data_shape=source_shape,
                          threads=threads)
@@ -116,14 +117,14 @@ def trainer(solver, log=None, *, shard=0, num_shards=1, seed_offset=None, thread
     try:
         feeders = feeders_for(model, pb.TRAIN, seed=seed, shard=shard, num_shards=num_shards, shuffle=shuffle)
         log.info(order_line(shuffle, seed, feeders))
-        tests = evaluator(solver, log, threads) if evaluate and solver.test_nets else None
+        tests = evaluator(solver, threads) if evaluate and solver.test_nets else None
     except BaseException:
         model.close()
         raise
-    return engine.Trainer(solver, model, feeders, log, tests)
+    return engine.Trainer(solver, model, feeders, tests)
 
 
-def place(solver, log):
+def place(solver):
     """Caffe's solver_mode and device_id, before the backend builds a net in this process: a solver that says
     `solver_mode: GPU` (every BVLC solver does) runs on GPU device_id, and one line says where, or that there
     is no such GPU and it runs on the CPU; any other, on the CPU, as `caffe train` without --gpu. Where it runs."""
@@ -145,10 +146,9 @@ def train(solver, weights=None, snapshot=None):
     started = time.monotonic()
     check_sources(solver.train_net, solver.train_map, pb.TRAIN)  # before the backend starts
     output = config.output_folder(solver)
-    log = Log(os.path.join(output, "train.log"), append=bool(snapshot))
-    try:
-        place(solver, log)
-        run = trainer(solver, log)
+    with Log(train_log(output), append=bool(snapshot)):
+        place(solver)
+        run = trainer(solver)
         try:
             if weights:
                 run.load_weights(weights)
@@ -158,8 +158,6 @@ def train(solver, weights=None, snapshot=None):
             arrays = checkpoint.layer_blobs(run.model.graph, run.model.get_params())
         finally:
             run.close()
-    finally:
-        log.close()
     final = engine.first_values(results)
     last = run.snapshots[-1][0] if run.snapshotted == run.iter else None  # the final model's, if snapshotted
     summary = {"iterations": run.iter, "weights": last, "wall_seconds": time.monotonic() - started, **final}
@@ -187,9 +185,8 @@ def test_model(path, backend, phase=pb.TEST, batch_size=None, threads=None):
                         data_shape=source_shape, threads=threads)
 
 
-def test(path, weights, iterations, backend, log=None):
+def test(path, weights, iterations, backend):
     """Caffe's `test`: the mean of every output of the net's TEST phase over `iterations` batches, logged."""
-    log = log or Log()
     model = test_model(path, backend)
     try:
         blobs = checkpoint.read_caffemodel(weights)
@@ -200,20 +197,19 @@ def test(path, weights, iterations, backend, log=None):
             means = engine.score(model, feeders, iterations)
         finally:
             engine.close_all(feeders)
-        engine.log_outputs(log, model.graph, means, "")
+        engine.log_outputs(model.graph, means, "")
     finally:
         model.close()
     return means
 
 
-def timing(path, iterations, backend, phase=pb.TRAIN, log=None):
+def timing(path, iterations, backend, phase=pb.TRAIN):
     """Caffe's `time`: per-layer forward/backward milliseconds, logged as `caffe time` prints them; an engine.Timing.
 
     One batch, timed over and over: the net's first real one when its LMDBs
     exist, else a seeded synthetic one (timing needs no real data; max
     pooling is faster on blank input, so a blank batch would flatter it).
     """
-    log = log or Log()
     model = test_model(path, backend, phase)
     try:
         try:
@@ -225,7 +221,7 @@ def timing(path, iterations, backend, phase=pb.TRAIN, log=None):
         finally:
             engine.close_all(feeders)
         passes, loss = model.layer_passes(batch)
-        return engine.benchmark(passes, loss, iterations, log)
+        return engine.benchmark(passes, loss, iterations)
     finally:
         model.close()
 

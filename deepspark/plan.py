@@ -10,6 +10,7 @@ driver's node, as `deepspark train` places them on a cluster.
 """
 
 import dataclasses
+import logging
 import math
 import os
 import re
@@ -35,6 +36,8 @@ from deepspark.proto import deepspark_pb2 as pb
 MEASURE_SECONDS = 1.0
 MIN_REPEATS = 5
 WARMUP_STEPS = 2  # a backend traces and allocates in its first steps
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +127,7 @@ def training_net(path, data_shape=None):
     return net, source, pb.SolverParameter(), data_shape
 
 
-def measure(net, source, param, pp, data_shape=None, log=None):
+def measure(net, source, param, pp, data_shape=None):
     """The Costs of a train net here: a step on its solver's deepspark_param.backend with `pp.cores` threads
     (unless pp.step_ms), the center's work per exchange at its size (unless pp.server_ms), and a worker's."""
     ds = param.deepspark_param
@@ -142,9 +145,8 @@ def measure(net, source, param, pp, data_shape=None, log=None):
             for _ in range(WARMUP_STEPS):
                 model.step(one)
             step = _repeat(lambda: model.step(one))
-            if log:
-                log.info(f"Measured a {ds.backend} step of {model.graph.name} (batch {batch}, {pp.cores} "
-                         f"thread{'s' * (pp.cores != 1)}): {1e3 * step:.2f} ms")
+            log.info(f"Measured a {ds.backend} step of {model.graph.name} (batch {batch}, {pp.cores} "
+                     f"thread{'s' * (pp.cores != 1)}): {1e3 * step:.2f} ms")
         flat = model.get_flat()
         codec = codecs.get(ds.exchange_codec).name
         worker = worker_seconds(model, flat, ds.exchange_integrity, codec)
@@ -222,24 +224,23 @@ def table(costs, network, ds, most):
     return "\n".join(lines), rows
 
 
-def run(path, knobs, pp, data_shape=None, log=None):
+def run(path, knobs, pp, data_shape=None):
     """`deepspark plan`: the net at `path` (training_net's) with DeepSparkParameter `knobs` over its solver's;
-    the header, the table and its closing line, printed; the Projections."""
+    (the report: the header, the table and its closing line, for the CLI to print; the Projections)."""
     net, source, param, data_shape = training_net(path, data_shape)
     ds = param.deepspark_param
     config.set_fields(ds, knobs, "the command line")
     config.check_deepspark(ds, path)
     algorithms.check(ds, path)
-    costs = measure(net, source, param, pp, data_shape, log)
+    costs = measure(net, source, param, pp, data_shape)
     network = Network.of(pp.bandwidth, pp.latency)
     algorithm = algorithms.of(ds)
     how = algorithm.plan_note(ds)
     coded = "" if costs.codec == "float32" else f", {costs.bytes / 1e6:.2f} MB in {costs.codec}"
-    print(f"{costs.floats:,} parameters ({costs.spark_bytes / 1e6:.1f} MB a vector{coded}), batch {costs.batch}; a step "
-          f"{1e3 * costs.step:.2f} ms ({ds.backend}, {pp.cores} thread{'s' * (pp.cores != 1)}"
-          f"{'' if pp.step_ms else ', measured here'}); the center {1e3 * costs.server:.2f} ms an exchange"
-          f"{'' if pp.server_ms else ' (measured here)'}, a worker {1e3 * costs.worker:.2f} ms; "
-          f"{pp.bandwidth:g} Gbit/s links, {pp.latency:g} ms latency; {algorithm.name}" + (f", {how}" if how else ""))
+    header = (f"{costs.floats:,} parameters ({costs.spark_bytes / 1e6:.1f} MB a vector{coded}), batch {costs.batch}; "
+              f"a step {1e3 * costs.step:.2f} ms ({ds.backend}, {pp.cores} thread{'s' * (pp.cores != 1)}"
+              f"{'' if pp.step_ms else ', measured here'}); the center {1e3 * costs.server:.2f} ms an exchange"
+              f"{'' if pp.server_ms else ' (measured here)'}, a worker {1e3 * costs.worker:.2f} ms; "
+              f"{pp.bandwidth:g} Gbit/s links, {pp.latency:g} ms latency; {algorithm.name}" + (f", {how}" if how else ""))
     text, rows = table(costs, network, ds, ds.workers)
-    print(text)
-    return rows
+    return header + "\n" + text, rows

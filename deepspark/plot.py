@@ -63,13 +63,13 @@ def plot_history(history, path, title="training"):
     return path
 
 
-def plot_log(log, output):
-    """`deepspark plot`: loss and test outputs against time from a Caffe-style training log, as a PNG."""
+def plot_log(path, output):
+    """`deepspark plot`: loss and test outputs against time from a Caffe-style training log at `path`, as a PNG."""
     try:
-        with open(log, encoding="utf-8") as stream:
+        with open(path, encoding="utf-8") as stream:
             history = parse_log(stream)
     except OSError as error:
-        raise ConfigError(f"cannot read the log: {error.strerror}", log) from None
+        raise ConfigError(f"cannot read the log: {error.strerror}", path) from None
     if not history:
-        raise ConfigError("no 'Iteration N, loss = L' or test output lines in this log", log)
-    return plot_history(history, output, title=log)
+        raise ConfigError("no 'Iteration N, loss = L' or test output lines in this log", path)
+    return plot_history(history, output, title=path)

@@ -1,8 +1,9 @@
 """A training job's progress, one display with one interface for every run (the single run, every Spark job, fit):
-`display(log, workers, max_iter, batch_size)` gives an object whose draw(stats, lost) takes each worker's
+`display(workers, max_iter, batch_size)` gives an object whose draw(stats, lost) takes each worker's
 {"iteration", "loss", ...} and whose close() ends it. What it draws depends on where the console is:
 
-- a terminal: live rows below the log lines (log.Log.progress), one per worker (a bar for the single run);
+- a terminal: live rows below the log lines (the current log.Log's progress line), one per worker (a bar for the
+  single run);
 - a running Jupyter kernel with ipywidgets: one tqdm widget per worker that updates in place;
 - anything else (a CI log, a captured stderr, a kernel without ipywidgets): whole log lines, every tenth of the job
   and at its end, with no cursor codes.
@@ -18,6 +19,8 @@ import sys
 import time
 
 import numpy as np
+
+from deepspark import log
 
 # The lines of a job without a live progress display: one each time the slowest worker passes another tenth of
 # max_iter, and one at the end (a notebook cell of a long fit stays ten lines long, however many iterations).
@@ -45,17 +48,18 @@ def has_widgets():
         return False
 
 
-def display(log, workers, max_iter, batch_size=0, exchanges=True):
-    """The progress display for `log`'s console (module docstring): a run with no `exchanges` (the single run) a Bar,
+def display(workers, max_iter, batch_size=0, exchanges=True):
+    """The progress display on the console of the Log that this thread's records go to (log.current(); module
+    docstring): a run with no `exchanges` (the single run) a Bar,
     drawn on a terminal alone (elsewhere its Caffe display lines say how it goes, one each `display` iterations);
     a job's workers WorkerBars in a notebook with ipywidgets, else Rows on a terminal, else Lines."""
     if not exchanges:
-        return Bar(log, max_iter)
+        return Bar(max_iter)
     if in_notebook() and has_widgets():
         return WorkerBars(workers, max_iter, batch_size)
-    if log.progress_enabled:
-        return Rows(log, workers, max_iter)
-    return Lines(log, workers, max_iter, batch_size)
+    if log.current().progress_enabled:
+        return Rows(workers, max_iter)
+    return Lines(workers, max_iter, batch_size)
 
 
 class Rates:
@@ -114,8 +118,8 @@ class Lines:
     (20%, ETA 41s): w0 loss 0.5123, 3,200 img/s | w1 ...` each time the slowest worker passes another
     1/LINES_PER_JOB of max_iter, and at the end."""
 
-    def __init__(self, log, workers, max_iter, batch_size):
-        self.log, self.workers, self.max_iter = log, workers, max_iter
+    def __init__(self, workers, max_iter, batch_size):
+        self.log, self.workers, self.max_iter = log.current(), workers, max_iter
         self.every = max(1, -(-max_iter // LINES_PER_JOB))
         self.rates = Rates(workers, batch_size)
         self.started = time.monotonic()
@@ -143,8 +147,8 @@ class Lines:
         rate = iteration / (now - self.started) if now > self.started else 0.0
         eta = f", ETA {(self.max_iter - iteration) / rate:.0f}s" if 0 < iteration < self.max_iter and rate else ""
         rows = " | ".join(f"w{w} {notes[w]}" if w in notes else f"w{w} waiting" for w in range(self.workers))
-        self.log.info(f"Progress: iteration {iteration} of {self.max_iter} ({100 * iteration / self.max_iter:.0f}%"
-                      f"{eta}): {rows}", file=False)
+        self.log.console(f"Progress: iteration {iteration} of {self.max_iter} ({100 * iteration / self.max_iter:.0f}%"
+                         f"{eta}): {rows}")
 
     def close(self):
         """The line at the end, where the last one said less."""
@@ -153,11 +157,11 @@ class Lines:
 
 
 class Rows:
-    """Per-worker rows on a terminal, the Log's live line (log.Log.progress), which other lines print above: iteration,
-    loss, exchanges, seconds since the last exchange."""
+    """Per-worker rows on a terminal, the current Log's live line (log.Log.progress), which other lines print above:
+    iteration, loss, exchanges, seconds since the last exchange."""
 
-    def __init__(self, log, workers, max_iter):
-        self.log, self.workers, self.max_iter = log, workers, max_iter
+    def __init__(self, workers, max_iter):
+        self.log, self.workers, self.max_iter = log.current(), workers, max_iter
 
     def draw(self, stats, lost=()):
         """The row of each worker from the exchanger's stats; `lost`: the workers lost before they finished."""
@@ -184,8 +188,8 @@ class Rows:
 class Bar:
     """The single run's live bar on a terminal: `[=====>    ] 1200/10000  312 it/s  ETA 28s  loss 0.1234`."""
 
-    def __init__(self, log, max_iter):
-        self.log, self.max_iter, self.started = log, max_iter, time.monotonic()
+    def __init__(self, max_iter):
+        self.log, self.max_iter, self.started = log.current(), max_iter, time.monotonic()
 
     def draw(self, stats, lost=()):
         s = stats.get(0) or {}

@@ -1,6 +1,7 @@
 """The layout's rules: the layers contract (import-linter), nothing imports the CLI, every function-level import
-of the library's own modules says what heavy dependency it defers, no class or function past its size; and the
-fast tier fails a test that starts a JVM or imports pycaffe without its marker."""
+of the library's own modules says what heavy dependency it defers, one way to log (no print but the CLI's, no log
+handed around, train.log's path in one place), no class or function past its size; and the fast tier fails a
+test that starts a JVM or imports pycaffe without its marker."""
 
 import ast
 import os
@@ -63,6 +64,36 @@ def test_function_level_imports_of_our_modules_say_what_they_defer():
     assert not unexplained, "function-level imports without a '# deferred: ... pyspark/TensorFlow/pycaffe' reason:\n" \
         + "\n".join(unexplained)
     assert found >= 1  # deepspark.train defers deepspark.spark (pyspark): the check has something to check
+
+
+def calls_and_parameters(path):
+    """(the names of the functions `path` calls by a bare name, the names of its functions' parameters, its string
+    constants), from its syntax tree."""
+    with open(path, encoding="utf-8") as stream:
+        tree = ast.parse(stream.read())
+    calls = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    parameters = {arg.arg for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for arg in node.args.args + node.args.kwonlyargs}
+    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    return calls, parameters, strings
+
+
+def test_one_way_to_log():
+    """No module but the CLI prints; none hands a log around (each logs with logging.getLogger(__name__), whose
+    records deepspark.log.Log writes); the path of a run's train.log is made in deepspark/log.py alone."""
+    prints, handed, named = [], [], []
+    for path in library_files():
+        where = os.path.relpath(path, ROOT)
+        calls, parameters, strings = calls_and_parameters(path)
+        if "print" in calls and where != os.path.join("deepspark", "cli.py"):
+            prints.append(where)
+        if "log" in parameters:
+            handed.append(where)
+        if "train.log" in strings and where != os.path.join("deepspark", "log.py"):
+            named.append(where)
+    assert not prints, f"print( outside deepspark/cli.py (log it, or return the text for the CLI): {prints}"
+    assert not handed, f"a `log` parameter (log with logging.getLogger(__name__)): {handed}"
+    assert not named, f"train.log's path made outside deepspark.log.train_log: {named}"
 
 
 MAX_CLASS_LINES, MAX_FUNCTION_LINES = 250, 80

@@ -43,15 +43,14 @@ def solver_at(folder, train, **knobs):
 def epochs_seen(solver, count, spark, shard=1, num_shards=2, log=None):
     """The labels of `count` epochs of the train feeder of worker `shard` (seeded as that worker), one array each;
     its trainer's log goes to the file `log` if given."""
-    log = Log(str(log), stream=io.StringIO(), progress=False) if log else Log(progress=False)
-    trainer = nets.trainer(solver, log, shard=shard, num_shards=num_shards, evaluate=False, spark=spark)
-    try:
-        (feeder,) = trainer.feeders
-        seen = np.concatenate([feeder.next_batch()["label"] for _ in range(count * feeder.size // 10)])
-        return seen.astype(int).reshape(count, feeder.size)
-    finally:
-        trainer.close()
-        log.close()
+    with Log(str(log) if log else None, stream=io.StringIO(), progress=False):
+        trainer = nets.trainer(solver, shard=shard, num_shards=num_shards, evaluate=False, spark=spark)
+        try:
+            (feeder,) = trainer.feeders
+            seen = np.concatenate([feeder.next_batch()["label"] for _ in range(count * feeder.size // 10)])
+            return seen.astype(int).reshape(count, feeder.size)
+        finally:
+            trainer.close()
 
 
 def order_lines(log):

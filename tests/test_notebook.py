@@ -327,13 +327,13 @@ def test_a_script_in_a_venv_with_ipykernel_prints_progress_lines_and_keeps_one_p
 
 def test_a_stream_that_is_no_terminal_gets_a_line_per_tenth_of_the_job_and_one_at_its_end():
     stream = io.StringIO()
-    log = Log(stream=stream)
-    shown = progress.display(log, 2, 100, 64)
-    assert isinstance(shown, progress.Lines)
-    for iteration in range(0, 96, 5):
-        shown.draw({0: {"iteration": iteration + 3, "loss": 1.5}, 1: {"iteration": iteration}}, lost={1})
-    shown.draw({0: {"iteration": 100, "loss": 0.5}, 1: {"iteration": 97, "loss": 0.25}})
-    shown.close()
+    with Log(stream=stream):
+        shown = progress.display(2, 100, 64)
+        assert isinstance(shown, progress.Lines)
+        for iteration in range(0, 96, 5):
+            shown.draw({0: {"iteration": iteration + 3, "loss": 1.5}, 1: {"iteration": iteration}}, lost={1})
+        shown.draw({0: {"iteration": 100, "loss": 0.5}, 1: {"iteration": 97, "loss": 0.25}})
+        shown.close()
     lines = stream.getvalue().splitlines()
     said = [int(re.search(r"Progress: iteration (\d+) of 100", line).group(1)) for line in lines]
     assert said == [10, 20, 30, 40, 50, 60, 70, 80, 90, 97], lines  # the slowest worker's, then the end
@@ -345,30 +345,30 @@ def test_a_stream_that_is_no_terminal_gets_a_line_per_tenth_of_the_job_and_one_a
 def test_a_terminal_keeps_its_live_rows_and_a_kernel_without_ipywidgets_gets_lines(monkeypatch):
     pytest.importorskip("ipykernel")  # imported, as pyspark does: this process is no kernel all the same
     assert not progress.in_notebook()
-    terminal = Log(stream=io.StringIO(), progress=True)
-    rows = progress.display(terminal, 2, 100, 64)
-    assert isinstance(rows, progress.Rows)
-    rows.draw({0: {"iteration": 5, "loss": 1.5, "exchanges": 1}})
-    assert terminal.stream.getvalue().endswith("w0: it 5/100 loss 1.5000 ex 1 | w1: waiting")
-    rows.close()
-    single = progress.display(terminal, 1, 100, exchanges=False)  # the single run's bar, on a terminal alone
-    single.draw({0: {"iteration": 50, "loss": 0.25}})
-    assert "[===============>              ] 50/100" in terminal.stream.getvalue() and "loss 0.2500" in \
-        terminal.stream.getvalue()
-    single.close()
+    with Log(stream=io.StringIO(), progress=True) as terminal:
+        rows = progress.display(2, 100, 64)
+        assert isinstance(rows, progress.Rows)
+        rows.draw({0: {"iteration": 5, "loss": 1.5, "exchanges": 1}})
+        assert terminal.stream.getvalue().endswith("w0: it 5/100 loss 1.5000 ex 1 | w1: waiting")
+        rows.close()
+        single = progress.display(1, 100, exchanges=False)  # the single run's bar, on a terminal alone
+        single.draw({0: {"iteration": 50, "loss": 0.25}})
+        assert "[===============>              ] 50/100" in terminal.stream.getvalue() and "loss 0.2500" in \
+            terminal.stream.getvalue()
+        single.close()
     shell = types.SimpleNamespace(kernel=object())  # what a running kernel's shell has (ipykernel's)
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # whose Python cannot import ipywidgets
     assert progress.in_notebook() and not progress.has_widgets()
-    assert isinstance(progress.display(Log(stream=io.StringIO()), 2, 100, 64), progress.Lines)
+    with Log(stream=io.StringIO()):
+        assert isinstance(progress.display(2, 100, 64), progress.Lines)
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: types.SimpleNamespace()))
     assert not progress.in_notebook()  # a terminal's IPython has a shell, and no kernel
 
 
 def test_the_progress_lines_stay_out_of_the_log_file(tmp_path):
-    log = Log(str(tmp_path / "train.log"), stream=io.StringIO())
-    lines = progress.Lines(log, 1, 10, 8)
-    lines.draw({0: {"iteration": 10, "loss": 1.0}})
-    log.close()
+    with Log(str(tmp_path / "train.log"), stream=io.StringIO()) as log:
+        lines = progress.Lines(1, 10, 8)
+        lines.draw({0: {"iteration": 10, "loss": 1.0}})
     assert "Progress: iteration 10 of 10" in log.stream.getvalue()
     assert (tmp_path / "train.log").read_text() == ""

@@ -16,7 +16,6 @@ from deepspark.algorithms.sync import RoundsHandler
 from deepspark.exchange import ExchangeClient, ExchangeServer
 from deepspark.exchange import protocol as P
 from deepspark.exchange.transport import byte_view
-from deepspark.log import Log
 from deepspark.spark import executor
 from deepspark.spark.center import CenterCadence
 from deepspark.spark.job import initial_center
@@ -131,7 +130,7 @@ def test_worker_states_round_trip_through_a_solverstate_and_another_net_is_one_l
 def trainer_of(solver, backend):
     solver = load_solver(solver)
     solver.param.deepspark_param.backend = backend
-    return nets.trainer(solver, Log(progress=False), evaluate=False)
+    return nets.trainer(solver, evaluate=False)
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])
@@ -169,13 +168,12 @@ def test_a_snapshot_keeps_each_workers_history_beside_the_centers_zeros(tmp_path
     """A Spark job's snapshot (CenterCadence.snapshot) on a live exchanger: the request, the workers' answers,
     one solverstate that Caffe's restore reads (its own history: zeros) and our resume reads (each worker's)."""
     solver = load_solver(make_job(tmp_path, max_iter=100, snapshot=10))
-    log = Log(progress=False)
-    graph = initial_center(solver, log, 1)[0]
+    graph = initial_center(solver, 1)[0]
     shapes = [tuple(p.shape) for p in graph.params]
     count = sum(int(np.prod(s)) for s in shapes)
     with ExchangeServer(np.zeros(count, np.float32), SECRET, EasgdHandler(0.5), shapes=shapes,
                         history_sets=1) as server:
-        cadence = CenterCadence(solver, graph, 0, server.pull, log, server=server, history_sets=1)
+        cadence = CenterCadence(solver, graph, 0, server.pull, server=server, history_sets=1)
         clients = [ExchangeClient(server.address, SECRET, w, shapes=shapes, timeout=10.0, history_sets=1)
                    for w in range(2)]
         x = np.zeros(count, np.float32)
@@ -208,10 +206,9 @@ def test_the_start_test_is_of_the_center_as_the_job_started_however_late_the_dri
     job may be past the next test_interval multiple when it first does: the start's test is still made, of x̃ as it
     started, not skipped and not of x̃ as it is then."""
     solver = load_solver(make_job(tmp_path, max_iter=40, test_interval=20))
-    log = Log(progress=False)
-    graph, center0 = initial_center(solver, log, 1)[:2]
+    graph, center0 = initial_center(solver, 1)[:2]
     center = np.concatenate([a.reshape(-1) for a in center0]).astype(np.float32)
-    cadence = CenterCadence(solver, graph, 0, lambda: center, log)
+    cadence = CenterCadence(solver, graph, 0, lambda: center)
     cadence.start(str(tmp_path / "tensorboard"))
     try:
         at_start = cadence.test(0)

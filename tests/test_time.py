@@ -87,7 +87,8 @@ def test_both_backends_list_the_nets_layers_and_caffe_its_splits_too(tmp_path):
     names = {}
     for backend in ("tensorflow", "caffe"):
         log = io.StringIO()
-        timing = nets.timing(net, 2, backend, pb.TEST, log=Log(stream=log))
+        with Log(stream=log):
+            timing = nets.timing(net, 2, backend, pb.TEST)
         names[backend] = [row[0] for row in timing.layers]
         steps, layers, totals = read_report(messages(log.getvalue()), 2)
         assert layers == [(name, pytest.approx(f, rel=1e-5, abs=1e-9), pytest.approx(b, rel=1e-5, abs=1e-9))
@@ -130,7 +131,8 @@ def test_benchmark_runs_caffes_loop_once_for_every_backend():
     passes = [LayerPass(name, lambda name=name: calls.append(("forward", name)),
                         lambda name=name: calls.append(("backward", name))) for name in ("a", "b", "c")]
     log = io.StringIO()
-    timing = engine.benchmark(passes, lambda: 1.5, 2, Log(stream=log))
+    with Log(stream=log):
+        timing = engine.benchmark(passes, lambda: 1.5, 2)
     one = [("forward", "a"), ("forward", "b"), ("forward", "c"), ("backward", "c"), ("backward", "b"),
            ("backward", "a")]
     assert calls == one * 3
@@ -141,7 +143,7 @@ def test_benchmark_runs_caffes_loop_once_for_every_backend():
     assert [row[0] for row in layers] == ["a", "b", "c"]
     assert totals["Total Time"] == pytest.approx(timing.total, rel=1e-5, abs=1e-6)
     with pytest.raises(ValueError, match="at least one iteration"):
-        engine.benchmark(passes, lambda: 0.0, 0, Log(stream=io.StringIO()))
+        engine.benchmark(passes, lambda: 0.0, 0)
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", pytest.param("caffe", marks=pytest.mark.caffe)])

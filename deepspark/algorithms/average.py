@@ -1,5 +1,6 @@
 """Periodic model averaging in pure Spark, the SparkNet-style baseline, with DiLoCo's outer Nesterov step: each round broadcasts the center, every worker runs period iterations from it, the driver averages; its cost."""
 
+import logging
 import math
 
 import numpy as np
@@ -7,6 +8,7 @@ import numpy as np
 from deepspark import rules
 from deepspark.algorithms.base import Algorithm, Projection, period_note
 
+log = logging.getLogger(__name__)
 # Seconds a Spark round of `average` costs outside its steps and its transfers (task launch, the
 # broadcast's and the collect's own work), as measured on local[2] with LeNet (bench/plan_check.py checks the model).
 AVERAGE_ROUND_SECONDS = 0.2
@@ -64,8 +66,8 @@ class Average(Algorithm):
     def hold_center(self, job, center, host, secret):
         job.center = center
         job.velocity = np.zeros_like(center) if self.outer(job.ds) else None  # the outer momentum
-        job.log.info(f"No exchanger: the center is broadcast every {job.ds.period} iterations and "
-                     f"the {job.workers} workers' parameters averaged on the driver")
+        log.info(f"No exchanger: the center is broadcast every {job.ds.period} iterations and "
+                 f"the {job.workers} workers' parameters averaged on the driver")
         return None
 
     def center_flat(self, job):

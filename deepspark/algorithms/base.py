@@ -1,9 +1,12 @@
 """What every algorithm's module fills in (Algorithm), and what their worker loops and cost models share."""
 
 import dataclasses
+import logging
 
 from deepspark.errors import ConfigError, DeepSparkError
 from deepspark.proto import deepspark_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 class WorkerError(DeepSparkError):
@@ -28,7 +31,7 @@ class Algorithm:
     """One row of the ALGORITHMS table: an algorithm whole, as the spark Job, plan and the training check use it.
 
     The spark Job (deepspark.spark.job) calls hold_center and train with itself as `job`: the session
-    (job.sc), the shards, the log, the cadence, exchange_server and run_workers are its, the rule is the row's.
+    (job.sc), the shards, the cadence, exchange_server and run_workers are its, the rule is the row's.
     """
 
     name = None  # DeepSparkParameter.algorithm's value name, lower case
@@ -55,7 +58,7 @@ class Algorithm:
         """The started ExchangeServer holding x̃ (`center`, one float32 vector), or None for an algorithm that holds
         x̃ on the driver itself (then center_flat says where)."""
         server = job.exchange_server(center, host, secret, self.handler(job.ds, job.workers))
-        job.log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; {self.listening(job)}")
+        log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; {self.listening(job)}")
         return server
 
     def listening(self, job):

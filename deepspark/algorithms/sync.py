@@ -1,5 +1,6 @@
 """Synchronous SGD by parameter averaging after every iteration, the CaffeOnSpark-style baseline: rounds on the driver's exchanger, all N tasks in one barrier stage; its handler, worker loop and cost."""
 
+import logging
 import math
 import socket
 import threading
@@ -14,6 +15,7 @@ from deepspark.exchange import protocol as P
 from deepspark.exchange.handlers import Handler
 from deepspark.schedule import stop_iteration
 
+log = logging.getLogger(__name__)
 # Seconds a sync worker waits beyond exchange_timeout for its round: the server fails a round that
 # cannot complete after exchange_timeout with the reason, and the worker should report that reason,
 # not a bare timeout of its own.
@@ -205,7 +207,7 @@ class Sync(Algorithm):
     def hold_center(self, job, center, host, secret):
         server = super().hold_center(job, center, host, secret)
         if job.ds.HasField("period") and job.ds.period != 1:
-            job.log.warning(f"sync averages every iteration; period {job.ds.period} is not used")
+            log.warning(f"sync averages every iteration; period {job.ds.period} is not used")
         return server
 
     def train(self, job, task):
@@ -215,9 +217,9 @@ class Sync(Algorithm):
         digests = {r.digest for r in results}
         center = digest(job.center_flat())
         agree = "yes" if digests == {center} else "NO"
-        job.log.info(f"Workers hold the center after the last round: {agree} "
-                     f"(crc32 {', '.join(r.digest for r in sorted(results, key=lambda r: r.worker))}; "
-                     f"center {center})")
+        log.info(f"Workers hold the center after the last round: {agree} "
+                 f"(crc32 {', '.join(r.digest for r in sorted(results, key=lambda r: r.worker))}; "
+                 f"center {center})")
         return results
 
     def cost(self, costs, network, ds, workers, shared=1.0):

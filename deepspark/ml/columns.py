@@ -2,6 +2,7 @@
 gives its outputs as columns (a prediction as a double, a blob as a list of doubles the Model makes a vector), in
 classic Spark and under Spark Connect alike."""
 
+import logging
 import sys
 import threading
 from typing import Iterator
@@ -12,10 +13,10 @@ from pyspark.accumulators import AccumulatorParam
 from pyspark.sql import functions as F
 
 from deepspark.errors import ConfigError
-from deepspark.log import Log
 from deepspark.ml import images
 from deepspark.ml.frames import spark_job
 
+log = logging.getLogger(__name__)
 # Bytes of Datums an Arrow batch's are decoded in at a time (their images as many bytes again, at most).
 DECODE_BYTES = 16 << 20
 # Seconds with no task reporting skipped rows after which the driver says how many an action skipped: a task's
@@ -55,8 +56,8 @@ class SkipCount(AccumulatorParam):
     def say(self):
         with self.lock:
             count, self.pending, self.timer = self.pending, 0, None
-        Log().warning(f"transform: skipped {count} row{'s' if count != 1 else ''} with a null or wrong-sized inputCol "
-                      f"'{self.column}' (handleInvalid='skip')")
+        log.warning(f"transform: skipped {count} row{'s' if count != 1 else ''} with a null or wrong-sized inputCol "
+                    f"'{self.column}' (handleInvalid='skip')")
 # What a Spark Connect server's Python workers must import to run a transform, beside the backend's module; and the
 # function that looks, defined outside any module so that it travels by value (the workers may not have deepspark).
 WORKER_NEEDS = ("pyarrow", "numpy", "deepspark")

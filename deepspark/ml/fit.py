@@ -4,6 +4,7 @@ the rest, the final model tested, and the Model of its last snapshot with the fi
 
 import contextlib
 import importlib.util
+import logging
 import math
 import os
 import secrets
@@ -21,7 +22,7 @@ from deepspark.data import load_mean
 from deepspark.data.datum import save_mean
 from deepspark.errors import ConfigError
 from deepspark.graph import DATA_TYPES, Graph, layer_included
-from deepspark.log import Log
+from deepspark.log import Log, train_log
 from deepspark.ml import frames, images
 from deepspark.ml.columns import BACKEND_MODULES
 from deepspark.ml.images import DATUM
@@ -30,6 +31,7 @@ from deepspark.spark.failures import failed
 from deepspark.spark.session import is_connect, quiet_tasks, this_python
 from deepspark.proto import deepspark_pb2 as pb
 
+log = logging.getLogger(__name__)
 # How a backend's library gets into the environment: setup.py's extras, or pycaffe built (tools/build-caffe.sh).
 INSTALL = {"tensorflow": "pip install -e '.[tensorflow]' (or '.[notebook]', which brings it)",
            "caffe": "make caffe (it builds pycaffe into this environment)"}
@@ -111,7 +113,6 @@ class Fit:
 
     def __init__(self, estimator, dataset):
         self.est, self.dataset = estimator, dataset
-        self.log = Log()
         self.done = set()  # the Data layers rescale() has scaled
         self.output = None  # the fit's own folder, once load_solver made it
         self.made = []  # the folders load_solver made: the fit's own and, where it was not there, output
@@ -131,8 +132,8 @@ class Fit:
                 except (CapturedException, Py4JJavaError) as error:
                     failure = failed(error, sc)
                 if self.output:
-                    with open(os.path.join(self.output, "train.log"), "a", encoding="utf-8") as log:
-                        log.write(failure.detail.rstrip("\n") + "\n")
+                    with Log(train_log(self.output), append=True) as run_log:
+                        run_log.detail(failure.detail)
                 raise failure
         except BaseException:
             self.tidy()
@@ -147,10 +148,10 @@ class Fit:
         skip = est.getOrDefault("handleInvalid") == "skip"
         wanted = [inputs.column, inputs.label, est.getOrDefault("validationCol")]
         if frames.held_in_driver(self.dataset):
-            self.log.warning("fit: the DataFrame's rows are held in the driver (it was made from a Python list or a "
-                             "pandas DataFrame), and Spark ships them inside the tasks of every job that reads them, "
-                             "from the driver's heap: a second fit on many rows can run it out of memory; write them "
-                             "to Parquet once and fit on spark.read.parquet(path)")
+            log.warning("fit: the DataFrame's rows are held in the driver (it was made from a Python list or a "
+                        "pandas DataFrame), and Spark ships them inside the tasks of every job that reads them, "
+                        "from the driver's heap: a second fit on many rows can run it out of memory; write them "
+                        "to Parquet once and fit on spark.read.parquet(path)")
         data = self.dataset.select(*[column for column in wanted if column in self.dataset.columns])
         if self.dataset.storageLevel == StorageLevel.NONE:  # read by the checks, the sample, the split, the job
             data = self.keep(data)
@@ -245,10 +246,10 @@ class Fit:
         found = frames.sample(data, inputs.column, inputs.kind, inputs.shape)
         scale = images.input_scale(found, train_scale)
         if scale != 1:
-            self.log.info(f"inputCol '{inputs.column}' holds values within [0, 1] (its first {len(found)} rows: "
-                          f"{found.min():g} to {found.max():g}) and the net's transform_param scales by "
-                          f"{train_scale:g}, for 0-255 pixels: they are multiplied by {scale:g} first, the pixels "
-                          "again, as the net takes them (inputScale; the model keeps it)")
+            log.info(f"inputCol '{inputs.column}' holds values within [0, 1] (its first {len(found)} rows: "
+                     f"{found.min():g} to {found.max():g}) and the net's transform_param scales by "
+                     f"{train_scale:g}, for 0-255 pixels: they are multiplied by {scale:g} first, the pixels "
+                     "again, as the net takes them (inputScale; the model keeps it)")
         return scale
 
     def rescale(self, net, state, scale):
@@ -273,8 +274,8 @@ class Fit:
         if valid is None:
             missing = [layer.data_param.source for _, layer in layers if not os.path.exists(layer.data_param.source)]
             if missing:
-                self.log.info(f"No validation: the solver's test data {missing[0]} is not there (validationCol or "
-                              "validationFraction tests the model on rows of the DataFrame as it trains)")
+                log.info(f"No validation: the solver's test data {missing[0]} is not there (validationCol or "
+                         "validationFraction tests the model on rows of the DataFrame as it trains)")
                 solver.test_nets = []
                 solver.param.ClearField("test_iter")
                 solver.param.test_interval = 0
@@ -291,8 +292,8 @@ class Fit:
             solver.param.test_iter[i] = math.ceil(count / layer.data_param.batch_size)
         for net, _, state in solver.test_nets:
             self.rescale(net, state, scale)
-        self.log.info(f"Validating on {count} rows held out of the DataFrame, at every test_interval "
-                      f"({solver.param.test_interval}) and at the end")
+        log.info(f"Validating on {count} rows held out of the DataFrame, at every test_interval "
+                 f"({solver.param.test_interval}) and at the end")
 
     def final_test(self, solver, result):
         """The fit's summary and history (the job's JobResult), the history ending with a test of the final model
@@ -302,13 +303,12 @@ class Fit:
         tested = [entry["iteration"] for entry in history if any(name.startswith("test") for name in entry)]
         if not solver.test_nets or (tested and tested[-1] == final):
             return summary, history
-        log = Log(os.path.join(self.output, "train.log"), append=True)
-        evaluator = nets.evaluator(solver, log)
-        try:
-            graph = evaluator.nets[0][0].graph
-            arrays = checkpoint.weights_for(graph, result.weights, [None] * len(graph.params), summary["weights"])
-            results = evaluator.test(final, graph, arrays)
-        finally:
-            evaluator.close()
-            log.close()
+        with Log(train_log(self.output), append=True):
+            evaluator = nets.evaluator(solver)
+            try:
+                graph = evaluator.nets[0][0].graph
+                arrays = checkpoint.weights_for(graph, result.weights, [None] * len(graph.params), summary["weights"])
+                results = evaluator.test(final, graph, arrays)
+            finally:
+                evaluator.close()
         return {**summary, **engine.first_values(results)}, history + engine.test_entries(result.started, final, results)

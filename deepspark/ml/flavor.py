@@ -38,13 +38,13 @@ from google.protobuf import text_format
 from deepspark import config
 from deepspark.data import datum
 from deepspark.errors import ConfigError
-from deepspark.log import Log
 from deepspark.ml import frames, images
 from deepspark.ml.columns import Held, outputs_of
 from deepspark.ml.images import ARRAY
 from deepspark.ml.model import DeepSparkModel, parse_shape, parse_transform
 from deepspark.ml.persist import DEPLOY, MEAN, WEIGHTS
 
+log = logging.getLogger(__name__)
 FLAVOR = "deepspark"
 DATA = "data"  # the model's own files, under the MLflow model's folder
 PARAMS = "params.json"
@@ -219,7 +219,7 @@ def autologged(model):
     try:
         info = log_model(model, name="model")
     except Exception as error:  # a tracking store's failure: the fit's model is still the caller's
-        Log().warning(f"MLflow: the fitted model was not logged ({type(error).__name__}: {error})")
+        log.warning(f"MLflow: the fitted model was not logged ({type(error).__name__}: {error})")
         return None
     _LOGGED_RUNS.add(mlflow.active_run().info.run_id)
     quiet = logging.getLogger("mlflow.pyspark.ml")
@@ -243,8 +243,8 @@ def discard_run():
         mlflow.end_run("FAILED")  # autolog's own end of it then finds no run to end
         mlflow.delete_run(run.info.run_id)
     except Exception as error:  # a tracking store's failure: the fit's own error is the one to raise
-        Log().warning(f"MLflow: the failed fit's run {run.info.run_id} was not deleted ({type(error).__name__}: "
-                      f"{error})")
+        log.warning(f"MLflow: the failed fit's run {run.info.run_id} was not deleted ({type(error).__name__}: "
+                    f"{error})")
 
 
 class _LoggedHere(logging.Filter):

@@ -3,6 +3,7 @@ executors through an Arrow UDF (classic Spark and Spark Connect alike)."""
 
 import dataclasses
 import functools
+import logging
 
 import numpy as np
 from google.protobuf import text_format
@@ -18,7 +19,6 @@ from deepspark import checkpoint, config, nets
 from deepspark.data import load_mean
 from deepspark.errors import ConfigError
 from deepspark.graph import Graph, crop_of, crop_shape, fmt, tap_name, with_batch_size, with_taps
-from deepspark.log import Log
 from deepspark.ml import frames, images
 from deepspark.ml.columns import Held, SkipCount, check_workers, outputs_of
 from deepspark.ml.images import ARRAY, DATUM, VECTOR
@@ -50,6 +50,7 @@ def parse_shape(text, param="inputShape"):
     return shape if len(shape) == 3 else (1,) + shape
 
 
+log = logging.getLogger(__name__)
 COLUMNAR_INPUT = "spark.sql.execution.arrow.pythonUDF.columnarInput.enabled"
 
 
@@ -296,9 +297,9 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
         fitted = self.getOrDefault("inputScale") or 1.0
         if inputs.kind == DATUM:
             if fitted != 1:
-                Log().info(f"DeepSparkModel: inputCol '{inputs.column}' holds Caffe Datums, which take the net's "
-                           f"transform_param as Caffe gives it them: inputScale 1 (it was fitted with {fitted:g}; "
-                           "set inputScale to choose)")
+                log.info(f"DeepSparkModel: inputCol '{inputs.column}' holds Caffe Datums, which take the net's "
+                         f"transform_param as Caffe gives it them: inputScale 1 (it was fitted with {fitted:g}; "
+                         "set inputScale to choose)")
             return 1.0
         scale = parse_transform(self.getOrDefault("transformParam")).scale
         found = frames.sample(dataset, inputs.column, inputs.kind, inputs.shape, head() if head else None)
@@ -306,9 +307,9 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
             return fitted
         wanted = images.input_scale(found, scale)
         if wanted != fitted:
-            Log().info(f"DeepSparkModel: inputCol '{inputs.column}' holds values in [{found.min():g}, "
-                       f"{found.max():g}] and the net's transform_param scales by {scale:g}: inputScale {wanted:g} "
-                       f"(it was fitted with {fitted:g}; set inputScale to choose)")
+            log.info(f"DeepSparkModel: inputCol '{inputs.column}' holds values in [{found.min():g}, "
+                     f"{found.max():g}] and the net's transform_param scales by {scale:g}: inputScale {wanted:g} "
+                     f"(it was fitted with {fitted:g}; set inputScale to choose)")
         return wanted
 
     def forward_spec(self, dataset, outputs, scale=1.0):

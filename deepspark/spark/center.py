@@ -1,5 +1,6 @@
 """The center x̃ on the driver at Caffe's cadence: the display line, the tests on the solver's test nets, the snapshots (with the workers' solver histories), TensorBoard's scalars and the plot's points."""
 
+import logging
 import os
 import sys
 import time
@@ -9,6 +10,8 @@ import numpy as np
 
 from deepspark import checkpoint, engine, nets
 from deepspark.plot import plot_history
+
+log = logging.getLogger(__name__)
 
 # Seconds a snapshot waits at most for the training workers' solver histories (each sends its own at its
 # next exchange, a period's steps away); one not in time goes in as it last sent it, and the log says so.
@@ -21,7 +24,7 @@ TENSORBOARD_WITHOUT_TF = "tensorboard.compat.notf"
 class Scalars:
     """TensorBoard scalars (loss, test outputs, learning rate, exchange latency), when tensorboard is installed."""
 
-    def __init__(self, folder, log):
+    def __init__(self, folder):
         try:
             from tensorboard.summary import Writer
         except ImportError:
@@ -62,9 +65,9 @@ class CenterCadence:
     them; started: the job's time.monotonic() start, the plot's zero.
     """
 
-    def __init__(self, solver, graph, start, read, log, *, server=None, history_sets=1,
+    def __init__(self, solver, graph, start, read, *, server=None, history_sets=1,
                  history_seconds=HISTORY_SECONDS, started=None):
-        self.solver, self.param, self.graph, self.read, self.log = solver, solver.param, graph, read, log
+        self.solver, self.param, self.graph, self.read = solver, solver.param, graph, read
         self.multiples = engine.Cadence(solver.param, start)
         self.server, self.history_sets = server, history_sets
         self.scalars = None  # start() opens them
@@ -89,13 +92,13 @@ class CenterCadence:
             self.test_nets()
             if self.multiples.next_test == self.multiples.start:  # test_initialization: Caffe tests x̃ as it starts
                 self.initial = self.read().copy()
-        self.scalars = Scalars(folder, self.log)
+        self.scalars = Scalars(folder)
 
     def test_nets(self):
         """The driver's test nets (an engine.Evaluator), built at the first call."""
         if self.evaluator is None:
-            nets.place(self.solver, self.log)  # the driver's device, before its backend builds a net
-            self.evaluator = nets.evaluator(self.solver, self.log)
+            nets.place(self.solver)  # the driver's device, before its backend builds a net
+            self.evaluator = nets.evaluator(self.solver)
         return self.evaluator
 
     def close(self):
@@ -110,7 +113,7 @@ class CenterCadence:
         display multiple; True when shown."""
         if not (np.isfinite(loss) and self.multiples.display_due(iteration)):
             return False
-        self.log.info(f"Iteration {iteration}, loss = {loss:.6g}")
+        log.info(f"Iteration {iteration}, loss = {loss:.6g}")
         self.scalars.add("train/loss", loss, iteration)
         self.scalars.add("train/learning_rate", self.multiples.learning_rate(iteration), iteration)
         self.history.append(engine.entry(self.started, iteration, float(f"{loss:.6g}")))  # as the line says it
@@ -154,7 +157,7 @@ class CenterCadence:
 
     def _note_observed(self, what, iteration, observed):
         if observed is not None and observed != iteration:
-            self.log.info(f"{what} x̃ as iteration {iteration}; the slowest worker is at iteration {observed}")
+            log.info(f"{what} x̃ as iteration {iteration}; the slowest worker is at iteration {observed}")
 
     def test(self, iteration, observed=None, flat=None):
         self.tested = iteration
@@ -188,7 +191,7 @@ class CenterCadence:
             return state, (f" (with the solver history of {len(workers)} workers)" if workers else "")
 
         arrays = self.arrays()
-        paths = engine.write_snapshot(self.log, self.param.snapshot_prefix, iteration, self.graph, arrays, state_of,
+        paths = engine.write_snapshot(self.param.snapshot_prefix, iteration, self.graph, arrays, state_of,
                                       engine.hdf5_snapshots(self.param))
         self.snapshots.append(paths)
         self.snapshot_arrays = (iteration, arrays)
@@ -210,9 +213,9 @@ class CenterCadence:
             time.sleep(0.01)
         held = self.server.histories()
         if waiting:
-            self.log.warning(f"worker(s) {', '.join(map(str, waiting))} sent no solver history within "
-                             f"{HISTORY_SECONDS:g}s; the snapshot keeps the last each sent "
-                             f"({', '.join(f'iteration {held[w].iteration}' if w in held else 'none' for w in waiting)})")
+            log.warning(f"worker(s) {', '.join(map(str, waiting))} sent no solver history within "
+                        f"{HISTORY_SECONDS:g}s; the snapshot keeps the last each sent "
+                        f"({', '.join(f'iteration {held[w].iteration}' if w in held else 'none' for w in waiting)})")
         shapes = [tuple(p.shape) for p in self.graph.params]
         return [checkpoint.worker_state(w, h.iteration, h.current_step, h.vector, shapes)
                 for w, h in sorted(held.items())]
@@ -239,9 +242,9 @@ class CenterCadence:
         if iteration == self.multiples.start:  # stopped before training: nothing to keep, nothing to say
             return path
         if self.param.snapshot_after_train and iteration != self.snapshotted:
-            self.log.warning(f"Stopping early at iteration {iteration} ({why}): snapshotting x̃")
+            log.warning(f"Stopping early at iteration {iteration} ({why}): snapshotting x̃")
             path = self.snapshot(iteration)
-        self.log.info("Optimization stopped early.")
+        log.info("Optimization stopped early.")
         return path
 
     def plot(self, folder, title):

@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import logging
 import math
 import os
 import resource
@@ -23,9 +24,12 @@ from deepspark.data import checked_records, decode_datum, lmdb_io
 from deepspark.errors import SourceMap
 from deepspark.exchange import ExchangeClient, ExchangeOptions
 from deepspark.exchange.protocol import E_DIVERGED
-from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.shards import Listed, Range, unreadable_lmdb
+
+# In a worker process no run's Log is open: its lines go to the process's console, stderr, which Spark keeps in the
+# executor's log (deepspark.log.CONSOLE).
+log = logging.getLogger(__name__)
 
 # Seconds a worker tries to reach the driver's exchanger before it gives up (capped by exchange_timeout):
 # long enough for a driver busy starting its other workers' tasks.
@@ -287,10 +291,9 @@ def build(worker, payload, task):
         began = time.monotonic()
         backend_module(task.param.deepspark_param.backend)  # its import (TensorFlow's) timed apart from the build
         imported = time.monotonic()
-        # The log goes to the executor's stderr, which Spark keeps in the executor's log.
-        log, solver = Log(progress=False), task.solver_for(shard_path)
-        gpu, device = place(worker, solver, log)
-        trainer = nets.trainer(solver, log, shard=shard, num_shards=shards, seed_offset=worker, threads=task.threads,
+        solver = task.solver_for(shard_path)
+        gpu, device = place(worker, solver)
+        trainer = nets.trainer(solver, shard=shard, num_shards=shards, seed_offset=worker, threads=task.threads,
                                evaluate=False, spark=True)
         trainer.on_step = functools.partial(check_finite, worker, None)  # until it joins the center
     except BaseException:
@@ -319,13 +322,13 @@ def task_gpu():
     return gpus.addresses[0] if gpus is not None and gpus.addresses else None
 
 
-def place(worker, solver, log):
+def place(worker, solver):
     """Where worker `worker`'s backend computes, pinned before it builds a net: on the GPU Spark gave its task
     (made CUDA's only device in this process, as Spark's resource docs advise), else as the solver's
     solver_mode and device_id say (nets.place); (the GPU address from Spark or "", the device)."""
     address = task_gpu()
     if address is None:
-        return "", nets.place(solver, log)
+        return "", nets.place(solver)
     os.environ["CUDA_VISIBLE_DEVICES"] = address
     where = use_gpu(solver.param.deepspark_param.backend, 0)
     log.info(f"worker {worker}: GPU {address} from Spark; the {solver.param.deepspark_param.backend} backend "

@@ -22,10 +22,11 @@ from deepspark.data import absolute_sources, source_shape
 from deepspark.errors import ConfigError
 from deepspark.exchange import ExchangeOptions, ExchangeServer
 from deepspark.graph import Graph
-from deepspark.log import Log
+from deepspark.log import Log, train_log
 from deepspark.progress import display
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark import executor, rounds, shards
+from deepspark.spark.budget import Budget, Limits, Outages
 from deepspark.spark.center import HISTORY_SECONDS, CenterCadence
 from deepspark.spark.executor import Task
 from deepspark.spark.failures import JobError
@@ -33,6 +34,7 @@ from deepspark.spark.session import (is_local, on_loopback, quiet_tasks, setting
                                      this_python, worker_threads)
 from deepspark.spark.watch import Watch
 
+log = logging.getLogger(__name__)
 _WARNED = set()  # masters already warned about, in this process
 # A worker's divergence (executor.check_finite's line): its job stops with no snapshot, the center being suspect.
 _DIVERGED = re.compile(r"worker \d+ diverged at iteration \d+")
@@ -94,7 +96,7 @@ class Py4JQuiet(logging.Filter):
                 root.removeHandler(handler)
 
 
-def warn_if_the_secret_is_readable(sc, log):
+def warn_if_the_secret_is_readable(sc):
     """Once per master: a cluster whose Spark RPC is neither authenticated nor encrypted carries the job's
     exchange secret (in the task closure) in clear to every executor; anyone on that network can read it."""
     master = sc.master
@@ -134,7 +136,7 @@ def batch_size(graph):
     return shapes[0][0] if shapes and shapes[0] else 0
 
 
-def initial_center(solver, log, history_sets, weights=None, snapshot=None, shape=None):
+def initial_center(solver, history_sets, weights=None, snapshot=None, shape=None):
     """x̃ at the start: the fillers, a --weights file, or a --snapshot's learned net; the start iteration; and
     the workers' solver histories the snapshot holds ({worker: (iteration, current_step, flat history)})."""
     graph = Graph(solver.train_net, pb.TRAIN, source=solver.train_map,
@@ -194,6 +196,7 @@ class Job:
     """
 
     server = None  # the exchanger, for an algorithm that has one
+    watched = None  # the Watch that followed the workers (its losses and rejoins), for an algorithm with an exchanger
     own_sc = None  # the SparkContext run() started, until stop_session stops it
 
     @property
@@ -222,7 +225,7 @@ class Job:
     def run_rounds(self, task, train_round, update_center):
         """Rounds without an exchanger (spark/rounds.py): the center broadcast, `train_round(trainer, steps)` on
         every worker, `update_center(job, returned)` on the driver; the workers' Summaries."""
-        progress = display(self.log, self.workers, schedule.stop_iteration(self.param), batch_size(self.graph))
+        progress = display(self.workers, schedule.stop_iteration(self.param), batch_size(self.graph))
         try:
             return rounds.run_rounds(self, task, train_round, update_center, progress.draw)
         finally:
@@ -245,9 +248,11 @@ class Job:
                               histories=self.resume_histories).start()
 
     def watch(self, run_tasks):
-        """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch); its result."""
-        return Watch(self.sc, self.server, self.cadence, self.log, self.workers, schedule.stop_iteration(self.param),
-                     self.ds.connect_timeout, batch_size(self.graph)).run(run_tasks)
+        """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch), their failures
+        counted against the job's budget; its result."""
+        self.watched = Watch(self.sc, self.server, self.cadence, self.workers, schedule.stop_iteration(self.param),
+                             self.ds.connect_timeout, batch_size(self.graph), budget=Budget(Limits.of(self.ds)))
+        return self.watched.run(run_tasks)
 
     # -- the run ----------------------------------------------------------------
 
@@ -258,27 +263,27 @@ class Job:
         self.options, self.workers, self.output, self.history_sets = (plan.options, plan.workers, plan.output,
                                                                       plan.history_sets)
         with contextlib.ExitStack() as stack:
-            self.log = Log(os.path.join(self.output, "train.log"), append=bool(self.options.snapshot))
-            stack.callback(self.log.close)
-            stack.enter_context(self.log.details(JobError))  # a failure's whole report to the log file alone
+            run_log = stack.enter_context(Log(train_log(self.output), append=bool(self.options.snapshot)))
+            stack.enter_context(run_log.details(JobError))  # a failure's whole report to the log file alone
             self.started = time.monotonic()
             if self.options.data is not None:
                 self.sc = this_python(self.options.data.sparkSession.sparkContext)  # the caller's: theirs to stop
             else:
                 shards.train_source(self.solver)  # a missing LMDB is said before Spark starts
-                self.sc, own = spark_context(self.ds, self.workers)
+                # An algorithm with an exchanger is watched: the driver's budget counts its failures, not Spark.
+                self.sc, own = spark_context(self.ds, self.workers, watched=self.algorithm.exchanger)
                 if own:
                     self.own_sc = self.sc
                     stack.callback(self.stop_session)
             stack.enter_context(quiet_tasks(self.sc))
-            warn_if_the_secret_is_readable(self.sc, self.log)
+            warn_if_the_secret_is_readable(self.sc)
             ship_python_layers(self.sc, self.solver)
             self.task = self.start(stack)
-            self.log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
-                          f"({self.ds.backend} backend, {self.title})")
-            self.log.info(executor.order_line(self.param))
+            log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
+                     f"({self.ds.backend} backend, {self.title})")
+            log.info(executor.order_line(self.param))
             if schedule.stop_note(self.param):
-                self.log.info(schedule.stop_note(self.param))
+                log.info(schedule.stop_note(self.param))
             self.submitted = time.time()  # the workers' ready_at is in the same clock
             results = self.train()
             self.stop_session()  # its executors and Python workers are done: their memory goes before the last test
@@ -309,13 +314,12 @@ class Job:
         try:
             self.cadence.stop_early(why)
         except Exception as failure:  # the job's own error is the one to report
-            self.log.warning(f"could not snapshot x̃ as the job stopped: {failure}")
+            log.warning(f"could not snapshot x̃ as the job stopped: {failure}")
 
     def start(self, stack):
         """The shards planned, x̃ at its start and held, the test nets and the scalars up (each stopped by
         `stack`); the Task every worker receives."""
-        self.shards, shape = shards.plan(self.sc, self.solver, self.options.data, self.workers, self.ds.ship_records,
-                                         self.log)
+        self.shards, shape = shards.plan(self.sc, self.solver, self.options.data, self.workers, self.ds.ship_records)
         self.load_center(shape)
         host = "127.0.0.1" if on_loopback(self.sc.master) else setting(self.sc, "spark.driver.host")
         secret = secrets.token_hex(32)
@@ -324,8 +328,8 @@ class Job:
         if self.server is not None:
             stack.callback(self.server.stop)
             if self.ds.exchange_address:
-                self.log.info(f"Workers connect to the exchanger through {self.ds.exchange_address}")
-        self.cadence = CenterCadence(self.solver, self.graph, self.start_iter, self.center_flat, self.log,
+                log.info(f"Workers connect to the exchanger through {self.ds.exchange_address}")
+        self.cadence = CenterCadence(self.solver, self.graph, self.start_iter, self.center_flat,
                                      server=self.server, history_sets=self.history_sets,
                                      history_seconds=min(HISTORY_SECONDS, self.ds.exchange_timeout),
                                      started=self.started)
@@ -339,9 +343,9 @@ class Job:
     def load_center(self, shape):
         """x̃'s start (the graph, center0, the start iteration) and the solver histories a --snapshot holds
         for this job's workers."""
-        log, workers = self.log, self.workers
+        workers = self.workers
         self.graph, self.center0, self.start_iter, histories = initial_center(
-            self.solver, log, self.history_sets, self.options.weights, self.options.snapshot, shape)
+            self.solver, self.history_sets, self.options.weights, self.options.snapshot, shape)
         self.resume_histories = {w: held for w, held in histories.items() if w < workers}
         if self.resume_histories:
             log.info(f"Restoring the solver history of worker(s) {', '.join(map(str, sorted(self.resume_histories)))} "
@@ -357,12 +361,18 @@ class Job:
             stop_context(self.own_sc)
             self.own_sc = None
 
+    def restarts(self, results):
+        """({worker: times it rejoined}, the Outages the watch saw: empty for a job without one)."""
+        outages = self.watched.outages if self.watched is not None else Outages()
+        return {r.worker: outages.restarts(r.worker) for r in results}, outages
+
     def finish(self, results):
         """The workers' summary lines, the last snapshot and test, the plot; the JobResult."""
-        log = self.log
         final = max(r.final_iteration for r in results)
         spill = max(r.spill_seconds for r in results)
-        train = max(r.train_seconds for r in results)
+        restarts, outages = self.restarts(results)
+        # A restarted worker's Summary is its last attempt's: the job's training is the Spark job's whole time.
+        train = max([r.train_seconds for r in results] + ([self.watched.seconds] if outages.all else []))
         for r in sorted(results, key=lambda r: r.worker):
             log.info(f"Worker {r.worker} on {r.host} (in {r.cwd}, deepspark from {r.package}): "
                      f"{r.iterations} iterations, {r.exchanges} exchanges, spilled {r.records} records in "
@@ -373,26 +383,34 @@ class Job:
                      + (f"; GPU {r.gpu} from Spark, computed on {r.device}" if r.gpu else
                         f"; computed on {r.device}" if r.device != "CPU" else "")
                      + ("" if r.restored_history is None else
-                        f"; started from its solver history of iteration {r.restored_history}"))
+                        f"; started from its solver history of iteration {r.restored_history}")
+                     + (f"; its last of {restarts[r.worker] + 1} attempts" if restarts[r.worker] else ""))
         unused = [r for r in results if r.gpu and r.device == "CPU"]
         if unused:
             log.warning(f"Spark gave {len(unused)} of the workers a GPU, but the {self.ds.backend} backend saw none "
                         f"there ({', '.join(sorted({r.host for r in unused}))}): they trained on the CPU")
-        startup = {r.worker: r.startup(self.submitted) for r in results if r.first_step_at}
+        # A restarted worker's start-up is its last attempt's, from its task's start (not from Solving).
+        startup = {r.worker: r.startup(r.task_at if restarts[r.worker] else self.submitted)
+                   for r in results if r.first_step_at}
         for worker, parts in sorted(startup.items()):
-            log.info(f"Start-up of worker {worker}: {sum(parts.values()):.2f}s from Solving to its first step done: "
+            since = (f"its task's start (attempt {restarts[worker] + 1})" if restarts[worker] else "Solving")
+            log.info(f"Start-up of worker {worker}: {sum(parts.values()):.2f}s from {since} to its first step done: "
                      + ", ".join(f"{part} {seconds:.2f}s" for part, seconds in parts.items()))
         log.info(f"Spill took {spill:.2f}s, {100 * spill / max(train, 1e-9):.2f}% of training time")
-        ready = max(r.ready_at for r in results) - self.submitted
+        ready = max([r.ready_at for r in results if not restarts[r.worker]], default=0.0) - self.submitted
         if ready > 0:  # not so when no worker spilled in this run (every ready_at 0)
             log.info(f"Shards ready {ready:.1f}s after the Spark job started (Spark's read of the data, any shuffle, "
                      f"then the spill), {100 * ready / max(train, 1e-9):.2f}% of training time")
+        if outages.all:
+            log.info(outages.summary(time.monotonic()))
         weights, values, arrays = self.cadence.finish(final)
         log.info("Optimization Done.")
         plot_path = self.cadence.plot(self.output, f"{self.graph.name}: {self.workers} workers, {self.title}")
         log.info(f"Plot of loss and test outputs against time: {plot_path}")
         summary = {"iterations": final, "weights": weights, "spill_seconds": spill, "ready_seconds": max(ready, 0.0),
                    "train_seconds": train, "wall_seconds": time.monotonic() - self.started,
+                   "losses": len(outages.all), "rejoins": sum(restarts.values()),
+                   "lost_seconds": sum(o.cost(time.monotonic()) for o in outages.all),
                    "startup_seconds": max((sum(parts.values()) for parts in startup.values()), default=None),
                    "workers": [dataclasses.asdict(r) for r in sorted(results, key=lambda r: r.worker)], **values}
         return JobResult(summary, self.output, history=tuple(self.cadence.history), final_test=dict(values),

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import time
@@ -12,13 +13,15 @@ from deepspark.schedule import stop_iteration
 from deepspark.spark import executor
 from deepspark.spark.failures import failed, first_line
 
+log = logging.getLogger(__name__)
+
 
 def run_rounds(job, task, train_round, update_center, draw):
     """Rounds to schedule.stop_iteration: each broadcasts the center (job.center), runs `train_round(trainer,
     steps)` on every worker from it, and hands what they returned (in worker order) to `update_center(job,
     returned)`; drives the cadence's tests, snapshots and display, and `draw`s each worker's iteration and loss
     after each round (progress.display's draw). The workers' Summaries."""
-    p, ds, log = job.param, job.ds, job.log
+    p, ds = job.param, job.ds
     boundaries = [x for x in (p.test_interval, p.snapshot) if x and x % ds.period]
     if boundaries:
         log.info(f"Rounds also end at multiples of {' and '.join(map(str, boundaries))} (test_interval/snapshot "
@@ -73,7 +76,7 @@ def release_all(job, job_id):
     try:
         job.sc.parallelize(range(job.workers), job.workers).foreach(lambda _: release(job_id))
     except Exception as error:  # cleanup only; the executors' temp folders go with them anyway
-        job.log.warning(f"could not release the workers' cached trainers: {first_line(error)}")
+        log.warning(f"could not release the workers' cached trainers: {first_line(error)}")
 
 
 def account(summary, r, steps, wall, handovers, restarts):

@@ -16,6 +16,7 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import logging
 import os
 import time
 
@@ -33,13 +34,13 @@ from deepspark.data.datum import decode_datums, parse_datum
 from deepspark.data.parquet import is_uri, write_parquet, writes_parquet
 from deepspark.errors import ConfigError, DeepSparkError
 from deepspark.graph import Graph, fmt, layer_included, tap_name, with_batch_size, with_taps
-from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.executor import set_threads
 from deepspark.spark.failures import failed
 from deepspark.spark.session import spark_session, stop_context, worker_threads
 from deepspark.spark.shards import parquet_located, unreadable_lmdb
 
+log = logging.getLogger(__name__)
 # Records per partition of a dataset that score or extract-features read (more partitions than cores
 # balance the executors; each builds its net once whatever their number).
 RECORDS_PER_PARTITION = 20_000
@@ -434,11 +435,10 @@ def on_spark(path, weights, source, backend, batch_size, ds, blobs=None):
             stop_context(session.sparkContext)
 
 
-def score(path, weights, source=None, backend=None, batch_size=0, ds=None, log=None):
+def score(path, weights, source=None, backend=None, batch_size=0, ds=None):
     """`deepspark score`: Caffe's `test` over a whole dataset, on the executors: the mean of every output of
     the net's TEST phase over every record of `source` (default: the Data layer's own), logged as `test`
     logs them; {output: mean}."""
-    log = log or Log()
     with on_spark(path, weights, source, backend, batch_size, ds or pb.DeepSparkParameter()) as (
             sc, forward, graph, source, (records, total, partitions)):
         log.info(f"Scoring {total} records of {source} on {sc.master} ({partitions} partitions, "
@@ -453,7 +453,7 @@ def score(path, weights, source=None, backend=None, batch_size=0, ds=None, log=N
             sums[name] = sums[name] + value if name in sums else value
         sums = collections.OrderedDict((name, sums[name]) for name in forward.outputs if name in sums)
         means = collections.OrderedDict((name, value / total) for name, value in sums.items())
-        engine.log_outputs(log, graph, means, "")
+        engine.log_outputs(graph, means, "")
         return means
 
 
@@ -466,13 +466,12 @@ def feature_datum(values, label=0):
 
 
 def extract_features(path, weights, blobs, outputs, source=None, backend=None, batch_size=0, ds=None,
-                     overwrite=False, log=None):
+                     overwrite=False):
     """`deepspark extract-features`: Caffe's extract_features on the executors. The blobs of the TEST net at
     `path` for every record of `source` (default: the Data layer's), one dataset per blob in `outputs`
     (an LMDB, or Parquet for a path ending in .parquet, with the record's label and the blob as a Spark ML
     vector column of its name beside the Datum), keyed as Caffe keys them (the record's index, 10 digits),
     written from the driver partition by partition; {blob: records written}."""
-    log = log or Log()
     if len(blobs) != len(outputs):
         raise ConfigError(f"{len(blobs)} blobs but {len(outputs)} outputs; extract-features writes one dataset "
                           "per blob (--blobs fc7,prob --output fc7_lmdb,prob_lmdb)")

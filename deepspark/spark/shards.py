@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import logging
 import os
 import socket
 
@@ -17,10 +18,11 @@ from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.failures import failed, first_line
 from deepspark.spark.session import sql_session
 
+log = logging.getLogger(__name__)
 STREAMED = "each task streams its partition into its local LMDB; the driver holds no records"
 
 
-def plan(sc, solver, data, workers, ship_records, log):
+def plan(sc, solver, data, workers, ship_records):
     """The RDD of the workers' shards, one partition each, and the (C, H, W) of their images when the plan
     read it (None: the net's Data layer says it); the plan's line logged. data: a DataFrame, else the train
     net's LMDB or Parquet dataset, or the data its own layers read. The record source's kind picks its plan
