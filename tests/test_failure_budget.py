@@ -1,9 +1,17 @@
 """The failure budget shaped for long jobs (#45): per worker and per job within a window, a crash loop stopped in one line naming the worker; each loss and rejoin counted with its cost; on real Spark, a worker killed more times than max_failures still finishes its job."""
 
+import os
 import re
+import signal
+import time
+
+import pytest
 
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.budget import Budget, Limits, Outages
+
+from sparkjobs import chaos, start_training, workers_done
+from synthetic import make_job
 
 CRASH = "SparkException: Python worker exited unexpectedly (crashed)"
 
@@ -68,6 +76,52 @@ def test_every_loss_and_rejoin_is_counted_with_its_cost():
     assert outages.restarts(1) == 2 and outages.restarts(0) == 0
     assert outages.summary(50.0) == ("Workers lost 3 times (worker 0: 1, worker 1: 2) and rejoined 2 times (after "
                                      "6.5s, 4.0s); 20.5s of worker time lost in all")
+    # A loss's time is its worker's last exchange the driver saw, but never before its last rejoin.
+    assert outages.lost(1, 33.0, 700).lost_at == 34.0
+    outages.rejoined(1, 35.0)
     # A rejoin with no loss seen (both between two looks) still counts as both.
     outages.rejoined(2, 60.0)
-    assert re.match(r"Workers lost 4 times .* rejoined 3 times", outages.summary(60.0))
+    assert re.match(r"Workers lost 5 times .* rejoined 4 times", outages.summary(60.0))
+
+
+# The tiny job (synthetic.py) of one worker, long enough for three kills and their rejoins in its first half
+# on a loaded machine (its iterations take a millisecond or two; a rejoin, seconds).
+KILLED_MAX_ITER = 6000
+
+
+@pytest.mark.spark
+def test_a_worker_killed_more_times_than_max_failures_rejoins_each_time_and_the_summary_counts_them(tmp_path):
+    """max_failures 2 was two attempts of a task over the whole job (Spark's local[1,2]): the third kill of the
+    one worker ended it. Now it counts failures in a row without training, and the worker trains between kills."""
+    solver = make_job(tmp_path, max_iter=KILLED_MAX_ITER, test_interval=KILLED_MAX_ITER, workers=1)
+    driver = start_training(solver, "--max-failures", "2")
+    log = chaos.DriverLog(str(tmp_path / "out" / "train.log"), KILLED_MAX_ITER)
+    said = []
+    harness = chaos.Chaos(None, 3, 5, log=log, window=(0.05, 0.5), ended=lambda: driver.poll() is not None,
+                          timeout=120, say=said.append).start()
+    try:
+        _, stderr = driver.communicate(timeout=300)
+        kills = harness.join(10)
+    finally:
+        harness.stop()
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    text = (tmp_path / "out" / "train.log").read_text()
+    assert driver.returncode == 0, (said, stderr[-3000:])
+    assert len(kills) == 3 and all(k.rejoined_at for k in kills), (said, text[-3000:])
+    # Each loss is one line with its cause and its count, each rejoin one line with what it cost.
+    losses = re.findall(r"Worker 0 lost at iteration (\d+), [\d.]+s into the job: (.*) \(its failure (\d+) in 3600s, "
+                        r"1 in a row without training\)", text)
+    assert [int(n) for _, _, n in losses] == [1, 2, 3], text[-3000:]
+    assert all("Python worker exited unexpectedly" in cause for _, cause, _ in losses), losses
+    back = re.findall(r"Worker 0 rejoined the exchanger \(connection (\d)\); it goes on from the center at "
+                      r"iteration \d+, ([\d.]+)s after its loss", text)
+    assert [c for c, _ in back] == ["2", "3", "4"], text[-3000:]
+    costs = [float(seconds) for _, seconds in back]
+    summary = re.search(r"Workers lost 3 times \(worker 0: 3\) and rejoined 3 times \(after (.*)\); ([\d.]+)s of "
+                        r"worker time lost in all", text)
+    assert summary and summary.group(1) == ", ".join(f"{c:.1f}s" for c in costs), text[-3000:]
+    # The summary covers every attempt: the worker's line names its attempts, its start-up is its last task's.
+    assert re.search(r"Worker 0 on \S+ \(in [^)]*\): \d+ iterations, .*; its last of 4 attempts", text), text[-3000:]
+    assert re.search(r"Start-up of worker 0: [\d.]+s from its task's start \(attempt 4\)", text), text[-3000:]
+    assert "Optimization Done." in text and workers_done(text) == [0]

@@ -74,13 +74,14 @@ def one_line(cause):
 
 @dataclasses.dataclass
 class Outage:
-    """One loss of a worker: when (seconds, monotonic) and at which iteration, and when it rejoined (None while
-    it has not)."""
+    """One loss of a worker: when (seconds, monotonic) and at which iteration, when it rejoined (None while it has
+    not), and whether its loss has been said."""
 
     worker: int
     lost_at: float
     iteration: int
     rejoined_at: float = None
+    said: bool = False
 
     def cost(self, now):
         """The seconds it was (or has been) out."""
@@ -95,10 +96,12 @@ class Outages:
         self.open = {}  # worker -> its Outage not yet ended
 
     def lost(self, worker, at, iteration):
-        """`worker` lost at `at` (iteration `iteration`); its Outage, or None when it was already out."""
+        """`worker` lost at `at` (iteration `iteration`; its last exchange, as a loss is seen a look later: no
+        earlier than its last rejoin); its Outage, or None when it was already out."""
         if worker in self.open:
             return None
-        self.open[worker] = outage = Outage(worker, at, iteration)
+        back = [o.rejoined_at for o in self.all if o.worker == worker and o.rejoined_at is not None]
+        self.open[worker] = outage = Outage(worker, max([at, *back]), iteration)
         self.all.append(outage)
         return outage
 

@@ -64,3 +64,48 @@ def failed(error, sc):
                 f"ENV.tar.gz#environment with PYSPARK_PYTHON=./environment/bin/python, or install deepspark on "
                 f"every node")
     return JobError(f"the Spark job failed: {line}; {executor_report(sc)}", detail=str(error))
+
+
+# Spark's own advice at the end of a crashed Python worker's report, which is no cause.
+_ADVICE = re.compile(r"\.?\s+Consider setting .*$", re.S)
+
+
+def task_cause(message):
+    """The one line of a failed task's report (Spark's errorMessage) that says why."""
+    return _ADVICE.sub("", first_line(message)) if message else "no reason given"
+
+
+def failed_tasks(sc, group, seen):
+    """Spark's tasks of job group `group` that failed since the last call, as [(partition, cause)] in the order
+    they failed; `seen` ({stage: (attempt, failed tasks of it seen)}, updated) is what earlier calls saw. Every
+    attempt of a stage is read, a barrier stage's reruns among them: Spark's status store has a failed task
+    before the attempt after it (its listener's events come in order)."""
+    tracker = sc.statusTracker()
+    found = []
+    for job in filter(None, map(tracker.getJobInfo, tracker.getJobIdsForGroup(group))):
+        for stage_id in job.stageIds:
+            stage = tracker.getStageInfo(stage_id)
+            attempt, count = seen.get(stage_id, (0, 0))
+            if stage is None or (stage.currentAttemptId == attempt and stage.numFailedTasks <= count):
+                continue
+            while True:
+                tasks = stage_failures(sc, stage_id, attempt, count)
+                found += tasks
+                if attempt == stage.currentAttemptId:
+                    break
+                attempt, count = attempt + 1, 0
+            seen[stage_id] = (attempt, count + len(tasks))
+    return found
+
+
+def stage_failures(sc, stage_id, attempt, offset):
+    """[(partition, cause)] of the failed tasks of attempt `attempt` of stage `stage_id`, past the first `offset`."""
+    v1 = sc._jvm.org.apache.spark.status.api.v1
+    statuses = sc._jvm.java.util.ArrayList()
+    statuses.add(v1.TaskStatus.FAILED)
+    tasks = sc._jsc.sc().statusStore().taskList(stage_id, attempt, offset, 1000, v1.TaskSorting.ID, statuses)
+    out = []
+    for task in map(tasks.apply, range(tasks.size())):
+        message = task.errorMessage()
+        out.append((task.index(), task_cause(message.get() if message.isDefined() else "")))
+    return out
