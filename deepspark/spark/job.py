@@ -26,6 +26,7 @@ from deepspark.log import Log, train_log
 from deepspark.progress import display
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark import executor, rounds, shards
+from deepspark.spark.budget import Budget, Limits, Outages
 from deepspark.spark.center import HISTORY_SECONDS, CenterCadence
 from deepspark.spark.executor import Task
 from deepspark.spark.failures import JobError
@@ -195,6 +196,7 @@ class Job:
     """
 
     server = None  # the exchanger, for an algorithm that has one
+    watched = None  # the Watch that followed the workers (its losses and rejoins), for an algorithm with an exchanger
     own_sc = None  # the SparkContext run() started, until stop_session stops it
 
     @property
@@ -246,9 +248,11 @@ class Job:
                               histories=self.resume_histories).start()
 
     def watch(self, run_tasks):
-        """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch); its result."""
-        return Watch(self.sc, self.server, self.cadence, self.workers, schedule.stop_iteration(self.param),
-                     self.ds.connect_timeout, batch_size(self.graph)).run(run_tasks)
+        """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch), their failures
+        counted against the job's budget; its result."""
+        self.watched = Watch(self.sc, self.server, self.cadence, self.workers, schedule.stop_iteration(self.param),
+                             self.ds.connect_timeout, batch_size(self.graph), budget=Budget(Limits.of(self.ds)))
+        return self.watched.run(run_tasks)
 
     # -- the run ----------------------------------------------------------------
 
@@ -266,7 +270,8 @@ class Job:
                 self.sc = this_python(self.options.data.sparkSession.sparkContext)  # the caller's: theirs to stop
             else:
                 shards.train_source(self.solver)  # a missing LMDB is said before Spark starts
-                self.sc, own = spark_context(self.ds, self.workers)
+                # An algorithm with an exchanger is watched: the driver's budget counts its failures, not Spark.
+                self.sc, own = spark_context(self.ds, self.workers, watched=self.algorithm.exchanger)
                 if own:
                     self.own_sc = self.sc
                     stack.callback(self.stop_session)
@@ -356,11 +361,18 @@ class Job:
             stop_context(self.own_sc)
             self.own_sc = None
 
+    def restarts(self, results):
+        """({worker: times it rejoined}, the Outages the watch saw: empty for a job without one)."""
+        outages = self.watched.outages if self.watched is not None else Outages()
+        return {r.worker: outages.restarts(r.worker) for r in results}, outages
+
     def finish(self, results):
         """The workers' summary lines, the last snapshot and test, the plot; the JobResult."""
         final = max(r.final_iteration for r in results)
         spill = max(r.spill_seconds for r in results)
-        train = max(r.train_seconds for r in results)
+        restarts, outages = self.restarts(results)
+        # A restarted worker's Summary is its last attempt's: the job's training is the Spark job's whole time.
+        train = max([r.train_seconds for r in results] + ([self.watched.seconds] if outages.all else []))
         for r in sorted(results, key=lambda r: r.worker):
             log.info(f"Worker {r.worker} on {r.host} (in {r.cwd}, deepspark from {r.package}): "
                      f"{r.iterations} iterations, {r.exchanges} exchanges, spilled {r.records} records in "
@@ -371,26 +383,34 @@ class Job:
                      + (f"; GPU {r.gpu} from Spark, computed on {r.device}" if r.gpu else
                         f"; computed on {r.device}" if r.device != "CPU" else "")
                      + ("" if r.restored_history is None else
-                        f"; started from its solver history of iteration {r.restored_history}"))
+                        f"; started from its solver history of iteration {r.restored_history}")
+                     + (f"; its last of {restarts[r.worker] + 1} attempts" if restarts[r.worker] else ""))
         unused = [r for r in results if r.gpu and r.device == "CPU"]
         if unused:
             log.warning(f"Spark gave {len(unused)} of the workers a GPU, but the {self.ds.backend} backend saw none "
                         f"there ({', '.join(sorted({r.host for r in unused}))}): they trained on the CPU")
-        startup = {r.worker: r.startup(self.submitted) for r in results if r.first_step_at}
+        # A restarted worker's start-up is its last attempt's, from its task's start (not from Solving).
+        startup = {r.worker: r.startup(r.task_at if restarts[r.worker] else self.submitted)
+                   for r in results if r.first_step_at}
         for worker, parts in sorted(startup.items()):
-            log.info(f"Start-up of worker {worker}: {sum(parts.values()):.2f}s from Solving to its first step done: "
+            since = (f"its task's start (attempt {restarts[worker] + 1})" if restarts[worker] else "Solving")
+            log.info(f"Start-up of worker {worker}: {sum(parts.values()):.2f}s from {since} to its first step done: "
                      + ", ".join(f"{part} {seconds:.2f}s" for part, seconds in parts.items()))
         log.info(f"Spill took {spill:.2f}s, {100 * spill / max(train, 1e-9):.2f}% of training time")
-        ready = max(r.ready_at for r in results) - self.submitted
+        ready = max([r.ready_at for r in results if not restarts[r.worker]], default=0.0) - self.submitted
         if ready > 0:  # not so when no worker spilled in this run (every ready_at 0)
             log.info(f"Shards ready {ready:.1f}s after the Spark job started (Spark's read of the data, any shuffle, "
                      f"then the spill), {100 * ready / max(train, 1e-9):.2f}% of training time")
+        if outages.all:
+            log.info(outages.summary(time.monotonic()))
         weights, values, arrays = self.cadence.finish(final)
         log.info("Optimization Done.")
         plot_path = self.cadence.plot(self.output, f"{self.graph.name}: {self.workers} workers, {self.title}")
         log.info(f"Plot of loss and test outputs against time: {plot_path}")
         summary = {"iterations": final, "weights": weights, "spill_seconds": spill, "ready_seconds": max(ready, 0.0),
                    "train_seconds": train, "wall_seconds": time.monotonic() - self.started,
+                   "losses": len(outages.all), "rejoins": sum(restarts.values()),
+                   "lost_seconds": sum(o.cost(time.monotonic()) for o in outages.all),
                    "startup_seconds": max((sum(parts.values()) for parts in startup.values()), default=None),
                    "workers": [dataclasses.asdict(r) for r in sorted(results, key=lambda r: r.worker)], **values}
         return JobResult(summary, self.output, history=tuple(self.cadence.history), final_test=dict(values),

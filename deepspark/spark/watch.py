@@ -4,12 +4,15 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 
 import numpy as np
 
 from deepspark.exchange.protocol import E_DIVERGED
 from deepspark.progress import display
-from deepspark.spark.failures import JobError, executor_report, failed
+from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark.budget import Budget, Limits, Outages
+from deepspark.spark.failures import JobError, executor_report, failed, failed_tasks
 
 log = logging.getLogger(__name__)
 # Seconds the driver waits for the Spark job's thread once it has cancelled the job.
@@ -40,6 +43,18 @@ class Watch:
     executors: dict = dataclasses.field(default_factory=dict)  # executor id -> host:port as Spark last gave it
     named: set = dataclasses.field(default_factory=set)  # executors whose loss has been told
     lost_with: dict = dataclasses.field(default_factory=dict)  # lost worker -> the executors Spark lost with it
+    # The failure Budget (budget.py) that stops the job, every loss and rejoin with its cost (Outages), the Spark
+    # job's group (whose failed tasks are the job's failures), what failed_tasks has seen, and each worker's
+    # exchanges at its last failure (more since: it trained), and when each last exchanged, as far as the
+    # driver has seen (a loss's time: a lost worker's stats may be its next connection's by the next look).
+    budget: Budget = dataclasses.field(default_factory=lambda: Budget(Limits.of(pb.DeepSparkParameter())))
+    outages: Outages = dataclasses.field(default_factory=Outages)
+    group: str = dataclasses.field(default_factory=lambda: f"deepspark-{uuid.uuid4().hex[:12]}")
+    seen: dict = dataclasses.field(default_factory=dict)
+    marks: dict = dataclasses.field(default_factory=dict)
+    exchanged_at: dict = dataclasses.field(default_factory=dict)  # worker -> its last exchange seen (monotonic)
+    began: float = dataclasses.field(default_factory=time.monotonic)
+    seconds: float = 0.0  # the Spark job's whole time, every attempt of every task in it, once it has ended
 
     def run(self, run_tasks):
         """Run `run_tasks()` (the Spark job) in a thread and follow the workers until it ends: progress,
@@ -48,6 +63,7 @@ class Watch:
 
         def spark_job():
             try:
+                self.sc.setJobGroup(self.group, "DeepSpark training", False)
                 outcome["results"] = run_tasks()
             except Exception as error:  # reported below with Spark's view
                 outcome["failure"] = error
@@ -61,7 +77,12 @@ class Watch:
         while thread.is_alive():
             thread.join(WATCH_SECONDS)
             stats = self.server.stats()
+            stop = self.failures(stats)
+            if stop:  # the budget is spent: the job stops (its center snapshotted) with the line that says why
+                self.cancel(thread)
+                raise JobError(stop)
             lost = self.rejoins(stats)
+            self.tell_losses()
             progress.draw(stats, lost)
             diverged = [s["error"][1] for _, s in sorted(stats.items()) if s.get("error", (0,))[0] == E_DIVERGED]
             if diverged:  # stop at once: a retry from the center would diverge again at the same rate
@@ -93,6 +114,7 @@ class Watch:
             progress.draw(stats, self.rejoins(stats))
             self.center(stats)
         progress.close()
+        self.seconds = time.monotonic() - self.began
         if "failure" in outcome:
             raise failed(outcome["failure"], self.sc)
         return outcome["results"]
@@ -137,14 +159,16 @@ class Watch:
         for wid, s in sorted(stats.items()):
             count = s.get("connections", 1)
             if count > self.connections.get(wid, 1):
-                log.warning(f"Worker {wid} rejoined the exchanger (connection {count}); it goes on from "
-                            f"the center at iteration {s.get('joined_at', 0)}")
+                out = self.outages.rejoined(wid, time.monotonic()).cost(0)
+                log.warning(f"Worker {wid} rejoined the exchanger (connection {count}); it goes on from the center at "
+                            f"iteration {s.get('joined_at', 0)}, {out:.1f}s after its loss")
                 lost.pop(wid, None)
                 self.said.discard(wid)
                 self.lost_with.pop(wid, None)
             self.connections[wid] = count
             if not s.get("connected", True) and s.get("iteration", 0) < self.max_iter and "error" not in s:
                 lost.setdefault(wid, s.get("iteration", 0))
+                self.outages.lost(wid, self.exchanged_at.get(wid, time.monotonic()), lost[wid])
         executors = executor_report(self.sc, listing=True)
         if executors is None:
             return lost
@@ -168,3 +192,38 @@ class Watch:
             self.said.update(unsaid)
             self.named.update(set(seen) - set(executors))
         return lost
+
+    def failures(self, stats):
+        """Spark's failed tasks since the last look, each a worker's loss said in one line with its cause and
+        counted against the budget; the budget's line once it is spent, else None."""
+        now = time.monotonic()
+        for wid, s in stats.items():
+            if s.get("exchanges", 0) > self.marks.get(wid, 0):
+                self.budget.trained(wid)
+            if s.get("connections", 1) == self.connections.get(wid, 1) and s.get("seconds_since_exchange") is not None:
+                self.exchanged_at[wid] = now - s["seconds_since_exchange"]
+        for wid, cause in failed_tasks(self.sc, self.group, self.seen):
+            iteration = stats.get(wid, {}).get("iteration", 0)
+            self.marks[wid] = stats.get(wid, {}).get("exchanges", 0)
+            stop = self.budget.fail(wid, now, cause)
+            outage = (self.outages.lost(wid, self.exchanged_at.get(wid, now), iteration)
+                      or self.outages.open[wid])
+            outage.said = True
+            window, in_a_row = self.budget.failures(wid)
+            limits = self.budget.limits
+            span = f"{limits.window:g}s" if limits.window else "the job"
+            log.warning(f"Worker {wid} lost at iteration {outage.iteration}, {outage.lost_at - self.began:.1f}s into "
+                        f"the job: {cause} (its failure {window} in {span}, {in_a_row} in a row without training)")
+            if stop:
+                return stop
+        return None
+
+    def tell_losses(self):
+        """A line for each loss the exchanger saw a look ago that Spark has not reported as a failure (a task
+        killed with its barrier stage), unless it rejoined meanwhile or its executor's loss was said (rejoins)."""
+        now = time.monotonic()
+        for wid, outage in sorted(self.outages.open.items()):
+            if not outage.said and wid not in self.said and now - outage.lost_at >= WATCH_SECONDS:
+                outage.said = True
+                log.warning(f"Worker {wid} lost at iteration {outage.iteration}, {outage.lost_at - self.began:.1f}s "
+                            f"into the job: its connection to the exchanger ended")
