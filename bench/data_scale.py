@@ -26,7 +26,7 @@ conv net for a few hundred iterations per worker from it, and prints one JSON li
 
 A last line compares the sizes: the driver's peak RSS must not grow with the data.
 
-    PYTHONPATH=. .venv/bin/python bench/data_scale.py [--sizes-gb 1 4] [--iterations 300] [--folder DIR]
+    PYTHONPATH=. .venv/bin/python bench/data_scale.py [--sizes-gb 1 4] [--iterations 300] [--folder DIR] [--out FILE]
 """
 
 import argparse
@@ -36,6 +36,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +49,7 @@ import _results  # noqa: E402  (bench/_results.py)
 from deepspark.data import encode_datum  # noqa: E402
 from deepspark.data import parquet  # noqa: E402
 
-RESULTS = os.path.join(ROOT, "bench", "results", "data_scale.jsonl")
+OUT = _results.results_path("data_scale")
 SHAPE = (3, 64, 64)
 RECORD_BYTES = int(np.prod(SHAPE))
 BATCH = 64
@@ -95,7 +96,7 @@ sys.exit(status)
 
 
 def emit(record):
-    _results.emit(record, RESULTS)
+    _results.emit(record, OUT)
 
 
 def records(count, seed=0):
@@ -206,13 +207,21 @@ def measure(size_gb, iterations, epochs, folder):
 
 
 def main():
+    global OUT  # emit's file
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-gb", type=float, nargs="+", default=[1.0, 4.0])
     parser.add_argument("--iterations", type=int, default=300, help="per worker")
     parser.add_argument("--epochs", type=int, default=30, help="the full run the spill share is extrapolated to")
     parser.add_argument("--folder", default="/tmp/deepspark-data-scale")
     parser.add_argument("--keep", action="store_true", help="keep the datasets for another run")
+    parser.add_argument("--smoke", action="store_true",
+                        help="runs end to end only (make bench-smoke): 0.01 GB, 5 iterations, in a fresh folder")
+    parser.add_argument("--out", default=OUT, help="JSON lines are also appended here")
     args = parser.parse_args()
+    OUT = args.out
+    if args.smoke:
+        args.sizes_gb, args.iterations, args.keep = [0.01], 5, False
+        args.folder = tempfile.mkdtemp(prefix="deepspark-data-scale-smoke-")
     os.makedirs(args.folder, exist_ok=True)
     try:
         results = [measure(size, args.iterations, args.epochs, args.folder) for size in args.sizes_gb]

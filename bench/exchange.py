@@ -450,7 +450,11 @@ def main(argv=None):
                          "machines apart, the regime of the 0.8x echo target), or to one shared CPU "
                          "(same: the rule's whole CPU cost), both in turn (default), or placed by the "
                          "scheduler (free)")
+    ap.add_argument("--smoke", action="store_true", help="runs end to end only (make bench-smoke): LeNet size, "
+                    "0.05 s a measurement, 1 repetition, 2 workers, 10 steps")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.seconds, args.reps, args.sizes, args.workers, args.steps = 0.05, 1, "lenet", "2", 10
     mp.set_start_method("fork")
     only = set(args.only.split(","))
 

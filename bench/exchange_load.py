@@ -367,11 +367,15 @@ def main(argv=None):
     ap.add_argument("--phases", type=int, default=4, help="reconnect phases: RSS and open connections after each")
     ap.add_argument("--per-cycle", default="3,1", help="exchanges per connection in the reconnect loop, per size")
     ap.add_argument("--quick", action="store_true", help="4 clients, LeNet size, 2 s, 12 cycles in 3 phases")
+    ap.add_argument("--smoke", action="store_true",
+                    help="runs end to end only (make bench-smoke): 2 clients, LeNet size, 0.5 s, 6 cycles in 3 phases")
     ap.add_argument("--out", default=_results.results_path("exchange_load"))
     args = ap.parse_args(argv)
     if args.serve:
         return serve(args.serve)
-    if args.quick:
+    if args.smoke:
+        args.sizes, args.clients, args.seconds, args.cycles, args.phases, args.per_cycle = "lenet", 2, "0.5", "6", 3, "1"
+    elif args.quick:
         args.sizes, args.clients, args.seconds, args.cycles, args.phases, args.per_cycle = "lenet", 4, "2", "12", 3, "3"
     sizes = args.sizes.split(",")
 
