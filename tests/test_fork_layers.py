@@ -1,8 +1,8 @@
 """The bundled pycaffe's extra types (brocolli-caffe 9.0.2) on both backends against it: the neurons ReLU6,
 HardSwish, HardSigmoid; Pad, Unsqueeze, Upsample, PixelShuffle, MaxUnPool, BilinearInterpolate, Resize and
-SmoothL1Loss. Forward, and the diff its Backward gives: ReLU6's, Resize's and SmoothL1Loss's; the others' is
-empty, so that no diff reaches their input (a ReLU on another input gives the check one), except in place, where
-the input's diff is the top's own. Each refuses in one line what the fork's CHECKs abort on or its Forward
+SmoothL1Loss; and Pooling's mask top, which MaxUnPool reads. Forward, and the diff its Backward gives: ReLU6's,
+Resize's, SmoothL1Loss's and Pooling's; the others' is empty, so that no diff reaches their input (a ReLU on
+another input gives the check one), except in place, where the input's diff is the top's own. Each refuses in one line what the fork's CHECKs abort on or its Forward
 misreads."""
 
 import numpy as np
@@ -257,8 +257,8 @@ def max_pooling(x, kernel, stride):
 
 @pytest.mark.parametrize("kernel, stride", [(2, 2), (3, 2)])
 def test_max_unpool_of_a_max_pooling(kernel, stride):
-    """A max Pooling's values and mask (overlapping windows at kernel 3: one input twice; the TF backend has no
-    Pooling mask top, so the test pools); neither takes a diff, so the ReLU on a third input gives the check one."""
+    """A max Pooling's values and mask (overlapping windows at kernel 3: one input twice), pooled by the test;
+    neither takes a diff, so the ReLU on a third input gives the check one."""
     pooled, mask = max_pooling(normal(2, 3, 7, 7), kernel, stride)
     y = normal(2, 3)
     layers = L("u", "MaxUnPool", ["x", "mask"], "max_unpool_param { dst_h: 7 dst_w: 7 }") + L("r", "ReLU", ["y"])
@@ -345,6 +345,52 @@ def test_resize_and_its_backward(body, size, after_conv):
 ])
 def test_resize_refuses_what_caffe_aborts_on(body, shape, message):
     text = net_text(L("s", "Resize", ["x"], body), {"x": normal(*shape)}, {}, {})
+    with pytest.raises(ConfigError, match=message) as error:
+        Graph(parse_net(text)[0], pb.TRAIN)
+    assert "\n" not in str(error.value)
+
+
+# -- Pooling's mask top (Caffe's, which MaxUnPool reads) --------------------------------------------------------
+
+@pytest.mark.parametrize("body", [
+    "kernel_size: 3 stride: 2",
+    "kernel_size: 2 stride: 2",
+    "kernel_size: 3 stride: 2 pad: 1",
+    "kernel_h: 3 kernel_w: 2 stride_h: 1 stride_w: 3 pad_h: 1 pad_w: 0",
+    "kernel_size: 3 stride: 3 ceil_mode: false",
+    "global_pooling: true",
+])
+@pytest.mark.parametrize("after_conv", [False, True])
+def test_max_pooling_mask_top(body, after_conv):
+    """Both tops against pycaffe's, in both layouts, with padding and windows past the edge; equal values in a
+    window (rounded inputs) take the first, as Caffe's loop. The values' diff reaches the input, the mask's none."""
+    x = np.round(normal(2, 3, 7, 8) * 2) / 2
+    source = "conv" if after_conv else "x"
+    layers = (CONV if after_conv else "") + L("p", "Pooling", [source], f"pooling_param {{ pool: MAX {body} }}",
+                                              ["p", "mask"])
+    values, diffs = check_backends(layers, {"x": x}, ranks={"p": 4, "mask": 4})
+    assert np.all(values["mask"] >= 0) and np.any(diffs["x"][0])
+    if not after_conv and body.startswith("kernel_size: 2"):
+        np.testing.assert_array_equal(values["mask"], max_pooling(x, 2, 2)[1])
+
+
+def test_max_unpool_of_the_tf_backends_pooling_mask():
+    layers = (L("p", "Pooling", ["x"], "pooling_param { pool: MAX kernel_size: 3 stride: 2 }", ["p", "mask"])
+              + L("u", "MaxUnPool", ["p", "mask"], "max_unpool_param { dst_h: 7 dst_w: 7 }"))
+    x = normal(2, 3, 7, 7)
+    values, _ = check_backends(layers, {"x": x}, ranks={"u": 4, "p": 4})
+    pooled, mask = max_pooling(x, 3, 2)
+    np.testing.assert_array_equal(values["u"], max_unpool_reference(pooled, mask, 7, 7))
+
+
+@pytest.mark.parametrize("body, tops, message", [
+    ("pool: AVE kernel_size: 2", 2, "Pooling makes 1 top"), ("pool: MAX kernel_size: 2", 3, "Pooling makes 1 or 2"),
+    ("kernel_size: 2 pad_h: 1", 1, "pad or both pad_h and pad_w"),
+    ("kernel_size: 2 stride: 1 stride_h: 1 stride_w: 1", 1, "stride or both"),
+])
+def test_pooling_refuses_what_caffe_aborts_on(body, tops, message):
+    tops = ["p", "mask", "more"][:tops]
+    text = net_text(L("p", "Pooling", ["x"], f"pooling_param {{ {body} }}", tops), {"x": normal(2, 3, 4, 4)}, {}, {})
     with pytest.raises(ConfigError, match=message) as error:
         Graph(parse_net(text)[0], pb.TRAIN)
     assert "\n" not in str(error.value)

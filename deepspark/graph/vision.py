@@ -111,6 +111,10 @@ def pool_geometry(param, height, width):
         kernel = (param.kernel_h, param.kernel_w)
     else:
         raise ShapeError("Pooling needs kernel_size, or kernel_h and kernel_w (not both)")
+    for name in ("pad", "stride"):  # Caffe's CHECKs: one or the other form, and both of a pair
+        pair = [param.HasField(f"{name}_{side}") for side in "hw"]
+        if any(pair) and (param.HasField(name) or not all(pair)):
+            raise ShapeError(f"Pooling takes {name} or both {name}_h and {name}_w")
     pad = (param.pad_h, param.pad_w) if param.HasField("pad_h") or param.HasField("pad_w") else (param.pad,) * 2
     if param.HasField("stride_h") or param.HasField("stride_w"):
         stride = (param.stride_h, param.stride_w)
@@ -144,6 +148,10 @@ def _pooling(lp, bottoms, ctx):
     if len(shape) != 4:
         raise ShapeError(f"Pooling needs a 4-axis input, got {fmt(shape)}")
     kernel, pad, stride = pool_geometry(param, shape[2], shape[3])
+    is_max = param.pool == pb.PoolingParameter.MAX
+    if len(lp.top) > 1 + is_max:
+        most = "1 or 2 tops (the second its mask)" if is_max else "1 top (only MAX gives a mask)"
+        raise ShapeError(f"{pb.PoolingParameter.PoolMethod.Name(param.pool)} Pooling makes {most}, got {len(lp.top)}")
     out = [pooled_size(shape[2 + i], kernel[i], pad[i], stride[i], param.ceil_mode) for i in range(2)]
     tops = [shape[:2] + tuple(out)] * max(len(lp.top), 1)
     return tops, []

@@ -125,8 +125,6 @@ def average_divisor(size, out, kernel, pad, stride):
 @layer("Pooling")
 def pooling(layer, bottoms, params, ctx):
     param = layer.param.pooling_param
-    if len(layer.tops) > 1:
-        raise NotImplementedError(f"layer '{layer.name}': the pooling mask top is not supported")
     _, _, h, w = layer.bottom_shapes[0]
     kernel, pad, stride = pool_geometry(param, h, w)
     out = layer.top_shapes[0][2:]
@@ -134,6 +132,11 @@ def pooling(layer, bottoms, params, ctx):
     if param.pool not in (pb.PoolingParameter.MAX, pb.PoolingParameter.AVE):
         raise NotImplementedError(f"layer '{layer.name}': only MAX and AVE pooling are supported")
     is_max = param.pool == pb.PoolingParameter.MAX
+    if len(layer.tops) > 1:
+        if None in x.shape[1:3]:
+            raise NotImplementedError(f"layer '{layer.name}': a Pooling mask top takes the net's own input size")
+        values, mask = max_pooling_mask(x, kernel, pad, stride, out)
+        return [Blob(values, True), Blob(mask, True)]
     if None in x.shape[1:3] and not param.global_pooling:  # a SavedModel of any size: the data's, not the graph's
         return [Blob(pooling_any_size(x, kernel, pad, stride, param.ceil_mode, is_max), True)]
     if param.global_pooling or (tuple(kernel) == (h, w) and tuple(out) == (1, 1) and not any(pad)):
@@ -157,6 +160,30 @@ def pooling(layer, bottoms, params, ctx):
     if not np.all(ratio == 1):
         y = y * tf.constant(ratio[:, :, None], tf.float32)
     return [Blob(y, True)]
+
+
+def max_pooling_mask(x, kernel, pad, stride, out):
+    """Caffe's max Pooling of an NHWC tensor with its mask (a second top): each window's first largest value,
+    row by row as Caffe's loop (a later equal one does not replace it), and its index h W + w in the input's
+    plane; -1 where nothing beats -FLT_MAX, Caffe's start. (values, mask), both N x out x C."""
+    height, width = x.shape[1:3]
+    needed = [(o - 1) * s + k for o, s, k in zip(out, stride, kernel)]
+    after = [max(n - size - p, 0) for n, size, p in zip(needed, (height, width), pad)]
+    lowest = np.finfo(np.float32).min  # Caffe's start: padding never beats it
+    x = tf.pad(x, [[0, 0], [pad[0], after[0]], [pad[1], after[1]], [0, 0]], constant_values=lowest)
+    x = x[:, :needed[0], :needed[1], :]
+    patches = tf.image.extract_patches(x, [1, *kernel, 1], [1, *stride, 1], [1, 1, 1, 1], "VALID")
+    patches = tf.reshape(patches, [-1, *out, kernel[0] * kernel[1], x.shape[3]])  # window positions row by row
+    largest = tf.reduce_max(patches, axis=3, keepdims=True)
+    size = kernel[0] * kernel[1]
+    position = tf.range(size)[None, None, None, :, None]
+    first = tf.reduce_min(tf.where(patches == largest, position, size), axis=3)
+    # the value read at the chosen position, so that the diff goes to it alone, as Caffe's Backward by the mask
+    values = tf.reduce_sum(tf.where(position == first[:, :, :, None], patches, 0.0), axis=3)
+    rows = (np.arange(out[0]) * stride[0] - pad[0])[None, :, None, None] + first // kernel[1]
+    cols = (np.arange(out[1]) * stride[1] - pad[1])[None, None, :, None] + first % kernel[1]
+    mask = tf.where(values > lowest, tf.cast(rows * width + cols, tf.float32), -1.0)
+    return tf.where(values > lowest, values, lowest), tf.stop_gradient(mask)
 
 
 def pooling_any_size(x, kernel, pad, stride, ceil_mode, is_max):
