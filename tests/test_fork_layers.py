@@ -2,8 +2,8 @@
 HardSwish, HardSigmoid; Pad, Unsqueeze, Upsample, PixelShuffle, MaxUnPool, BilinearInterpolate, Resize and
 SmoothL1Loss; and Pooling's mask top, which MaxUnPool reads. Forward, and the diff its Backward gives: ReLU6's,
 Resize's, SmoothL1Loss's and Pooling's; the others' is empty, so that no diff reaches their input (a ReLU on
-another input gives the check one), except in place, where the input's diff is the top's own. Each refuses in one line what the fork's CHECKs abort on or its Forward
-misreads."""
+another input gives the check one), except in place, where the input's diff is the top's own. Each refuses in
+one line what the fork's CHECKs abort on or its Forward misreads."""
 
 import numpy as np
 import pytest
