@@ -15,6 +15,10 @@ LAZY = {"Net": "deepspark.net", "Classifier": "deepspark.classifier", "Detector"
 # imports this package first. A user's own setting wins. oneDNN itself stays on (see log.NATIVE_BANNER).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# The `deepspark` logger's handler (deepspark.log.Log, the process's console until a run opens its own), there
+# before any module logs: every DeepSpark process imports this package first.
+from deepspark import log  # noqa: E402,F401
+
 
 def _executors_python():
     """The Python the executors run, where the user chose none: this one (where deepspark is), from the session's
