@@ -209,10 +209,10 @@ def test_mirror_flips_boxes_with_the_image(annoset, converted):
     assert flips == {True, False}
 
 
-def test_batch_sampler_is_refused_in_one_line(annoset, converted):
+def test_batch_sampler_without_a_resize_is_refused_in_one_line(annoset, converted):
     text = annotated_layer(converted, annoset[2], 2).replace(
         "annotated_data_param {", "annotated_data_param { batch_sampler { max_sample: 1 }")
-    with pytest.raises(ConfigError, match="batch_sampler .* not supported"):
+    with pytest.raises(ConfigError, match="batch_sampler's crops come in many sizes; add transform_param.old_resize"):
         feeder(text)
 
 

@@ -54,7 +54,7 @@ FORK_MESSAGES = [
     "HardSigmoidParameter", "UpsampleParameter", "PadParameter", "UnsqueezeParameter",
     "BilinearInterpolateParameter", "MaxUnPoolParameter", "PixelShuffleParameter", "ResizeParameter",
     "InceptionParameter", "InceptionColumnParameter", "ProposalParameter", "PSROIPoolingParameter",
-    "VideoDataParameter"]
+    "VideoDataParameter", "OldResizeParameter", "NoiseParameter", "SaltPepperParameter", "EmitConstraint"]
 LATER_BVLC = {"LayerParameter": {"clip_param", "swish_param"}}  # not in the fork: BVLC's later layers
 
 

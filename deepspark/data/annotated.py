@@ -11,12 +11,13 @@ from google.protobuf.message import DecodeError
 
 from deepspark.data.convert import image_errors, log, read_image, read_list_text, write_images
 from deepspark.data import parquet
-from deepspark.data.datum import DataError, datum_to_array, encode_image
+from deepspark.data.datum import DataError, datum_to_array, decode_image, encode_image
 from deepspark.data.lmdb_io import shard_range
 from deepspark.data.resume import Resumable
+from deepspark.data.sampler import batch_samples, check_resize, check_sampler, clip, crop_pixels, projected, warp
 from deepspark.data.sources import source_for
 from deepspark.data.table import feeds
-from deepspark.data.transform import Transformer, _phase
+from deepspark.data.transform import ANNOTATED_EXTRAS, Transformer, _phase
 from deepspark.data.feeder import _color
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
@@ -293,6 +294,8 @@ def source_shape(layer_param, given=None):
     key, first = records[0]
     color = _color(layer_param.transform_param)
     image = datum_to_array(first.datum, key, path, color).shape
+    resize = resize_of(layer_param)
+    image = image[:1] + resize if resize else image  # every image is warped to it (InferBlobShape's)
     return {"image": tuple(int(d) for d in image), "typed": (int(first.HasField("type")),),
             "boxes": (max(box_count(r) for _, r in records),), "records": (len(records),)}
 
@@ -303,44 +306,42 @@ def label_rows(boxes, batch):
     return max(1, batch * boxes[0])
 
 
-def transformed_rows(record, crop, mirror):
-    """The fork's TransformAnnotation: [group, instance, xmin, ymin, xmax, ymax, difficult] rows of the boxes
-    projected into the crop (float32 crop box [x0, y0, x1, y1]), clipped to [0, 1], empty ones dropped, then
-    mirrored; groups in the record's order."""
-    f32, one, zero = np.float32, np.float32(1), np.float32(0)
-    x0, y0, x1, y1 = crop
-    width, height = x1 - x0, y1 - y0
-    rows = []
-    for group in record.annotation_group:
-        for anno in group.annotation:
-            b = anno.bbox
-            bx0, by0, bx1, by1 = f32(b.xmin), f32(b.ymin), f32(b.xmax), f32(b.ymax)
-            if bx0 >= x1 or bx1 <= x0 or by0 >= y1 or by1 <= y0:
-                continue
-            box = [min(max(v, zero), one) for v in ((bx0 - x0) / width, (by0 - y0) / height,
-                                                     (bx1 - x0) / width, (by1 - y0) / height)]
-            if box[2] < box[0] or box[3] < box[1] or not (box[2] - box[0]) * (box[3] - box[1]) > 0:
-                continue
-            if mirror:
-                box[0], box[2] = one - box[2], one - box[0]
-            rows.append([group.group_label, anno.instance_id, *box, float(b.difficult)])
-    return rows
+def record_rows(record):
+    """[group, instance, xmin, ymin, xmax, ymax, difficult] rows of an AnnotatedDatum's boxes (float32
+    coordinates), groups in the record's order."""
+    f32 = np.float32
+    return [[group.group_label, anno.instance_id, f32(anno.bbox.xmin), f32(anno.bbox.ymin), f32(anno.bbox.xmax),
+             f32(anno.bbox.ymax), float(anno.bbox.difficult)]
+            for group in record.annotation_group for anno in group.annotation]
+
+
+def resize_of(layer_param):
+    """(height, width) that transform_param.old_resize_param warps every image to, or None."""
+    tp = layer_param.transform_param
+    return check_resize(tp.old_resize_param, f"layer {layer_param.name!r}") if tp.HasField("old_resize_param") \
+        else None
 
 
 def refused_fields(layer_param):
     """A one-line refusal for what AnnotatedData would take but this feeder does not do, or None."""
-    if layer_param.annotated_data_param.batch_sampler:
-        return (f"layer {layer_param.name!r}: annotated_data_param.batch_sampler (SSD's sampled crops) is not "
-                "supported yet; remove it to train on whole images")
+    tp, where = layer_param.transform_param, f"layer {layer_param.name!r}"
+    if tp.HasField("noise_param"):
+        return f"{where}: transform_param.noise_param (the fork's OpenCV noise) is not supported; remove it"
+    if layer_param.annotated_data_param.batch_sampler and not tp.HasField("old_resize_param"):
+        return (f"{where}: batch_sampler's crops come in many sizes; add transform_param.old_resize_param "
+                "{ height: H width: W } to warp them to one, as SSD's nets do")
     if layer_param.data_param.HasField("backend") and layer_param.data_param.backend != pb.DataParameter.LMDB:
-        return f"layer {layer_param.name!r}: AnnotatedData reads an LMDB; use backend: LMDB"
+        return f"{where}: AnnotatedData reads an LMDB; use backend: LMDB"
     return None
 
 
 class AnnotatedFeeder(Resumable):
     """Batches {data: float32 NCHW, label: float32 1 x 1 x G x 8} for one AnnotatedData layer, records [start, stop)
     of its LMDB (shard `shard` of `num_shards`), looped in key order like Caffe's Data layer and transformed as
-    the fork's DataTransformer does (crop, mirror, mean, scale; boxes projected into the crop and mirrored).
+    the fork's AnnotatedData and DataTransformer do: with batch_sampler, each image cropped to one of its sampled
+    boxes drawn at random (an encoded record's crop through JPEG, as the fork's CropImage), then warped by
+    old_resize_param, then crop, mirror, mean, scale; boxes projected into each crop (those emit_constraint
+    rejects dropped) and mirrored. The sampling has its own seeded RNG, kept in the feeder's state.
 
     The label holds the batch's rows [item, group, instance, xmin, ymin, xmax, ymax, difficult], as the fork's;
     a net here has fixed shapes, so they are followed by rows of -1 up to G, the most boxes a batch can hold
@@ -368,7 +369,17 @@ class AnnotatedFeeder(Resumable):
         self.rows = label_rows(whole["boxes"], self.batch_size)
         self.color = _color(layer_param.transform_param)
         self.source_shape = whole["image"]
-        self.transformer = Transformer(layer_param.transform_param, _phase(phase), mean=mean, seed=seed)
+        tp = layer_param.transform_param
+        self.resize, self.emit = resize_of(layer_param), tp.emit_constraint if tp.HasField("emit_constraint") else None
+        self.samplers = list(layer_param.annotated_data_param.batch_sampler)
+        for sampler in self.samplers:
+            check_sampler(sampler.sampler, f"layer {self.name!r}")
+        self.sample_rng = np.random.default_rng(None if seed is None else [seed, 43])  # not the transformer's draws
+        plain = pb.TransformationParameter()
+        plain.CopyFrom(tp)
+        for field in ANNOTATED_EXTRAS:  # done here, before and after the transformer
+            plain.ClearField(field)
+        self.transformer = Transformer(plain, _phase(phase), mean=mean, seed=seed)
         self.transformer.check(self.source_shape)
         self.order_rng, self.shuffle = np.random.default_rng(seed), False  # Caffe's Data order: the keys'
         self._order, self._position, self.epoch = None, 0, 0
@@ -389,38 +400,62 @@ class AnnotatedFeeder(Resumable):
                 self._position, self.epoch = 0, self.epoch + 1
         return records
 
+    def _state(self):
+        meta, order = super()._state()
+        return {**meta, "sample_rng": self.sample_rng.bit_generator.state}, order
+
+    def _restore(self, meta, order):
+        super()._restore(meta, order)
+        self.sample_rng.bit_generator.state = meta["sample_rng"]
+
+    def _sampled(self, key, record):
+        """(CHW image, annotation rows) of one record after batch sampling (if any) and the resize (if any)."""
+        image, rows = datum_to_array(record.datum, key, self.path, self.color), record_rows(record)
+        boxes = batch_samples(rows, self.samplers, self.sample_rng) if self.samplers else []
+        if boxes:
+            box = boxes[self.sample_rng.integers(len(boxes))]
+            top, left, height, width = crop_pixels(box, *image.shape[1:])
+            image = image[:, top:top + height, left:left + width]
+            if record.datum.encoded:  # the fork's CropImage stores an encoded record's crop as a JPEG
+                image = decode_image(encode_image(np.ascontiguousarray(image), "jpg"), self.color)
+            rows = projected(rows, clip(box), emit=self.emit)
+        return (warp(image, *self.resize) if self.resize else image), rows
+
     def _pixels(self, records):
         pixels = np.empty((len(records),) + self.source_shape, np.uint8)
+        annotations = []
         for i, (key, record) in enumerate(records):
-            image = datum_to_array(record.datum, key, self.path, self.color)
+            image, rows = self._sampled(key, record)
             if image.shape != self.source_shape:
                 raise DataError(f"record {key.decode('utf-8', 'backslashreplace')!r} is "
                                 f"{'x'.join(map(str, image.shape))}, the first is "
-                                f"{'x'.join(map(str, self.source_shape))}: a net's images are one size (convert-annoset "
-                                "--resize-height/--resize-width)", self.path)
+                                f"{'x'.join(map(str, self.source_shape))}: a net's images are one size "
+                                "(convert-annoset --resize-height/--resize-width, or transform_param.old_resize_param)",
+                                self.path)
             pixels[i] = image
-        return pixels
+            annotations.append(rows)
+        return pixels, annotations
 
     def next_batch(self):
         records = self._next_records()
-        pixels = self._pixels(records)
+        pixels, annotations = self._pixels(records)
         h_off, w_off, mirror = offsets = self.transformer.offsets(len(records), self.source_shape)
         batch = {self.tops[0]: self.transformer.apply(pixels, offsets=offsets)}
         if len(self.tops) > 1:
-            batch[self.tops[1]] = self._labels(records, h_off, w_off, mirror)
+            batch[self.tops[1]] = self._labels(records, annotations, h_off, w_off, mirror)
         return batch
 
-    def _labels(self, records, h_off, w_off, mirror):
+    def _labels(self, records, annotations, h_off, w_off, mirror):
         if not self.typed:
             return np.array([record.datum.label for _, record in records], np.float32)
         _, height, width = self.source_shape
         _, out_h, out_w = self.transformer.output_shape(self.source_shape)
         f32 = np.float32
         rows = []
-        for item, (_, record) in enumerate(records):
+        for item, annotation in enumerate(annotations):
             crop = (f32(w_off[item]) / f32(width), f32(h_off[item]) / f32(height),
                     f32(w_off[item] + out_w) / f32(width), f32(h_off[item] + out_h) / f32(height))
-            rows += [[item, *row] for row in transformed_rows(record, crop, bool(mirror[item]))]
+            rows += [[item, *row] for row in projected(annotation, crop, bool(mirror[item]), self.emit)]
         label = np.full((1, 1, self.rows, 8), -1, np.float32)
         if rows:
             label[0, 0, :len(rows)] = rows

@@ -8,6 +8,10 @@ from deepspark.graph import crop_of, crop_shape
 from deepspark.proto import deepspark_pb2 as pb
 
 
+# The SSD fork's TransformationParameter extras, which its DataTransformer applies with annotations.
+ANNOTATED_EXTRAS = ("old_resize_param", "noise_param", "emit_constraint")
+
+
 def _phase(phase):
     if isinstance(phase, str):
         try:
@@ -28,6 +32,10 @@ class Transformer:
 
     def __init__(self, transform_param=None, phase=pb.TRAIN, mean=None, seed=None):
         self.param = transform_param if transform_param is not None else pb.TransformationParameter()
+        extras = [name for name in ANNOTATED_EXTRAS if self.param.HasField(name)]
+        if extras:  # AnnotatedFeeder does these itself and hands the rest here
+            raise ConfigError(f"transform_param.{extras[0]}: only an AnnotatedData layer takes the SSD fork's "
+                              f"{', '.join(ANNOTATED_EXTRAS)} here; remove it")
         self.phase = _phase(phase)
         self.scale = np.float32(self.param.scale)
         self.crop_h, self.crop_w = crop_of(self.param)
