@@ -125,3 +125,57 @@ def test_a_worker_killed_more_times_than_max_failures_rejoins_each_time_and_the_
     assert re.search(r"Worker 0 on \S+ \(in [^)]*\): \d+ iterations, .*; its last of 4 attempts", text), text[-3000:]
     assert re.search(r"Start-up of worker 0: [\d.]+s from its task's start \(attempt 4\)", text), text[-3000:]
     assert "Optimization Done." in text and workers_done(text) == [0]
+
+
+# A pass-through Python layer whose setup fails in Spark's task of worker 1, and nowhere else (the driver builds the
+# test net with it): that worker crashes in a loop before it ever trains.
+GATE = '''import caffe
+from pyspark import TaskContext
+
+
+class Gate(caffe.Layer):
+    def setup(self, bottom, top):
+        task = TaskContext.get()
+        if task is not None and task.partitionId() == 1:
+            raise RuntimeError("worker 1 cannot start")
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = bottom[0].data
+
+    def backward(self, top, propagate_down, bottom):
+        bottom[0].diff[...] = top[0].diff
+'''
+
+
+@pytest.mark.spark
+def test_a_worker_that_crashes_in_a_loop_stops_the_job_with_one_line_naming_it(tmp_path):
+    solver = make_job(tmp_path, max_iter=100000, test_interval=0)
+    (tmp_path / "crash_gate.py").write_text(GATE)
+    net = (tmp_path / "net.prototxt").read_text().replace(
+        'layer { name: "conv" type: "Convolution" bottom: "data"',
+        'layer { name: "gate" type: "Python" bottom: "data" top: "gated" '
+        'python_param { module: "crash_gate" layer: "Gate" } }\nlayer { name: "conv" type: "Convolution" '
+        'bottom: "gated"')
+    assert "crash_gate" in net
+    (tmp_path / "net.prototxt").write_text(net)
+    started = time.monotonic()
+    driver = start_training(solver)
+    try:
+        _, stderr = driver.communicate(timeout=300)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    elapsed = time.monotonic() - started
+    last = stderr.strip().splitlines()[-1]
+    assert driver.returncode == 1, stderr[-3000:]
+    assert re.fullmatch(r"deepspark train: error: worker 1 failed 4 times in a row in \d+s without training between "
+                        r"them \(max_failures 4\); the last: .*'gate' \(Python\): .*RuntimeError: worker 1 cannot "
+                        r"start", last), stderr[-3000:]
+    text = (tmp_path / "out" / "train.log").read_text()
+    counts = re.findall(r"Worker 1 lost at iteration 0, [\d.]+s into the job: .*RuntimeError: worker 1 cannot start "
+                        r"\(its failure (\d) in 3600s, (\d) in a row without training\)", text)
+    assert counts == [(str(k), str(k)) for k in (1, 2, 3, 4)], text[-3000:]
+    assert "Worker 0 lost" not in text and elapsed < 120  # long before max_iter or connect_timeout

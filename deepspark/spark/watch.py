@@ -206,13 +206,14 @@ class Watch:
             iteration = stats.get(wid, {}).get("iteration", 0)
             self.marks[wid] = stats.get(wid, {}).get("exchanges", 0)
             stop = self.budget.fail(wid, now, cause)
-            outage = (self.outages.lost(wid, self.exchanged_at.get(wid, now), iteration)
-                      or self.outages.open[wid])
+            opened = self.outages.lost(wid, self.exchanged_at.get(wid, now), iteration)
+            outage = opened or self.outages.open[wid]  # open already: it failed again before it rejoined
             outage.said = True
             window, in_a_row = self.budget.failures(wid)
             limits = self.budget.limits
             span = f"{limits.window:g}s" if limits.window else "the job"
-            log.warning(f"Worker {wid} lost at iteration {outage.iteration}, {outage.lost_at - self.began:.1f}s into "
+            at = opened.lost_at if opened else now
+            log.warning(f"Worker {wid} lost at iteration {outage.iteration}, {at - self.began:.1f}s into "
                         f"the job: {cause} (its failure {window} in {span}, {in_a_row} in a row without training)")
             if stop:
                 return stop
