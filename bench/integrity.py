@@ -43,8 +43,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true",
+                        help="runs end to end only (make bench-smoke): 20 iterations, one run with tags and one without")
     parser.add_argument("--out", default=_results.results_path("integrity"))
     args = parser.parse_args()
+    if args.smoke:
+        args.iterations, args.repeats = 20, 1
     shares = {True: [], False: []}
     with tempfile.TemporaryDirectory() as folder:
         for repeat in range(args.repeats):

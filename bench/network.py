@@ -76,6 +76,7 @@ CODED = {"lenet": {"easgd period 10, int8": {"algorithm": "easgd", "period": 10,
          "wide": {f"easgd period {tta.CODEC_PERIOD}, {tta.CODEC}": tta.COMPRESSED_KNOBS,
                   "sync, int8": {"algorithm": "sync", "exchange_codec": "int8"}}}
 QUICK_RUNS = ("easgd period 10", "sync", f"easgd period {tta.CODEC_PERIOD}, {tta.CODEC}")  # the wide net's, at 1G
+SMOKE_RUNS = ("easgd period 10",)  # --smoke: the wide net's, at 1G, ITERATIONS_FLOOR iterations
 WORKER = re.compile(r"Worker (\d+) on .*?: (\d+) iterations, (\d+) exchanges, .*? trained ([\d.]+)s, blocked on exchange "
                     r"([\d.]+)s")
 TRAFFIC = re.compile(r"Worker \d+ on .*?: (\d+) iterations, (\d+) exchanges, .*? sent ([\d.e+]+) MB and received "
@@ -183,11 +184,11 @@ def codec_of(knobs):
     return pb.DeepSparkParameter.ExchangeCodec.Value(knobs.get("exchange_codec", "float32").upper())
 
 
-def runs_of(model, network, quick):
+def runs_of(model, network, quick, smoke=False):
     """{name: (knobs, to accuracy)} of `model` on `network`."""
-    if quick:
+    if quick or smoke:
         return {name: (knobs, False) for name, knobs in {**RUNS, **CODED["wide"]}.items()
-                if model == "wide" and network == "1G" and name in QUICK_RUNS}
+                if model == "wide" and network == "1G" and name in (SMOKE_RUNS if smoke else QUICK_RUNS)}
     runs = {name: (knobs, model == "lenet" and network in LENET_NETWORKS) for name, knobs in RUNS.items()}
     if model == "lenet":
         runs.update({name: (knobs, True) for name, knobs in {**MODELLED, **SCALED}.items()
@@ -252,7 +253,8 @@ def measure_run(model, network, name, knobs, accuracy, solver, costs, scratch, a
         record.update({k: v for k, v in tta.figures(name, points, 0, 0, False).items()
                        if k.startswith(("seconds_to", "samples_to", "final", "points"))})
     else:
-        iterations = int(min(ITERATIONS_CAP, max(ITERATIONS_FLOOR, PER_ITERATION_SECONDS / model_per_iteration)))
+        iterations = ITERATIONS_FLOOR if args.smoke else \
+            int(min(ITERATIONS_CAP, max(ITERATIONS_FLOOR, PER_ITERATION_SECONDS / model_per_iteration)))
         err, moved = train(tta.solver_copy(folder, iterations, False, solver) if model == "lenet" else solver, knobs,
                            gbit, folder, iterations)
     per_iteration, share = worker_figures(err)
@@ -287,8 +289,11 @@ def main():
     parser.add_argument("--only", choices=("lenet", "wide"))
     parser.add_argument("--networks", help="comma-separated links (default: " + ",".join(NETWORKS) + ")")
     parser.add_argument("--runs", help="comma-separated run names (default: all the model's)")
+    parser.add_argument("--smoke", action="store_true", help="runs end to end only (make bench-smoke): the wide "
+                        f"model at 1 Gbit/s, {', '.join(SMOKE_RUNS)}, {ITERATIONS_FLOOR} iterations")
     parser.add_argument("--out", default=_results.results_path("network"))
     args = parser.parse_args()
+    args.quick = args.quick or args.smoke
     known = {**RUNS, **MODELLED, **SCALED, **CODED["lenet"], **CODED["wide"]}
     runs = tta.run_names(args.runs, known) if args.runs else known
     networks = args.networks.split(",") if args.networks else list(NETWORKS)
@@ -301,7 +306,7 @@ def main():
                 continue
             costs, loopback = CodecCosts(solver), {}
             for network in networks:
-                for name, (knobs, accuracy) in runs_of(model, network, args.quick).items():
+                for name, (knobs, accuracy) in runs_of(model, network, args.quick, args.smoke).items():
                     if name not in runs:
                         continue
                     _results.emit(measure_run(model, network, name, knobs, accuracy, solver, costs.of(knobs),
