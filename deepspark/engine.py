@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from deepspark import checkpoint, graph, progress, schedule
+from deepspark import checkpoint, detection_eval, graph, progress, schedule
 from deepspark.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,14 @@ def score(model, feeders, iterations, logged=False):
     means = collections.OrderedDict((name, total / max(iterations, 1)) for name, total in sums.items())
     if logged:
         log_outputs(model.graph, means, "    Test net output #{index}: ")
+    return means
+
+
+def detection_score(model, feeders, iterations, ap_version):
+    """The fork's TestDetection (eval_type "detection"): each output's mAP over `iterations` batches of
+    DetectionEvaluate rows (deepspark.detection_eval.pass_map), logged as its `Test net output #j` lines."""
+    means = detection_eval.pass_map([model.forward(next_batch(feeders)) for _ in range(iterations)], ap_version)
+    log_outputs(model.graph, means, "    Test net output #{index}: ")
     return means
 
 
@@ -220,11 +228,12 @@ def benchmark(passes, loss, iterations):
 class Evaluator:
     """The solver's test nets, Caffe's Test(): each scores parameters over its test_iter batches.
 
-    nets: [(model, feeders, iterations)], one per test net, built by the caller.
+    nets: [(model, feeders, iterations)], one per test net, built by the caller; ap_version: the solver's where
+    its eval_type is "detection" (detection_eval.ap_version_of), each output's mAP then instead of its mean.
     """
 
-    def __init__(self, nets):
-        self.nets = list(nets)
+    def __init__(self, nets, ap_version=None):
+        self.nets, self.ap_version = list(nets), ap_version
 
     def test(self, iteration, source_graph, arrays):
         """Score `arrays` (in `source_graph`'s parameter order); log and return [{output: mean value}] per net."""
@@ -232,7 +241,8 @@ class Evaluator:
         for i, (model, feeders, iterations) in enumerate(self.nets):
             log.info(f"Iteration {iteration}, Testing net (#{i})")
             model.set_params(copy_weights(source_graph, arrays, model.graph, model.get_params()))
-            results.append(score(model, feeders, iterations, logged=True))
+            results.append(score(model, feeders, iterations, logged=True) if self.ap_version is None
+                           else detection_score(model, feeders, iterations, self.ap_version))
         return results
 
     def close(self):

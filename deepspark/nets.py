@@ -5,7 +5,7 @@ import time
 
 from google.protobuf import text_format
 
-from deepspark import checkpoint, config, engine, upgrade
+from deepspark import checkpoint, config, detection_eval, engine, upgrade
 from deepspark.backends import create_model, use_gpu
 from deepspark.config import load_net, net_path, random_seed
 from deepspark.data import SOURCE_PARAMS, check_listed, feeder_for, missing_source, source_shape
@@ -93,12 +93,13 @@ def order_line(shuffle, seed, feeders=()):
 def evaluator(solver, threads=None):
     """The solver's test nets on its backend, each with its test_iter and its feeders."""
     backend, seed = solver.param.deepspark_param.backend, random_seed(solver.param)
+    ap_version = detection_eval.ap_version_of(solver.param)  # eval_type "detection": mAP, checked before building
     nets = []
     for (net, source, state), iterations in zip(solver.test_nets, solver.param.test_iter):
         model = create_model(backend, net, None, phase=pb.TEST, source=source, stages=list(state.stage),
                              data_shape=source_shape, seed=seed, threads=threads)
         nets.append((model, feeders_for(model, pb.TEST, seed=seed), iterations))
-    return engine.Evaluator(nets)
+    return engine.Evaluator(nets, ap_version)
 
 
 def trainer(solver, *, shard=0, num_shards=1, seed_offset=None, threads=None, evaluate=True, spark=False):
