@@ -62,7 +62,11 @@ def main():
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=_results.results_path("parquet_vs_lmdb"),
                         help="JSON lines are also appended here")
+    parser.add_argument("--smoke", action="store_true",
+                        help="runs end to end only (make bench-smoke): 10 iterations a run")
     args = parser.parse_args()
+    if args.smoke:
+        args.iterations = 10
     os.chdir(ROOT)  # the zoo's prototxt paths are relative to the repository
     missing = [path for path in LMDBS.values() if not os.path.isdir(path)]
     if missing:
