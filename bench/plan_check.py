@@ -108,9 +108,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=600)
     parser.add_argument("--quick", action="store_true", help="1 and 2 workers only, 300 iterations a run")
+    parser.add_argument("--smoke", action="store_true",
+                        help="runs end to end only (make bench-smoke): 2 workers, 20 iterations")
     parser.add_argument("--out", default=_results.results_path("plan_check"))
     args = parser.parse_args()
-    iterations = 300 if args.quick else args.iterations
+    iterations = 20 if args.smoke else 300 if args.quick else args.iterations
     network = loopback()
     _results.emit({"bench": "plan_check", "figure": "loopback", "bandwidth_gbit": round(8 * network.bandwidth / 1e9, 2),
                    "latency_ms": round(1e3 * network.latency, 4)}, args.out)
@@ -118,7 +120,7 @@ def main():
     errors = []
     ds = pb.DeepSparkParameter(period=plan.training_net(MODEL)[2].deepspark_param.period)
     with tempfile.TemporaryDirectory() as folder:
-        for workers in (1, 2) if args.quick else (1, 2, 4):
+        for workers in (2,) if args.smoke else (1, 2) if args.quick else (1, 2, 4):
             threads = max(1, CORES // workers)  # as deepspark.spark.session.worker_threads shares local mode's cores
             if threads not in costs:
                 costs[threads] = costs_at(threads)
