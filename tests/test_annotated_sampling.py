@@ -136,8 +136,10 @@ def test_the_same_seed_gives_the_same_batches_and_the_state_resumes(coloured):
 def test_no_sample_and_the_images_own_size_give_the_plain_layers_batches(coloured):
     plain = feeder(annotated_layer(coloured[0], coloured[1], 2, "crop_size: 60 mirror: true", "TRAIN"), pb.TRAIN,
                    seed=5)
-    # A sampler that finds no sample keeps the whole image (the fork's), and a warp to its own size is none.
-    layer = sampled_layer(coloured, "crop_size: 60 mirror: true old_resize_param { height: 144 width: 192 }",
+    # A sampler that finds no sample keeps the whole image (the fork's), a warp to its own size is none, and so
+    # is noise with no effect on.
+    layer = sampled_layer(coloured, "crop_size: 60 mirror: true old_resize_param { height: 144 width: 192 } "
+                                    "noise_param { prob: 1 saltpepper_param { fraction: 0.5 } }",
                           "batch_sampler { max_trials: 0 }", batch=2)
     sampled = feeder(layer, pb.TRAIN, seed=5)
     for _ in range(3):
@@ -147,7 +149,7 @@ def test_no_sample_and_the_images_own_size_give_the_plain_layers_batches(coloure
 
 
 @pytest.mark.parametrize("transform, samplers, message", [
-    ("noise_param { prob: 0.5 }", "", "transform_param.noise_param .* is not supported"),
+    ("noise_param { prob: 0.5 jpeg: 50 }", "", "transform_param.noise_param jpeg .* is not supported"),
     ("old_resize_param { resize_mode: FIT_SMALL_SIZE height: 30 width: 30 }", "",
      "resize_mode FIT_SMALL_SIZE is not supported"),
     ("old_resize_param { height: 30 width: 30 interp_mode: CUBIC }", "", "only LINEAR"),

@@ -1,5 +1,6 @@
 """Annotated detection data: convert-annoset's AnnotatedDatum records and the AnnotatedData layer's batches (the SSD fork's convert_annoset, io.cpp and annotated_data_layer.cpp)."""
 
+import logging
 import os
 import random
 import re
@@ -9,7 +10,7 @@ import numpy as np
 from google.protobuf import text_format
 from google.protobuf.message import DecodeError
 
-from deepspark.data.convert import image_errors, log, read_image, read_list_text, write_images
+from deepspark.data.convert import image_errors, read_image, read_list_text, write_images
 from deepspark.data import parquet
 from deepspark.data.datum import DataError, datum_to_array, decode_image, encode_image
 from deepspark.data.lmdb_io import shard_range
@@ -22,6 +23,7 @@ from deepspark.data.feeder import _color
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
+log = logging.getLogger(__name__)
 ENCODINGS = ("png", "jpg", "jpeg")
 # boost's ptree get<int>(path, default) answers the default when the text is not one whole integer.
 _INT = re.compile(r"\s*[+-]?\d+\s*")
@@ -322,11 +324,17 @@ def resize_of(layer_param):
         else None
 
 
+# NoiseParameter's effects (jpeg: a quality, -1 for none); with none on, the fork's noise changes nothing.
+NOISE_EFFECTS = ("hist_eq", "inverse", "decolorize", "gauss_blur", "jpeg", "posterize", "erode", "saltpepper",
+                 "clahe", "convert_to_hsv", "convert_to_lab")
+
+
 def refused_fields(layer_param):
     """A one-line refusal for what AnnotatedData would take but this feeder does not do, or None."""
     tp, where = layer_param.transform_param, f"layer {layer_param.name!r}"
-    if tp.HasField("noise_param"):
-        return f"{where}: transform_param.noise_param (the fork's OpenCV noise) is not supported; remove it"
+    noise = [name for name in NOISE_EFFECTS if getattr(tp.noise_param, name) not in (False, -1)]
+    if noise:  # the fork's ApplyNoise does each effect that is on, whatever its prob
+        return f"{where}: transform_param.noise_param {noise[0]} (the fork's OpenCV noise) is not supported; remove it"
     if layer_param.annotated_data_param.batch_sampler and not tp.HasField("old_resize_param"):
         return (f"{where}: batch_sampler's crops come in many sizes; add transform_param.old_resize_param "
                 "{ height: H width: W } to warp them to one, as SSD's nets do")
