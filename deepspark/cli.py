@@ -88,8 +88,20 @@ def add_fields(parser, message, only=None):
         elif field.enum_type is not None:
             group.add_argument(flag, choices=[v.name.lower() for v in field.enum_type.values], type=str.lower,
                                help=help_text)
+        elif field.is_repeated:  # comma-separated values
+            group.add_argument(flag, type=listed(_TYPES[field.type]), help=help_text)
         else:
             group.add_argument(flag, type=_TYPES[field.type], choices=CHOICES.get(field.name), help=help_text)
+
+
+def listed(kind):
+    """An argparse type of comma-separated values of `kind`, as a list."""
+    def parse(text):
+        try:
+            return [kind(item) for item in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    return parse
 
 
 def fields_of(args, message):
@@ -146,8 +158,8 @@ def cmd_plan(args):
 
 def cmd_export(args):
     inputs, outputs = export.export(args.model, args.weights, args.output, overwrite=args.overwrite,
-                                    allow_uncovered=args.allow_uncovered,
-                                    warn=lambda line: print(f"warning: {line}", file=sys.stderr))
+                                    warn=lambda line: print(f"warning: {line}", file=sys.stderr),
+                                    **fields_of(args, pb.ExportParameter))
     takes = ", ".join(f"{name} ({'x'.join(str(d or 'N') for d in shape)} float32)" for name, shape in inputs.items())
     print(f"Wrote the SavedModel {args.output}: signature '{export.SIGNATURE}' takes {takes} and gives "
           f"{', '.join(outputs)}")
@@ -172,30 +184,18 @@ def cmd_extract_features(args):
 
 
 def cmd_detect(args):
-    detector = detect.Detector(args.model, args.weights, mean=args.mean, input_scale=args.input_scale,
-                               raw_scale=args.raw_scale, channel_swap=args.channel_swap, backend=args.backend)
+    options = fields_of(args, pb.DetectParameter)
+    detector = detect.detector(args.model, args.weights, backend=args.backend, **options)
+    threshold = message_of(args, pb.DetectParameter).threshold
     try:
         images = [detect.read_image(path) for path in args.images]
         for path, found in zip(args.images, detector.detect(images)):
             for box, score, label in zip(*found):
-                if score >= args.threshold:
+                if score >= threshold:
                     print("\t".join([path, str(label), f"{score:.6f}"] + [f"{v:.2f}" for v in box]))
     finally:
         detector.close()
     return 0
-
-
-def numbers(text):
-    """Comma-separated numbers, as a list of floats."""
-    try:
-        return [float(item) for item in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def mean_values(text):
-    """A mean: comma-separated per-channel values, or the path of a .binaryproto."""
-    return text if os.path.splitext(text)[1] == ".binaryproto" else numbers(text)
 
 
 def split_list(text):
@@ -364,10 +364,7 @@ def add_net_verbs(verbs):
     saved.add_argument("--weights", required=True, help="trained .caffemodel")
     saved.add_argument("--output", required=True, help="the SavedModel folder to write")
     saved.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
-    # A flag of this verb alone for now; it belongs in the schema with export's other knobs.
-    saved.add_argument("--allow-uncovered", action="store_true",
-                       help="export even where the weights lack a layer of the net (its parameters keep their "
-                            "fillers' values), with a warning naming it, instead of refusing")
+    add_fields(saved, pb.ExportParameter)
     saved.set_defaults(run=cmd_export)
 
     scoring = forward_job(verbs, "score", "Caffe's test over a whole dataset, on Spark's executors: the mean of "
@@ -401,15 +398,7 @@ def add_detect_verb(verbs):
     found.add_argument("images", nargs="+", help="image files (each resized to the net's input)")
     found.add_argument("--model", required=True, help="deploy .prototxt (or model folder)")
     found.add_argument("--weights", required=True, help="trained .caffemodel")
-    # Flags of this verb alone for now, as SSD's ssd_detect.py sets its Transformer; they belong in the schema.
-    found.add_argument("--mean", type=mean_values, help="mean to subtract: per-channel values in the net's "
-                                                        "channel order (104,117,123) or a .binaryproto")
-    found.add_argument("--input-scale", type=float, help="scale after the mean (MobileNet-SSD: 0.007843)")
-    found.add_argument("--raw-scale", type=float, default=255.0, help="scale of the [0, 1] image before the mean "
-                                                                     "(default 255)")
-    found.add_argument("--channel-swap", type=lambda text: [int(v) for v in numbers(text)], default=[2, 1, 0],
-                       help="channel order fed to the net (default 2,1,0: RGB images to Caffe's BGR)")
-    found.add_argument("--threshold", type=float, default=0.0, help="print boxes scoring at least this (default 0)")
+    add_fields(found, pb.DetectParameter)
     found.add_argument("--backend", choices=CHOICES["backend"], default=DEFAULT_BACKEND)
     found.set_defaults(run=cmd_detect)
 

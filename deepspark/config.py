@@ -385,7 +385,11 @@ def set_fields(message, values, path="<options>"):
                                   f"not '{value}'", path)
             value = enum.values_by_name[value.upper()].number
         try:
-            setattr(message, name, value)
+            if fields[name].is_repeated:
+                message.ClearField(name)
+                getattr(message, name).extend(value)
+            else:
+                setattr(message, name, value)
         except (TypeError, ValueError) as error:
             raise ConfigError(f"{name}: {error}", path) from None
     return message

@@ -4,10 +4,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from deepspark.config import set_fields
 from deepspark.detection_eval import AP_VERSIONS, average_precision, mean_average_precision  # noqa: F401 (moved there)
 from deepspark.errors import ConfigError
 from deepspark.io import Transformer, load_image, resize_image
 from deepspark.net import Net
+from deepspark.proto import deepspark_pb2 as pb
 
 
 class Detections(NamedTuple):
@@ -44,6 +46,17 @@ def read_image(path):
         return load_image(path)
     except OSError as error:  # a missing file, or one Pillow cannot identify
         raise ConfigError(f"cannot read the image ({error.strerror or error})", path) from None
+
+
+def detector(model_file, pretrained_file=None, backend="tensorflow", **options):
+    """A Detector preparing each image as DetectParameter's fields by name (`options`) say; a mean given both
+    ways is refused in one line, as Caffe's DataTransformer refuses it."""
+    param = set_fields(pb.DetectParameter(), options, "the detect options")
+    if param.mean_value and param.mean_file:
+        raise ConfigError("give mean_value or mean_file, not both", "the detect options")
+    return Detector(model_file, pretrained_file, mean=list(param.mean_value) or param.mean_file or None,
+                    input_scale=param.input_scale if param.HasField("input_scale") else None,
+                    raw_scale=param.raw_scale, channel_swap=list(param.channel_swap) or [2, 1, 0], backend=backend)
 
 
 class Detector(Net):

@@ -16,6 +16,7 @@ import warnings
 
 from deepspark import checkpoint, nets
 from deepspark.backends import create_model
+from deepspark.config import set_fields
 from deepspark.data import lmdb_io
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
@@ -23,13 +24,15 @@ from deepspark.proto import deepspark_pb2 as pb
 SIGNATURE = "serving_default"
 
 
-def export(model_path, weights, output, overwrite=False, allow_uncovered=False, warn=warnings.warn):
+def export(model_path, weights, output, overwrite=False, warn=warnings.warn, **options):
     """Write the SavedModel of the deploy net at `model_path` (a file or a model folder) with the parameters
     of the .caffemodel `weights` to the folder `output` (under a temporary name, renamed when complete);
     returns ({input: shape, its batch None and "any" where any size goes}, [output names]).
 
-    A layer with parameters that the weights do not name would serve its fillers' values (zeros, mostly):
-    refused, unless allow_uncovered, which calls `warn` with the same line instead."""
+    options: ExportParameter fields by name. A layer with parameters that the weights do not name would serve
+    its fillers' values (zeros, mostly): refused, unless allow_uncovered, which calls `warn` with the same line
+    instead."""
+    allow_uncovered = set_fields(pb.ExportParameter(), options).allow_uncovered
     net, source = nets.deploy_net(model_path, "export")
     python = [i for i, layer in enumerate(net.layer) if layer.type == "Python"]
     if python:

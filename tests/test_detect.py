@@ -109,8 +109,9 @@ def test_detector_gives_pycaffes_boxes_in_pixels(ssd, backend):
 @pytest.mark.caffe
 def test_the_detect_verb_prints_a_line_per_box(ssd):
     prototxt, weights, paths, want = ssd
-    status, out, err = run_cli("detect", "--model", prototxt, "--weights", weights, "--mean", "127.5,127.5,127.5",
-                               "--input-scale", str(SCALE), "--threshold", "0.3", "--backend", "caffe", *paths)
+    status, out, err = run_cli("detect", "--model", prototxt, "--weights", weights, "--mean-value",
+                               "127.5,127.5,127.5", "--input-scale", str(SCALE), "--threshold", "0.3", "--backend",
+                               "caffe", *paths)
     assert status == 0, err
     lines = [line.split("\t") for line in out.splitlines()]
     assert all(len(line) == 7 for line in lines)
@@ -126,7 +127,8 @@ def test_the_detect_verb_refuses_in_one_line(tmp_path):
     missing = str(tmp_path / "missing.png")
     status, _, err = run_cli("detect", "--model", NETS["mobilenet"], "--weights", missing, missing)
     assert status == 1 and len(err.strip().splitlines()) == 1 and "missing.png" in err
-    status, _, err = run_cli("detect", "--model", NETS["mobilenet"], "--weights", missing, "--mean", "1,x", missing)
+    status, _, err = run_cli("detect", "--model", NETS["mobilenet"], "--weights", missing, "--mean-value", "1,x",
+                             missing)
     assert status == 2 and "comma-separated numbers" in err
 
 
