@@ -3,6 +3,7 @@
 import gzip
 import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -40,7 +41,10 @@ def test_convert_mnist_round_trips(idx, tmp_path, capfd, caplog):
     out = str(tmp_path / "mnist_lmdb")
     caplog.set_level(logging.INFO, logger=convert.__name__)
     assert convert.convert_mnist(images, labels, out) == 5
-    assert "A total of 5 items." in caplog.messages and capfd.readouterr() == ("", "")  # logged, not printed
+    assert "A total of 5 items." in caplog.messages
+    printed, err = capfd.readouterr()  # logged, not printed: glog lines on stderr (deepspark.log), none on stdout
+    assert printed == "" and all(re.match(r"I\d{4} [\d:.]+ \d+ deepspark\] ", line) for line in err.splitlines()), err
+    assert re.search(r"deepspark\] A total of 5 items\.$", err, re.M), err
     records = list(lmdb_io.read_records(out))
     assert [k for k, _ in records] == [f"{i:08d}".encode() for i in range(5)]
     for i, (key, value) in enumerate(records):
