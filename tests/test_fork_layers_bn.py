@@ -9,24 +9,15 @@ import numpy as np
 import pytest
 
 from deepspark.backends import create_model
-from deepspark.backends.caffe import runtime
 from deepspark.config import parse_net
 from deepspark.errors import ConfigError
 from deepspark.graph import Graph
 from deepspark.proto import deepspark_pb2 as pb
-from test_zoo_layers import SOLVER, L, check_backends, net_text, normal, seeded  # noqa: F401 (seeded: a fixture)
+from test_zoo_layers import SOLVER, L, caffe, check_backends, net_text, normal, seeded  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.caffe
 
 tf = pytest.importorskip("tensorflow")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def pycaffe():
-    try:
-        return runtime.caffe()
-    except ImportError as error:
-        pytest.skip(str(error))
 
 
 CONV = L("conv", "Convolution", ["x"], 'convolution_param { num_output: 3 kernel_size: 1 bias_term: false '

@@ -11,24 +11,16 @@ import pytest
 
 from deepspark import checkpoint, export
 from deepspark.backends import create_model
-from deepspark.backends.caffe import runtime
 from deepspark.config import parse_net
 from deepspark.errors import ConfigError
 from deepspark.graph import Graph, proposal_anchors
 from deepspark.proto import deepspark_pb2 as pb
 from test_export import SERVE
+from test_zoo_layers import caffe  # noqa: F401 (a fixture: pycaffe, or the tests skip)
 
 pytestmark = pytest.mark.caffe
 
 tf = pytest.importorskip("tensorflow")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def pycaffe():
-    try:
-        return runtime.caffe()
-    except ImportError as error:
-        pytest.skip(str(error))
 
 
 def net(items, anchors, height, width, body, tops=("rois", "scores")):
