@@ -45,6 +45,7 @@ DEPLOY = os.path.join(ROOT, "models", "lenet", "deploy.prototxt")
 DATA = os.path.join(ROOT, "data", "fashion_mnist_train_lmdb")
 SCALE = "scale: 0.00390625"
 TARGET = 0.85  # of the executors' compute ceiling
+SMOKE_RECORDS = 1024  # --smoke: the first records only, TensorFlow only, one repeat; its figures mean nothing
 
 
 def built(backend, batch_size, threads):
@@ -120,13 +121,13 @@ def forward_only(backend, batch_size, threads, batches=300, barrier=None):
         model.close()
 
 
-def executors_ceiling(backend, batch_size, executors=2):
+def executors_ceiling(backend, batch_size, executors=2, batches=300):
     """Images/s of `executors` one-thread forward passes alone (forward_only) timed at the same time, each in a
     process of its own: what the executors could do at best with nothing but the forward pass. Two vCPUs need not
     give twice one alone (they share caches, memory and the host's clocks), so they are measured together."""
     with tempfile.TemporaryDirectory() as folder:
-        each = [process_of_its_own(f"forward_only({backend!r}, {batch_size}, 1, barrier=({folder!r}, {i}, "
-                                   f"{executors}))", 1) for i in range(executors)]
+        each = [process_of_its_own(f"forward_only({backend!r}, {batch_size}, 1, {batches}, barrier=({folder!r}, "
+                                   f"{i}, {executors}))", 1) for i in range(executors)]
         processes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) for command, env in each]
         outs = [process.communicate()[0] for process in processes]
     if any(process.returncode for process in processes):
@@ -134,8 +135,13 @@ def executors_ceiling(backend, batch_size, executors=2):
     return sum(map(printed, outs))
 
 
-def single_process_of_the_dataset(backend, batch_size, threads):
-    return single_process(backend, [bytes(v) for _, v in lmdb_io.read_records(DATA)], batch_size, threads)
+def single_process_of_the_dataset(backend, batch_size, threads, records=None):
+    return single_process(backend, datums_of(records), batch_size, threads)
+
+
+def datums_of(records=None):
+    """The dataset's Datums (its first `records` when given)."""
+    return [bytes(v) for _, v in itertools.islice(lmdb_io.read_records(DATA), records)]
 
 
 def main():
@@ -143,12 +149,17 @@ def main():
     parser.add_argument("--backends", default="tensorflow,caffe")
     parser.add_argument("--batch-sizes", default="64", help="comma-separated; 64 is the deploy net's")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--smoke", action="store_true", help="runs end to end only (make bench-smoke): TensorFlow, "
+                        f"the first {SMOKE_RECORDS} records, 1 repeat")
     parser.add_argument("--out", default=_results.results_path("score"))
     args = parser.parse_args()
+    records = SMOKE_RECORDS if args.smoke else None
+    if args.smoke:
+        args.backends, args.repeats = "tensorflow", 1
     from deepspark.ml import DeepSparkModel  # deferred: pyspark
     from deepspark.spark.session import spark_session
 
-    datums = [bytes(v) for _, v in lmdb_io.read_records(DATA)]
+    datums = datums_of(records)
     spark, _ = spark_session(pb.DeepSparkParameter(), 2)
     frame = spark.createDataFrame([(d,) for d in datums], "datum binary").repartition(4).cache()
     frame.count()
@@ -157,6 +168,7 @@ def main():
         graph = Graph(load_net(DEPLOY)[0], pb.TEST)
         checkpoint.save_caffemodel(weights, graph, fillers.init_params(graph, 1))
         for backend, batch_size in itertools.product(args.backends.split(","), map(int, args.batch_sizes.split(","))):
+            batches = len(datums) // batch_size if args.smoke else 300  # forward_only's
             model = DeepSparkModel.from_caffe(DEPLOY, weights, transform=SCALE, backend=backend, inputCol="datum",
                                               batchSize=batch_size)
             warm = time.monotonic()
@@ -168,17 +180,17 @@ def main():
             # ceiling on one side only would take the drift as the transform's. The transform is timed into Spark's
             # `noop` sink (its benchmarking sink: every row made, none kept), then, after the next ceiling, again
             # collecting its predictions to the driver: ceilings, noop, ceiling, collected, ceiling, noop, ...
-            times, collected, ceilings = [], [], [executors_ceiling(backend, batch_size)]
+            times, collected, ceilings = [], [], [executors_ceiling(backend, batch_size, batches=batches)]
             for _ in range(args.repeats):
                 started = time.monotonic()
                 model.transform(frame).select("prediction").write.format("noop").mode("overwrite").save()
                 times.append(time.monotonic() - started)
-                ceilings.append(executors_ceiling(backend, batch_size))
+                ceilings.append(executors_ceiling(backend, batch_size, batches=batches))
                 started = time.monotonic()
                 rows = model.transform(frame).select("prediction").collect()
                 collected.append(time.monotonic() - started)
                 assert len(rows) == len(datums)
-                ceilings.append(executors_ceiling(backend, batch_size))
+                ceilings.append(executors_ceiling(backend, batch_size, batches=batches))
             around = [(a + b) / 2 for a, b in zip(ceilings, ceilings[1:])]  # each timed run's: noop, collected, ...
             shares = [len(datums) / t / c for t, c in zip(times, around[::2])]
             share, spark_rate, ceiling = (statistics.median(shares), len(datums) / statistics.median(times),
@@ -187,11 +199,11 @@ def main():
             cores = os.cpu_count()
             # The baseline at the backend's threads on every core (how one process runs by default), and
             # at one thread (Caffe's OpenBLAS is faster so here): each process of its own.
-            single = {n: in_process_of_its_own(f"single_process_of_the_dataset({backend!r}, {batch_size}, {n})", n)
-                      for n in (cores, 1)}
+            single = {n: in_process_of_its_own(f"single_process_of_the_dataset({backend!r}, {batch_size}, {n}, "
+                                               f"{records})", n) for n in (cores, 1)}
             single_rate = single[cores]
             # The forward pass alone, one process at one thread and at every core's.
-            one, every = (in_process_of_its_own(f"forward_only({backend!r}, {batch_size}, {n})", n)
+            one, every = (in_process_of_its_own(f"forward_only({backend!r}, {batch_size}, {n}, {batches})", n)
                           for n in (1, cores))
             _results.emit({
                 "bench": "score", "backend": backend, "net": "lenet", "images": len(datums),
