@@ -269,9 +269,12 @@ def main():
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 s, 2 repeats")
+    parser.add_argument("--smoke", action="store_true", help="runs end to end only (make bench-smoke): 0.1 s, 1 repeat")
     parser.add_argument("--out", default=_results.results_path("seal"))
     args = parser.parse_args()
-    if args.quick:
+    if args.smoke:
+        args.seconds, args.repeats = 0.1, 1
+    elif args.quick:
         args.seconds, args.repeats = 1.0, 2
     pin(0)
     key = os.urandom(32)

@@ -25,7 +25,10 @@ def main():
                     help="iterations per worker to run (the full run's are extrapolated from their speed)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/spill.jsonl"),
                     help="JSON lines are also appended here")
+    ap.add_argument("--smoke", action="store_true", help="runs end to end only (make bench-smoke): 10 iterations")
     args = ap.parse_args()
+    if args.smoke:
+        args.iterations = 10
 
     os.chdir(ROOT)  # the zoo's prototxt paths are relative to the repository
     full = load_solver(args.solver).param.max_iter
