@@ -85,11 +85,32 @@ def test_batch_norm_kyle_statistics_as_pycaffe(phase):
     assert (phase == pb.TRAIN) == (not np.allclose(want_blobs[2], blobs[2]))
 
 
-def test_batch_norm_kyle_statistics_stay_outside_the_solver():
-    """Its three statistics take no learning rate (as BatchNorm's); alpha and beta the ParamSpecs'."""
-    graph = Graph(parse_net(NET)[0], pb.TRAIN)
-    layer = graph.layers[-1]
-    assert [layer.param_spec(i)[:2] for i in range(5)] == [(0.0, 0.0)] * 3 + [(1.0, 1.0)] * 2
+TRAIN_NET = NET + """layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "x" top: "loss" }
+"""
+DECAYING = pb.SolverParameter(type="SGD", base_lr=0.5, momentum=0.9, weight_decay=0.1)
+
+
+def stepped(backend, blobs, batches):
+    """The layer's blobs after a solver step on each batch."""
+    model = create_model(backend, parse_net(TRAIN_NET)[0], DECAYING, seed=5)
+    try:
+        model.set_blobs("bn", blobs)
+        for batch in batches:
+            model.step({"x": batch})
+        return model.get_blobs("bn")
+    finally:
+        model.close()
+
+
+def test_batch_norm_kyle_statistics_take_the_solvers_steps_as_pycaffe():
+    """Unlike BatchNorm, the fork's layer leaves its statistics' ParamSpecs as given (lr_mult 1 by default):
+    pycaffe's solver decays them by weight_decay after the forward pass moved them, with momentum."""
+    blobs = [normal(3), np.abs(normal(3)) + 0.5, np.array([2.0], np.float32), normal(3), normal(3)]
+    batches = [normal(4, 3, 2, 3) for _ in range(3)]
+    want, got = stepped("caffe", blobs, batches), stepped("tensorflow", blobs, batches)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert want[2][0] != pytest.approx(0.75 * (0.75 * (0.75 * 2 + 1) + 1) + 1)  # not the moving average alone
 
 
 def test_bn_is_refused_in_one_line():

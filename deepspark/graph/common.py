@@ -32,9 +32,10 @@ def _kyle_fillers(lp):
     return [constant_filler(0.0)] * 3 + alpha_beta
 
 
-@layer_type("BatchNormKyle", fillers=_kyle_fillers, statistics=3)
+@layer_type("BatchNormKyle", fillers=_kyle_fillers)
 def _batch_norm_kyle(lp, bottoms, ctx):
-    """The fork's BatchNorm with a learned scale and shift (use_alpha_beta) after it."""
+    """The fork's BatchNorm with a learned scale and shift (use_alpha_beta) after it. Unlike BatchNorm's, its
+    statistics keep their ParamSpecs: the solver decays them by weight_decay, as pycaffe's does."""
     tops, blobs = _batch_norm(lp, bottoms, ctx)
     return tops, blobs + blobs[:1] * 2 * lp.batch_norm_param.use_alpha_beta
 

@@ -32,7 +32,7 @@ class Layer:
     def param_spec(self, i):
         """lr_mult, decay_mult and share name of parameter blob i (Caffe's defaults when unset)."""
         given = self.param.param[i] if i < len(self.param.param) else pb.ParamSpec()
-        if not REGISTRY[self.type].learned or i < REGISTRY[self.type].statistics:
+        if not REGISTRY[self.type].learned:
             return 0.0, 0.0, given.name
         return given.lr_mult, given.decay_mult, given.name
 

@@ -33,8 +33,7 @@ class LayerSpec:
     loss: its first top is a loss (default loss_weight 1); data: a data layer,
     with no bottoms; fed: its tops come from a batch (DummyData makes its own);
     labelled: its second bottom is a label; learned: False where the blobs are
-    statistics that Caffe keeps out of the solver (BatchNorm); statistics: how many of its first blobs are
-    such statistics, the rest learned (BatchNormKyle's).
+    statistics that Caffe keeps out of the solver (BatchNorm).
     bottoms: how many bottoms it needs at least (a data layer none).
     tops: how many tops it needs at least (Caffe's MinTopBlobs/ExactNumTopBlobs); a loss layer given none
     gets Caffe's automatic one.
@@ -52,7 +51,6 @@ class LayerSpec:
     fed: bool = False
     labelled: bool = False
     learned: bool = True
-    statistics: int = 0
     bottoms: int = 1
     tops: int = 1
     no_backward: tuple = ()

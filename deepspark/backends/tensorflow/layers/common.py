@@ -37,9 +37,9 @@ def batch_norm(layer, bottoms, params, ctx):
 
 @layer("BatchNormKyle")
 def batch_norm_kyle(layer, bottoms, params, ctx):
-    """The fork's BatchNormKyle: BatchNorm, then (use_alpha_beta) alpha x + beta per channel. With the stored
-    statistics its Backward returns before alpha's and beta's diffs: they take none then."""
-    y, shape, use_global = _normalized(layer, bottoms[0], params[:3], ctx)
+    """The fork's BatchNormKyle: BatchNorm, then (use_alpha_beta) alpha x + beta per channel. Its statistics
+    take no diff; with the stored ones its Backward returns before alpha's and beta's diffs: none then either."""
+    y, shape, use_global = _normalized(layer, bottoms[0], [tf.stop_gradient(p) for p in params[:3]], ctx)
     if layer.param.batch_norm_param.use_alpha_beta:
         alpha, beta = (tf.stop_gradient(p) if use_global else p for p in params[3:5])
         y = y * tf.reshape(alpha, shape) + tf.reshape(beta, shape)
