@@ -42,6 +42,7 @@ from deepspark.plot import LINE  # noqa: E402
 RUNS = {"single": {"algorithm": "single"}, "easgd": {"algorithm": "easgd", "workers": 2}}
 ITERATIONS, REPEATS = 200, 2
 QUICK_ITERATIONS, QUICK_REPEATS = 150, 1
+SMOKE_ITERATIONS = 20  # --smoke: one run of each; the bench runs end to end, its figures mean nothing
 STARTUP_TARGET = 2.0  # the workers' start-up within this many times the single process's, process start to first step
 # TorchDistributor's peak PSS on the same LeNet (2 DDP processes), MB: bench/peers.py's record in docs/data/peers.jsonl
 # of the first `make bench`, used when that file is not there.
@@ -216,9 +217,12 @@ def main():
                         help=f"{QUICK_REPEATS} run of each, {QUICK_ITERATIONS} iterations")
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"runs end to end only (make bench-smoke): 1 run of each, {SMOKE_ITERATIONS} iterations")
     parser.add_argument("--out", default=_results.results_path("startup"))
     args = parser.parse_args()
-    repeats, iterations = (QUICK_REPEATS, QUICK_ITERATIONS) if args.quick else (args.repeats, args.iterations)
+    repeats, iterations = (1, SMOKE_ITERATIONS) if args.smoke else (QUICK_REPEATS, QUICK_ITERATIONS) if args.quick \
+        else (args.repeats, args.iterations)
     records = []
     with tempfile.TemporaryDirectory() as scratch:
         for i in range(repeats):  # interleaved, so that both runs see the machine's load alike
