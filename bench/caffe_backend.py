@@ -11,8 +11,8 @@
    (data_layers="caffe"); LeNet on Fashion-MNIST, when its LMDB exists.
 
 Prints one JSON line per figure and appends them to bench/results/caffe_backend.jsonl (or --out).
-The backend is driven through its contract (create_model, step, get_params); the baseline builds its own pycaffe
-solver from the same compiled net and solver (the compiler's functions), never from the backend's insides.
+The backend is driven through its contract (create_model, step, get_params); the baseline is pycaffe's own solver
+built from the same compiled net and solver (bench/_pycaffe.py), never from the backend's insides.
 
     PYTHONPATH=. .venv/bin/python bench/caffe_backend.py [--rounds 5] [--nets lenet,cifar10_quick] [--smoke]
 """
@@ -21,7 +21,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,11 +29,10 @@ os.chdir(ROOT)  # the zoo's LMDB paths are relative to the repository
 
 import numpy as np  # noqa: E402
 
+import _pycaffe  # noqa: E402  (bench/_pycaffe.py: pycaffe's solver on the backend's compiled net)
 import _results  # noqa: E402  (bench/_results.py)
 from deepspark import compare, engine  # noqa: E402
 from deepspark.backends import create_model  # noqa: E402
-from deepspark.backends.caffe import compiler, runtime  # noqa: E402
-from deepspark.backends.caffe.model import param_blobs  # noqa: E402
 from deepspark.config import load_solver  # noqa: E402
 from deepspark.data import DataFeeder  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
@@ -54,22 +52,9 @@ class PyCaffe:
     weights, fed by hand."""
 
     def __init__(self, model):
-        caffe = runtime.caffe()
-        net = compiler.to_caffe(compiler.net_param(model.graph), caffe.proto.caffe_pb2.NetParameter)
-        solver = compiler.to_caffe(compiler.solver_param(model.solver_param, model.iter_size),
-                                   caffe.proto.caffe_pb2.SolverParameter)
-        solver.net_param.CopyFrom(net)
-        # Caffe reads the solver from a file; it is read whole in get_solver, so the folder can go at once.
-        with tempfile.TemporaryDirectory(prefix="deepspark-bench-pycaffe-") as scratch:
-            solver.snapshot_prefix = os.path.join(scratch, "state")
-            path = os.path.join(scratch, "solver.prototxt")
-            with open(path, "w") as stream:
-                stream.write(compiler.to_text(solver))
-            self.solver = caffe.get_solver(path)
+        self.solver = _pycaffe.solver(model)
         self.blobs = self.solver.net.blobs
         self.tops = list(model.feeds)
-        for blob, array in zip(param_blobs(model.graph, self.solver.net), model.get_params()):
-            blob.data[...] = array  # the same starting weights
 
     def step(self, batch):
         for top in self.tops:

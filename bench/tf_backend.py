@@ -112,7 +112,11 @@ def main():
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--jit", action="store_true", help="compile our step with XLA")
     parser.add_argument("--out", default="bench/results/tf_backend.jsonl", help="JSON lines are also appended here")
+    parser.add_argument("--smoke", action="store_true",
+                        help="runs end to end only (make bench-smoke): 1 round of 3 steps after 2 warm-up steps")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.rounds, args.warmup = 3, 1, 2
 
     def emit(record):
         _results.emit(record, args.out)

@@ -10,8 +10,9 @@
    ratio = ours / pycaffe's milliseconds, per layer and over every layer but
    the data layer (ours is an Input blob already filled, Caffe's copies a
    prefetched batch).
-2. `blank_input`: pycaffe's same loop on the backend's own net with its
-   Input blobs zeroed, against the same net holding the batch: max pooling
+2. `blank_input`: pycaffe's same loop on the net the backend compiles (its
+   Data layer as an Input, bench/_pycaffe.py) with its Input blobs zeroed,
+   against the same net holding the batch: max pooling
    runs several times faster on a blank net (its comparisons all go one
    way), which is what a baseline that never loads a batch measures.
 3. `tensorflow_layers`: the TensorFlow backend's per-layer forward and
@@ -19,11 +20,11 @@
    forward+gradient (model.gradients) on the same batch: what timing layer
    by layer adds on TensorFlow (a function dispatch per layer and pass).
 
-Prints one JSON line per figure and appends them to bench/results/time_layers.jsonl.
+Prints one JSON line per figure and appends them to bench/results/time_layers.jsonl (or --out).
 Run it as `make bench` does, with one OpenBLAS thread: with two on two busy
 cores a GEMM waits on a descheduled helper thread and single rounds swing 3x.
 
-    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/time_layers.py [--rounds 5] [--iterations 10]
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/time_layers.py [--rounds 5] [--iterations 10] [--smoke]
 """
 
 import argparse
@@ -39,6 +40,7 @@ os.chdir(ROOT)  # the zoo's LMDB paths are relative to the repository
 
 import numpy as np  # noqa: E402
 
+import _pycaffe  # noqa: E402  (bench/_pycaffe.py: pycaffe's net of the backend's compiled net, our weights)
 import _results  # noqa: E402  (bench/_results.py)
 from deepspark import engine, nets  # noqa: E402
 from deepspark.backends.caffe import runtime  # noqa: E402
@@ -46,11 +48,11 @@ from deepspark.log import Log  # noqa: E402
 from deepspark.proto import deepspark_pb2 as pb  # noqa: E402
 
 NET = os.path.join("models", "lenet", "train_val.prototxt")
-RESULTS = os.path.join(ROOT, "bench", "results", "time_layers.jsonl")
+OUT = _results.results_path("time_layers")
 
 
 def emit(record):
-    _results.emit(record, RESULTS)
+    _results.emit(record, OUT)
 
 
 def ours(model, batch, iterations):
@@ -95,10 +97,7 @@ def bench_caffe(rounds, iterations):
     caffe = runtime.caffe()
     model = nets.test_model(NET, "caffe", pb.TRAIN)
     batch = first_batch(model)
-    theirs = caffe.Net(NET, caffe.TRAIN)
-    for name, blobs in model._net.params.items():  # the same weights
-        for mine, other in zip(blobs, theirs.params[name]):
-            other.data[...] = mine.data
+    theirs = _pycaffe.with_weights(caffe.Net(NET, caffe.TRAIN), model)  # the same weights
     data = [name for name, layer in zip(theirs._layer_names, theirs.layers) if layer.type == "Data"]
     a, b = [], []
     for r in range(rounds):  # alternate who goes first: a noisy neighbour hits both alike
@@ -119,12 +118,13 @@ def bench_caffe(rounds, iterations):
           "layer_ratio": {n: round(mine[n] / other[n], 3) for n in layers if other[n] > 0.05}})
 
     blank = {top: np.zeros_like(array) for top, array in batch.items()}
+    compiled = _pycaffe.net(model)
     filled, zeroed = [], []
     for _ in range(rounds):
-        model._load(batch)
-        filled.append(pycaffe(model._net, iterations))
-        model._load(blank)
-        zeroed.append(pycaffe(model._net, iterations))
+        _pycaffe.load(compiled, model, batch)
+        filled.append(pycaffe(compiled, iterations))
+        _pycaffe.load(compiled, model, blank)
+        zeroed.append(pycaffe(compiled, iterations))
     full, empty = medians(filled), medians(zeroed)
     layers = [name for name in full if name not in data]
     emit({"bench": "blank_input", "net": "lenet", "rounds": rounds, "iterations": iterations,
@@ -164,10 +164,17 @@ def bench_tensorflow(batch, rounds, iterations):
 
 
 def main():
+    global OUT  # emit's file
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true",
+                        help="runs end to end only (make bench-smoke): 1 round of 2 iterations")
+    parser.add_argument("--out", default=OUT, help="JSON lines are also appended here")
     args = parser.parse_args()
+    OUT = args.out
+    if args.smoke:
+        args.rounds, args.iterations = 1, 2
     emit({"bench": "environment", "cpus": os.cpu_count(), "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS")})
     source = "data/fashion_mnist_train_lmdb"
     if not os.path.exists(source):
