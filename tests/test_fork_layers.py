@@ -5,14 +5,21 @@ Resize's, SmoothL1Loss's and Pooling's; the others' is empty, so that no diff re
 another input gives the check one), except in place, where the input's diff is the top's own. Each refuses in
 one line what the fork's CHECKs abort on or its Forward misreads."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
+from deepspark import checkpoint, export
+from deepspark.backends import create_model
 from deepspark.backends.caffe import runtime
 from deepspark.config import parse_net
 from deepspark.errors import ConfigError
 from deepspark.graph import Graph
 from deepspark.proto import deepspark_pb2 as pb
+from test_export import SERVE
 from test_zoo_layers import L, check_backends, net_text, normal, seeded  # noqa: F401 (seeded: a fixture)
 
 pytestmark = pytest.mark.caffe
@@ -394,3 +401,37 @@ def test_pooling_refuses_what_caffe_aborts_on(body, tops, message):
     with pytest.raises(ConfigError, match=message) as error:
         Graph(parse_net(text)[0], pb.TRAIN)
     assert "\n" not in str(error.value)
+
+
+def pooling_deploy(height, width):
+    """A deploy net of one max Pooling with its mask, on a 2 x 3 x height x width input."""
+    return ('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 '
+            f'dim: {height} dim: {width} }} }} }}\n'
+            + L("p", "Pooling", ["x"], "pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 }", ["p", "mask"]))
+
+
+def test_a_saved_model_serves_the_pooling_mask_at_any_size(tmp_path):
+    """A net of Pooling alone takes any size in its SavedModel: values and mask at another size than the
+    prototxt's are pycaffe's at that size (the mask's index reads the data's width)."""
+    deploy = pooling_deploy
+    prototxt, weights = tmp_path / "deploy.prototxt", str(tmp_path / "none.caffemodel")
+    prototxt.write_text(deploy(7, 8))
+    model = create_model("tensorflow", parse_net(deploy(7, 8))[0], phase=pb.TEST)
+    checkpoint.save_caffemodel(weights, model.graph, [])
+    model.close()
+    inputs, _ = export.export(str(prototxt), weights, str(tmp_path / "saved"))
+    assert inputs["x"][2:] == ("any", "any")
+    x = np.round(normal(2, 3, 9, 11) * 2) / 2
+    np.savez(tmp_path / "in.npz", x=x)
+    done = subprocess.run([sys.executable, "-c", SERVE, str(tmp_path / "saved"), str(tmp_path / "in.npz"),
+                           str(tmp_path / "out.npz")], cwd=str(tmp_path), capture_output=True, text=True,
+                          timeout=600, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    served = np.load(tmp_path / "out.npz")
+    caffe = create_model("caffe", parse_net(deploy(9, 11))[0], phase=pb.TEST)
+    try:
+        want = caffe.forward({"x": x})
+    finally:
+        caffe.close()
+    np.testing.assert_array_equal(served["p"], want["p"])
+    np.testing.assert_array_equal(served["mask"], want["mask"])

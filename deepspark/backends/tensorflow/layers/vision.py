@@ -132,10 +132,8 @@ def pooling(layer, bottoms, params, ctx):
     if param.pool not in (pb.PoolingParameter.MAX, pb.PoolingParameter.AVE):
         raise NotImplementedError(f"layer '{layer.name}': only MAX and AVE pooling are supported")
     is_max = param.pool == pb.PoolingParameter.MAX
-    if len(layer.tops) > 1:
-        if None in x.shape[1:3]:
-            raise NotImplementedError(f"layer '{layer.name}': a Pooling mask top takes the net's own input size")
-        values, mask = max_pooling_mask(x, kernel, pad, stride, out)
+    if len(layer.tops) > 1:  # any size too: a SavedModel's
+        values, mask = max_pooling_mask(x, kernel, pad, stride, param.ceil_mode)
         return [Blob(values, True), Blob(mask, True)]
     if None in x.shape[1:3] and not param.global_pooling:  # a SavedModel of any size: the data's, not the graph's
         return [Blob(pooling_any_size(x, kernel, pad, stride, param.ceil_mode, is_max), True)]
@@ -162,45 +160,50 @@ def pooling(layer, bottoms, params, ctx):
     return [Blob(y, True)]
 
 
-def max_pooling_mask(x, kernel, pad, stride, out):
+def caffe_windows(x, kernel, pad, stride, ceil_mode):
+    """graph.pooled_size's rule on an NHWC tensor's own height and width (the data's where the graph knows none):
+    (its sizes, the pooled sizes, the padded sizes the windows span, the padding after each axis)."""
+    sizes = tf.shape(x)[1:3]
+    out, needed, after = [], [], []
+    for i in range(2):
+        size, k, p, s = sizes[i], kernel[i], pad[i], stride[i]
+        span = size + 2 * p - k
+        out.append((-(-span // s) if ceil_mode else span // s) + 1)
+        if p:
+            out[i] = tf.where((out[i] - 1) * s >= size + p, out[i] - 1, out[i])
+        needed.append((out[i] - 1) * s + k)
+        after.append(tf.maximum(needed[i] - size - p, 0))
+    tf.debugging.assert_non_negative(tf.reduce_min(sizes + np.array(pad, np.int32) * 2 - np.array(kernel, np.int32)),
+                                     message=f"the pooling kernel {kernel} is larger than the padded input")
+    return sizes, out, needed, after
+
+
+def max_pooling_mask(x, kernel, pad, stride, ceil_mode):
     """Caffe's max Pooling of an NHWC tensor with its mask (a second top): each window's first largest value,
     row by row as Caffe's loop (a later equal one does not replace it), and its index h W + w in the input's
     plane; -1 where nothing beats -FLT_MAX, Caffe's start. (values, mask), both N x out x C."""
-    height, width = x.shape[1:3]
-    needed = [(o - 1) * s + k for o, s, k in zip(out, stride, kernel)]
-    after = [max(n - size - p, 0) for n, size, p in zip(needed, (height, width), pad)]
+    sizes, out, needed, after = caffe_windows(x, kernel, pad, stride, ceil_mode)
     lowest = np.finfo(np.float32).min  # Caffe's start: padding never beats it
     x = tf.pad(x, [[0, 0], [pad[0], after[0]], [pad[1], after[1]], [0, 0]], constant_values=lowest)
     x = x[:, :needed[0], :needed[1], :]
     patches = tf.image.extract_patches(x, [1, *kernel, 1], [1, *stride, 1], [1, 1, 1, 1], "VALID")
-    patches = tf.reshape(patches, [-1, *out, kernel[0] * kernel[1], x.shape[3]])  # window positions row by row
-    largest = tf.reduce_max(patches, axis=3, keepdims=True)
     size = kernel[0] * kernel[1]
+    patches = tf.reshape(patches, tf.concat([tf.shape(patches)[:3], [size, -1]], 0))  # window positions by row
+    largest = tf.reduce_max(patches, axis=3, keepdims=True)
     position = tf.range(size)[None, None, None, :, None]
     first = tf.reduce_min(tf.where(patches == largest, position, size), axis=3)
     # the value read at the chosen position, so that the diff goes to it alone, as Caffe's Backward by the mask
     values = tf.reduce_sum(tf.where(position == first[:, :, :, None], patches, 0.0), axis=3)
-    rows = (np.arange(out[0]) * stride[0] - pad[0])[None, :, None, None] + first // kernel[1]
-    cols = (np.arange(out[1]) * stride[1] - pad[1])[None, None, :, None] + first % kernel[1]
-    mask = tf.where(values > lowest, tf.cast(rows * width + cols, tf.float32), -1.0)
+    rows = (tf.range(out[0]) * stride[0] - pad[0])[None, :, None, None] + first // kernel[1]
+    cols = (tf.range(out[1]) * stride[1] - pad[1])[None, None, :, None] + first % kernel[1]
+    mask = tf.where(values > lowest, tf.cast(rows * sizes[1] + cols, tf.float32), -1.0)
     return tf.where(values > lowest, values, lowest), tf.stop_gradient(mask)
 
 
 def pooling_any_size(x, kernel, pad, stride, ceil_mode, is_max):
     """Caffe's pooling of an NHWC tensor whose height and width only the data knows (graph.pooled_size's rule
     on tensors): padded after to the last window Caffe starts, an AVE window's divisor clipped to size+pad."""
-    sizes = tf.shape(x)[1:3]
-    needed, after = [], []
-    for i in range(2):
-        size, k, p, s = sizes[i], kernel[i], pad[i], stride[i]
-        span = size + 2 * p - k
-        out = (-(-span // s) if ceil_mode else span // s) + 1
-        if p:
-            out = tf.where((out - 1) * s >= size + p, out - 1, out)
-        needed.append((out - 1) * s + k)
-        after.append(tf.maximum(needed[i] - size - p, 0))
-    tf.debugging.assert_non_negative(tf.reduce_min(sizes + np.array(pad, np.int32) * 2 - np.array(kernel, np.int32)),
-                                     message=f"the pooling kernel {kernel} is larger than the padded input")
+    sizes, _, needed, after = caffe_windows(x, kernel, pad, stride, ceil_mode)
     paddings = [[0, 0], [pad[0], after[0]], [pad[1], after[1]], [0, 0]]
     fill = np.finfo(np.float32).min if is_max else 0.0
     x = tf.pad(x, paddings, constant_values=fill)[:, :needed[0], :needed[1], :]
