@@ -57,6 +57,9 @@ RUNS = {
     "torch single": ("PyTorch", "_peer_torch", {"run": "single"}, "single process, a training loop, batch 64"),
 }
 QUICK = ("torchdistributor",)
+# --smoke: one cheap peer for a few steps, in the peers' venv as it is (never built by the smoke run; without it the
+# peers are skipped, in one line, after DeepSpark's side of the runs: the solver's numbers and the data file).
+SMOKE, SMOKE_EPOCHS = ("torch single",), 0.02
 
 
 def solver_numbers():
@@ -128,21 +131,30 @@ def main():
                         help=f"only {', '.join(QUICK)}, {time_to_accuracy.QUICK_EPOCHS:g} epochs")
     parser.add_argument("--epochs", type=float, default=time_to_accuracy.EPOCHS)
     parser.add_argument("--only", help=f"comma-separated run names: {', '.join(RUNS)}")
+    parser.add_argument("--smoke", action="store_true", help=f"runs end to end only (make bench-smoke): "
+                        f"{', '.join(SMOKE)}, {SMOKE_EPOCHS:g} epochs, where bench/.venv-peers is (else no peer)")
     parser.add_argument("--out", default=_results.results_path("peers"))
     args = parser.parse_args()
-    names = args.only.split(",") if args.only else list(QUICK if args.quick else RUNS)
+    names = args.only.split(",") if args.only else list(SMOKE if args.smoke else QUICK if args.quick else RUNS)
     unknown = [name for name in names if name not in RUNS]
     if unknown:
         parser.error(f"no run {', '.join(unknown)}; the runs: {', '.join(RUNS)}")
-    epochs = time_to_accuracy.QUICK_EPOCHS if args.quick else args.epochs
-    built = subprocess.run(["bash", os.path.join(ROOT, "tools", "peers-env.sh")], capture_output=True, text=True)
+    epochs = SMOKE_EPOCHS if args.smoke else time_to_accuracy.QUICK_EPOCHS if args.quick else args.epochs
+    if not args.smoke:
+        built = subprocess.run(["bash", os.path.join(ROOT, "tools", "peers-env.sh")], capture_output=True, text=True)
     with tempfile.TemporaryDirectory() as scratch:
         data = os.path.join(scratch, "fashion-mnist.npz")
         write_data(data)
         config = {"data": data, "epochs": epochs, "workers": time_to_accuracy.WORKERS,
                   "milestone": time_to_accuracy.MILESTONE_SAMPLES, **solver_numbers()}
+        if args.smoke and not os.path.exists(PYTHON):
+            print(f"peers: no {os.path.relpath(PYTHON, ROOT)} (make peers-env): {', '.join(names)} skipped",
+                  file=sys.stderr, flush=True)
+            _results.emit({"bench": "time_to_accuracy", "skipped": names, "reason": "no peers venv",
+                           "config": {k: v for k, v in config.items() if k != "data"}}, args.out)
+            return
         for i, name in enumerate(names):
-            if built.returncode:
+            if not args.smoke and built.returncode:
                 record = {"bench": "time_to_accuracy", "run": name, "peer": RUNS[name][0], "mode": RUNS[name][3],
                           "error": f"tools/peers-env.sh failed: {(built.stderr.strip() or '?').splitlines()[-1]}"}
             else:
