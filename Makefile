@@ -10,13 +10,14 @@ DATA    := data
 FASHION := /usr/share/datasets/fashion-mnist
 PYTEST_ARGS ?=
 
-.PHONY: help setup system venv caffe data jvm-archive test test-fast demo docs bench bench-all peers-env proto pack-env clean
+.PHONY: help setup system venv caffe data jvm-archive test test-fast demo docs bench bench-all bench-smoke peers-env proto pack-env clean
 
 help:
 	@echo "make demo    LeNet on Fashion-MNIST: 2 Spark workers, async EASGD, local[2]"
 	@echo "make test    the test suite (sets up venv, Debian packages, pycaffe, data)"
 	@echo "make test-fast  every test that needs no JVM and no pycaffe (no Spark, no Caffe build), in minutes"
 	@echo "make bench   docs/results.md: DeepSpark against its peers (QUICK=1: a subset); make bench-all: every bench"
+	@echo "make bench-smoke  every bench's smallest run, end to end (minutes; CI runs it after the tests)"
 	@echo "make docs    the documentation site (mkdocs.yml, docs/) in site/"
 	@echo "make caffe   build pycaffe into $(VENV) (cached in ~/.cache/deepspark)"
 	@echo "make proto   regenerate deepspark/proto from proto/deepspark.proto"
@@ -107,10 +108,26 @@ bench: setup peers-env
 	@$(BIN)/python bench/_page.py
 
 # Every benchmark in bench/ (docs/measured.md's figures; some take long: data_scale writes GBs), JSON
-# lines in bench/results/.
+# lines in bench/results/. A module of bench/ whose name starts with "_" is not a benchmark.
+BENCHES := $(sort $(basename $(notdir $(wildcard bench/[!_]*.py))))
 bench-all: setup peers-env
 	@mkdir -p bench/results
-	@for b in bench/[!_]*.py; do echo "== $$b"; OPENBLAS_NUM_THREADS=1 $(BIN)/python $$b || exit 1; done
+	@for b in $(BENCHES); do echo "== bench/$$b.py"; OPENBLAS_NUM_THREADS=1 $(BIN)/python bench/$$b.py || exit 1; done
+
+# Every bench of bench-all in its smallest run (#44; .ci/run runs it after the tests): each runs end to end and
+# prints its JSON lines, which go to a temporary folder (never bench/results, bench/measured*.jsonl or docs/data);
+# its figures mean nothing. A bench's own --smoke, or the flags SMOKE_<bench> gives it. It never builds the peers'
+# venv: without bench/.venv-peers (make peers-env) the peers are skipped, in one line. tests/test_bench_smoke.py
+# checks that every bench has its smoke run here.
+SMOKE_tf_speed := --quick --rounds 1
+SMOKE_SECONDS ?= 900
+bench-smoke: setup
+	@out=$$(mktemp -d "$${TMPDIR:-/tmp}/deepspark-bench-smoke.XXXXXX"); began=$$(date +%s); \
+	$(foreach b,$(BENCHES),echo "== bench/$(b).py $(or $(SMOKE_$(b)),--smoke)"; at=$$(date +%s); \
+	    OPENBLAS_NUM_THREADS=1 timeout $(SMOKE_SECONDS) $(BIN)/python bench/$(b).py $(or $(SMOKE_$(b)),--smoke) \
+	        --out $$out/$(b).jsonl || { echo "bench-smoke: bench/$(b).py failed"; exit 1; }; \
+	    echo "== bench/$(b).py: $$(( $$(date +%s) - at )) s";) \
+	echo "bench-smoke: $(words $(BENCHES)) benches ran end to end in $$(( $$(date +%s) - began )) s; JSON lines in $$out"
 
 # The descriptor set keeps the .proto's comments: the generated flags take their help from them.
 proto: $(STAMPS)/system
