@@ -3,8 +3,9 @@
 import collections
 import dataclasses
 
-# The longest cause a stop line quotes: Spark's reports run to a Java stack.
-CAUSE_CHARS = 300
+# The longest cause a line quotes (first_line has made it one line already; our own errors' lines, with their fix,
+# run to a few hundred characters).
+CAUSE_CHARS = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,21 +50,26 @@ class Budget:
                 times.popleft()
         last = f"the last: {one_line(cause)}"
         if count + 1 >= limits.in_a_row:
-            return (f"worker {worker} failed {count + 1} times in a row in {at - first:.0f}s without training "
+            return (f"worker {worker} failed {how_often(count + 1)} in a row in {at - first:.0f}s without training "
                     f"between them (max_failures {limits.in_a_row}); {last}")
         span = f"in {limits.window:g}s" if limits.window else "in the job"
         window = f"failure_window {limits.window:g}s"
         if limits.per_worker and len(self.times[worker]) >= limits.per_worker:
-            return (f"worker {worker} failed {len(self.times[worker])} times {span} ({window}, max_worker_failures "
-                    f"{limits.per_worker}); {last}")
+            return (f"worker {worker} failed {how_often(len(self.times[worker]))} {span} ({window}, "
+                    f"max_worker_failures {limits.per_worker}); {last}")
         if limits.per_job and len(self.all) >= limits.per_job:
-            return (f"the workers failed {len(self.all)} times {span} ({window}, max_job_failures {limits.per_job}), "
-                    f"worker {worker} the last; {last}")
+            return (f"the workers failed {how_often(len(self.all))} {span} ({window}, max_job_failures "
+                    f"{limits.per_job}), worker {worker} the last; {last}")
         return None
 
     def failures(self, worker):
         """(failures of `worker` within the window, failures in a row without training)."""
         return len(self.times[worker]), self.run.get(worker, (0, 0))[0]
+
+
+def how_often(count):
+    """"once", "2 times", ..."""
+    return "once" if count == 1 else f"{count} times"
 
 
 def one_line(cause):

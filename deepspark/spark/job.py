@@ -30,8 +30,8 @@ from deepspark.spark.budget import Budget, Limits, Outages
 from deepspark.spark.center import HISTORY_SECONDS, CenterCadence
 from deepspark.spark.executor import Task
 from deepspark.spark.failures import JobError
-from deepspark.spark.session import (is_local, on_loopback, quiet_tasks, setting, spark_context, stop_context,
-                                     this_python, worker_threads)
+from deepspark.spark.session import (WATCHED_ATTEMPTS, is_local, on_loopback, quiet_tasks, setting, spark_context,
+                                     stop_context, this_python, worker_threads)
 from deepspark.spark.watch import Watch
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,8 @@ class Job:
         """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch), their failures
         counted against the job's budget; its result."""
         self.watched = Watch(self.sc, self.server, self.cadence, self.workers, schedule.stop_iteration(self.param),
-                             self.ds.connect_timeout, batch_size(self.graph), budget=Budget(Limits.of(self.ds)))
+                             self.ds.connect_timeout, batch_size(self.graph), budget=Budget(Limits.of(self.ds)),
+                             stops=setting(self.sc, "spark.task.maxFailures") == str(WATCHED_ATTEMPTS))
         return self.watched.run(run_tasks)
 
     # -- the run ----------------------------------------------------------------

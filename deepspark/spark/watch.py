@@ -55,6 +55,9 @@ class Watch:
     exchanged_at: dict = dataclasses.field(default_factory=dict)  # worker -> its last exchange seen (monotonic)
     began: float = dataclasses.field(default_factory=time.monotonic)
     seconds: float = 0.0  # the Spark job's whole time, every attempt of every task in it, once it has ended
+    # Whether a spent budget stops the job: not where Spark's own count does (its attempts as max_failures: a
+    # caller's context, max_failures 1, average), which says its own line.
+    stops: bool = True
 
     def run(self, run_tasks):
         """Run `run_tasks()` (the Spark job) in a thread and follow the workers until it ends: progress,
@@ -215,7 +218,7 @@ class Watch:
             at = opened.lost_at if opened else now
             log.warning(f"Worker {wid} lost at iteration {outage.iteration}, {at - self.began:.1f}s into "
                         f"the job: {cause} (its failure {window} in {span}, {in_a_row} in a row without training)")
-            if stop:
+            if stop and self.stops:
                 return stop
         return None
 
