@@ -1,8 +1,11 @@
 """The center x̃ on the driver at Caffe's cadence: the display line, the tests on the solver's test nets, the snapshots (with the workers' solver histories), TensorBoard's scalars and the plot's points."""
 
+import concurrent.futures
+import contextvars
 import logging
 import os
 import sys
+import threading
 import time
 import types
 
@@ -55,6 +58,63 @@ class Scalars:
             self.writer.close()
 
 
+def lower_priority(nice):
+    """This thread's nice raised to `nice` (never lowered: that needs privileges), on Linux, where nice is per
+    thread and the threads it starts from now on inherit it; the nice it runs at."""
+    tid = threading.get_native_id()
+    nice = max(nice, os.getpriority(os.PRIO_PROCESS, tid))
+    os.setpriority(os.PRIO_PROCESS, tid, nice)
+    return nice
+
+
+class DriverTests:
+    """Where the driver's test passes run: one thread at the solver's test_nice (DeepSparkParameter), which builds
+    the test nets, so that the threads their backend starts from it inherit its priority, and runs every pass
+    while the caller waits, as Caffe's Test() blocks its Solve; at test_nice 0, or off Linux, in the caller.
+    seconds and cpu: the passes' wall time and the CPU time of the thread that ran them (with test_threads 1,
+    nearly all of theirs)."""
+
+    def __init__(self, ds):
+        self.nice, self.threads = ds.test_nice if sys.platform.startswith("linux") else 0, ds.test_threads
+        self.pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepspark-tests")
+                     if self.nice else None)
+        if self.pool is not None:
+            self.nice = self.pool.submit(lower_priority, self.nice).result()
+        self.passes, self.seconds, self.cpu = 0, 0.0, 0.0
+
+    def line(self):
+        where = f"at nice {self.nice}" if self.nice else "at the driver's priority"
+        threads = f"{self.threads} thread{'s' * (self.threads != 1)}" if self.threads else "the backend's threads"
+        return f"Tests: on the driver {where}, {threads}"
+
+    def run(self, work, *args):
+        """work(*args) in the tests' thread, the caller waiting; in the caller's context, whose run's log (log.py)
+        its lines go to."""
+        if self.pool is None:
+            return work(*args)
+        return self.pool.submit(contextvars.copy_context().run, work, *args).result()
+
+    def timed(self, work, *args):
+        """run(), its wall and CPU time counted as a test pass's."""
+        def measured():
+            cpu = time.thread_time()
+            return work(*args), time.thread_time() - cpu
+        started = time.monotonic()
+        result, cpu = self.run(measured)
+        self.passes, self.seconds, self.cpu = self.passes + 1, self.seconds + time.monotonic() - started, self.cpu + cpu
+        return result
+
+    def cost(self, wall):
+        """The log's line of what the passes cost, over a job of `wall` seconds."""
+        return (f"Tests: {self.passes} pass{'es' * (self.passes != 1)} on the driver took {self.seconds:.1f} s "
+                f"({self.seconds / max(wall, 1e-9):.1%} of the job's {wall:.0f} s), {self.cpu:.1f} s of CPU"
+                + (f" at nice {self.nice}" if self.nice else ""))
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
 class CenterCadence:
     """Caffe's display, test and snapshot on x̃, at the iterations Caffe's Solver would.
 
@@ -81,6 +141,7 @@ class CenterCadence:
         # Iterations of the last test and snapshot, and the last test's outputs.
         self.tested, self.snapshotted, self.last_test_values = None, None, {}
         self.evaluator = None  # the test nets: test_nets() builds them
+        self.passes = None  # where the test passes run (DriverTests): start() or test_nets() sets it up
         self.initial = None  # x̃ as the job starts, while Caffe's test of the start iteration is owed: start() keeps it
         self.observed = start  # the slowest worker's iteration when the driver last looked (observe)
 
@@ -90,6 +151,7 @@ class CenterCadence:
         never tests, and never builds them; the scalars then write without it."""
         if self.param.test_interval:
             self.test_nets()
+            log.info(self.passes.line())
             if self.multiples.next_test == self.multiples.start:  # test_initialization: Caffe tests x̃ as it starts
                 self.initial = self.read().copy()
         self.scalars = Scalars(folder)
@@ -97,13 +159,23 @@ class CenterCadence:
     def test_nets(self):
         """The driver's test nets (an engine.Evaluator), built at the first call."""
         if self.evaluator is None:
-            nets.place(self.solver)  # the driver's device, before its backend builds a net
-            self.evaluator = nets.evaluator(self.solver)
+            if self.passes is None:
+                self.passes = DriverTests(self.param.deepspark_param)
+            self.evaluator = self.passes.run(self.build_evaluator)
         return self.evaluator
+
+    def build_evaluator(self):
+        nets.place(self.solver)  # the driver's device, before its backend builds a net
+        return nets.evaluator(self.solver, self.passes.threads or None)
 
     def close(self):
         if self.scalars is not None:
             self.scalars.close()
+        if self.passes is not None:
+            if self.passes.passes:
+                log.info(self.passes.cost(time.monotonic() - self.started))
+            self.passes.close()  # after a pass the caller stopped waiting for (SIGINT) has ended
+            self.passes = None
         if self.evaluator is not None:
             self.evaluator.close()
             self.evaluator = None
@@ -162,7 +234,8 @@ class CenterCadence:
     def test(self, iteration, observed=None, flat=None):
         self.tested = iteration
         self._note_observed("Testing", iteration, observed)
-        results = self.test_nets().test(iteration, self.graph, self.arrays(flat))
+        evaluator = self.test_nets()
+        results = self.passes.timed(evaluator.test, iteration, self.graph, self.arrays(flat))
         values = engine.first_values(results)
         for tag, value in values.items():
             self.scalars.add(tag, value, iteration)
