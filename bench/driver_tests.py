@@ -1,0 +1,106 @@
+"""The driver's tests off the workers' clock (#44): the workers' images/s with the driver's test passes at test_nice 10 and 1 thread (the default) against at its own priority and TensorFlow's threads; JSON lines.
+
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/driver_tests.py [--rounds 3] [--iterations 600]
+
+Each run is `deepspark train` of models/lenet (Fashion-MNIST) on 2 easgd workers in local[2], in a process of its
+own, testing the center every --test-interval iterations on the 10,000 test images; the two runs alternate, round
+after round, so that both see the machine's load alike. A run's images/s is its workers' (each worker's iterations x
+the batch over its training seconds, from the job's summary lines, summed); the last line is the medians' ratio
+(default over off) and each side's test passes' share of the job's wall time.
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import _results  # noqa: E402  (bench/_results.py)
+from network import WORKER  # noqa: E402  (bench/network.py: the workers' summary lines)
+from time_to_accuracy import BATCH, SOLVER, command  # noqa: E402  (bench/time_to_accuracy.py: the same runs)
+
+# name: the DeepSparkParameter knobs of the run; "off" is the driver as it tested before test_nice.
+RUNS = {"nice 10, 1 thread": {"test_nice": 10, "test_threads": 1},
+        "off": {"test_nice": 0, "test_threads": 0}}
+ROUNDS, ITERATIONS, TEST_INTERVAL, TEST_ITER = 3, 600, 100, 100  # a test pass: 100 batches of 100, 10,000 images
+SMOKE_ITERATIONS, SMOKE_TEST_INTERVAL, SMOKE_TEST_ITER = 20, 10, 2
+COST = re.compile(r"Tests: (\d+) pass(?:es)? on the driver took ([\d.]+) s \(([\d.]+)% of the job's")
+
+
+def solver_copy(folder, test_interval, test_iter):
+    """models/lenet's solver in `folder`, testing every `test_interval` iterations over `test_iter` batches, with no
+    snapshots; its path."""
+    from google.protobuf import text_format
+
+    from deepspark.config import load_solver
+
+    param = load_solver(SOLVER).param
+    param.test_interval, param.test_iter[:], param.test_initialization = test_interval, [test_iter], False
+    param.snapshot, param.snapshot_after_train, param.display = 0, False, test_interval
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "solver.prototxt")
+    with open(path, "w") as stream:
+        stream.write(text_format.MessageToString(param))
+    return path
+
+
+def run(name, knobs, iterations, test_interval, test_iter, folder):
+    """One run's record: its workers' images/s and its test passes' cost, from its train.log."""
+    solver = solver_copy(folder, test_interval, test_iter)
+    done = subprocess.run(command(solver, folder, iterations, {"algorithm": "easgd", "workers": 2, **knobs}),
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    if done.returncode:
+        raise SystemExit(f"{name}: the run failed:\n{done.stderr[-3000:]}")
+    with open(os.path.join(folder, "train.log")) as stream:
+        text = stream.read()
+    workers = WORKER.findall(text)
+    cost = COST.search(text)
+    if len(workers) != 2 or cost is None:
+        raise SystemExit(f"{name}: no summary of 2 workers and the tests' cost in {folder}/train.log")
+    return {"bench": "driver_tests", "run": name, **knobs, "iterations": iterations, "test_interval": test_interval,
+            "images_per_second": round(sum(int(n) * BATCH / float(s) for _, n, _, s, _ in workers), 1),
+            "test_passes": int(cost.group(1)), "test_seconds": float(cost.group(2)),
+            "test_share": float(cost.group(3)) / 100}
+
+
+def verdict(records):
+    """The medians of each run and the ratio of the default's workers' images/s to off's."""
+    def median(name, key):
+        return statistics.median(r[key] for r in records if r["run"] == name)
+    on, off = RUNS
+    return {"bench": "driver_tests", "verdict": True, "rounds": sum(r["run"] == on for r in records),
+            "images_per_second": {name: median(name, "images_per_second") for name in RUNS},
+            "test_share": {name: median(name, "test_share") for name in RUNS},
+            "ratio": round(median(on, "images_per_second") / median(off, "images_per_second"), 3)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--iterations", type=int, default=ITERATIONS)
+    parser.add_argument("--test-interval", type=int, default=TEST_INTERVAL)
+    parser.add_argument("--smoke", action="store_true", help=f"runs end to end only (make bench-smoke): 1 round, "
+                        f"{SMOKE_ITERATIONS} iterations, a test every {SMOKE_TEST_INTERVAL} of {SMOKE_TEST_ITER} batches")
+    parser.add_argument("--out", default=_results.results_path("driver_tests"))
+    args = parser.parse_args()
+    rounds, iterations, interval, test_iter = ((1, SMOKE_ITERATIONS, SMOKE_TEST_INTERVAL, SMOKE_TEST_ITER)
+                                               if args.smoke else
+                                               (args.rounds, args.iterations, args.test_interval, TEST_ITER))
+    records = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for i in range(rounds):  # interleaved, so that both runs see the machine's load alike
+            for name, knobs in RUNS.items():
+                record = {**run(name, knobs, iterations, interval, test_iter, os.path.join(scratch, f"{i}-{name}")),
+                          "round": i}
+                records.append(record)
+                _results.emit(record, args.out)
+    _results.emit(verdict(records), args.out)
+
+
+if __name__ == "__main__":
+    main()
