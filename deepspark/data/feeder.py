@@ -155,6 +155,18 @@ class DataFeeder(Resumable):
                 log.debug("%s: Restarting data prefetching from start.", self.name)
         return out
 
+    def skip(self, batches):
+        """Resumable's: the positions only, an epoch at most at a time (never a long job's indices at once); not
+        once a prefetch thread reads ahead of the position."""
+        if self._thread is not None:
+            return batches == 0
+        left = batches * self.batch_size
+        while left:
+            take = min(left, self.size)
+            self._next_indices(take)
+            left -= take
+        return True
+
     def _assemble(self):
         indices = self._next_indices(self.batch_size)
         if self.in_memory:

@@ -109,6 +109,12 @@ class ImageFeeder(Resumable):
                 self._order = self._epoch_order()
         return indices
 
+    def skip(self, batches):
+        """Resumable's: the positions only, no image loaded."""
+        for _ in range(batches):
+            self._next_indices()
+        return True
+
     def next_batch(self):
         indices = self._next_indices()
         pixels = np.empty((self.batch_size,) + self.source_shape, np.uint8)

@@ -59,6 +59,12 @@ class Resumable:
         self.transformer.rng.bit_generator.state = meta["transform_rng"]
         self._order = None if order is None else np.asarray(order, dtype=np.int64)
 
+    def skip(self, batches):
+        """Move on `batches` batches without reading them, to where as many next_batch() calls would leave it
+        (each epoch's order drawn on the way): True; False where this kind of feeder cannot, and stays where it
+        is. Its transformer's random draws (crop, mirror) are not replayed."""
+        return batches == 0
+
     def close(self):
         """Release what the feeder holds open."""
 

@@ -1,15 +1,17 @@
-"""The executors' pyspark daemon in local mode (spark.python.daemon.module): pyspark's own, with the jobs' modules and the job's backend imported before it forks the Python workers; and its zygote, which imports them while Spark's JVM starts.
+"""The executors' pyspark daemon (spark.python.daemon.module): pyspark's own, with the jobs' modules and the job's backend imported before it forks the Python workers; and in local mode its zygote, which imports them while Spark's JVM starts.
 
 A Python worker that Spark starts for a task is a fork of this daemon, so it
 starts with deepspark (which a task's closure names) and TensorFlow already
 imported, once for all of them, and shares that import's pages with the
-daemon (copy-on-write) instead of holding its own. Running as
+daemon (copy-on-write) instead of holding its own. So does the Python worker
+Spark starts for a retried task (a lost worker's replacement): it rejoins
+without importing TensorFlow again, on a cluster's executor as in local mode. Running as
 `python -m deepspark.spark.daemon` has imported deepspark.spark (the jobs and
 the executor's loop) by the time this module runs; the backend is imported
 here. Nothing here may start a thread or TensorFlow's runtime: the workers
 are forks.
 
-The JVM launches the daemon only once its SparkContext is up, and the import
+In local mode the JVM launches the daemon only once its SparkContext is up, and the import
 then takes seconds on the cores the job's start needs. So a local job's driver
 starts a zygote first (`start_zygote`, before the JVM): `python -m
 deepspark.spark.daemon --zygote PATH` imports the backend while the JVM starts,

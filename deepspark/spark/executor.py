@@ -10,6 +10,7 @@ import os
 import resource
 import shutil
 import socket
+import sys
 import tempfile
 import time
 
@@ -18,7 +19,7 @@ import numpy as np
 import deepspark
 from deepspark import nets, schedule
 from deepspark.algorithms.base import WorkerError
-from deepspark.backends import backend_module, use_gpu
+from deepspark.backends import BACKENDS, backend_module, use_gpu
 from deepspark.config import Solver, random_seed
 from deepspark.data import checked_records, decode_datum, lmdb_io
 from deepspark.errors import SourceMap
@@ -46,7 +47,9 @@ class Task:
     job_id: names the job's local folders; solver, train_net: the serialized
     SolverParameter and train NetParameter; solver_path: for error messages;
     address: (host, port) of the driver's exchanger, None for a job without
-    one; secret: the job's exchange secret; threads: compute threads per worker.
+    one; secret: the job's exchange secret; threads: compute threads per worker;
+    start_iteration: the iteration the job started at (a resumed job's), where
+    every worker's feeders stood at its shard's start.
     """
 
     job_id: str
@@ -56,6 +59,7 @@ class Task:
     address: tuple = None
     secret: str = ""
     threads: int = 1
+    start_iteration: int = 0
 
     @functools.cached_property
     def param(self):
@@ -103,8 +107,10 @@ class Summary:
     forked_at: float = 0.0
     task_at: float = 0.0
     import_seconds: float = 0.0  # this task's import of the backend (TensorFlow): 0 when the process had it
+    preloaded: str = ""  # the backend its process had imported before its task began (the daemon's fork), if any
+    carried_batches: int = 0  # the batches its feeders moved on as it joined: where a lost worker stood
     build_seconds: float = 0.0  # the model and feeders built, the import apart
-    connect_seconds: float = 0.0  # joining the center: connect, pull x̃ and any solver history
+    connect_seconds: float = 0.0  # joining the center: connect, pull x̃ and any solver history, move its feeders on
     first_step_seconds: float = 0.0  # the first step, which traces the backend's step function
     first_step_at: float = 0.0
 
@@ -255,6 +261,7 @@ class Prepared:
     build_seconds: float = 0.0
     gpu: str = ""
     device: str = "CPU"
+    preloaded: str = ""
 
 
 class Diverged(WorkerError):
@@ -288,8 +295,9 @@ def build(worker, payload, task):
         (shard_path, records, spill_seconds), shard, shards = spill(payload, task.job_id, worker), 0, 1
     ready_at, spill_rss = time.time(), peak_rss_mb()
     try:
-        began = time.monotonic()
-        backend_module(task.param.deepspark_param.backend)  # its import (TensorFlow's) timed apart from the build
+        began, backend = time.monotonic(), task.param.deepspark_param.backend
+        preloaded = backend if BACKENDS[backend] in sys.modules else ""
+        backend_module(backend)  # its import (TensorFlow's) timed apart from the build
         imported = time.monotonic()
         solver = task.solver_for(shard_path)
         gpu, device = place(worker, solver)
@@ -300,7 +308,7 @@ def build(worker, payload, task):
         remove_shard(shard_path)
         raise
     prepared = Prepared(records, spill_seconds, spill_rss, ready_at, import_seconds=imported - began,
-                        build_seconds=time.monotonic() - imported, gpu=gpu, device=device)
+                        build_seconds=time.monotonic() - imported, gpu=gpu, device=device, preloaded=preloaded)
     return trainer, shard_path, prepared
 
 
@@ -361,6 +369,22 @@ def join_center(worker, task, model, timeout):
     return client, params, None if held is None else held[0]
 
 
+def carry_on(worker, trainer, start_iteration):
+    """Move a joining worker's feeders to where it stood at the iteration it joins at, (that iteration - the job's
+    `start_iteration`) x iter_size batches into its shard, each epoch's order drawn on the way as its reading drew it
+    (the same seed): a lost worker's replacement carries on its shard from there, not from its start. The batches
+    moved on (0 at the job's start)."""
+    batches = (trainer.model.iter - start_iteration) * trainer.model.iter_size
+    if batches <= 0:
+        return 0
+    stuck = [feeder.name for feeder in trainer.feeders if not feeder.skip(batches)]
+    epochs = sorted({feeder.epoch for feeder in trainer.feeders})
+    log.info(f"worker {worker} carries on its shard at iteration {trainer.model.iter}: {batches} batches in "
+             f"(epoch {', '.join(map(str, epochs))})"
+             + (f"; {', '.join(stuck)} cannot move on and read from the shard's start" if stuck else ""))
+    return batches
+
+
 def run(worker, items, task, train, timeout):
     """One worker's whole life in a Spark task: spill, build, join the center (waiting at most `timeout`
     seconds on it), `train(trainer, client, params)` -> (loss, extra Summary fields), leave; its Summary."""
@@ -370,6 +394,7 @@ def run(worker, items, task, train, timeout):
     try:
         joining = time.monotonic()
         client, params, restored = join_center(worker, task, model, timeout)
+        carried = carry_on(worker, trainer, task.start_iteration)
         connect_seconds = time.monotonic() - joining
         trainer.on_step = functools.partial(check_finite, worker, client)
         start_iter, started = model.iter, time.monotonic()
@@ -381,7 +406,8 @@ def run(worker, items, task, train, timeout):
                                received_bytes=client.received_bytes, loss=loss, peak_rss_mb=peak_rss_mb(),
                                restored_history=restored, forked_at=process_started_at(), task_at=task_at,
                                connect_seconds=connect_seconds, first_step_seconds=first_step_seconds,
-                               first_step_at=first_step_at, **dataclasses.asdict(prepared), **extra)
+                               first_step_at=first_step_at, carried_batches=carried, **dataclasses.asdict(prepared),
+                               **extra)
         client.close()
         return summary
     finally:

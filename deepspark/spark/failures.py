@@ -58,6 +58,10 @@ def first_line(error):
 def failed(error, sc):
     """The JobError for a Spark job that raised `error`."""
     line = first_line(error)
+    if not re.search(r"No module named '?deepspark\b", line):
+        # The executors' daemon is ours (session.DAEMON): Spark gives its import error past the first line.
+        daemon = re.search(r"ModuleNotFoundError: No module named '?deepspark\b[\w.]*'?", str(error))
+        line = daemon.group(0) if daemon else line
     if re.search(r"No module named '?deepspark\b", line):
         line = (f"the executors' Python cannot import deepspark ({line}); ship an environment that has it: "
                 f"--executor-env ENV.tar.gz (tools/pack-env.sh packs one), or spark-submit --archives "

@@ -30,7 +30,7 @@ LOG4J = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.propert
 # serial collector grows a small heap from 16 MB where G1 commits 1/64 of the machine's memory at once, and adds
 # its own tables for the maximum heap (spark.driver.memory's, unchanged); the JVM holds less (bench/startup.py).
 LOCAL_JVM = "-XX:+UseSerialGC -Xms16m"
-# The executors' pyspark daemon in local mode (spark.python.daemon.module), and the environment variables naming the
+# The executors' pyspark daemon (spark.python.daemon.module), and the environment variables naming the
 # backend it imports and the socket of its zygote, which imports it while the JVM starts (daemon.py).
 DAEMON, DAEMON_BACKEND, ZYGOTE = "deepspark.spark.daemon", "DEEPSPARK_DAEMON_BACKEND", "DEEPSPARK_DAEMON_ZYGOTE"
 # The backends the daemon imports before it forks: TensorFlow takes its thread counts when a model starts its runtime,
@@ -128,10 +128,12 @@ def spark_context(ds, workers, watched=False):
     conf.set("spark.task.maxFailures", str(tries))
     conf.set("spark.stage.maxConsecutiveAttempts", str(tries))
     conf.set("spark.python.worker.reuse", "true").set("spark.ui.showConsoleProgress", "false")
-    if master and is_local(master):
-        # The executors run this Python on this process's path (executor_python), where our daemon is: it imports
-        # the backend once and forks the Python workers with it loaded (daemon.py); its zygote, started below before
-        # the JVM, imports it while the JVM starts.
+    if master:
+        # The executors run a Python that has deepspark (executor_python: this one on this process's path, or
+        # executor_env's, which holds it), where our daemon is: it imports the backend once and forks the Python
+        # workers with it loaded (daemon.py), the first attempt's and a retried task's alike (a rejoin without
+        # TensorFlow's import). In local mode its zygote, started below before the JVM, imports it while the JVM
+        # starts. Under spark-submit the executors' Python is the user's: pyspark's own daemon.
         conf.set("spark.python.daemon.module", DAEMON)
         conf.set(f"spark.executorEnv.{DAEMON_BACKEND}", ds.backend)
     own_jvm = not submitted and SparkContext._gateway is None  # pyspark keeps one JVM per process

@@ -1,0 +1,118 @@
+"""Fast rejoin (#45): a lost worker's replacement carries on its shard where the lost one stood (feeders moved on, every record once an epoch), and on a standalone cluster its Python worker is the daemon's fork with TensorFlow already imported."""
+
+import collections
+import json
+import os
+import re
+import signal
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from deepspark import engine, nets
+from deepspark.config import load_solver
+from deepspark.data import encode_datum, lmdb_io
+from deepspark.data.feeder import DataFeeder
+from deepspark.data.resume import BLOCKS
+from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark import executor
+from sparkjobs import chaos, cluster, start_runs
+from synthetic import make_job
+
+SIZE, BATCH = 42, 4  # 21 batches are two epochs exactly: a batch spans the seam between epochs
+
+
+def labelled_lmdb(path):
+    """An LMDB whose record i has label i: a batch's labels name the records it read."""
+    images = np.random.default_rng(0).integers(0, 255, (SIZE, 1, 3, 3), dtype=np.uint8)
+    lmdb_io.write_lmdb(str(path), ((b"%08d" % i, encode_datum(image, i)) for i, image in enumerate(images)))
+    return str(path)
+
+
+def data_layer(source):
+    return text_format.Parse(f'name: "data" type: "Data" top: "data" top: "label" '
+                             f'data_param {{ source: "{source}" batch_size: {BATCH} backend: LMDB }}', pb.LayerParameter())
+
+
+def labels(feeder, batches):
+    return [int(label) for _ in range(batches) for label in feeder.next_batch()["label"]]
+
+
+@pytest.mark.parametrize("shuffle", [False, True, BLOCKS])
+def test_a_feeder_moved_on_k_batches_reads_what_the_one_that_read_them_reads_next(tmp_path, shuffle):
+    source = labelled_lmdb(tmp_path / "lmdb")
+    lost = DataFeeder(data_layer(source), pb.TRAIN, seed=7, shuffle=shuffle)
+    replacement = DataFeeder(data_layer(source), pb.TRAIN, seed=7, shuffle=shuffle)
+    read = labels(lost, 13)  # into the second epoch
+    assert replacement.skip(13) and replacement.epoch == lost.epoch == 1
+    carried = labels(replacement, 8)
+    assert carried == labels(lost, 8)
+    # The lost worker's records and its replacement's: every record once in each of the two epochs.
+    seen = read + carried
+    for epoch in (seen[:SIZE], seen[SIZE:]):
+        assert collections.Counter(epoch) == collections.Counter(range(SIZE))
+
+
+def test_a_replacement_trainer_carries_on_the_shard_where_the_lost_worker_stood(tmp_path):
+    solver = load_solver(make_job(tmp_path, train_records=30))
+    lost = nets.trainer(solver, seed_offset=1, evaluate=False, spark=True)
+    replacement = nets.trainer(solver, seed_offset=1, evaluate=False, spark=True)
+    try:
+        for _ in range(7):  # 70 records of 30: into its third epoch
+            lost.step()
+        replacement.model.iter = lost.model.iter  # as join_center sets it from the exchanger
+        assert executor.carry_on(1, replacement, 0) == 7
+        assert [f.epoch for f in replacement.feeders] == [f.epoch for f in lost.feeders] == [2]
+        for _ in range(3):
+            ours, theirs = engine.next_batch(replacement.feeders), engine.next_batch(lost.feeders)
+            assert all(np.array_equal(ours[top], theirs[top]) for top in ours)
+        # A resumed job's workers started at its start iteration, their feeders at the shard's start.
+        again = nets.trainer(solver, seed_offset=1, evaluate=False, spark=True)
+        again.model.iter = 10
+        assert executor.carry_on(1, again, 10) == 0 and again.feeders[0].epoch == 0
+        again.close()
+    finally:
+        lost.close()
+        replacement.close()
+
+
+# The tiny job on one executor core each: long enough that the survivor trains on while its peer rejoins.
+CLUSTER_MAX_ITER = 6000
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_a_killed_workers_replacement_on_a_standalone_cluster_is_forked_with_tensorflow_and_carries_on(tmp_path):
+    with cluster(tmp_path) as (master, _):
+        (tmp_path / "job").mkdir()
+        solver = make_job(tmp_path / "job", max_iter=CLUSTER_MAX_ITER, test_interval=CLUSTER_MAX_ITER,
+                          connect_timeout=120)
+        driver = start_runs([solver], workers=2, master=master, max_failures=4)
+        log = chaos.DriverLog(str(tmp_path / "job" / "out" / "train.log"), CLUSTER_MAX_ITER)
+        harness = chaos.Chaos(None, 1, 5, log=log, window=(0.1, 0.3), ended=lambda: driver.poll() is not None,
+                              timeout=300)
+        try:
+            harness.start()
+            stdout, stderr = driver.communicate(timeout=600)
+            kills = harness.join(10)
+        finally:
+            harness.stop()
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+        text = (tmp_path / "job" / "out" / "train.log").read_text()
+        assert driver.returncode == 0, stderr[-3000:]
+        assert len(kills) == 1 and kills[0].rejoined_at, text[-3000:]
+        rejoined = re.findall(r"Worker (\d) rejoined the exchanger \(connection 2\); it goes on from the center at "
+                              r"iteration (\d+)", text)
+        assert len(rejoined) == 1, text[-3000:]
+        worker, iteration = int(rejoined[0][0]), int(rejoined[0][1])
+        summary = {w["worker"]: w for w in json.loads(stdout.splitlines()[-1])["workers"]}
+        replacement = summary[worker]
+        assert replacement["pid"] != kills[0].pid
+        # Its process had TensorFlow before its task began: the executor's daemon forked it with it imported.
+        assert replacement["preloaded"] == "tensorflow" and summary[1 - worker]["preloaded"] == "tensorflow"
+        # It read on from where the lost worker stood: an iteration's batch per iteration trained before.
+        assert 0 < iteration < CLUSTER_MAX_ITER and replacement["carried_batches"] == iteration
+        assert summary[1 - worker]["carried_batches"] == 0
+        assert re.search(rf"Start-up of worker {worker}: .* import ", text)
