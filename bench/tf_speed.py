@@ -8,9 +8,16 @@
 2. `tf_speed_mtcnn_batch1`: MTCNN's three nets (tests/data/zoo/mtcnn_det{1,2,3}.prototxt, P-Net at 12x12, R-Net
    at 24x24, O-Net at 48x48; P-Net also at 288x384, the first scale of its image pyramid for a 640x480 image,
    as a detector runs it) at batch 1: `deepspark.Net.forward` on the TensorFlow backend (and on the Caffe
-   backend) against pycaffe's own `net.forward` (the input copied into its blob first) on the same weights, rounds
-   interleaved so machine noise hits all alike; images/s and the median of the per-round ratios ours / pycaffe's
-   (the issue's target: at least 0.5, within 2x). Every contender gets the same thread count (--threads).
+   backend) against pycaffe's own `net.forward` (the input copied into its blob first), all three loading the
+   same weights from a .caffemodel as a detector does; rounds interleaved so machine noise hits all alike;
+   images/s, microseconds per call, and the median of the per-round ratios ours / pycaffe's. The rule (#43):
+   at batch 1 the TensorFlow backend is within 2x of pycaffe, a ratio of at least 0.5, on R-Net and O-Net;
+   P-Net at 12x12 is almost all per-call cost, and the floor (3.) bounds its ratio. Every contender gets the
+   same thread count (--threads).
+3. `tf_speed_call_floor`: what one call costs TensorFlow itself at batch 1, with no work in it: an empty
+   tf.function (no input, a constant out) called as a tf.function and as its concrete function, and
+   `direct_call` (the TensorFlow backend's forward path: an array in, an array out) on a function that only
+   passes a 1x3x12x12 input on. No TensorFlow forward at batch 1 is faster than this last figure.
 
 Prints one JSON line per figure and appends them to --out.
 
@@ -21,6 +28,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,6 +39,7 @@ import numpy as np  # noqa: E402
 import _results  # noqa: E402  (bench/_results.py)
 import deepspark  # noqa: E402
 from deepspark.backends.caffe import runtime  # noqa: E402
+from deepspark.backends.tensorflow.model import direct_call, tf, traced  # noqa: E402
 from deepspark.config import parse_net  # noqa: E402
 
 MTCNN = {name: os.path.join(ROOT, "tests", "data", "zoo", f"mtcnn_{name}.prototxt")
@@ -94,16 +103,14 @@ def bench_depthwise(blocks, threads, emit):
 
 
 class PyCaffe:
-    """The baseline: pycaffe's Net on the prototxt, its input copied into the blob before each net.forward()."""
+    """The baseline: pycaffe's Net on the prototxt and weights, its input copied into the blob before each
+    net.forward()."""
 
-    def __init__(self, path, ours, threads, shape):
+    def __init__(self, path, weights, threads, shape):
         caffe = runtime.caffe(threads)
-        self.net = caffe.Net(path, caffe.TEST)
+        self.net = caffe.Net(path, weights, caffe.TEST)
         self.net.blobs["data"].reshape(*shape)
         self.net.reshape()
-        for name, blobs in ours.params.items():  # the same weights as ours
-            for mine, theirs in zip(blobs, self.net.params[name]):
-                theirs.data[...] = mine.data
 
     def forward(self, data):
         self.net.blobs["data"].data[...] = data
@@ -119,34 +126,61 @@ def rate(forward, data, seconds):
     return calls / (time.perf_counter() - started)
 
 
-def bench_mtcnn(name, shape, rounds, seconds, threads, emit):
-    """The contenders on MTCNN net `name` at input `shape` (None: the prototxt's)."""
-    ours = deepspark.Net(MTCNN[name], backend="tensorflow", seed=1, threads=threads)
-    shape = shape or ours.blobs["data"].shape
-    contenders = {"deepspark_tf": lambda x: ours.forward(data=x),
-                  "deepspark_caffe": None, "pycaffe": PyCaffe(MTCNN[name], ours, threads, shape).forward}
-    theirs = deepspark.Net(MTCNN[name], backend="caffe", seed=1, threads=threads)
-    for layer, blobs in ours.params.items():
-        for mine, copy in zip(blobs, theirs.params[layer]):
-            copy.data = mine.data
-    contenders["deepspark_caffe"] = lambda x: theirs.forward(data=x)
-    data = np.random.default_rng(0).uniform(-1, 1, shape).astype(np.float32)
-    answers = {impl: {k: np.array(v) for k, v in forward(data).items()} for impl, forward in contenders.items()}
-    agree = all(np.allclose(answers["deepspark_tf"][k], v, rtol=1e-4, atol=1e-5) for k, v in answers["pycaffe"].items())
+def interleaved(contenders, data, rounds, seconds):
+    """{name: [images/s per round]} of each of `contenders` ({name: forward}), in rounds whose order flips
+    each time, so that machine noise hits all alike."""
     rates = {impl: [] for impl in contenders}
     order = list(contenders)
     for round_index in range(rounds):
         for impl in order if round_index % 2 == 0 else order[::-1]:
             rates[impl].append(rate(contenders[impl], data, seconds))
+    return rates
+
+
+def bench_mtcnn(name, shape, rounds, seconds, threads, emit):
+    """The contenders on MTCNN net `name` at input `shape` (None: the prototxt's), with the same weights."""
+    with tempfile.TemporaryDirectory(prefix="tf_speed-") as scratch:
+        weights = os.path.join(scratch, f"mtcnn_{name}.caffemodel")
+        maker = deepspark.Net(MTCNN[name], seed=1, threads=threads)
+        maker.save(weights)
+        maker.close()
+        ours = deepspark.Net(MTCNN[name], weights, backend="tensorflow", threads=threads)
+        theirs = deepspark.Net(MTCNN[name], weights, backend="caffe", threads=threads)
+        shape = shape or ours.blobs["data"].shape
+        baseline = PyCaffe(MTCNN[name], weights, threads, shape)
+    contenders = {"deepspark_tf": lambda x: ours.forward(data=x), "deepspark_caffe": lambda x: theirs.forward(data=x),
+                  "pycaffe": baseline.forward}
+    data = np.random.default_rng(0).uniform(-1, 1, shape).astype(np.float32)
+    answers = {impl: {k: np.array(v) for k, v in forward(data).items()} for impl, forward in contenders.items()}
+    agree = all(np.allclose(answers["deepspark_tf"][k], v, rtol=1e-4, atol=1e-5) for k, v in answers["pycaffe"].items())
+    rates = interleaved(contenders, data, rounds, seconds)
     case = {"bench": "tf_speed_mtcnn_batch1", "net": name, "input": "x".join(map(str, shape))}
     for impl, values in rates.items():
-        emit({**case, "impl": impl, "threads": threads, "images_per_s": round(statistics.median(values), 1)})
+        median = statistics.median(values)
+        emit({**case, "impl": impl, "threads": threads, "images_per_s": round(median, 1),
+              "us_per_call": round(1e6 / median, 1)})
     for impl in ("deepspark_tf", "deepspark_caffe"):
         ratios = [mine / base for mine, base in zip(rates[impl], rates["pycaffe"])]
         emit({**case, "impl": impl, "outputs_agree": bool(agree),
               "ratio_vs_pycaffe": round(statistics.median(ratios), 3), "target": 0.5})
     ours.close()
     theirs.close()
+
+
+def bench_floor(rounds, seconds, threads, emit):
+    """TensorFlow's own cost of one call with no work in it (3. above), microseconds per call."""
+    shape = (1, 3, 12, 12)
+    empty = traced(lambda: tf.constant(0.0), input_signature=[])
+    concrete = empty.get_concrete_function()
+    passing = traced(lambda inputs: {"data": tf.identity(inputs["data"])},
+                     input_signature=[{"data": tf.TensorSpec(shape, tf.float32)}])
+    passed = direct_call(passing.get_concrete_function(), {"data": shape})
+    contenders = {"tf.function": lambda x: empty(), "concrete_function": lambda x: concrete(),
+                  "direct_call": lambda x: passed({"data": x})}
+    data = np.random.default_rng(0).uniform(-1, 1, shape).astype(np.float32)
+    for impl, values in interleaved(contenders, data, rounds, seconds).items():
+        emit({"bench": "tf_speed_call_floor", "impl": impl, "threads": threads,
+              "us_per_call": round(1e6 / statistics.median(values), 1)})
 
 
 def main():
@@ -166,6 +200,7 @@ def main():
 
     for name, shape in CASES:
         bench_mtcnn(name, shape, rounds, seconds, args.threads, emit)
+    bench_floor(rounds, seconds, args.threads, emit)
     bench_depthwise(blocks, args.threads, emit)
 
 

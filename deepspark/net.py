@@ -121,6 +121,60 @@ def check_input_shape(name, shape, net_shape):
                          "every axis needs at least one item")
 
 
+SNAPSHOT_BYTES = 1 << 20  # a parameter blob up to this size is remembered as its bytes, a larger one as a copy
+
+
+def snapshot(array):
+    """What `unchanged` compares `array` with later. Bytes compare in about 0.2 us where np.array_equal takes 3
+    (13 blobs: half of MTCNN P-Net's Python per forward at 12 x 12, bench/tf_speed.py); a large blob's bytes
+    would cost a fresh allocation per forward (4x array_equal's time at 200 MB, measured), so it stays an array."""
+    return array.tobytes() if array.nbytes <= SNAPSHOT_BYTES else np.array(array, copy=True)
+
+
+def unchanged(array, snap):
+    """Whether `array` holds what it held at snapshot(array): the same bits (small) or values (large)."""
+    return array.tobytes() == snap if isinstance(snap, bytes) else np.array_equal(array, snap)
+
+
+class ParamBlob(Blob):
+    """A parameter blob that counts the writes it is given (`data = ...`, reshape) and knows whether its array
+    was handed out (read through `data`), after which a write may come through that array unseen.
+
+    Net.forward sets the parameters into the backend only where one may have changed since (`mark`,
+    `unchanged_since`): comparing every blob's values at each forward read all of them, as many bytes again
+    for the copies, and pushed the net's own weights out of the cache (measured: a third of MTCNN O-Net's
+    forward at batch 1 on either backend, bench/tf_speed.py); a blob never handed out needs no comparing."""
+
+    def __init__(self, data):
+        super().__init__(data)
+        self.writes, self.handed_out = 0, False
+
+    @property
+    def data(self):
+        self.handed_out = True
+        return self._data
+
+    @data.setter
+    def data(self, value):
+        self._data[...] = value
+        self.writes += 1
+
+    def reshape(self, *shape):
+        super().reshape(*shape)
+        self.writes += 1
+
+    def mark(self):
+        """What unchanged_since takes: the writes so far, and the values where the array is handed out."""
+        return self.writes, snapshot(self._data) if self.handed_out else None
+
+    def unchanged_since(self, mark):
+        """Whether the blob surely holds what it held at `mark` (handed out since, it may not)."""
+        writes, snap = mark
+        if writes != self.writes:
+            return False
+        return not self.handed_out or (snap is not None and unchanged(self._data, snap))
+
+
 class Net:
     """A Caffe net with its parameters, run forward as pycaffe's caffe.Net is.
 
@@ -150,7 +204,7 @@ class Net:
         self._model, self._taps = tapped_model(net, self._graph, backend, phase, options)
         self._options = options
         self._spans = {}  # (first, last) layer: (model, taps, its params' indices) for forward's start and end
-        self._sent = {}  # id(backend model): copies of the params last set into it (see _send_params)
+        self._sent = {}  # id(backend model): the marks of the params last set into it (see _send_params)
         self.backend = backend
         # Such a layer reads its next batch at each forward, as Caffe's does: its tops are not pycaffe's inputs.
         self._sourced = [layer for layer in self._graph.layers if layer.type in READ_SOURCES]
@@ -163,7 +217,7 @@ class Net:
         self.blobs = OrderedDict((name, Blob(np.zeros(shapes[name], np.float32))) for name in names)
         for name, shape in placeholders.items():  # the next forward reshapes the net to them, or to the caller's
             self.blobs[name].reshape(*shape)
-        self._params = [Blob(array) for array in self._model.get_params()]
+        self._params = [ParamBlob(array) for array in self._model.get_params()]
         # pycaffe's names of the layers in order, and of each one's bottoms and tops (Caffe's splits not listed)
         self._layer_names = [layer.name for layer in self._graph.layers]
         self.bottom_names = OrderedDict((layer.name, list(layer.bottoms)) for layer in self._graph.layers)
@@ -180,7 +234,7 @@ class Net:
     def copy_from(self, weights):
         """Copy the layers of the .caffemodel `weights` in by name, as Caffe's Net::CopyTrainedLayersFrom."""
         arrays = checkpoint.weights_for(self._model.graph, checkpoint.read_caffemodel(weights),
-                                        [blob.data for blob in self._params], weights)
+                                        [blob._data for blob in self._params], weights)
         for blob, array in zip(self._params, arrays):
             blob.data = array
 
@@ -233,21 +287,21 @@ class Net:
             model, taps, indices = self._model, self._taps, range(len(self._params))
         else:
             model, taps, indices = self._span(first, last)
-        self._send_params(model, [self._params[i].data for i in indices])  # what the caller wrote into params
+        self._send_params(model, [self._params[i] for i in indices])  # what the caller wrote into params
         results = model.forward({name: self.blobs[name].data for name in model.feeds})
         for name, tap in taps.items():
             self.blobs[name]._data = np.asarray(results[tap], np.float32)
         return {name: self.blobs[name].data for name in wanted}
 
-    def _send_params(self, model, arrays):
-        """Set `arrays` into `model` unless they equal what was last set there: setting is most of a small net's
-        forward at batch 1 (a variable assigned per blob). In the TEST phase only, where a forward changes no
-        parameter (TRAIN's BatchNorm moves its running statistics in the model)."""
-        sent = self._sent.get(id(model))
-        if self.phase == pb.TEST and sent is not None and all(map(np.array_equal, arrays, sent)):
+    def _send_params(self, model, params):
+        """Set the ParamBlobs `params` into `model` unless they hold what was last set there: setting is most of
+        a small net's forward at batch 1 (a variable assigned per blob). In the TEST phase only, where a forward
+        changes no parameter (TRAIN's BatchNorm moves its running statistics in the model)."""
+        marks = self._sent.get(id(model))
+        if self.phase == pb.TEST and marks is not None and all(map(ParamBlob.unchanged_since, params, marks)):
             return
-        model.set_params(arrays)
-        self._sent[id(model)] = [np.array(array, copy=True) for array in arrays]
+        model.set_params([param._data for param in params])
+        self._sent[id(model)] = [param.mark() for param in params]
 
     def _read_sources(self, given):
         """{top: array} of the next batch of each data layer that reads a source, for the tops not `given`."""
@@ -299,7 +353,7 @@ class Net:
 
     def save(self, path):
         """Write the parameters as a .caffemodel (Caffe's NetParameter with blobs; .caffemodel.h5: HDF5)."""
-        checkpoint.save_caffemodel(path, self._graph, [blob.data for blob in self._params])
+        checkpoint.save_caffemodel(path, self._graph, [blob._data for blob in self._params])
 
     def close(self):
         """Release the backend's nets (pycaffe's, their scratch folders)."""

@@ -30,3 +30,10 @@ def test_the_mtcnn_nets_agree_with_pycaffe_and_each_ratio_is_printed(name, shape
     ratios = [r for r in records if "ratio_vs_pycaffe" in r]
     assert [r["impl"] for r in ratios] == ["deepspark_tf", "deepspark_caffe"]
     assert all(r["outputs_agree"] is True for r in ratios)
+
+
+def test_the_floor_of_a_tensorflow_call_is_printed_for_each_path():
+    records = []
+    bench.bench_floor(1, 0.05, None, records.append)
+    assert [r["impl"] for r in records] == ["tf.function", "concrete_function", "direct_call"]
+    assert all(r["us_per_call"] > 0 for r in records)

@@ -1,6 +1,7 @@
 """The TensorFlow backend's Model: variables in Caffe's layout and a compiled solver step."""
 
 import functools
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,6 +12,10 @@ from deepspark.backends.tensorflow import compiler, runtime
 from deepspark.backends.tensorflow.runtime import tf
 from deepspark.graph import backward_needs
 from deepspark.proto import deepspark_pb2 as pb
+
+# After runtime's quiet import of TensorFlow: the parts of its eager runtime that direct_call uses.
+from tensorflow.python.eager import context as eager_context, execute  # noqa: E402
+from tensorflow.python.framework.ops import EagerTensor  # noqa: E402
 
 TF_OPS = SimpleNamespace(sqrt=tf.sqrt, sign=tf.sign, sum=tf.reduce_sum, where=tf.where)
 
@@ -57,7 +62,7 @@ class Model(base.Model):
         self._get_flat_fn = traced(self._flat, input_signature=[])
         self._set_flat_fn = traced(self._assign_flat, input_signature=[flat])
         self._shaped = {}  # the input shapes -> their graph, carried state and passes (see _compile)
-        self._calls = {}  # a forward tf.function -> its concrete function, once traced (see forward)
+        self._calls = {}  # a forward tf.function -> its direct_call, once traced (see forward)
         self._compile()
 
     def _compile(self):
@@ -201,11 +206,9 @@ class Model(base.Model):
         return None if outputs is None else {name: value.numpy() for name, value in outputs.items()}
 
     def forward(self, batch):
-        # Its concrete function fed tensors: a tf.function's call re-binds its arguments each time (bench/tf_speed.py).
         if self._forward_fn not in self._calls:
-            self._calls[self._forward_fn] = self._forward_fn.get_concrete_function()
-        inputs = {top: tf.constant(array) for top, array in self.feed(batch).items()}
-        return {name: value.numpy() for name, value in self._calls[self._forward_fn](inputs).items()}
+            self._calls[self._forward_fn] = direct_call(self._forward_fn.get_concrete_function(), self.feeds)
+        return self._calls[self._forward_fn](self.feed(batch))
 
     def gradients(self, batch):
         loss, grads = self._gradients_fn(self.feed(batch))
@@ -273,6 +276,34 @@ class Model(base.Model):
         arrays = self.check_arrays(arrays, self.history_shapes, "history blob")
         for i, (variable, array) in enumerate(zip(self._history, arrays)):
             variable.assign(self._store(i, array))
+
+
+def direct_call(concrete, feeds):
+    """`concrete`, a traced pass of {top: tensor} (the tops of `feeds`) -> {blob: tensor}, as a function of
+    {top: float32 array} (checked: base.Model.feed) -> {blob: array}, run by TensorFlow's executor directly.
+
+    Calling a ConcreteFunction binds its arguments to its signature, casts and flattens them and looks for a
+    gradient tape each time, in Python: about 90 us a call here, more than half of what MTCNN's P-Net costs
+    at 12 x 12 and batch 1 (bench/tf_speed.py). This is what that call ends in (atomic_function.call_flat's
+    eager branch): the function's name, its inputs in TensorFlow's flattening order (a dict's: by key) and
+    its captured variables, with the context's call options read at each call, as TensorFlow reads them.
+    Each array is copied into its tensor, as tf.constant does (TensorFlow may otherwise write into it).
+    """
+    tops = tf.nest.flatten({top: top for top in feeds})
+    outputs = {name: name for name in concrete.structured_outputs}
+    names, count = tf.nest.flatten(outputs), len(outputs)
+    name = concrete._inference_function.name.decode()  # the function as registered in the eager context
+    captured = list(concrete.captured_inputs)
+    ctx = eager_context.context()
+    float32 = tf.float32.as_datatype_enum
+
+    def call(arrays):
+        inputs = [EagerTensor(np.array(arrays[top]), ctx.device_name, float32) for top in tops]
+        attrs = tuple(itertools.chain.from_iterable(ctx.function_call_options.as_attrs().items()))
+        values = execute.execute(name, count, inputs + captured, attrs, ctx)
+        return {blob: value.numpy() for blob, value in zip(names, values)}
+
+    return call
 
 
 def solve_momentum(param, variables, histories, grads, rate, lr_mults, decay_mults):
