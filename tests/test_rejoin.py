@@ -12,7 +12,8 @@ from google.protobuf import text_format
 
 from deepspark import engine, nets
 from deepspark.config import load_solver
-from deepspark.data import encode_datum, lmdb_io
+from deepspark.data import encode_datum, feeder_for, lmdb_io
+from deepspark.data.datum import array_to_image
 from deepspark.data.feeder import DataFeeder
 from deepspark.data.resume import BLOCKS
 from deepspark.proto import deepspark_pb2 as pb
@@ -52,6 +53,22 @@ def test_a_feeder_moved_on_k_batches_reads_what_the_one_that_read_them_reads_nex
     seen = read + carried
     for epoch in (seen[:SIZE], seen[SIZE:]):
         assert collections.Counter(epoch) == collections.Counter(range(SIZE))
+
+
+def test_an_image_list_feeder_moved_on_reads_what_the_one_that_read_them_reads_next(tmp_path):
+    (tmp_path / "images").mkdir()
+    for i in range(10):
+        array_to_image(np.full((1, 4, 4), 20 * i, np.uint8)).save(tmp_path / "images" / f"{i}.png")
+    (tmp_path / "list.txt").write_text("".join(f"{i}.png {i}\n" for i in range(10)))
+    layer = text_format.Parse(f'name: "data" type: "ImageData" top: "data" top: "label" image_data_param {{ '
+                              f'source: "{tmp_path}/list.txt" root_folder: "{tmp_path}/images/" batch_size: 3 '
+                              f'shuffle: true }}', pb.LayerParameter())
+    lost, replacement = (feeder_for(layer, pb.TRAIN, seed=5) for _ in range(2))
+    read = labels(lost, 7)
+    assert replacement.skip(7) and replacement.epoch == lost.epoch == 2
+    carried = labels(replacement, 3)
+    assert carried == labels(lost, 3)
+    assert sorted((read + carried)[:10]) == sorted((read + carried)[10:20]) == list(range(10))
 
 
 def test_a_replacement_trainer_carries_on_the_shard_where_the_lost_worker_stood(tmp_path):
