@@ -83,22 +83,28 @@ def failed_tasks(sc, group, seen):
     """Spark's tasks of job group `group` that failed since the last call, as [(partition, cause)] in the order
     they failed; `seen` ({stage: (attempt, failed tasks of it seen)}, updated) is what earlier calls saw. Every
     attempt of a stage is read, a barrier stage's reruns among them: Spark's status store has a failed task
-    before the attempt after it (its listener's events come in order)."""
+    before the attempt after it (its listener's events come in order). A look Spark cannot answer (its context
+    stopping) returns what it read: the rest is read by the next."""
     tracker = sc.statusTracker()
     found = []
-    for job in filter(None, map(tracker.getJobInfo, tracker.getJobIdsForGroup(group))):
-        for stage_id in job.stageIds:
-            stage = tracker.getStageInfo(stage_id)
-            attempt, count = seen.get(stage_id, (0, 0))
-            if stage is None or (stage.currentAttemptId == attempt and stage.numFailedTasks <= count):
-                continue
-            while True:
-                tasks = stage_failures(sc, stage_id, attempt, count)
-                found += tasks
-                if attempt == stage.currentAttemptId:
-                    break
-                attempt, count = attempt + 1, 0
-            seen[stage_id] = (attempt, count + len(tasks))
+    try:
+        for job in filter(None, map(tracker.getJobInfo, tracker.getJobIdsForGroup(group))):
+            for stage_id in job.stageIds:
+                stage = tracker.getStageInfo(stage_id)
+                attempt, count = seen.get(stage_id, (0, 0))
+                if stage is None or (stage.currentAttemptId == attempt and stage.numFailedTasks <= count):
+                    continue
+                read = []
+                while True:
+                    tasks = stage_failures(sc, stage_id, attempt, count)
+                    read += tasks
+                    if attempt == stage.currentAttemptId:
+                        break
+                    attempt, count = attempt + 1, 0
+                seen[stage_id] = (attempt, count + len(tasks))
+                found += read
+    except Exception:  # Py4J's error as the context stops: the job's own end says what happened
+        pass
     return found
 
 
