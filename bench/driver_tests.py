@@ -1,4 +1,4 @@
-"""The driver's tests off the workers' clock (#44): the workers' images/s with the driver's test passes at test_nice 10 and 1 thread (the default) against at its own priority and TensorFlow's threads; JSON lines.
+"""The driver's tests off the workers' clock (#44): the workers' images/s with the driver's test passes at test_nice 10 and 2 threads (the default) against at its own priority and TensorFlow's threads; JSON lines.
 
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/driver_tests.py [--rounds 3] [--iterations 600]
 
@@ -25,7 +25,7 @@ from network import WORKER  # noqa: E402  (bench/network.py: the workers' summar
 from time_to_accuracy import BATCH, SOLVER, command  # noqa: E402  (bench/time_to_accuracy.py: the same runs)
 
 # name: the DeepSparkParameter knobs of the run; "off" is the driver as it tested before test_nice.
-RUNS = {"nice 10, 1 thread": {"test_nice": 10, "test_threads": 1},
+RUNS = {"nice 10, 2 threads": {"test_nice": 10, "test_threads": 2},
         "off": {"test_nice": 0, "test_threads": 0}}
 ROUNDS, ITERATIONS, TEST_INTERVAL, TEST_ITER = 3, 600, 100, 100  # a test pass: 100 batches of 100, 10,000 images
 SMOKE_ITERATIONS, SMOKE_TEST_INTERVAL, SMOKE_TEST_ITER = 20, 10, 2

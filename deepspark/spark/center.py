@@ -68,51 +68,63 @@ def lower_priority(nice):
 
 
 class DriverTests:
-    """Where the driver's test passes run: one thread at the solver's test_nice (DeepSparkParameter), which builds
-    the test nets, so that the threads their backend starts from it inherit its priority, and runs every pass
-    while the caller waits, as Caffe's Test() blocks its Solve; at test_nice 0, or off Linux, in the caller.
-    seconds and cpu: the passes' wall time and the CPU time of the thread that ran them (with test_threads 1,
-    nearly all of theirs)."""
+    """How the driver's test passes run: the test nets built in a thread of their own at the solver's test_nice
+    (DeepSparkParameter), so that the threads their backend starts there (TensorFlow's test_threads intra- and
+    inter-op threads, which compute the passes) inherit that priority and yield the cores to the workers; the
+    passes run in the caller, as Caffe's Test() blocks its Solve, at the driver's priority: a Python thread at a
+    lower one would hold the GIL the exchanger's threads wait for while it waits for a core (it slowed the workers
+    here). A backend whose threads started before (TensorFlow run earlier in this process, OpenBLAS's at its load)
+    keeps theirs, and the line says so. seconds and cpu: the passes' wall time and their threads' CPU time."""
 
     def __init__(self, ds):
         self.nice, self.threads = ds.test_nice if sys.platform.startswith("linux") else 0, ds.test_threads
-        self.pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepspark-tests")
-                     if self.nice else None)
-        if self.pool is not None:
-            self.nice = self.pool.submit(lower_priority, self.nice).result()
+        self.started = []  # the threads the build started (Linux thread ids): the passes' compute
         self.passes, self.seconds, self.cpu = 0, 0.0, 0.0
 
+    def build(self, work):
+        """work(), the test nets' build, in a thread of its own at nice (in the caller at 0), in the caller's
+        context, whose run's log (log.py) its lines go to."""
+        if not self.nice:
+            return work()
+        def lowered():
+            self.nice = lower_priority(self.nice)
+            return work()
+        before = set(os.listdir("/proc/self/task"))
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepspark-tests") as pool:
+            built = pool.submit(contextvars.copy_context().run, lowered).result()
+        self.started = [int(t) for t in set(os.listdir("/proc/self/task")) - before]  # the pool's own has ended
+        return built
+
     def line(self):
-        where = f"at nice {self.nice}" if self.nice else "at the driver's priority"
         threads = f"{self.threads} thread{'s' * (self.threads != 1)}" if self.threads else "the backend's threads"
+        where = (f"at nice {self.nice}" if self.started else
+                 f"at the driver's priority{' (the backend started its threads before)' if self.nice else ''}")
         return f"Tests: on the driver {where}, {threads}"
 
-    def run(self, work, *args):
-        """work(*args) in the tests' thread, the caller waiting; in the caller's context, whose run's log (log.py)
-        its lines go to."""
-        if self.pool is None:
-            return work(*args)
-        return self.pool.submit(contextvars.copy_context().run, work, *args).result()
+    def thread_cpu(self):
+        """The CPU seconds of the threads the build started, as /proc has them."""
+        ticks = 0
+        for tid in self.started:
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as stream:
+                    fields = stream.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:  # ended since
+                continue
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def timed(self, work, *args):
-        """run(), its wall and CPU time counted as a test pass's."""
-        def measured():
-            cpu = time.thread_time()
-            return work(*args), time.thread_time() - cpu
-        started = time.monotonic()
-        result, cpu = self.run(measured)
-        self.passes, self.seconds, self.cpu = self.passes + 1, self.seconds + time.monotonic() - started, self.cpu + cpu
+        """work(*args), its wall and CPU time counted as a test pass's."""
+        started, cpu = time.monotonic(), time.thread_time() + self.thread_cpu()
+        result = work(*args)
+        self.passes, self.seconds = self.passes + 1, self.seconds + time.monotonic() - started
+        self.cpu += time.thread_time() + self.thread_cpu() - cpu
         return result
 
     def cost(self, wall):
         """The log's line of what the passes cost, over a job of `wall` seconds."""
         return (f"Tests: {self.passes} pass{'es' * (self.passes != 1)} on the driver took {self.seconds:.1f} s "
-                f"({self.seconds / max(wall, 1e-9):.1%} of the job's {wall:.0f} s), {self.cpu:.1f} s of CPU"
-                + (f" at nice {self.nice}" if self.nice else ""))
-
-    def close(self):
-        if self.pool is not None:
-            self.pool.shutdown()
+                f"({self.seconds / max(wall, 1e-9):.1%} of the job's {wall:.0f} s), {self.cpu:.1f} s of CPU")
 
 
 class CenterCadence:
@@ -161,7 +173,7 @@ class CenterCadence:
         if self.evaluator is None:
             if self.passes is None:
                 self.passes = DriverTests(self.param.deepspark_param)
-            self.evaluator = self.passes.run(self.build_evaluator)
+            self.evaluator = self.passes.build(self.build_evaluator)
         return self.evaluator
 
     def build_evaluator(self):
@@ -174,7 +186,6 @@ class CenterCadence:
         if self.passes is not None:
             if self.passes.passes:
                 log.info(self.passes.cost(time.monotonic() - self.started))
-            self.passes.close()  # after a pass the caller stopped waiting for (SIGINT) has ended
             self.passes = None
         if self.evaluator is not None:
             self.evaluator.close()
