@@ -69,11 +69,17 @@ def run(name, knobs, iterations, test_interval, test_iter, folder):
 
 
 def verdict(records):
-    """The medians of each run and the ratio of the default's workers' images/s to off's."""
+    """The medians of each run, the ratio of the default's workers' images/s to off's in each round, and the ratio
+    of the medians."""
     def median(name, key):
         return statistics.median(r[key] for r in records if r["run"] == name)
     on, off = RUNS
-    return {"bench": "driver_tests", "verdict": True, "rounds": sum(r["run"] == on for r in records),
+    rounds = sorted({r["round"] for r in records})
+    ratios = [next(r["images_per_second"] for r in records if r["run"] == on and r["round"] == i) /
+              next(r["images_per_second"] for r in records if r["run"] == off and r["round"] == i) for i in rounds]
+    return {"bench": "driver_tests", "verdict": True, "rounds": len(rounds),
+            "round_ratios": [round(ratio, 3) for ratio in ratios],
+            "median_round_ratio": round(statistics.median(ratios), 3),
             "images_per_second": {name: median(name, "images_per_second") for name in RUNS},
             "test_share": {name: median(name, "test_share") for name in RUNS},
             "ratio": round(median(on, "images_per_second") / median(off, "images_per_second"), 3)}
@@ -84,8 +90,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
     parser.add_argument("--test-interval", type=int, default=TEST_INTERVAL)
-    parser.add_argument("--smoke", action="store_true", help=f"runs end to end only (make bench-smoke): 1 round, "
-                        f"{SMOKE_ITERATIONS} iterations, a test every {SMOKE_TEST_INTERVAL} of {SMOKE_TEST_ITER} batches")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"runs end to end only (make bench-smoke): 1 round, {SMOKE_ITERATIONS} iterations, "
+                        f"a test every {SMOKE_TEST_INTERVAL} of {SMOKE_TEST_ITER} batches")
     parser.add_argument("--out", default=_results.results_path("driver_tests"))
     args = parser.parse_args()
     rounds, iterations, interval, test_iter = ((1, SMOKE_ITERATIONS, SMOKE_TEST_INTERVAL, SMOKE_TEST_ITER)

@@ -55,14 +55,27 @@ SCRIPT = textwrap.dedent("""
         after = threads()
         line = cadence.passes.line()
         cadence.close()
-        return values, line, {t: (after[t][0], after[t][1] - before.get(t, (0, 0))[1]) for t in after}
+        return values, line, {t: (after[t][0], after[t][1] - before.get(t, (0, 0))[1], threads().get(t, (0,))[0])
+                              for t in after}
 
     solver = load_solver(sys.argv[1])
     niced, line, seen = passes(solver, sys.argv[2], int(sys.argv[3]))
     solver.param.deepspark_param.test_nice = 0
     plain, plain_line, _ = passes(solver, sys.argv[2], 1)
-    print(json.dumps({"niced": niced, "plain": plain, "line": line, "plain_line": plain_line, "threads": seen,
-                      "main": [threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0)]}))
+    def probe(held):  # may this process raise a thread's priority again (root with CAP_SYS_NICE, or RLIMIT_NICE)?
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 1)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
+            held.append(True)
+        except PermissionError:
+            held.append(False)
+    held = []
+    probing = threading.Thread(target=probe, args=(held,))
+    probing.start()
+    probing.join()
+    restores = held[0]
+    print(json.dumps({"restores": restores, "niced": niced, "plain": plain, "line": line, "plain_line": plain_line,
+                      "threads": seen, "main": [threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0)]}))
 """)
 
 
@@ -91,5 +104,7 @@ def test_the_driver_tests_compute_at_test_nice_and_score_as_at_the_drivers_prior
     # Python thread at a lower one would hold the GIL they wait for.
     assert seen["main"][1] == 0
     # TensorFlow's threads, started at nice 10, computed a share of the passes.
-    niced = [ticks for nice, ticks in seen["threads"].values() if nice == 10]
+    niced = [ticks for nice, ticks, _ in seen["threads"].values() if nice == 10]
     assert len(niced) >= 2 and sum(niced) >= 5, seen["threads"]
+    if seen["restores"]:  # and after the job they serve at its priority whatever runs TensorFlow next
+        assert {closed for _, _, closed in seen["threads"].values()} == {0}

@@ -1,6 +1,7 @@
 """The center x̃ on the driver at Caffe's cadence: the display line, the tests on the solver's test nets, the snapshots (with the workers' solver histories), TensorBoard's scalars and the plot's points."""
 
 import concurrent.futures
+import contextlib
 import contextvars
 import logging
 import os
@@ -79,6 +80,7 @@ class DriverTests:
     def __init__(self, ds):
         self.nice, self.threads = ds.test_nice if sys.platform.startswith("linux") else 0, ds.test_threads
         self.started = []  # the threads the build started (Linux thread ids): the passes' compute
+        self.base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if self.nice else 0  # the caller's
         self.passes, self.seconds, self.cpu = 0, 0.0, 0.0
 
     def build(self, work):
@@ -120,6 +122,15 @@ class DriverTests:
         self.passes, self.seconds = self.passes + 1, self.seconds + time.monotonic() - started
         self.cpu += time.thread_time() + self.thread_cpu() - cpu
         return result
+
+    def close(self):
+        """The threads the build started back at the caller's priority, where this process may raise it again
+        (root, or RLIMIT_NICE): they serve whatever runs TensorFlow in this process after the job (a notebook's
+        next cell, the next test); elsewhere they keep test_nice."""
+        for tid in self.started:
+            with contextlib.suppress(OSError):  # PermissionError, or the thread has ended
+                os.setpriority(os.PRIO_PROCESS, tid, self.base)
+        self.started = []
 
     def cost(self, wall):
         """The log's line of what the passes cost, over a job of `wall` seconds."""
@@ -186,6 +197,7 @@ class CenterCadence:
         if self.passes is not None:
             if self.passes.passes:
                 log.info(self.passes.cost(time.monotonic() - self.started))
+            self.passes.close()
             self.passes = None
         if self.evaluator is not None:
             self.evaluator.close()
