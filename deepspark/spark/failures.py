@@ -80,11 +80,11 @@ def task_cause(message):
 
 
 def failed_tasks(sc, group, seen):
-    """Spark's tasks of job group `group` that failed since the last call, as [(partition, cause)] in the order
-    they failed; `seen` ({stage: (attempt, failed tasks of it seen)}, updated) is what earlier calls saw. Every
-    attempt of a stage is read, a barrier stage's reruns among them: Spark's status store has a failed task
-    before the attempt after it (its listener's events come in order). A look Spark cannot answer (its context
-    stopping) returns what it read: the rest is read by the next."""
+    """Spark's tasks of job group `group` that failed since the last call, as [(partition, cause, (stage,
+    attempt))], each stage attempt's in the order they ended; `seen` ({stage: (attempt, failed tasks of it seen)},
+    updated) is what earlier calls saw. Every attempt of a stage is read, a barrier stage's reruns among them:
+    Spark's status store has a failed task before the attempt after it (its listener's events come in order). A
+    look Spark cannot answer (its context stopping) returns what it read: the rest is read by the next."""
     tracker = sc.statusTracker()
     found = []
     try:
@@ -97,7 +97,7 @@ def failed_tasks(sc, group, seen):
                 read = []
                 while True:
                     tasks = stage_failures(sc, stage_id, attempt, count)
-                    read += tasks
+                    read += [(partition, cause, (stage_id, attempt)) for _, partition, cause in sorted(tasks)]
                     if attempt == stage.currentAttemptId:
                         break
                     attempt, count = attempt + 1, 0
@@ -109,7 +109,8 @@ def failed_tasks(sc, group, seen):
 
 
 def stage_failures(sc, stage_id, attempt, offset):
-    """[(partition, cause)] of the failed tasks of attempt `attempt` of stage `stage_id`, past the first `offset`."""
+    """[(when it ended (ms), partition, cause)] of the failed tasks of attempt `attempt` of stage `stage_id`, past
+    the first `offset` (by task id)."""
     v1 = sc._jvm.org.apache.spark.status.api.v1
     statuses = sc._jvm.java.util.ArrayList()
     statuses.add(v1.TaskStatus.FAILED)
@@ -117,5 +118,7 @@ def stage_failures(sc, stage_id, attempt, offset):
     out = []
     for task in map(tasks.apply, range(tasks.size())):
         message = task.errorMessage()
-        out.append((task.index(), task_cause(message.get() if message.isDefined() else "")))
+        ran = task.duration()
+        ended = task.launchTime().getTime() + (ran.get() if ran.isDefined() else 0)
+        out.append((ended, task.index(), task_cause(message.get() if message.isDefined() else "")))
     return out

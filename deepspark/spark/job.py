@@ -220,7 +220,7 @@ class Job:
             # a task fails (a barrier ResultStage fails the job instead).
             return (done.repartition(1) if barrier else done).collect()
 
-        return self.watch(tasks)
+        return self.watch(tasks, barrier)
 
     def run_rounds(self, task, train_round, update_center):
         """Rounds without an exchanger (spark/rounds.py): the center broadcast, `train_round(trainer, steps)` on
@@ -247,12 +247,13 @@ class Job:
                               resume_iteration=self.start_iter, history_sets=self.history_sets,
                               histories=self.resume_histories).start()
 
-    def watch(self, run_tasks):
-        """Run `run_tasks()` (the Spark job) and follow the workers through the exchanger (Watch), their failures
-        counted against the job's budget; its result."""
+    def watch(self, run_tasks, barrier=False):
+        """Run `run_tasks()` (the Spark job, in a barrier stage or not) and follow the workers through the exchanger
+        (Watch), their failures counted against the job's budget; its result."""
         self.watched = Watch(self.sc, self.server, self.cadence, self.workers, schedule.stop_iteration(self.param),
                              self.ds.connect_timeout, batch_size(self.graph), budget=Budget(Limits.of(self.ds)),
-                             stops=setting(self.sc, "spark.task.maxFailures") == str(WATCHED_ATTEMPTS))
+                             stops=setting(self.sc, "spark.task.maxFailures") == str(WATCHED_ATTEMPTS),
+                             barrier=barrier)
         return self.watched.run(run_tasks)
 
     # -- the run ----------------------------------------------------------------

@@ -58,6 +58,10 @@ class Watch:
     # Whether a spent budget stops the job: not where Spark's own count does (its attempts as max_failures: a
     # caller's context, max_failures 1, average), which says its own line.
     stops: bool = True
+    # A barrier stage (sync): one task's failure ends the attempt, and a peer's failure in it (its round cut short)
+    # is that one's consequence, not counted; the stage attempts whose failure has been counted.
+    barrier: bool = False
+    charged: set = dataclasses.field(default_factory=set)
 
     def run(self, run_tasks):
         """Run `run_tasks()` (the Spark job) in a thread and follow the workers until it ends: progress,
@@ -205,9 +209,16 @@ class Watch:
                 self.budget.trained(wid)
             if s.get("connections", 1) == self.connections.get(wid, 1) and s.get("seconds_since_exchange") is not None:
                 self.exchanged_at[wid] = now - s["seconds_since_exchange"]
-        for wid, cause in failed_tasks(self.sc, self.group, self.seen):
+        for wid, cause, attempt in failed_tasks(self.sc, self.group, self.seen):
             iteration = stats.get(wid, {}).get("iteration", 0)
             self.marks[wid] = stats.get(wid, {}).get("exchanges", 0)
+            if self.barrier and attempt in self.charged:
+                outage = self.outages.lost(wid, self.exchanged_at.get(wid, now), iteration) or self.outages.open[wid]
+                outage.said = True
+                log.warning(f"Worker {wid} lost at iteration {outage.iteration}, {now - self.began:.1f}s into the job: "
+                            f"{cause} (with its barrier stage's attempt, which another's failure ended: not counted)")
+                continue
+            self.charged.add(attempt)
             stop = self.budget.fail(wid, now, cause)
             opened = self.outages.lost(wid, self.exchanged_at.get(wid, now), iteration)
             outage = opened or self.outages.open[wid]  # open already: it failed again before it rejoined
