@@ -94,8 +94,15 @@ class DriverTests:
         before = set(os.listdir("/proc/self/task"))
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepspark-tests") as pool:
             built = pool.submit(contextvars.copy_context().run, lowered).result()
-        self.started = [int(t) for t in set(os.listdir("/proc/self/task")) - before]  # the pool's own has ended
+        # Those it started (the pool's own has ended); not one another thread started meanwhile, at its own nice.
+        self.started = [int(t) for t in set(os.listdir("/proc/self/task")) - before if self.at_nice(int(t))]
         return built
+
+    def at_nice(self, tid):
+        try:
+            return os.getpriority(os.PRIO_PROCESS, tid) == self.nice
+        except OSError:  # ended since
+            return False
 
     def line(self):
         threads = f"{self.threads} thread{'s' * (self.threads != 1)}" if self.threads else "the backend's threads"
