@@ -278,7 +278,7 @@ class Model(base.Model):
             variable.assign(self._store(i, array))
 
 
-def direct_call(concrete, feeds):
+def direct_call(concrete, feeds, single_threaded=None):
     """`concrete`, a traced pass of {top: tensor} (the tops of `feeds`) -> {blob: tensor}, as a function of
     {top: float32 array} (checked: base.Model.feed) -> {blob: array}, run by TensorFlow's executor directly.
 
@@ -294,6 +294,7 @@ def direct_call(concrete, feeds):
     on the caller's thread, without the hand-off (measured on MTCNN at batch 1: R-Net's call 6% faster on an
     idle machine, 12 to 19% on a loaded one). It refuses control flow and asynchronous kernels before running
     any, with a FailedPreconditionError at the first call: the default executor runs that pass from then on.
+    single_threaded: try it (True), never (False), or where TensorFlow has one inter-op thread on the CPU (None).
     """
     tops = tf.nest.flatten({top: top for top in feeds})
     outputs = {name: name for name in concrete.structured_outputs}
@@ -302,7 +303,8 @@ def direct_call(concrete, feeds):
     captured = list(concrete.captured_inputs)
     ctx = eager_context.context()
     float32 = tf.float32.as_datatype_enum
-    inline = tf.config.threading.get_inter_op_parallelism_threads() == 1 and runtime.device() == "CPU"
+    inline = single_threaded if single_threaded is not None else (
+        tf.config.threading.get_inter_op_parallelism_threads() == 1 and runtime.device() == "CPU")
     proven = False  # a call has run: an error now is the pass's own
 
     def run(inputs, single):
