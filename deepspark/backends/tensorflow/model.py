@@ -291,8 +291,8 @@ def direct_call(concrete, feeds, single_threaded=None):
 
     With one inter-op thread on the CPU, TensorFlow's executor runs the kernels one at a time on that thread
     while the caller waits; its single-threaded executor runs the same kernels, in the same order of data,
-    on the caller's thread, without the hand-off (measured on MTCNN at batch 1: R-Net's call 6% faster on an
-    idle machine, 12 to 19% on a loaded one). It refuses control flow and asynchronous kernels before running
+    on the caller's thread, without the hand-off (measured on MTCNN at batch 1: R-Net's call 8% faster at a
+    load average of 4 on 2 cores, 19% at 16). It refuses control flow and asynchronous kernels before running
     any, with a FailedPreconditionError at the first call: the default executor runs that pass from then on.
     single_threaded: try it (True), never (False), or where TensorFlow has one inter-op thread on the CPU (None).
     """
