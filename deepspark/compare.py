@@ -276,12 +276,12 @@ def xavier_where_constant(model, params, seed, out=None):
 
 
 def unit_batch_norm(model, params):
-    """Untrained BatchNorm statistics as mean 0, variance 1 (the fillers' zeros make a TEST pass
-    divide by sqrt(eps), which overflows a deep net to inf)."""
+    """Untrained BatchNorm (and BatchNormKyle) statistics as mean 0, variance 1 (the fillers' zeros make a
+    TEST pass divide by sqrt(eps), which overflows a deep net to inf)."""
     params = list(params)
     for layer in model.graph.layers:
-        if layer.type == "BatchNorm":
-            mean, variance, factor = layer.blob_params
+        if layer.type in ("BatchNorm", "BatchNormKyle"):
+            mean, variance, factor = layer.blob_params[:3]
             params[mean] = np.zeros_like(params[mean])
             params[variance] = np.ones_like(params[variance])
             params[factor] = np.ones_like(params[factor])

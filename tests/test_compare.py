@@ -102,6 +102,23 @@ def test_a_deploy_net_without_fillers_is_compared_on_weights_that_mean_something
     assert ip2 and 0 < float(ip2.group(2)) < 1e-4, out  # a real, small difference, not a vacuous 0
 
 
+KYLE_NET = """
+layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 dim: 2 dim: 2 } } }
+layer { name: "bn" type: "BatchNormKyle" bottom: "x" top: "y" batch_norm_param { use_alpha_beta: true } }
+"""
+
+
+def test_an_untrained_batch_norm_kyle_is_compared_with_unit_statistics():
+    """Its fillers' zero statistics would make the TEST pass x / sqrt(eps); both backends agree on x / sqrt(1 + eps)."""
+    x = np.random.default_rng(3).normal(size=(2, 3, 2, 2)).astype(np.float32)
+    models = compare.build(["caffe", "tensorflow"], parse_net(KYLE_NET)[0])
+    try:
+        for name, model in models.items():
+            np.testing.assert_allclose(model.forward({"x": x})["y"], x / np.sqrt(1 + 1e-5), rtol=1e-5, err_msg=name)
+    finally:
+        compare.close_all(models)
+
+
 def test_compare_train_val_with_data_layers_and_no_lmdb_uses_the_deploy_shapes():
     status, out, err = run_compare("--model", "models/cifar10_full/train_val.prototxt", "--batch-size", "2")
     assert status == 0, out + err
