@@ -205,13 +205,14 @@ SCALES = """
 input: "data" input_shape { dim: 1 dim: 4 dim: 6 dim: 5 }
 layer { name: "channels" type: "Scale" bottom: "data" top: "channels" scale_param { bias_term: true } }
 layer { name: "shift" type: "Bias" bottom: "channels" top: "shift" }
+layer { name: "bn" type: "BatchNormKyle" bottom: "shift" top: "bn" batch_norm_param { use_alpha_beta: true } }
 layer { name: "map" type: "Scale" bottom: "data" top: "map" scale_param { axis: 2 num_axes: 2 } }
 """
 
 
 def test_a_scale_over_the_channels_serves_any_size_and_one_over_the_map_fixes_it():
     """Scale and Bias serve any size where their blob covers the channels alone (ResNet's Scale after
-    BatchNorm); a blob over height and width was made for one size, which Caffe would refuse to reshape."""
+    BatchNorm), as BatchNormKyle's alpha and beta do; a blob over height and width was made for one size, which Caffe would refuse to reshape."""
     from deepspark.backends.tensorflow.compiler import size_fixers
 
     net, source = parse_net(SCALES)

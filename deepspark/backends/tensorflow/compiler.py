@@ -16,7 +16,7 @@ from deepspark.graph import canonical_axis, spec
 SIZE_FREE = frozenset({
     "Input", "Convolution", "Deconvolution", "Pooling", "Crop", "ReLU", "PReLU", "Sigmoid", "TanH", "AbsVal", "ELU",
     "BNLL", "Power", "Exp", "Log", "Threshold", "Clip", "Swish", "Softmax", "Concat", "Dropout", "Split", "Eltwise",
-    "LRN", "MVN", "BatchNorm", "Silence",
+    "LRN", "MVN", "BatchNorm", "BatchNormKyle", "Silence",
 })
 # Scale and Bias multiply or add an operand (a blob, or a second bottom) over axes axis..axis+rank: free of
 # the size where it covers no more than the channels.
