@@ -51,6 +51,13 @@ def _parse(text, message, filename):
 
 
 _NO_FIELD = re.compile(r'Message type "deepspark\.(\w+)" has no field named "(\w+)"')
+# weiliu89/caffe's SSD TransformationParameter fields that the bundled fork (brocolli-caffe) lacks: an SSD
+# prototxt written for weiliu89's carries them, and the bare "unknown field" would not say what to write instead.
+_WEILIU89_FIELDS = {
+    "resize_param": "the bundled fork names it 'old_resize_param' (WARP only)",
+    "distort_param": "the bundled fork has no photometric distortion: remove it",
+    "expand_param": "the bundled fork has no expansion: remove it",
+}
 
 
 def _parse_error(error, text, message, filename):
@@ -61,6 +68,8 @@ def _parse_error(error, text, message, filename):
     if known:
         owner, field = known.groups()
         detail = f"unknown field '{field}' in {owner}"
+        if owner == "TransformationParameter" and field in _WEILIU89_FIELDS:
+            detail += f" ('{field}' is weiliu89/caffe's SSD field; {_WEILIU89_FIELDS[field]})"
         if owner == "NetParameter" and field in pb.SolverParameter.DESCRIPTOR.fields_by_name:
             detail = (f"this is a solver prototxt ('{field}' is a solver field), where a net is expected; "
                       "give the net it names, or the model folder")

@@ -191,6 +191,15 @@ def test_unknown_field_names_field_and_line():
     assert message.startswith("net.prototxt:4:3: ") and "unknown field 'colour' in LayerParameter" in message
 
 
+@pytest.mark.parametrize("field, hint", [("resize_param", "names it 'old_resize_param'"),
+                                         ("distort_param", "no photometric distortion"),
+                                         ("expand_param", "no expansion")])
+def test_weiliu89_transform_fields_say_what_the_bundled_fork_has(field, hint):
+    message = error_of(f'layer {{\n  name: "d"\n  type: "Input"\n  transform_param {{ {field} {{ }} }}\n}}\n')
+    assert message.startswith("net.prototxt:4:21: unknown field '" + field + "' in TransformationParameter")
+    assert "weiliu89/caffe's SSD field" in message and hint in message and "\n" not in message
+
+
 def test_unknown_layer_type_is_one_line_naming_it_where_it_is_used():
     message = error_of(input_layer((1, 2)) + '\nlayer {\n  name: "w"\n  type: "Wobble"\n  bottom: "data"\n'
                        '  top: "w"\n}\n')
