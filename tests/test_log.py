@@ -67,6 +67,30 @@ def test_two_runs_at_once_each_keep_their_own_lines(tmp_path):
         assert said == [f"{name} {i}" for i in range(20)]
 
 
+def test_an_exchange_servers_lines_go_to_the_log_of_the_run_that_started_it(tmp_path):
+    """Its accept and connection threads carry the run's context: a refusal is said in its run's train.log, not
+    in the newest open one (a second run in the process)."""
+    import socket
+
+    import numpy as np
+
+    from deepspark.algorithms.easgd import EasgdHandler
+    from deepspark.exchange import ExchangeServer
+
+    with Log(train_log(str(tmp_path / "a")), stream=io.StringIO()):
+        server = ExchangeServer(np.zeros(4, np.float32), b"secret", EasgdHandler(0.5), handshake_timeout=0.2).start()
+        newer = Log(train_log(str(tmp_path / "b")), stream=io.StringIO())
+        try:
+            with socket.create_connection(server.address, timeout=10) as silent:  # refused: its handshake times out
+                while silent.recv(4096):
+                    pass
+        finally:
+            server.stop()
+            newer.close()
+    assert "refused" in (tmp_path / "a" / "train.log").read_text()
+    assert "refused" not in (tmp_path / "b" / "train.log").read_text()
+
+
 def test_a_single_runs_train_log_holds_its_modules_lines_as_its_console_shows_them(tmp_path, capsys):
     """`deepspark train --algorithm single` in this process: the engine's and the nets' lines, each a glog line,
     the same in train.log as on stderr; and once the run ends, its train.log takes no more."""

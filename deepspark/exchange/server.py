@@ -1,6 +1,7 @@
 """ExchangeServer: holds the center x̃ and serves every worker's connection (handshake, frames, bookkeeping) for one handler."""
 
 import array
+import contextvars
 import fcntl
 import logging
 import math
@@ -123,8 +124,10 @@ class ExchangeServer:
         sock = socket.create_server((self._host, self._port), backlog=64)
         sock.settimeout(0.2)  # the accept loop notices stop() within this
         self._listener = sock
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="exchange-accept",
-                                               daemon=True)
+        # Its threads carry the run's context, so that their lines go to the run's own Log (log.current), not to
+        # the newest open one where two runs share the process.
+        self._accept_thread = threading.Thread(target=contextvars.copy_context().run, args=(self._accept_loop,),
+                                               name="exchange-accept", daemon=True)
         self._accept_thread.start()
         log.info(f"exchange server on {self.address[0]}:{self.address[1]}, {self._center.size} parameters")
         return self
@@ -235,7 +238,8 @@ class ExchangeServer:
             self._flooded = time.monotonic()
             self._note_refused(old.conn.peer, reason)  # noted before the peer sees the close
             old.close_unanswered()
-        t = threading.Thread(target=session.run, name=f"exchange-{peer[0]}:{peer[1]}", daemon=True)
+        t = threading.Thread(target=contextvars.copy_context().run, args=(session.run,),
+                             name=f"exchange-{peer[0]}:{peer[1]}", daemon=True)
         with self._books:
             self._conns.add((sock, t))
         try:
