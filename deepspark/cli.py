@@ -158,7 +158,6 @@ def cmd_plan(args):
 
 def cmd_export(args):
     inputs, outputs = export.export(args.model, args.weights, args.output, overwrite=args.overwrite,
-                                    warn=lambda line: print(f"warning: {line}", file=sys.stderr),
                                     **fields_of(args, pb.ExportParameter))
     takes = ", ".join(f"{name} ({'x'.join(str(d or 'N') for d in shape)} float32)" for name, shape in inputs.items())
     print(f"Wrote the SavedModel {args.output}: signature '{export.SIGNATURE}' takes {takes} and gives "

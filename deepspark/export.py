@@ -11,8 +11,8 @@ what the deploy net's Input layer takes: the training's transform_param (its
 scale, mean and crop) is the caller's to apply, as with pycaffe's Net.
 """
 
+import logging
 import os
-import warnings
 
 from deepspark import checkpoint, nets
 from deepspark.backends import create_model
@@ -21,16 +21,18 @@ from deepspark.data import lmdb_io
 from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 SIGNATURE = "serving_default"
 
 
-def export(model_path, weights, output, overwrite=False, warn=warnings.warn, **options):
+def export(model_path, weights, output, overwrite=False, **options):
     """Write the SavedModel of the deploy net at `model_path` (a file or a model folder) with the parameters
     of the .caffemodel `weights` to the folder `output` (under a temporary name, renamed when complete);
     returns ({input: shape, its batch None and "any" where any size goes}, [output names]).
 
     options: ExportParameter fields by name. A layer with parameters that the weights do not name would serve
-    its fillers' values (zeros, mostly): refused, unless allow_uncovered, which calls `warn` with the same line
+    its fillers' values (zeros, mostly): refused, unless allow_uncovered, which logs the same line as a warning
     instead."""
     allow_uncovered = set_fields(pb.ExportParameter(), options).allow_uncovered
     net, source = nets.deploy_net(model_path, "export")
@@ -60,7 +62,7 @@ def export(model_path, weights, output, overwrite=False, warn=warnings.warn, **o
             raise ConfigError(uncovered + " (--allow-uncovered exports them with those values, and says so)",
                               weights)
         if uncovered:
-            warn(f"{weights}: {uncovered}")
+            log.warning(f"{weights}: {uncovered}")
         model.set_params(checkpoint.weights_for(model.graph, layers, model.get_params(), weights))
         module = model.serving_module()
         tf.saved_model.save(module, tmp, signatures={SIGNATURE: module.serve.get_concrete_function()})

@@ -49,8 +49,8 @@ def test_export_refuses_weights_that_lack_a_layer_of_the_net(tmp_path):
     status, printed, err = run_cli("export", "--model", LENET, "--weights", renamed, "--output", str(out),
                                    "--allow-uncovered")
     assert status == 0 and out.exists(), err[-2000:]
-    assert [line for line in err.splitlines() if line.startswith("warning: ")] == [
-        f"warning: {renamed}: the weights lack 1 of the net's 4 layers with parameters ('ip2'), which would serve "
+    assert [line.split("] ", 1)[1] for line in err.splitlines() if line.startswith("W")] == [
+        f"{renamed}: the weights lack 1 of the net's 4 layers with parameters ('ip2'), which would serve "
         "their fillers' values, not trained ones"], err[-2000:]
     assert printed.startswith(f"Wrote the SavedModel {out}")
 
