@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -71,6 +72,22 @@ def start_runs(solvers, **knobs):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT},
                             start_new_session=True)
 
+
+def kill_while_training(driver, train_log, max_iter, kills, seed, window, timeout, wait, say=None):
+    """tools/chaos.py's harness on `driver`'s job (a process from start_runs or start_training, its log at
+    `train_log`): `kills` seeded kills within `window` (fractions of max_iter), the harness giving up after
+    `timeout` s, the driver awaited `wait` s; (stdout, stderr, the harness's kills). A driver still running
+    at the end, however it ends, is killed with its process group."""
+    harness = chaos.Chaos(None, kills, seed, log=chaos.DriverLog(str(train_log), max_iter), window=window,
+                          ended=lambda: driver.poll() is not None, timeout=timeout, say=say)
+    try:
+        harness.start()
+        stdout, stderr = driver.communicate(timeout=wait)
+        return stdout, stderr, harness.join(10)
+    finally:
+        harness.stop()
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
 
 def workers_done(log):
     return sorted(int(w) for w in re.findall(r"Worker (\d+) on \S+ \(in [^)]*\): \d+ iterations", log))

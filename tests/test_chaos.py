@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sparkjobs import chaos, cluster, final_accuracy, start_runs, start_training, workers_done
+from sparkjobs import chaos, cluster, final_accuracy, kill_while_training, start_runs, start_training, workers_done
 from synthetic import make_job
 
 pytestmark = pytest.mark.spark
@@ -44,18 +44,10 @@ def unharmed_and_harmed(tmp_path, seed, algorithm):
     # the barrier stage's attempt instead, and Spark's spark.stage.maxConsecutiveAttempts (4 by default)
     # allows three reruns: a fourth kill fails the job whatever max_failures says.
     driver = start_runs(solvers, workers=2, max_failures=4, algorithm=algorithm)
-    log = chaos.DriverLog(str(tmp_path / "harmed" / "out" / "train.log"), MAX_ITER[algorithm])
     said = []  # the harness's own lines (each kill, each rejoin, a kill not made and why), first in a failure
-    harness = chaos.Chaos(None, KILLS, seed, log=log, window=KILLS_WINDOW, ended=lambda: driver.poll() is not None,
-                          timeout=300, say=lambda line: said.append(f"{time.time():.2f} {line}"))
-    try:
-        harness.start()
-        _, stderr = driver.communicate(timeout=900)
-        kills = harness.join(10)
-    finally:
-        harness.stop()
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
+    _, stderr, kills = kill_while_training(driver, tmp_path / "harmed" / "out" / "train.log", MAX_ITER[algorithm],
+                                           KILLS, seed, KILLS_WINDOW, timeout=300, wait=900,
+                                           say=lambda line: said.append(f"{time.time():.2f} {line}"))
     logs = [(tmp_path / name / "out" / "train.log").read_text() for name in ("unharmed", "harmed")]
     return driver.returncode, stderr, *logs, Kills(kills, said)
 

@@ -10,7 +10,7 @@ import pytest
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.budget import Budget, Limits, Outages
 
-from sparkjobs import chaos, start_training, workers_done
+from sparkjobs import kill_while_training, start_training, workers_done
 from synthetic import make_job
 
 CRASH = "SparkException: Python worker exited unexpectedly (crashed)"
@@ -95,17 +95,9 @@ def test_a_worker_killed_more_times_than_max_failures_rejoins_each_time_and_the_
     one worker ended it. Now it counts failures in a row without training, and the worker trains between kills."""
     solver = make_job(tmp_path, max_iter=KILLED_MAX_ITER, test_interval=KILLED_MAX_ITER, workers=1)
     driver = start_training(solver, "--max-failures", "2")
-    log = chaos.DriverLog(str(tmp_path / "out" / "train.log"), KILLED_MAX_ITER)
     said = []
-    harness = chaos.Chaos(None, 3, 5, log=log, window=(0.05, 0.5), ended=lambda: driver.poll() is not None,
-                          timeout=120, say=said.append).start()
-    try:
-        _, stderr = driver.communicate(timeout=300)
-        kills = harness.join(10)
-    finally:
-        harness.stop()
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
+    _, stderr, kills = kill_while_training(driver, tmp_path / "out" / "train.log", KILLED_MAX_ITER, 3, 5, (0.05, 0.5),
+                                           timeout=120, wait=300, say=said.append)
     text = (tmp_path / "out" / "train.log").read_text()
     assert driver.returncode == 0, (said, stderr[-3000:])
     assert len(kills) == 3 and all(k.rejoined_at for k in kills), (said, text[-3000:])

@@ -2,9 +2,7 @@
 
 import collections
 import json
-import os
 import re
-import signal
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from deepspark.data.feeder import DataFeeder
 from deepspark.data.resume import BLOCKS
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark import executor
-from sparkjobs import chaos, cluster, start_runs
+from sparkjobs import cluster, kill_while_training, start_runs
 from synthetic import make_job
 
 SIZE, BATCH = 42, 4  # 21 batches are two epochs exactly: a batch spans the seam between epochs
@@ -106,17 +104,8 @@ def test_a_killed_workers_replacement_on_a_standalone_cluster_is_forked_with_ten
         solver = make_job(tmp_path / "job", max_iter=CLUSTER_MAX_ITER, test_interval=CLUSTER_MAX_ITER,
                           connect_timeout=120)
         driver = start_runs([solver], workers=2, master=master, max_failures=4)
-        log = chaos.DriverLog(str(tmp_path / "job" / "out" / "train.log"), CLUSTER_MAX_ITER)
-        harness = chaos.Chaos(None, 1, 5, log=log, window=(0.1, 0.3), ended=lambda: driver.poll() is not None,
-                              timeout=300)
-        try:
-            harness.start()
-            stdout, stderr = driver.communicate(timeout=600)
-            kills = harness.join(10)
-        finally:
-            harness.stop()
-            if driver.poll() is None:
-                os.killpg(driver.pid, signal.SIGKILL)
+        stdout, stderr, kills = kill_while_training(driver, tmp_path / "job" / "out" / "train.log", CLUSTER_MAX_ITER,
+                                                    1, 5, (0.1, 0.3), timeout=300, wait=600)
         text = (tmp_path / "job" / "out" / "train.log").read_text()
         assert driver.returncode == 0, stderr[-3000:]
         assert len(kills) == 1 and kills[0].rejoined_at, text[-3000:]
