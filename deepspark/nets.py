@@ -125,6 +125,29 @@ def trainer(solver, *, shard=0, num_shards=1, seed_offset=None, threads=None, ev
     return engine.Trainer(solver, model, feeders, tests)
 
 
+def carry_on(trainer, batches):
+    """Move the trainer's train feeders on `batches` batches without reading them (Resumable.skip), each epoch's
+    order and each batch's crops and mirrors drawn on the way as reading them drew them (the same seed): where
+    the same feeders stood after reading them. The names of those that cannot move on (they read from their
+    shard's start)."""
+    return [feeder.name for feeder in trainer.feeders if not feeder.skip(batches)]
+
+
+def resume_order(run):
+    """A resumed single run's train feeders moved on to where the uninterrupted run's stood at its iteration
+    (iteration x iter_size batches in), so that it reads the batches that run would have read next; in Caffe's
+    order (data_order SOURCE, a single run's default) they read from their shard's start, as Caffe's restore
+    does, so that a resumed run stays comparable with pycaffe's."""
+    if not train_order(run.param.deepspark_param, spark=False):
+        return
+    batches = run.iter * run.model.iter_size
+    stuck = carry_on(run, batches)
+    epochs = sorted({feeder.epoch for feeder in run.feeders})
+    log.info(f"Data order: carried on at iteration {run.iter}, {batches} batches in (epoch "
+             f"{', '.join(map(str, epochs))})"
+             + (f"; {', '.join(stuck)} cannot move on and read from the shard's start" if stuck else ""))
+
+
 def place(solver):
     """Caffe's solver_mode and device_id, before the backend builds a net in this process: a solver that says
     `solver_mode: GPU` (every BVLC solver does) runs on GPU device_id, and one line says where, or that there
@@ -155,6 +178,7 @@ def train(solver, weights=None, snapshot=None):
                 run.load_weights(weights)
             if snapshot:
                 run.restore(snapshot)
+                resume_order(run)
             results = run.solve()
             arrays = checkpoint.layer_blobs(run.model.graph, run.model.get_params())
         finally:

@@ -12,13 +12,16 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from deepspark import nets
+from google.protobuf import text_format
+
+from deepspark import checkpoint, nets
 from deepspark.config import load_solver, override
-from deepspark.data import encode_datum
+from deepspark.data import encode_datum, feeder_for
+from deepspark.data.resume import BLOCKS
 from deepspark.data.sources import write_records
 from deepspark.log import Log
 from deepspark.proto import deepspark_pb2 as pb
-from synthetic import NET, SOLVER
+from synthetic import NET, SOLVER, make_lmdb
 
 RECORDS = 60  # each record's label is its number: a batch's labels say which records it holds
 
@@ -90,6 +93,39 @@ def test_a_single_runs_default_order_is_caffes_and_source_is_asked_on_spark(tmp_
     assert (epochs_seen(solver_at(tmp_path, train), 2, spark=False, log=log) == in_order).all()
     assert order_lines(log) == ["Data order: as the source (Caffe's)"]
     assert (epochs_seen(solver_at(tmp_path, train, data_order="source"), 2, spark=True) == in_order).all()
+
+
+def test_a_data_feeder_moved_on_reads_what_the_one_that_read_them_reads_next_crops_and_mirrors_too(tmp_path):
+    train = numbered(tmp_path / "train_lmdb")
+    layer = text_format.Parse(f'name: "data" type: "Data" top: "data" top: "label" transform_param {{ mirror: true '
+                              f'crop_size: 5 }} data_param {{ source: "{train}" batch_size: 7 backend: LMDB }}',
+                              pb.LayerParameter())
+    read, moved = (feeder_for(layer, pb.TRAIN, seed=9, shuffle=BLOCKS) for _ in range(2))
+    for _ in range(20):  # 140 records of 60: into the third epoch
+        read.next_batch()
+    assert moved.skip(20) and moved.epoch == read.epoch == 2
+    for _ in range(10):
+        ours, theirs = moved.next_batch(), read.next_batch()
+        assert all(np.array_equal(ours[top], theirs[top]) for top in ours)
+
+
+def test_a_resumed_single_run_reads_on_in_its_shuffled_order_and_ends_where_the_uninterrupted_one_does(tmp_path):
+    """A shuffled single run of 10 iterations snapshotted at 5, and a run resumed from that snapshot: the same final
+    weights (on TensorFlow, which computes the same steps from the same batches), its log saying where it carried on;
+    one that read epoch 0's order again would differ."""
+    train = make_lmdb(tmp_path / "train_lmdb", RECORDS)  # labels 0 and 1, for the net's softmax
+    solver = solver_at(tmp_path, train, data_order="shuffled", backend="tensorflow")
+    solver.param.snapshot = 5
+    nets.train(override(solver, output=str(tmp_path / "whole")))
+    resumed = override(solver_at(tmp_path, train, data_order="shuffled", backend="tensorflow"),
+                       output=str(tmp_path / "resumed"))
+    nets.train(resumed, snapshot=str(tmp_path / "whole" / "tiny_iter_5.solverstate"))
+    assert "Data order: carried on at iteration 5, 5 batches in (epoch 0)" in (tmp_path / "resumed" / "train.log").read_text()
+    whole = checkpoint.read_caffemodel(str(tmp_path / "whole" / "tiny_iter_10.caffemodel"))
+    again = checkpoint.read_caffemodel(str(tmp_path / "resumed" / "tiny_iter_10.caffemodel"))
+    for (name, ours), (_, theirs) in zip(again, whole, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 # A Python layer that passes the labels on, and appends each batch's to a file of its process's (one per worker).

@@ -77,15 +77,15 @@ def test_a_replacement_trainer_carries_on_the_shard_where_the_lost_worker_stood(
         for _ in range(7):  # 70 records of 30: into its third epoch
             lost.step()
         replacement.model.iter = lost.model.iter  # as join_center sets it from the exchanger
-        assert executor.carry_on(1, replacement, 0) == 7
+        assert executor.carry_on(1, replacement) == 7
         assert [f.epoch for f in replacement.feeders] == [f.epoch for f in lost.feeders] == [2]
         for _ in range(3):
             ours, theirs = engine.next_batch(replacement.feeders), engine.next_batch(lost.feeders)
             assert all(np.array_equal(ours[top], theirs[top]) for top in ours)
-        # A resumed job's workers started at its start iteration, their feeders at the shard's start.
+        # A resumed job's worker joins at the snapshot's iteration and carries on there too, not at epoch 0.
         again = nets.trainer(solver, seed_offset=1, evaluate=False, spark=True)
         again.model.iter = 10
-        assert executor.carry_on(1, again, 10) == 0 and again.feeders[0].epoch == 0
+        assert executor.carry_on(1, again) == 10 and again.feeders[0].epoch == 3  # 100 records of 30
         again.close()
     finally:
         lost.close()

@@ -156,8 +156,9 @@ class DataFeeder(Resumable):
         return out
 
     def skip(self, batches):
-        """Resumable's: the positions only, an epoch at most at a time (never a long job's indices at once); not
-        once a prefetch thread reads ahead of the position."""
+        """Resumable's: the positions only, an epoch at most at a time (never a long job's indices at once), and
+        the crops and mirrors those batches drew (so that the next batch draws what it would have); not once a
+        prefetch thread reads ahead of the position."""
         if self._thread is not None:
             return batches == 0
         left = batches * self.batch_size
@@ -165,6 +166,8 @@ class DataFeeder(Resumable):
             take = min(left, self.size)
             self._next_indices(take)
             left -= take
+        for _ in range(batches):  # a batch's draws interleave mirror and offsets: one batch's at a time
+            self.transformer.offsets(self.batch_size, self.source_shape)
         return True
 
     def _assemble(self):

@@ -62,7 +62,7 @@ class Resumable:
     def skip(self, batches):
         """Move on `batches` batches without reading them, to where as many next_batch() calls would leave it
         (each epoch's order drawn on the way): True; False where this kind of feeder cannot, and stays where it
-        is. Its transformer's random draws (crop, mirror) are not replayed."""
+        is. A feeder that can replays its transformer's random draws (crop, mirror) too."""
         return batches == 0
 
     def close(self):

@@ -48,8 +48,7 @@ class Task:
     SolverParameter and train NetParameter; solver_path: for error messages;
     address: (host, port) of the driver's exchanger, None for a job without
     one; secret: the job's exchange secret; threads: compute threads per worker;
-    start_iteration: the iteration the job started at (a resumed job's), where
-    every worker's feeders stood at its shard's start.
+    start_iteration: the iteration the job started at (a resumed job's).
     """
 
     job_id: str
@@ -369,15 +368,15 @@ def join_center(worker, task, model, timeout):
     return client, params, None if held is None else held[0]
 
 
-def carry_on(worker, trainer, start_iteration):
-    """Move a joining worker's feeders to where it stood at the iteration it joins at, (that iteration - the job's
-    `start_iteration`) x iter_size batches into its shard, each epoch's order drawn on the way as its reading drew it
-    (the same seed): a lost worker's replacement carries on its shard from there, not from its start. The batches
-    moved on (0 at the job's start)."""
-    batches = (trainer.model.iter - start_iteration) * trainer.model.iter_size
+def carry_on(worker, trainer):
+    """Move a joining worker's feeders to where it stood at the iteration it joins at, that iteration x iter_size
+    batches into its shard, each epoch's order drawn on the way as its reading drew it (the same seed, nets.carry_on):
+    a lost worker's replacement, and a resumed job's worker, carries on its shard from there, not from its start
+    (epoch 0's order again). The batches moved on (0 at a new job's start)."""
+    batches = trainer.model.iter * trainer.model.iter_size
     if batches <= 0:
         return 0
-    stuck = [feeder.name for feeder in trainer.feeders if not feeder.skip(batches)]
+    stuck = nets.carry_on(trainer, batches)
     epochs = sorted({feeder.epoch for feeder in trainer.feeders})
     log.info(f"worker {worker} carries on its shard at iteration {trainer.model.iter}: {batches} batches in "
              f"(epoch {', '.join(map(str, epochs))})"
@@ -394,7 +393,7 @@ def run(worker, items, task, train, timeout):
     try:
         joining = time.monotonic()
         client, params, restored = join_center(worker, task, model, timeout)
-        carried = carry_on(worker, trainer, task.start_iteration)
+        carried = carry_on(worker, trainer)
         connect_seconds = time.monotonic() - joining
         trainer.on_step = functools.partial(check_finite, worker, client)
         start_iter, started = model.iter, time.monotonic()

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from deepspark import nets
 from deepspark.schedule import stop_iteration
 from deepspark.spark import executor
 from deepspark.spark.failures import failed, first_line
@@ -51,7 +52,7 @@ def run_rounds(job, task, train_round, update_center, draw):
                  f"{handovers}; momentum and data position carried over through the executor's local folder")
     if restarts:
         log.warning(f"Rounds that found no state of their worker's last round (moved to another executor): "
-                    f"{restarts}; each restarted that worker's momentum history and data order")
+                    f"{restarts}; each restarted that worker's momentum history (its data position moved on)")
     return list(workers.values()) or [executor.Summary.here(0, final_iteration=iteration)]
 
 
@@ -129,6 +130,8 @@ def worker_round(worker, items, task, train_round, center, iteration, steps):
         # Another Python worker of this executor ran this worker's last round (PySpark does not
         # keep a partition on one process): go on from the state it left, not from our stale one.
         handed = take_over(trainer, task.job_id, worker, iteration)
+        if not handed and iteration > model.iter:  # a fresh or stale Trainer: its feeders to where the worker stood
+            nets.carry_on(trainer, (iteration - model.iter) * model.iter_size)
     model.set_flat(np.asarray(center, dtype=np.float32))
     model.iter = iteration
     started = time.monotonic()
