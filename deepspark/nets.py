@@ -3,6 +3,7 @@
 import logging
 import time
 
+import numpy as np
 from google.protobuf import text_format
 
 from deepspark import checkpoint, config, detection_eval, engine, upgrade
@@ -102,18 +103,27 @@ def evaluator(solver, threads=None):
     return engine.Evaluator(nets, ap_version)
 
 
-def trainer(solver, *, shard=0, num_shards=1, seed_offset=None, threads=None, evaluate=True, spark=False):
+def worker_seed(seed, rank):
+    """The seed of the feeders of worker `rank` in a job of random_seed `seed`: `seed` itself for worker 0 (and a
+    single run, whose order stays as it was), a 32-bit draw of SeedSequence((seed, rank)) for any other, so that
+    no two (seed, rank) pairs share an order as seed + rank made them (job s's worker 1 read job s+1's worker 0's).
+    None (unseeded) stays None."""
+    if seed is None or rank == 0:
+        return seed
+    return int(np.random.SeedSequence((seed, rank)).generate_state(1)[0])
+
+
+def trainer(solver, *, shard=0, num_shards=1, rank=None, threads=None, evaluate=True, spark=False):
     """A Trainer of the solver's train net on the solver's backend, reading shard `shard` of `num_shards`.
 
-    The feeders are seeded with random_seed + seed_offset (default: + shard), so that
+    The feeders are seeded with worker_seed(random_seed, rank) (rank default: shard), so that
     every worker of a job sees its own order, in data_order's order (train_order: spark, a
     Spark worker's); evaluate: build the test nets too. The log says the order.
     """
     backend, seed = solver.param.deepspark_param.backend, random_seed(solver.param)
     model = create_model(backend, solver.train_net, solver.param, source=solver.train_map, data_shape=source_shape,
                          threads=threads)
-    offset = shard if seed_offset is None else seed_offset
-    seed = None if seed is None else seed + offset
+    seed = worker_seed(seed, shard if rank is None else rank)
     shuffle = train_order(solver.param.deepspark_param, spark)
     try:
         feeders = feeders_for(model, pb.TRAIN, seed=seed, shard=shard, num_shards=num_shards, shuffle=shuffle)

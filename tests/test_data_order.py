@@ -43,11 +43,11 @@ def solver_at(folder, train, **knobs):
     return override(load_solver(str(folder / "solver.prototxt")), **knobs)
 
 
-def epochs_seen(solver, count, spark, shard=1, num_shards=2, log=None):
-    """The labels of `count` epochs of the train feeder of worker `shard` (seeded as that worker), one array each;
-    its trainer's log goes to the file `log` if given."""
+def epochs_seen(solver, count, spark, shard=1, num_shards=2, log=None, rank=None):
+    """The labels of `count` epochs of the train feeder of worker `shard` (seeded as that worker, or as worker
+    `rank`), one array each; its trainer's log goes to the file `log` if given."""
     with Log(str(log) if log else None, stream=io.StringIO(), progress=False):
-        trainer = nets.trainer(solver, shard=shard, num_shards=num_shards, evaluate=False, spark=spark)
+        trainer = nets.trainer(solver, shard=shard, num_shards=num_shards, rank=rank, evaluate=False, spark=spark)
         try:
             (feeder,) = trainer.feeders
             seen = np.concatenate([feeder.next_batch()["label"] for _ in range(count * feeder.size // 10)])
@@ -75,8 +75,9 @@ def test_a_spark_workers_shard_is_shuffled_every_epoch_and_the_seed_repeats_it(t
     log = tmp_path / "train.log"
     epochs = epochs_seen(solver_at(tmp_path, train), 3, spark=True, log=log)
     assert_shuffled_epochs(epochs, range(30, 60))  # shard 1 of 2: the second half
-    assert order_lines(log) == ["Data order: shuffled per epoch (seed 4), blocks of 4 MB of records through a 64 MB shuffle "
-                     "buffer; 'data' 30 records a block, 30 a buffer, of 30"]  # random_seed 3, worker 1
+    seed = nets.worker_seed(3, 1)  # random_seed 3, worker 1
+    assert order_lines(log) == [f"Data order: shuffled per epoch (seed {seed}), blocks of 4 MB of records through a "
+                                "64 MB shuffle buffer; 'data' 30 records a block, 30 a buffer, of 30"]
     assert (epochs_seen(solver_at(tmp_path, train), 3, spark=True) == epochs).all()
     # asked for, a single run shuffles too (seeded as worker 1 here); another seed, another order
     again = epochs_seen(solver_at(tmp_path, train, data_order="shuffled"), 3, spark=False)
@@ -84,6 +85,18 @@ def test_a_spark_workers_shard_is_shuffled_every_epoch_and_the_seed_repeats_it(t
     reseeded = solver_at(tmp_path, train)
     reseeded.param.random_seed = 4
     assert not (epochs_seen(reseeded, 3, spark=True) == epochs).all()
+
+
+def test_adjacent_seeds_give_their_workers_other_orders_and_worker_0_keeps_the_jobs_seed(tmp_path):
+    """Job s's worker 1 and job s+1's worker 0 read one shard in different orders (seed + rank made them the same);
+    worker 0, as a single run, is seeded by random_seed itself."""
+    train = numbered(tmp_path / "train_lmdb")
+    first = epochs_seen(solver_at(tmp_path, train), 2, spark=True, shard=0, num_shards=1, rank=1)
+    following = solver_at(tmp_path, train)
+    following.param.random_seed = 4
+    assert not (epochs_seen(following, 2, spark=True, shard=0, num_shards=1, rank=0) == first).all()
+    assert nets.worker_seed(4, 0) == 4 and nets.worker_seed(None, 1) is None
+    assert len({nets.worker_seed(s, r) for s in range(20) for r in range(20)}) == 400
 
 
 def test_a_single_runs_default_order_is_caffes_and_source_is_asked_on_spark(tmp_path):
@@ -199,7 +212,7 @@ def test_a_dataframe_fed_shard_is_shuffled_every_epoch_on_the_executors(tmp_path
                           timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["24", "24"]
-    assert "Data order: shuffled per epoch (seed 5 + the worker's rank)" in done.stderr
+    assert "Data order: shuffled per epoch (seed 5 and the worker's rank)" in done.stderr
     runs = []
     for run in ("first", "second"):
         seen = {}  # a worker's shard (its records) -> the labels it read, in order

@@ -71,8 +71,8 @@ def test_an_image_list_feeder_moved_on_reads_what_the_one_that_read_them_reads_n
 
 def test_a_replacement_trainer_carries_on_the_shard_where_the_lost_worker_stood(tmp_path):
     solver = load_solver(make_job(tmp_path, train_records=30))
-    lost = nets.trainer(solver, seed_offset=1, evaluate=False, spark=True)
-    replacement = nets.trainer(solver, seed_offset=1, evaluate=False, spark=True)
+    lost = nets.trainer(solver, rank=1, evaluate=False, spark=True)
+    replacement = nets.trainer(solver, rank=1, evaluate=False, spark=True)
     try:
         for _ in range(7):  # 70 records of 30: into its third epoch
             lost.step()
@@ -83,7 +83,7 @@ def test_a_replacement_trainer_carries_on_the_shard_where_the_lost_worker_stood(
             ours, theirs = engine.next_batch(replacement.feeders), engine.next_batch(lost.feeders)
             assert all(np.array_equal(ours[top], theirs[top]) for top in ours)
         # A resumed job's worker joins at the snapshot's iteration and carries on there too, not at epoch 0.
-        again = nets.trainer(solver, seed_offset=1, evaluate=False, spark=True)
+        again = nets.trainer(solver, rank=1, evaluate=False, spark=True)
         again.model.iter = 10
         assert executor.carry_on(1, again) == 10 and again.feeders[0].epoch == 3  # 100 records of 30
         again.close()

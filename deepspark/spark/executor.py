@@ -300,7 +300,7 @@ def build(worker, payload, task):
         imported = time.monotonic()
         solver = task.solver_for(shard_path)
         gpu, device = place(worker, solver)
-        trainer = nets.trainer(solver, shard=shard, num_shards=shards, seed_offset=worker, threads=task.threads,
+        trainer = nets.trainer(solver, shard=shard, num_shards=shards, rank=worker, threads=task.threads,
                                evaluate=False, spark=True)
         trainer.on_step = functools.partial(check_finite, worker, None)  # until it joins the center
     except BaseException:
@@ -313,10 +313,11 @@ def build(worker, payload, task):
 
 def order_line(param):
     """The driver's line of the order every worker reads its train shard in (each worker's own log adds its
-    blocks in records): data_order's on Spark, seeded by random_seed + the worker's rank, as build seeds it."""
+    blocks in records): data_order's on Spark, seeded by random_seed and the worker's rank (nets.worker_seed), as
+    build seeds it."""
     seed = random_seed(param)
     return nets.order_line(nets.train_order(param.deepspark_param, spark=True),
-                           None if seed is None else f"{seed} + the worker's rank")
+                           None if seed is None else f"{seed} and the worker's rank")
 
 
 def task_gpu():
