@@ -149,10 +149,13 @@ def test_no_sample_and_the_images_own_size_give_the_plain_layers_batches(coloure
 
 
 @pytest.mark.parametrize("transform, samplers, message", [
-    ("noise_param { prob: 0.5 jpeg: 50 }", "", "transform_param.noise_param jpeg .* is not supported"),
     ("old_resize_param { resize_mode: FIT_SMALL_SIZE height: 30 width: 30 }", "",
-     "resize_mode FIT_SMALL_SIZE is not supported"),
-    ("old_resize_param { height: 30 width: 30 interp_mode: CUBIC }", "", "only LINEAR"),
+     "resize_mode FIT_SMALL_SIZE of a 144x192 raw record to 30x30 is not done here: the fork does it through "
+     "OpenCV, and the bundled pycaffe, built without it, aborts .data_transformer.cpp's 'Check failed' on the "
+     "record's size"),
+    ("old_resize_param { resize_mode: FIT_LARGE_SIZE_AND_PAD height: 144 width: 192 }", SAMPLERS,
+     "resize_mode FIT_LARGE_SIZE_AND_PAD of batch_sampler's crops is not done here"),
+    ("old_resize_param { height: 30 width: 30 interp_mode: CUBIC }", "", "interp_mode CUBIC of a 144x192 raw"),
     ("old_resize_param { height: 30 }", "", "WARP needs height and width"),
     ("old_resize_param { height: 30 width: 30 }", "batch_sampler { sampler { min_scale: 0 } }", "0 < min_scale"),
     ("old_resize_param { height: 30 width: 30 }",

@@ -15,7 +15,8 @@ from deepspark.data import parquet
 from deepspark.data.datum import DataError, datum_to_array, decode_image, encode_image
 from deepspark.data.lmdb_io import shard_range
 from deepspark.data.resume import Resumable
-from deepspark.data.sampler import batch_samples, check_resize, check_sampler, clip, crop_pixels, projected, warp
+from deepspark.data.sampler import (batch_samples, check_resize, check_sampler, clip, crop_pixels, projected, warp,
+                                    warps)
 from deepspark.data.sources import source_for
 from deepspark.data.table import feeds
 from deepspark.data.transform import ANNOTATED_EXTRAS, Transformer, _phase
@@ -318,7 +319,7 @@ def record_rows(record):
 
 
 def resize_of(layer_param):
-    """(height, width) that transform_param.old_resize_param warps every image to, or None."""
+    """(height, width) that transform_param.old_resize_param sizes every image to, or None."""
     tp = layer_param.transform_param
     return check_resize(tp.old_resize_param, f"layer {layer_param.name!r}") if tp.HasField("old_resize_param") \
         else None
@@ -327,14 +328,43 @@ def resize_of(layer_param):
 # NoiseParameter's effects (jpeg: a quality, -1 for none); with none on, the fork's noise changes nothing.
 NOISE_EFFECTS = ("hist_eq", "inverse", "decolorize", "gauss_blur", "jpeg", "posterize", "erode", "saltpepper",
                  "clahe", "convert_to_hsv", "convert_to_lab")
+# What the bundled pycaffe (built without OpenCV) does with an image the fork would resize or noise through
+# OpenCV: data_transformer.cpp's LOG(FATAL) for an encoded record, its size CHECKs for a raw one.
+PYCAFFE_ABORTS = {True: "'Encoded datum requires OpenCV; compile with USE_OPENCV'",
+                  False: "data_transformer.cpp's 'Check failed' on the record's size"}
+
+
+def noise_effects(param):
+    """The names of the NoiseParameter effects that are on (the fork's ApplyNoise does each, whatever its prob)."""
+    return [name for name in NOISE_EFFECTS if getattr(param, name) not in (False, -1)]
+
+
+def noise_refusal(where, effects):
+    """The one line refusing noise_param on an encoded record."""
+    return (f"{where}: transform_param.noise_param {effects[0]}: the fork noises encoded records through OpenCV, "
+            f"and the bundled pycaffe, built without it, aborts on them ({PYCAFFE_ABORTS[True]}); remove it "
+            "(raw records, which the fork never noises, keep it: convert-annoset without --encoded)")
+
+
+def resize_refusal(where, param, size, encoded, sampled=False):
+    """The one line refusing an old_resize_param other than WARP with LINEAR sampling (warps()) that would change
+    a (height, width) `size` image (or batch_sampler's crops), or None where it leaves the image as it is, as in
+    every build of the fork."""
+    if warps(param) or (size == check_resize(param, where) and not sampled):
+        return None
+    what = (f"interp_mode {'/'.join(pb.OldResizeParameter.Interp_mode.Name(m) for m in param.interp_mode)}"
+            if param.resize_mode == pb.OldResizeParameter.WARP
+            else f"resize_mode {pb.OldResizeParameter.Resize_mode.Name(param.resize_mode)}")
+    case = ("of batch_sampler's crops" if sampled
+            else f"of a {size[0]}x{size[1]} {'encoded' if encoded else 'raw'} record to {param.height}x{param.width}")
+    return (f"{where}: old_resize_param {what} {case} is not done here: the fork does it through OpenCV, and the "
+            f"bundled pycaffe, built without it, aborts ({PYCAFFE_ABORTS[encoded]}); use WARP with LINEAR "
+            "sampling, or the records' own size")
 
 
 def refused_fields(layer_param):
     """A one-line refusal for what AnnotatedData would take but this feeder does not do, or None."""
     tp, where = layer_param.transform_param, f"layer {layer_param.name!r}"
-    noise = [name for name in NOISE_EFFECTS if getattr(tp.noise_param, name) not in (False, -1)]
-    if noise:  # the fork's ApplyNoise does each effect that is on, whatever its prob
-        return f"{where}: transform_param.noise_param {noise[0]} (the fork's OpenCV noise) is not supported; remove it"
     if layer_param.annotated_data_param.batch_sampler and not tp.HasField("old_resize_param"):
         return (f"{where}: batch_sampler's crops come in many sizes; add transform_param.old_resize_param "
                 "{ height: H width: W } to warp them to one, as SSD's nets do")
@@ -382,6 +412,7 @@ class AnnotatedFeeder(Resumable):
         self.samplers = list(layer_param.annotated_data_param.batch_sampler)
         for sampler in self.samplers:
             check_sampler(sampler.sampler, f"layer {self.name!r}")
+        self._check_opencv_extras(tp)
         self.sample_rng = np.random.default_rng(None if seed is None else [seed, 43])  # not the transformer's draws
         plain = pb.TransformationParameter()
         plain.CopyFrom(tp)
@@ -391,6 +422,23 @@ class AnnotatedFeeder(Resumable):
         self.transformer.check(self.source_shape)
         self.order_rng, self.shuffle = np.random.default_rng(seed), False  # Caffe's Data order: the keys'
         self._order, self._position, self.epoch = None, 0, 0
+
+    def _check_opencv_extras(self, tp):
+        """Refuse in one line the noise and the resize that the fork does through OpenCV (judged by the first
+        record; later ones in _sampled), and warn that noise on raw records is not applied, as in the fork."""
+        where, (key, first) = f"layer {self.name!r}", self.records[0]
+        self.noise, self.resize_param = noise_effects(tp.noise_param), tp.old_resize_param
+        if self.noise and first.datum.encoded:
+            raise ConfigError(noise_refusal(where, self.noise))
+        if self.noise:  # the fork's Transform of a raw Datum never calls ApplyNoise, with OpenCV or without
+            log.warning(f"{where}: transform_param.noise_param {', '.join(self.noise)} is not applied: the fork "
+                        "noises only encoded records, so raw records' batches are as without it (the bundled "
+                        "pycaffe's too)")
+        if self.resize:
+            size = datum_to_array(first.datum, key, self.path, self.color).shape[1:]
+            refusal = resize_refusal(where, tp.old_resize_param, size, first.datum.encoded, bool(self.samplers))
+            if refusal:
+                raise ConfigError(refusal)
 
     @property
     def shapes(self):
@@ -418,6 +466,8 @@ class AnnotatedFeeder(Resumable):
 
     def _sampled(self, key, record):
         """(CHW image, annotation rows) of one record after batch sampling (if any) and the resize (if any)."""
+        if self.noise and record.datum.encoded:
+            raise DataError(noise_refusal(f"layer {self.name!r}", self.noise), self.path)
         image, rows = datum_to_array(record.datum, key, self.path, self.color), record_rows(record)
         boxes = batch_samples(rows, self.samplers, self.sample_rng) if self.samplers else []
         if boxes:
@@ -427,7 +477,12 @@ class AnnotatedFeeder(Resumable):
             if record.datum.encoded:  # the fork's CropImage stores an encoded record's crop as a JPEG
                 image = decode_image(encode_image(np.ascontiguousarray(image), "jpg"), self.color)
             rows = projected(rows, clip(box), emit=self.emit)
-        return (warp(image, *self.resize) if self.resize else image), rows
+        if self.resize and image.shape[1:] != self.resize:
+            refusal = resize_refusal(f"layer {self.name!r}", self.resize_param, image.shape[1:], record.datum.encoded)
+            if refusal:
+                raise DataError(refusal, self.path)
+            image = warp(image, *self.resize)
+        return image, rows
 
     def _pixels(self, records):
         pixels = np.empty((len(records),) + self.source_shape, np.uint8)

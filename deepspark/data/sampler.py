@@ -151,15 +151,19 @@ def crop_pixels(box, height, width):
 
 
 def check_resize(param, where):
-    """(height, width) old_resize_param warps to; a one-line ConfigError for what is not done here."""
-    if param.resize_mode != pb.OldResizeParameter.WARP:
-        raise ConfigError(f"{where}: old_resize_param resize_mode "
-                          f"{pb.OldResizeParameter.Resize_mode.Name(param.resize_mode)} is not supported (WARP is)")
-    if any(mode != pb.OldResizeParameter.LINEAR for mode in param.interp_mode):
-        raise ConfigError(f"{where}: old_resize_param interp_mode: only LINEAR is supported")
+    """(height, width) old_resize_param sizes every image to (InferBlobShape's); a one-line ConfigError where one
+    is missing."""
     if not param.height or not param.width:
-        raise ConfigError(f"{where}: old_resize_param WARP needs height and width")
+        raise ConfigError(f"{where}: old_resize_param {pb.OldResizeParameter.Resize_mode.Name(param.resize_mode)} "
+                          "needs height and width")
     return int(param.height), int(param.width)
+
+
+def warps(param):
+    """Whether old_resize_param's resize is the one done here (warp()): WARP with LINEAR sampling, the fork's
+    defaults."""
+    return param.resize_mode == pb.OldResizeParameter.WARP and all(
+        mode == pb.OldResizeParameter.LINEAR for mode in param.interp_mode)
 
 
 def _linear(n_in, n_out):
