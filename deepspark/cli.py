@@ -118,8 +118,9 @@ def message_of(args, message):
 
 # The DeepSparkParameter fields that say where a forward-only job on Spark runs.
 SPARK_FIELDS = ("master", "workers", "backend", "max_failures", "executor_env")
-# The DeepSparkParameter fields the throughput model reads (plan's table goes 1, 2, 4, ... up to `workers`).
-PLAN_FIELDS = ("algorithm", "workers", "period", "overlap", "backend", "exchange_integrity")
+# The DeepSparkParameter fields the throughput model reads (plan's table goes 1, 2, 4, ... up to `workers`), and the
+# learning-rate rule its closing line says.
+PLAN_FIELDS = ("algorithm", "workers", "period", "overlap", "backend", "exchange_integrity", "lr_scaling", "lr_warmup")
 
 
 # -- the verbs ----------------------------------------------------------------------------

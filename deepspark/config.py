@@ -363,6 +363,9 @@ def check_deepspark(ds, path):
         raise ConfigError(f"exchange_port must be a TCP port (0 to 65535), not {ds.exchange_port}", path)
     if ds.exchange_address:
         host_port(ds.exchange_address, path)
+    if ds.lr_warmup and ds.lr_scaling and ds.backend == "caffe":
+        raise ConfigError("lr_warmup runs on the tensorflow backend only: pycaffe's solver computes its own rate "
+                          "(set lr_warmup: 0, or backend: \"tensorflow\")", path)
 
 
 def host_port(text, path="<options>"):

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from deepspark import algorithms, checkpoint, config, engine, rules
+from deepspark import algorithms, checkpoint, config, engine, rules, schedule
 from deepspark.algorithms.base import center_rate
 from deepspark.algorithms.easgd import EasgdHandler
 from deepspark.backends import create_model
@@ -243,4 +243,5 @@ def run(path, knobs, pp, data_shape=None):
               f"{'' if pp.server_ms else ' (measured here)'}, a worker {1e3 * costs.worker:.2f} ms; "
               f"{pp.bandwidth:g} Gbit/s links, {pp.latency:g} ms latency; {algorithm.name}" + (f", {how}" if how else ""))
     text, rows = table(costs, network, ds, ds.workers)
-    return header + "\n" + text, rows
+    rule = schedule.scaling_line(param)  # the rate its workers run at, where lr_scaling scales it
+    return header + "\n" + text + (f"\n{rule}" if rule else ""), rows

@@ -29,8 +29,42 @@ def solver_type(param):
     return list(SOLVER_TYPES)[param.solver_type]
 
 
+# deepspark_param.lr_scaling: the factor on each worker's rate for w workers.
+LR_SCALINGS = {0: ("none", lambda w: 1.0), 1: ("linear", float), 2: ("sqrt", math.sqrt)}
+
+
+def lr_scale(ds):
+    """The factor deepspark_param `ds`'s lr_scaling puts on the policy's rate, by its workers: 1 for NONE and for
+    a single run (one worker), workers for LINEAR, sqrt(workers) for SQRT."""
+    workers = 1 if ds.algorithm == ds.SINGLE else ds.workers
+    return LR_SCALINGS[ds.lr_scaling][1](workers)
+
+
+def warmup_factor(ds, iteration):
+    """The factor on the policy's rate at `iteration`: lr_scale, reached from 1 linearly over lr_warmup
+    iterations (Goyal et al. 2017's gradual warm-up): 1 + (scale - 1) x iteration / lr_warmup until then."""
+    scale = lr_scale(ds)
+    if scale == 1.0 or iteration >= ds.lr_warmup:
+        return scale
+    return 1.0 + (scale - 1.0) * iteration / ds.lr_warmup
+
+
+def scaling_line(param):
+    """The log's line of the rule where it scales the rate, else None:
+    'Learning rate: base_lr 0.01 x 2 workers (linear) after 200 warm-up iterations'."""
+    ds = param.deepspark_param
+    scale = lr_scale(ds)
+    if scale == 1.0:
+        return None
+    name = LR_SCALINGS[ds.lr_scaling][0]
+    factor = f"{ds.workers} workers" if name == "linear" else f"sqrt({ds.workers} workers) = {scale:.4g}"
+    warmup = f"after {ds.lr_warmup} warm-up iterations from base_lr" if ds.lr_warmup else "from the first iteration"
+    return f"Learning rate: base_lr {param.base_lr:g} x {factor} ({name}) {warmup}, as the policy schedules it"
+
+
 def learning_rate(param, iteration, current_step=0):
-    """(rate, current_step) at `iteration`, as Caffe's SGDSolver::GetLearningRate.
+    """(rate, current_step) at `iteration`, as Caffe's SGDSolver::GetLearningRate, times warmup_factor (1 unless
+    deepspark_param.lr_scaling scales a job's rate by its workers).
 
     `current_step` is the solver's counter that 'multistep' advances (at most
     one step per call, as Caffe does) and 'step' recomputes.
@@ -57,7 +91,7 @@ def learning_rate(param, iteration, current_step=0):
         rate = 0.0 if exponent > 700 else base / (1.0 + math.exp(exponent))
     else:
         raise ValueError(f"unknown lr_policy '{policy}'")
-    return float(rate), current_step
+    return float(rate) * warmup_factor(param.deepspark_param, iteration), current_step
 
 
 def stop_iteration(param):

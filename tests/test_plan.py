@@ -85,6 +85,14 @@ def test_plan_prints_the_table_for_a_model_folder():
                         r"\(a longer period, or a faster link to the driver, moves it\)", lines[-1])
 
 
+def test_plan_says_the_learning_rate_rule_its_workers_run():
+    status, out, err = run_cli("plan", "--model", "models/lenet", "--workers", "4", "--step-ms", "10", "--server-ms",
+                               "2", "--lr-scaling", "sqrt", "--lr-warmup", "50")
+    assert status == 0, err[-3000:]
+    assert out.strip().splitlines()[-1] == ("Learning rate: base_lr 0.01 x sqrt(4 workers) = 2 (sqrt) after 50 warm-up "
+                                            "iterations from base_lr, as the policy schedules it")
+
+
 def test_plan_measures_the_step_and_the_center_when_not_given():
     status, out, err = run_cli("plan", "--model", "models/lenet", "--workers", "2", "--algorithm", "sync")
     assert status == 0, err[-3000:]

@@ -152,3 +152,44 @@ def test_no_clipping_below_threshold():
     weights, _ = schedule.apply_update(param, [np.zeros(2, np.float32)], [np.array([6.0, 8.0], np.float32)],
                                        [np.zeros(2, np.float32)], 1.0, 0, [1], [1])
     assert weights[0] == pytest.approx([-6.0, -8.0])
+
+
+def scaled(text):
+    return solver(f'base_lr: 0.1 lr_policy: "step" gamma: 0.5 stepsize: 10 deepspark_param {{ {text} }}')
+
+
+def test_lr_scaling_multiplies_the_policys_rate_by_the_workers_or_their_square_root():
+    assert schedule.learning_rate(scaled("workers: 4 lr_scaling: LINEAR"), 12) == (pytest.approx(0.2), 1)
+    assert schedule.learning_rate(scaled("workers: 4 lr_scaling: SQRT"), 12)[0] == pytest.approx(0.1)
+    assert schedule.learning_rate(scaled("workers: 4"), 12)[0] == pytest.approx(0.05)  # NONE, the default
+    single = scaled("workers: 4 lr_scaling: LINEAR algorithm: SINGLE")  # one worker
+    assert schedule.learning_rate(single, 12)[0] == pytest.approx(0.05)
+
+
+def test_the_warm_up_ramps_linearly_from_the_policys_rate_to_the_scaled_one():
+    param = scaled("workers: 3 lr_scaling: LINEAR lr_warmup: 8")
+    rates = [schedule.learning_rate(param, i)[0] for i in (0, 2, 4, 8, 9)]
+    assert rates == pytest.approx([0.1, 0.15, 0.2, 0.3, 0.3])  # 0.1 x (1 + 2 x i / 8), then 0.1 x 3
+    assert schedule.learning_rate(param, 10)[0] == pytest.approx(0.15)  # the step policy goes on, scaled
+
+
+def test_the_scaling_line_says_the_rule_and_only_where_it_scales():
+    line = schedule.scaling_line(scaled("workers: 2 lr_scaling: LINEAR lr_warmup: 200"))
+    assert line == ("Learning rate: base_lr 0.1 x 2 workers (linear) after 200 warm-up iterations from base_lr, as "
+                    "the policy schedules it")
+    assert "sqrt(4 workers) = 2 (sqrt) from the first iteration" in schedule.scaling_line(
+        scaled("workers: 4 lr_scaling: SQRT"))
+    assert schedule.scaling_line(scaled("workers: 2")) is None
+    assert schedule.scaling_line(scaled("workers: 2 lr_scaling: LINEAR algorithm: SINGLE")) is None
+
+
+def test_pycaffes_solver_runs_the_scaled_rate_and_a_warm_up_it_cannot_run_is_one_line():
+    from deepspark.backends.caffe import compiler  # pycaffe itself is not imported by the compiler
+    from deepspark.config import check_deepspark
+    from deepspark.errors import ConfigError
+
+    assert compiler.solver_param(scaled("workers: 2 lr_scaling: LINEAR")).base_lr == pytest.approx(0.2)
+    assert compiler.solver_param(scaled("workers: 2")).base_lr == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="lr_warmup runs on the tensorflow backend only"):
+        check_deepspark(scaled('workers: 2 lr_scaling: LINEAR lr_warmup: 5 backend: "caffe"').deepspark_param, "s")
+    check_deepspark(scaled('workers: 2 lr_scaling: LINEAR backend: "caffe"').deepspark_param, "s")

@@ -286,6 +286,8 @@ class Job:
             log.info(executor.order_line(self.param))
             if schedule.stop_note(self.param):
                 log.info(schedule.stop_note(self.param))
+            if schedule.scaling_line(self.param):
+                log.info(schedule.scaling_line(self.param))
             self.submitted = time.time()  # the workers' ready_at is in the same clock
             results = self.train()
             self.stop_session()  # its executors and Python workers are done: their memory goes before the last test

@@ -102,6 +102,7 @@ def solver_param(param, iter_size=1):
         out.ClearField(field)
     out.type = schedule.solver_type(param)
     out.lr_policy = param.lr_policy or "fixed"
+    out.base_lr = param.base_lr * schedule.lr_scale(param.deepspark_param)  # lr_scaling's rule (no warm-up here)
     out.display = 0
     out.test_initialization = False
     out.snapshot_after_train = False
