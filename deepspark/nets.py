@@ -138,9 +138,12 @@ def trainer(solver, *, shard=0, num_shards=1, rank=None, threads=None, evaluate=
 def carry_on(trainer, batches):
     """Move the trainer's train feeders on `batches` batches without reading them (Resumable.skip), each epoch's
     order and each batch's crops and mirrors drawn on the way as reading them drew them (the same seed): where
-    the same feeders stood after reading them. The names of those that cannot move on (they read from their
-    shard's start)."""
-    return [feeder.name for feeder in trainer.feeders if not feeder.skip(batches)]
+    the same feeders stood after reading them. What the log says of it: '10 batches in (epoch 3)', and the
+    feeders that cannot move on (they read from their shard's start)."""
+    stuck = [feeder.name for feeder in trainer.feeders if not feeder.skip(batches)]
+    epochs = sorted({feeder.epoch for feeder in trainer.feeders})
+    return (f"{batches} batches in (epoch {', '.join(map(str, epochs))})"
+            + (f"; {', '.join(stuck)} cannot move on and read from the shard's start" if stuck else ""))
 
 
 def resume_order(run):
@@ -150,12 +153,7 @@ def resume_order(run):
     does, so that a resumed run stays comparable with pycaffe's."""
     if not train_order(run.param.deepspark_param, spark=False):
         return
-    batches = run.iter * run.model.iter_size
-    stuck = carry_on(run, batches)
-    epochs = sorted({feeder.epoch for feeder in run.feeders})
-    log.info(f"Data order: carried on at iteration {run.iter}, {batches} batches in (epoch "
-             f"{', '.join(map(str, epochs))})"
-             + (f"; {', '.join(stuck)} cannot move on and read from the shard's start" if stuck else ""))
+    log.info(f"Data order: carried on at iteration {run.iter}, {carry_on(run, run.iter * run.model.iter_size)}")
 
 
 def place(solver):

@@ -377,11 +377,8 @@ def carry_on(worker, trainer):
     batches = trainer.model.iter * trainer.model.iter_size
     if batches <= 0:
         return 0
-    stuck = nets.carry_on(trainer, batches)
-    epochs = sorted({feeder.epoch for feeder in trainer.feeders})
-    log.info(f"worker {worker} carries on its shard at iteration {trainer.model.iter}: {batches} batches in "
-             f"(epoch {', '.join(map(str, epochs))})"
-             + (f"; {', '.join(stuck)} cannot move on and read from the shard's start" if stuck else ""))
+    log.info(f"worker {worker} carries on its shard at iteration {trainer.model.iter}: "
+             f"{nets.carry_on(trainer, batches)}")
     return batches
 
 
