@@ -269,7 +269,7 @@ class Cadence:
     """Caffe's Solver cadence: which iterations display, test and snapshot, and the learning rate shown.
 
     A Trainer sees every iteration and asks of each (`displays`, `tests`, `snapshots`). The
-    driver of a Spark job sees the slowest worker's iteration now and then, past multiples
+    driver of a Spark job sees the job's iteration now and then, past multiples
     perhaps, and asks what has come due since it last asked (`*_due`, from `start` on).
     """
 

@@ -57,9 +57,17 @@ class Algorithm:
     def hold_center(self, job, center, host, secret):
         """The started ExchangeServer holding x̃ (`center`, one float32 vector), or None for an algorithm that holds
         x̃ on the driver itself (then center_flat says where)."""
-        server = job.exchange_server(center, host, secret, self.handler(job.ds, job.workers))
+        server = job.exchange_server(center, host, secret, self.job_handler(job))
         log.info(f"Exchanger listening on {server.address[0]}:{server.address[1]}; {self.listening(job)}")
         return server
+
+    def job_handler(self, job):
+        """The handler of spark Job `job` (its workers, its solver): handler()'s, unless the algorithm needs more."""
+        return self.handler(job.ds, job.workers)
+
+    def final_iteration(self, job, results):
+        """The job's last iteration, its final snapshot's, from the workers' Summaries: the furthest's."""
+        return max(r.final_iteration for r in results)
 
     def listening(self, job):
         """The rest of the "Exchanger listening" line: how the workers use it."""

@@ -10,7 +10,7 @@ from deepspark import rules
 from deepspark.algorithms.base import Algorithm, Projection, center_rate, exchange_seconds, period_note, send_history
 from deepspark.exchange import ExchangeOptions, OverlappedExchange
 from deepspark.exchange import protocol as P
-from deepspark.exchange.handlers import Handler
+from deepspark.exchange.handlers import Handler, Leases
 from deepspark.exchange.transport import slice_floats
 from deepspark.schedule import stop_iteration
 
@@ -29,6 +29,10 @@ class EasgdHandler(Handler):
 
     Parameters holding NaN or Inf are refused with the center untouched, and the
     connection goes on (the worker resets from x̃).
+
+    leases         the job's Leases: each reply (DIFF, CENTER to a PULL) leases its worker the iterations it may
+                   train to, so that the workers' iterations sum to the job's total whoever trains them; None:
+                   each worker trains to its own stop
     """
 
     frame = P.EXCHANGE
@@ -45,6 +49,7 @@ class EasgdHandler(Handler):
         self.lock = threading.Lock() if consistent else contextlib.nullcontext()
         self.copy_lock = self.send_lock = self.lock
         self.chunk = chunk
+        self.leases = None
 
     @classmethod
     def of(cls, options, **kwargs):
@@ -63,6 +68,13 @@ class EasgdHandler(Handler):
     def moving_rate(self):
         """α after the exchanges the server has applied so far."""
         return rules.decayed(self.base_moving_rate, *self.decay, 0 if self.server is None else self.server.exchanges)
+
+    def lease(self, worker_id, iteration):
+        return None if self.leases is None else self.leases.grant(worker_id, iteration)
+
+    def job_iteration(self, iterations):
+        """The iterations trained together / workers, with leases (Leases.iteration); else the slowest's."""
+        return super().job_iteration(iterations) if self.leases is None else self.leases.iteration(iterations)
 
     def serve(self, conn, h):
         started = time.monotonic()  # the header has just arrived
@@ -105,17 +117,22 @@ class EasgdHandler(Handler):
             # Committed: counted before the reply so that a worker never sees its
             # exchange done before the server's books do.
             server.committed((wid,))
-            self._reply(conn, count)
+            self._reply(conn, count, self.lease(wid, h.iteration))
             server.record(wid, latency=time.monotonic() - started)
 
-    def _reply(self, conn, count):
-        """DIFF d to the worker and x̃ += server_factor·d, overlapped (the transport's send_delta says how)."""
+    def _reply(self, conn, count, lease):
+        """DIFF d to the worker and x̃ += server_factor·d, overlapped (the transport's send_delta says how), with
+        the worker's `lease` (F_LEASE) in place of the exchanges' count where there is one."""
         center, buf, scratch, factor = self.center, conn.buf, conn.scratch, self.server_factor
 
         def add(start, end):
             rules.apply_to_center(center[start:end], buf[start:end], factor, scratch[:end - start])
 
-        conn.frames.send_delta(P.DIFF, count, self.server.history.reply_flags(conn.worker_id), self.span, add)
+        flags = self.server.history.reply_flags(conn.worker_id)
+        if lease is None:
+            conn.frames.send_delta(P.DIFF, count, flags, self.span, add)
+        else:
+            conn.frames.send_delta(P.DIFF, lease, flags | P.F_LEASE, self.span, add)
 
 
 def handler(ds):
@@ -125,23 +142,33 @@ def handler(ds):
 
 def train_worker(trainer, client, params):
     """A worker's loop: local steps, and every period an elastic exchange (overlapped by default) with
-    the center; the center gets the worker's final state. (last loss, no extra summary fields)."""
+    the center, to the iteration the exchanger leases it (its own stop where it leases none); there, the
+    exchange in flight and then a last one, whose reply may lease more (the job's total not reached yet):
+    the center gets the worker's final state. (last loss, no extra summary fields)."""
     model, param = trainer.model, trainer.param
     ds = param.deepspark_param
     schedule = rules.ExchangeSchedule(ds.period, adaptive=ds.adaptive_period)
     exchange = OverlappedExchange(client, model.get_flat, model.set_flat, params, overlap=ds.overlap)
     loss = math.nan
     stop = stop_iteration(param)
-    while model.iter < stop:
-        loss = trainer.step()
-        exchange.poll()
-        if schedule.step(loss):
-            exchange.start(model.iter, loss, before=lambda: send_history(client, model, asked=True))
-        else:
-            client.report(model.iter, loss)  # nothing while an exchange is in flight
-    # The last solver history is held for the job's last snapshot.
-    exchange.finish(model.iter, loss, before=lambda: send_history(client, model))
-    return loss, {}
+
+    def limit():
+        return stop if client.lease is None else client.lease
+
+    while True:
+        while model.iter < limit():
+            loss = trainer.step()
+            exchange.poll()
+            if schedule.step(loss):
+                exchange.start(model.iter, loss, before=lambda: send_history(client, model, asked=True))
+            else:
+                client.report(model.iter, loss)  # nothing while an exchange is in flight
+        if client.lease is not None and exchange.wait() and model.iter < limit():
+            continue  # the reply in flight leased more
+        # The last solver history is held for the job's last snapshot.
+        exchange.finish(model.iter, loss, before=lambda: send_history(client, model))
+        if model.iter >= limit():
+            return loss, {}
 
 
 def project(costs, network, workers, period, overlap=True, shared=1.0):
@@ -174,12 +201,30 @@ class Easgd(Algorithm):
     def handler(self, ds, workers):
         return handler(ds)
 
+    def job_handler(self, job):
+        """The handler, leasing the job's iterations (Leases): each worker 2 periods past its last exchange, a
+        lone worker all of them (its fixed count, as before), none past max_iter under poly (its rate is 0 there)."""
+        ds, param = job.ds, job.param
+        rule = handler(ds)
+        rule.leases = Leases(job.workers, stop_iteration(param), job.start_iter,
+                             lookahead=None if job.workers == 1 else 2 * ds.period,
+                             cap=param.max_iter if param.lr_policy == "poly" else None)
+        return rule
+
+    def final_iteration(self, job, results):
+        """The job's iteration: the iterations trained together / workers."""
+        return job.server.job_iteration()
+
     def listening(self, job):
         ds = job.ds
         return f"{job.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}"
 
     def train(self, job, task):
-        return job.run_workers(task, train_worker, job.ds.exchange_timeout)
+        results = job.run_workers(task, train_worker, job.ds.exchange_timeout)
+        leases = job.server.handler.leases
+        if leases is not None:
+            log.info(leases.line({w: s.get("iteration", 0) for w, s in job.server.stats().items()}))
+        return results
 
     def plan_note(self, ds):
         return period_note(ds)

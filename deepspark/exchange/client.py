@@ -74,6 +74,9 @@ class Link:
         # The server asked for this worker's solver history (a reply's F_SEND_HISTORY): send_history it
         # once no exchange is in flight. Set by the thread that read the reply, before the result is handed over.
         self.history_wanted = False
+        # The iteration this worker may train to, as the server's replies lease it (F_LEASE): None while it has
+        # leased none (the worker trains to its own stop). Set by the thread that read the reply; it only grows.
+        self.lease = None
         self._conn = None  # made at the first connect; its buffer is also the overlapped snapshot
         self._closed = False
         self.exchanges = self.resets = self.reconnects = 0
@@ -210,6 +213,7 @@ class Link:
         conn = self._conn
         h = self._request(P.EXCHANGE, send_from, iteration, loss, reply=P.DIFF)
         self.history_wanted = bool(h.flags & P.F_SEND_HISTORY)
+        self.lease = P.lease_of(h, self.lease)
         if apply_to is None:
             conn.frames.receive_delta()
         else:
@@ -225,7 +229,8 @@ class Link:
         return APPLIED
 
     def _pull_into(self, out):
-        self._request(P.PULL, reply=P.CENTER)
+        h = self._request(P.PULL, reply=P.CENTER)
+        self.lease = P.lease_of(h, self.lease)
         self._conn.frames.receive_center(out)  # where the server's picture of this worker now starts
         return out
 
@@ -483,6 +488,15 @@ class OverlappedExchange:
         else:
             client.exchange(self.params, iteration, loss)
             self._write_params()
+
+    def wait(self):
+        """The exchange in flight applied to the worker, waiting for it; False when none was in flight."""
+        if not self.client.pending:
+            return False
+        self._read_params()
+        self.client.wait(self.params)
+        self._write_params()
+        return True
 
     def finish(self, iteration, loss, before=None):
         """The exchange in flight applied, before(), then one last blocking exchange: the center gets the

@@ -12,13 +12,15 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from deepspark.proto import deepspark_pb2 as pb
 
 MAGIC = b"DSPX"
-VERSION = 4  # 2: every frame after the handshake carries an integrity tag; 3: workers' solver history;
-            # 4: the tag is AES-GCM's (16 bytes), not HMAC-SHA256's
+VERSION = 5  # 2: every frame after the handshake carries an integrity tag; 3: workers' solver history;
+            # 4: the tag is AES-GCM's (16 bytes), not HMAC-SHA256's; 5: a reply's lease (F_LEASE)
 
 # magic, version, type, flags, worker id, iteration, payload length (bytes), value.
 # `value` carries the loss on EXCHANGE, AVERAGE and REPORT so progress needs no extra frame, and the
 # solver's current_step on HISTORY; `flags` carries the error code on ERROR, and F_SEND_HISTORY on a
-# reply (DIFF, CENTER) asks the worker for its solver history.
+# reply (DIFF, CENTER) asks the worker for its solver history. A reply flagged F_LEASE (DIFF, or CENTER to a
+# PULL) carries in `iteration` the iteration the worker may train to (its lease: handlers.Leases), never less
+# than the last it was told; without it, the server's count of exchanges.
 HEADER = struct.Struct("<4sBBHIqQd")
 HEADER_SIZE = HEADER.size
 
@@ -42,6 +44,7 @@ GET_HISTORY = 14  # client -> server: ask for the solver history held for this w
 # Header flags of a reply to a model frame.
 F_SEND_HISTORY = 1  # the driver is snapshotting: send a HISTORY frame (once the reply is applied)
 F_CODED = 2         # a CENTER frame in the job's codec (the reply to AVERAGE); without it, float32 (PULL's)
+F_LEASE = 4         # a reply's iteration is the worker's lease: it trains to there, and asks again
 
 # The codecs of model frames (codec.py), by the id a worker's AUTH names its own with: the schema's ExchangeCodec
 # numbers, by their names in lower case.
@@ -189,6 +192,17 @@ def decode_header(buf, model_bytes=None, history_bytes=0, coded_bytes=None):
     else:
         raise ProtocolError(f"unknown message type {type_}")
     return Header(type_, flags, worker_id, iteration, length, value)
+
+
+def lease_of(h, held):
+    """The lease a reply's header `h` carries (F_LEASE), checked against the one held (None: none yet); `held` for a
+    reply without one. ProtocolError for a lease below zero or below the one held: a lease only grows."""
+    if not h.flags & F_LEASE:
+        return held
+    if h.iteration < 0 or (held is not None and h.iteration < held):
+        raise ProtocolError(f"{TYPE_NAMES[h.type]} leases iteration {h.iteration}, below "
+                            f"{'zero' if h.iteration < 0 else f'the {held} leased before'}")
+    return h.iteration
 
 
 def encode_error(code, reason, worker_id=0):

@@ -142,7 +142,7 @@ class ExchangeServer:
 
     def stats(self):
         """Per worker_id, a plain dict: exchanges, iteration, joined_at (the iteration its last
-        connection started at), loss, latency (seconds from its last EXCHANGE header to the last
+        connection started at), finished (it said BYE), loss, latency (seconds from its last EXCHANGE header to the last
         byte of the reply handed to the kernel: receiving x, the rule, sending d), seconds_since_exchange,
         seconds_since_contact, connected, connections, refused_nonfinite, peer."""
         now = time.monotonic()
@@ -255,10 +255,21 @@ class ExchangeServer:
             self.refused.append((peer, reason))
             del self.refused[:-100]
 
-    def send_center(self, conn):
-        """The reply to PULL: x̃ as it is, in float32 whatever the codec (the worker starts over from it)."""
+    def send_center(self, conn, iteration):
+        """The reply to PULL from a worker at `iteration`: x̃ as it is, in float32 whatever the codec (the worker
+        starts over from it), with the worker's lease where the handler leases (F_LEASE)."""
+        lease = self.handler.lease(conn.worker_id, iteration)
         with self.handler.send_lock:
-            conn.frames.send_center(self._center, self._exchanges)
+            if lease is None:
+                conn.frames.send_center(self._center, self._exchanges)
+            else:
+                conn.frames.send_center(self._center, lease, P.F_LEASE)
+
+    def job_iteration(self, stats=None):
+        """The job's iteration as the handler counts it (Handler.job_iteration) from the workers' last reported
+        iterations (`stats`: a stats() taken already)."""
+        stats = self.stats() if stats is None else stats
+        return self.handler.job_iteration({w: s.get("iteration", 0) for w, s in stats.items()})
 
 
 class Session:
@@ -390,11 +401,12 @@ class Session:
             elif h.type in history.frames:
                 history.serve(conn, h)
             elif h.type == P.PULL:
-                server.send_center(conn)
+                server.send_center(conn, me["iteration"])
             elif h.type == P.REPORT:  # verified with its header (it has no payload)
                 Session.note(me, h)
             elif h.type == P.BYE:
                 log.info(f"worker {wid} left")
+                me["finished"] = True  # its training done (the driver's watch tells it from a loss)
                 return
             elif h.type == P.ERROR:
                 reason = P.decode_error(conn.read_small(h.length))
@@ -418,6 +430,7 @@ def joined(prev, iteration, peer):
         "last_contact": time.monotonic(),
         "last_exchange": prev["last_exchange"] if prev else None,
         "connected": True,
+        "finished": False,  # it said BYE: done training
         "connections": (prev["connections"] if prev else 0) + 1,
         "refused_nonfinite": prev["refused_nonfinite"] if prev else 0,
         "peer": peer,

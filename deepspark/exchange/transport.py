@@ -416,16 +416,16 @@ class Float32Frames:
             raise protocol.ProtocolError(f"a {protocol.TYPE_NAMES[h.type]} in the job's codec")
         self.conn.receive(byte_view(out))
 
-    def send_center(self, center, iteration):
+    def send_center(self, center, iteration, flags=0):
         """CENTER: the reply to PULL, x̃ whole in float32 whatever the codec (the worker starts over from it)."""
         conn = self.conn
         if not conn.sealed:
-            conn.send(protocol.CENTER, byte_view(center), iteration=iteration)
+            conn.send(protocol.CENTER, byte_view(center), iteration=iteration, flags=flags)
             return
         # Lock-free, other workers move x̃ while it is sent: the tag must cover the bytes that went out, so a
         # snapshot in this connection's buffer (free: the worker waits) goes.
         np.copyto(conn.buf, center)
-        conn.send(protocol.CENTER, conn.view, iteration=iteration, tag_after=True)
+        conn.send(protocol.CENTER, conn.view, iteration=iteration, tag_after=True, flags=flags)
 
     def receive_center(self, out):
         """PULL's reply: x̃ whole into `out`; both ends start over from it."""
@@ -508,8 +508,8 @@ class CodedFrames(Float32Frames):
         self.conn.receive(self.channel.payload)
         self.channel.receive_toward(out)
 
-    def send_center(self, center, iteration):
+    def send_center(self, center, iteration, flags=0):
         conn = self.conn
         np.copyto(conn.buf, center)  # lock-free, x̃ moves: both ends start from what went out
-        conn.send(protocol.CENTER, conn.view, iteration=iteration, tag_after=True)
+        conn.send(protocol.CENTER, conn.view, iteration=iteration, tag_after=True, flags=flags)
         self.restart(conn.buf)

@@ -173,7 +173,7 @@ class CenterCadence:
         self.evaluator = None  # the test nets: test_nets() builds them
         self.passes = None  # where the test passes run (DriverTests): start() or test_nets() sets it up
         self.initial = None  # x̃ as the job starts, while Caffe's test of the start iteration is owed: start() keeps it
-        self.observed = start  # the slowest worker's iteration when the driver last looked (observe)
+        self.observed = start  # the job's iteration when the driver last looked (observe)
 
     def start(self, folder):
         """The test nets, when the solver tests, and TensorBoard's scalars in `folder`. The test nets load
@@ -222,8 +222,10 @@ class CenterCadence:
         return True
 
     def observe(self, iteration, loss):
-        """The driver loop's step, every algorithm's: the workers are at `iteration` (the slowest) with `loss` (their
-        mean): Caffe's display when due, then the tests and snapshots due; True when the display was shown."""
+        """The driver loop's step, every algorithm's: the job is at `iteration` (the exchanger's handler counts it:
+        easgd's, the workers' iterations together / workers; sync's and average's, their round's) and the workers'
+        loss is `loss` (their mean): Caffe's display when due, then the tests and snapshots due; True when the
+        display was shown."""
         self.observed = max(self.observed, iteration)
         shown = self.display(iteration, loss)
         self.due(iteration)
@@ -232,9 +234,9 @@ class CenterCadence:
     def due(self, iteration):
         """Test and snapshot x̃ once `iteration` reaches the next test_interval / snapshot multiple.
 
-        Workers run on while the driver watches, so the slowest may already be past
+        Workers run on while the driver watches, so the job may already be past
         the multiple when it is seen; the test and the snapshot carry the multiple's
-        number, as Caffe's do (lenet_iter_5000), and a line says where the workers were.
+        number, as Caffe's do (lenet_iter_5000), and a line says where the job was.
         """
         tested = self.multiples.test_due(iteration)
         if tested is not None and self.initial is not None:
@@ -259,7 +261,7 @@ class CenterCadence:
 
     def _note_observed(self, what, iteration, observed):
         if observed is not None and observed != iteration:
-            log.info(f"{what} x̃ as iteration {iteration}; the slowest worker is at iteration {observed}")
+            log.info(f"{what} x̃ as iteration {iteration}; the job is at iteration {observed}")
 
     def test(self, iteration, observed=None, flat=None):
         self.tested = iteration
@@ -338,8 +340,8 @@ class CenterCadence:
         return weights, values, arrays
 
     def stop_early(self, why):
-        """Caffe's Solve stopped early (SIGINT, SIGHUP): x̃ snapshotted as the iteration the workers were last seen
-        at (the slowest), with the workers' solver states the driver holds, unless the job trained nothing since its
+        """Caffe's Solve stopped early (SIGINT, SIGHUP): x̃ snapshotted as the job's iteration when the workers were
+        last seen, with the workers' solver states the driver holds, unless the job trained nothing since its
         start or its last snapshot, or snapshot_after_train is off; the model's path (None: no snapshot)."""
         iteration, path = self.observed, None
         if iteration == self.multiples.start:  # stopped before training: nothing to keep, nothing to say

@@ -373,7 +373,7 @@ class Job:
 
     def finish(self, results):
         """The workers' summary lines, the last snapshot and test, the plot; the JobResult."""
-        final = max(r.final_iteration for r in results)
+        final = self.algorithm.final_iteration(self, results)
         spill = max(r.spill_seconds for r in results)
         restarts, outages = self.restarts(results)
         # A restarted worker's Summary is its last attempt's: the job's training is the Spark job's whole time.

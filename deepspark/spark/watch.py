@@ -144,9 +144,9 @@ class Watch:
                         f"lost work; {executor_report(self.sc)}; resume from the last snapshot (--snapshot)")
 
     def center(self, stats):
-        """Caffe's cadence on x̃ at the slowest worker's iteration (Caffe counts max_iter on each node), with
-        the exchange's scalars on each display."""
-        iteration = min(s.get("iteration", 0) for s in stats.values())
+        """Caffe's cadence on x̃ at the job's iteration (the exchanger's handler counts it: easgd's, the workers'
+        iterations together / workers), with the exchange's scalars on each display."""
+        iteration = self.server.job_iteration(stats)
         losses = [x for x in (s.get("loss", float("nan")) for s in stats.values()) if np.isfinite(x)]
         if self.cadence.observe(iteration, float(np.mean(losses)) if losses else float("nan")):
             scalars = self.cadence.scalars
@@ -173,7 +173,7 @@ class Watch:
                 self.said.discard(wid)
                 self.lost_with.pop(wid, None)
             self.connections[wid] = count
-            if not s.get("connected", True) and s.get("iteration", 0) < self.max_iter and "error" not in s:
+            if not s.get("connected", True) and not s.get("finished") and "error" not in s:
                 lost.setdefault(wid, s.get("iteration", 0))
                 self.outages.lost(wid, self.exchanged_at.get(wid, time.monotonic()), lost[wid])
         executors = executor_report(self.sc, listing=True)

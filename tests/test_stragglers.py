@@ -1,0 +1,86 @@
+"""Stragglers do not set an easgd job's pace: each worker trains its own iteration count, the job ends once the workers'
+iterations sum to workers x max_iter (the exchanger's leases, exchange/handlers.py), and the driver's cadence follows
+the job's iteration (their sum / workers), not the slowest worker's. Real Spark, real TensorFlow, a real throttle
+(tools/chaos.py's Throttle: SIGSTOP and SIGCONT)."""
+
+import re
+import signal
+
+import pytest
+
+from deepspark.exchange.handlers import Leases
+from sparkjobs import chaos, read_until, start_training, workers_done
+from synthetic import make_job
+
+MAX_ITER = 1000
+
+
+def test_a_lone_worker_is_leased_its_whole_count_at_once():
+    leases = Leases(1, 100, start=20)
+    assert leases.grant(0, 20) == 100 and leases.grant(0, 60) == 100
+    assert leases.iteration({0: 60}) == 60 and leases.iteration({0: 100}) == 100
+
+
+def test_leases_sum_to_the_total_whoever_trains_them_and_never_shrink():
+    leases = Leases(2, 100, lookahead=8)
+    held = {0: leases.grant(0, 0), 1: leases.grant(1, 0)}
+    at = {0: 0, 1: 0}
+    assert held == {0: 8, 1: 8}
+    while True:  # worker 0 trains 4 iterations for each of worker 1's, exchanging every 4
+        moved = False
+        for worker, steps in ((0, 4), (0, 4), (0, 4), (0, 4), (1, 4)):
+            if at[worker] < held[worker]:
+                at[worker] = min(at[worker] + steps, held[worker])
+                lease = leases.grant(worker, at[worker])
+                assert lease >= held[worker]
+                held[worker], moved = lease, True
+        if not moved:
+            break
+    assert at == held and sum(at.values()) == 200 and at[0] > 100 > at[1], at
+    assert leases.iteration(at) == 100 and leases.iteration({0: at[0], 1: 0}) == at[0] // 2
+    line = leases.line(at)
+    assert f"worker 1 {at[1]} at " in line and "fewer than its share of 100" in line and "200 of 200" in line
+
+
+def test_a_released_workers_lease_goes_back_to_the_others_and_poly_caps_at_max_iter():
+    leases = Leases(2, 50, lookahead=100)
+    assert leases.grant(0, 0) == 100 and leases.grant(1, 0) == 0  # the first took all of it
+    leases.release(0, 30)
+    assert leases.grant(1, 0) == 70
+    capped = Leases(2, 50, lookahead=100, cap=50)
+    assert capped.grant(0, 0) == 50 and capped.grant(1, 0) == 50
+
+
+@pytest.mark.spark
+def test_a_throttled_worker_trains_fewer_the_other_more_and_the_job_ends_on_their_sum(tmp_path):
+    solver = make_job(tmp_path, max_iter=MAX_ITER, test_interval=250, snapshot=0)
+    driver = start_training(solver, "--workers", "2")
+    throttle = None
+    try:
+        seen = read_until(driver, r"Exchanger listening on ")
+        port = int(re.search(r"Exchanger listening on [\d.]+:(\d+)", seen[-1]).group(1))
+        # The first worker to connect runs a fifth of the time from before its first step.
+        throttle = chaos.Throttle(port, share=0.2, ended=lambda: driver.poll() is not None, timeout=120).start()
+        _, stderr = driver.communicate(timeout=600)
+    finally:
+        if throttle is not None:
+            throttle.stop()
+        if driver.poll() is None:
+            driver.send_signal(signal.SIGKILL)
+            driver.wait()
+    log = "".join(seen) + stderr
+    assert driver.returncode == 0 and workers_done(log) == [0, 1], log[-3000:]
+    counts = {int(w): int(n) for w, n in re.findall(r"Worker (\d) on \S+ \(in [^)]*\): (\d+) iterations", log)}
+    assert sum(counts.values()) == 2 * MAX_ITER, counts
+    slow, fast = sorted(counts, key=counts.get)
+    assert counts[slow] < MAX_ITER < counts[fast], counts
+    together = re.search(r"Iterations trained together: (\d+) of (\d+) \(2 workers x 1000\): (.*)", log)
+    assert together and together.group(1) == together.group(2) == str(2 * MAX_ITER), log[-3000:]
+    assert f"worker {slow} {counts[slow]} at " in together.group(3) and "fewer than its share" in together.group(3)
+    # The driver's cadence follows the job's iteration: displays past where the slow worker ended, before the end,
+    # and every test at its multiple, the last at max_iter, as is the final snapshot.
+    shown = [int(i) for i in re.findall(r"\] Iteration (\d+), loss = ", log)]
+    assert any(counts[slow] < i < MAX_ITER for i in shown), (counts, shown)
+    tested = [int(i) for i in re.findall(r"Iteration (\d+), Testing net", log)]
+    assert tested[0] == 0 and tested[-1] == MAX_ITER and all(i % 250 == 0 for i in tested), tested
+    assert (tmp_path / "out" / f"tiny_iter_{MAX_ITER}.caffemodel").exists()
