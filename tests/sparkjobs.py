@@ -73,13 +73,13 @@ def start_runs(solvers, **knobs):
                             start_new_session=True)
 
 
-def kill_while_training(driver, train_log, max_iter, kills, seed, window, timeout, wait, say=None):
+def kill_while_training(driver, train_log, max_iter, kills, seed, window, timeout, wait, say=None, **options):
     """tools/chaos.py's harness on `driver`'s job (a process from start_runs or start_training, its log at
     `train_log`): `kills` seeded kills within `window` (fractions of max_iter), the harness giving up after
-    `timeout` s, the driver awaited `wait` s; (stdout, stderr, the harness's kills). A driver still running
-    at the end, however it ends, is killed with its process group."""
+    `timeout` s, the driver awaited `wait` s (options: the harness's others: picks); (stdout, stderr, the
+    harness's kills). A driver still running at the end, however it ends, is killed with its process group."""
     harness = chaos.Chaos(None, kills, seed, log=chaos.DriverLog(str(train_log), max_iter), window=window,
-                          ended=lambda: driver.poll() is not None, timeout=timeout, say=say)
+                          ended=lambda: driver.poll() is not None, timeout=timeout, say=say, **options)
     try:
         harness.start()
         stdout, stderr = driver.communicate(timeout=wait)

@@ -171,3 +171,28 @@ def test_a_worker_that_crashes_in_a_loop_stops_the_job_with_one_line_naming_it(t
                         r"\(its failure (\d) in 3600s, (\d) in a row without training\)", text)
     assert counts == [(str(k), str(k)) for k in (1, 2, 3, 4)], text[-3000:]
     assert "Worker 0 lost" not in text and elapsed < 120  # long before max_iter or connect_timeout
+
+
+@pytest.mark.spark
+def test_max_job_failures_in_the_window_stops_the_job_and_each_loss_names_the_worker_that_was_killed(tmp_path):
+    """Two workers, max_job_failures 3 within failure_window 600 s, three kills: a worker, its replacement, then the
+    other worker. The first two rejoin, the third ends the job with the budget's one line. Each loss names the worker
+    killed: the third kill's task (the other worker's first attempt) has a lower task id than the replacement's, which
+    failed before it (failures.failed_tasks knows a failure by its task id, not by its place in Spark's list)."""
+    max_iter = 40000
+    solver = make_job(tmp_path, max_iter=max_iter, test_interval=max_iter, workers=2)
+    driver = start_training(solver, "--max-job-failures", "3", "--failure-window", "600")
+    said = []
+    _, stderr, kills = kill_while_training(driver, tmp_path / "out" / "train.log", max_iter, 3, 3, (0.05, 0.4),
+                                           timeout=120, wait=300, say=said.append, picks=[None, "new", "survivor"])
+    text = (tmp_path / "out" / "train.log").read_text()
+    assert len(kills) == 3 and kills[0].rejoined_at and kills[1].rejoined_at, (said, text[-3000:])
+    assert driver.returncode == 1, (said, stderr[-3000:])
+    losses = re.findall(r"Worker (\d) lost at iteration \d+, [\d.]+s into the job: .*Python worker exited "
+                        r"unexpectedly.* \(its failure (\d) in 600s, 1 in a row without training\)", text)
+    first = int(losses[0][0]) if losses else 0
+    assert losses == [(str(first), "1"), (str(first), "2"), (str(1 - first), "1")], (said, text[-3000:])
+    assert [int(w) for w in re.findall(r"Worker (\d) rejoined the exchanger", text)] == [first, first], text
+    assert re.fullmatch(rf"deepspark train: error: the workers failed 3 times in 600s \(failure_window 600s, "
+                        rf"max_job_failures 3\), worker {1 - first} the last; the last: .*Python worker exited "
+                        rf"unexpectedly.*", stderr.strip().splitlines()[-1]), stderr[-3000:]

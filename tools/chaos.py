@@ -3,6 +3,8 @@
 
     python tools/chaos.py --port EXCHANGER_PORT --kills 3 --seed 1 [--delay 2 8]
     python tools/chaos.py --log OUTPUT/train.log --max-iter 10000 --kills 3 --seed 1 [--window 0.1 0.7]
+    python tools/chaos.py --port EXCHANGER_PORT --every 15          # a kill every 15 s until the job ends
+    python tools/chaos.py --port EXCHANGER_PORT --throttle 0.333    # one worker held to a third of the time
 
 A training worker is a process with an established TCP connection to the job's exchanger
 (found through /proc, so on the machine the workers run on: local mode, or this machine's
@@ -10,12 +12,17 @@ standalone cluster). Each kill waits for its moment (a fraction of max_iter that
 driver's log reaches, or a delay in seconds), SIGKILLs one connected worker chosen by the
 seed, then waits for the rejoin (a connection to the exchanger that was not there before
 the kill; with the log, also a progress line after it: the job trains again) before the
-next kill, so that every kill hits a worker that trains. One JSON line per kill on stdout. tests/ and bench/chaos.py import this file and run the same harness;
+next kill, so that every kill hits a worker that trains; or (--every) a kill every N seconds from the first
+worker's connection to the job's end, each on the clock whatever the last one's rejoin took. A straggler
+(Throttle) is one worker held to a share of the wall clock by SIGSTOP and SIGCONT, as cpulimit does. One
+JSON line per kill on stdout. tests/ and bench/chaos.py import this file and run the same harness;
 `tools/spark-cluster.sh kill-worker N` is the by-hand way to lose a standalone Worker.
 """
 
 import argparse
+import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -162,18 +169,26 @@ class Chaos:
               comes and goes within one look);
               with a log, the next kill also waits for an `Iteration` line after the rejoin: the job
               trains again (a sync job's rounds need every worker back)
+    every     seconds: kill a worker every `every` s from the first worker's connection (the job's first
+              exchange) until the job ends or `kills` were made (None: no limit), each on the clock; the
+              rejoin is awaited only until the next kill's moment, and `log`'s moments are not used
+    picks     which worker kill i takes, by its place in the sequence (None, or past its end: any): "survivor",
+              one connected since before the last kill (another worker than that victim); "new", one that
+              connected since (the victim's replacement), where there is one
     ended     a callable that says the job is over (no more kills, no more waiting)
     timeout   seconds each wait may take (a moment, a connected worker, a rejoin) before the harness
               gives up, with the kills it made
     """
 
     def __init__(self, port, kills=3, seed=0, *, log=None, window=(0.1, 0.7), delay=(2.0, 8.0),
-                 ended=lambda: False, timeout=300.0, say=None):
+                 ended=lambda: False, timeout=300.0, say=None, every=None, picks=None):
         self.port, self.log, self.ended, self.timeout = port, log, ended, timeout
+        self.every, self.picks, self.survivors = every, list(picks or ()), set()
         self.say = say or (lambda line: None)
         self.rng = random.Random(seed)
+        kills = kills or 0
         lo, hi = window
-        slice_ = (hi - lo) / kills
+        slice_ = (hi - lo) / max(kills, 1)
         # Stratified, so the kills spread over the run rather than bunch up.
         self.points = [lo + slice_ * (i + self.rng.random()) for i in range(kills)]
         self.delays = [self.rng.uniform(*delay) for _ in range(kills)]
@@ -189,6 +204,8 @@ class Chaos:
             except TimeoutError as error:
                 self.say(f"chaos: no kills: {error}")
                 return self.kills
+        if self.every:
+            return self._run_every()
         for number, (point, delay) in enumerate(zip(self.points, self.delays), 1):
             if not self._wait_for_moment(point, delay):
                 self.say(f"chaos: kill {number} not made: the job ended or a wait timed out")
@@ -198,20 +215,45 @@ class Chaos:
             if kill is None:
                 self.say(f"chaos: kill {number} not made: no worker connected to port {self.port}")
                 break
-            self.kills.append(kill)
-            self.say(f"chaos: kill {number}: SIGKILL pid {kill.pid} (client port {kill.client_port})"
-                     + (f" at iteration {kill.iteration}" if kill.iteration is not None else ""))
-            kill.rejoined_at = self._wait(lambda: set(client_sockets(self.port).values()) - before
-                                          or self._rejoin_logged(logged))
-            if kill.rejoined_at is not None and self.log is not None:
+            if not self._await_rejoin(kill, before, logged, self.timeout):
+                break
+            if self.log is not None:  # the job trains again (a sync job's rounds need every worker back)
                 self.log.read()
                 shown = self.log.displays
                 self._wait(lambda: self.log.read() or self.log.displays > shown)
-            if kill.rejoined_at is None:
-                self.say(f"chaos: no worker rejoined after kill {number}")
-                break
-            self.say(f"chaos: a worker rejoined {kill.seconds_to_rejoin:.1f}s after kill {number}")
         return self.kills
+
+    def _run_every(self):
+        """run() with --every: a kill each `every` seconds from the first worker's connection until the job ends."""
+        if self._wait(lambda: client_sockets(self.port)) is None:
+            self.say("chaos: no kills: no worker connected, or the job ended")
+            return self.kills
+        moment = time.monotonic() + self.every
+        for number in itertools.count(1):
+            if len(self.points) and number > len(self.points):
+                break
+            if self.stopping.wait(max(moment - time.monotonic(), 0)) or self.ended():
+                break
+            logged = self._rejoin_logged()
+            kill, before = self._kill_one(number)
+            if kill is None:
+                break
+            moment = time.monotonic() + self.every
+            self._await_rejoin(kill, before, logged, max(moment - time.monotonic(), 0.1))
+        return self.kills
+
+    def _await_rejoin(self, kill, before, logged, timeout):
+        """Record `kill`, wait up to `timeout` s for its rejoin, and say both; whether it rejoined."""
+        self.kills.append(kill)
+        self.say(f"chaos: kill {kill.number}: SIGKILL pid {kill.pid} (client port {kill.client_port})"
+                 + (f" at iteration {kill.iteration}" if kill.iteration is not None else ""))
+        kill.rejoined_at = self._wait(lambda: set(client_sockets(self.port).values()) - before
+                                      or self._rejoin_logged(logged), timeout)
+        if kill.rejoined_at is None:
+            self.say(f"chaos: no worker rejoined after kill {kill.number}")
+            return False
+        self.say(f"chaos: a worker rejoined {kill.seconds_to_rejoin:.1f}s after kill {kill.number}")
+        return True
 
     def start(self):
         """run() in a thread; join() waits for it."""
@@ -226,9 +268,10 @@ class Chaos:
     def stop(self):
         self.stopping.set()
 
-    def _wait(self, condition):
-        """time.time() when `condition()` first holds; None if the job ends, stop() or the timeout comes first."""
-        deadline = time.monotonic() + self.timeout
+    def _wait(self, condition, timeout=None):
+        """time.time() when `condition()` first holds; None if the job ends, stop() or the timeout (`timeout`, else
+        the harness's) comes first."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while time.monotonic() < deadline and not self.stopping.is_set() and not self.ended():
             if condition():
                 return time.time()
@@ -261,14 +304,58 @@ class Chaos:
                 time.sleep(POLL_SECONDS)
                 continue
             before = set(client_sockets(self.port).values())
-            client_port = self.rng.choice(sorted(connected))
+            pick = self.picks[number - 1] if number <= len(self.picks) else None
+            chosen = {"survivor": set(connected) & self.survivors, "new": set(connected) - self.survivors}.get(pick)
+            client_port = self.rng.choice(sorted(chosen or connected))
             iteration = self.log.iteration if self.log is not None else None
             try:
                 os.kill(connected[client_port], signal.SIGKILL)
             except ProcessLookupError:  # it ended in between: look again
                 continue
+            self.survivors = set(connected) - {client_port}
             return Kill(number, connected[client_port], client_port, time.time(), iteration), before
         return None, None
+
+
+class Throttle:
+    """A straggler: one worker connected to the exchanger on `port` (the first seen) held to `share` of the wall
+    clock, SIGCONT for share x `period` s and SIGSTOP for the rest, as cpulimit does, until it leaves the exchanger
+    (it finished, or died), the job ends or stop(); then it runs on. `pid` is the worker held (None before)."""
+
+    def __init__(self, port, share=1 / 3, period=0.3, ended=lambda: False, timeout=300.0):
+        self.port, self.share, self.period, self.ended, self.timeout = port, share, period, ended, timeout
+        self.pid, self.stopping, self._thread = None, threading.Event(), None
+
+    def run(self):
+        deadline = time.monotonic() + self.timeout
+        while self.pid is None and not self.ended() and not self.stopping.is_set() and time.monotonic() < deadline:
+            connected = exchanger_connections(self.port)
+            self.pid = connected[min(connected)] if connected else None
+            time.sleep(POLL_SECONDS)
+        try:
+            while self.pid is not None and not self.ended() and not self.stopping.is_set():
+                os.kill(self.pid, signal.SIGCONT)
+                if self.stopping.wait(self.share * self.period) or self.pid not in exchanger_clients(self.port):
+                    break
+                os.kill(self.pid, signal.SIGSTOP)
+                self.stopping.wait((1 - self.share) * self.period)
+        except ProcessLookupError:  # it died
+            pass
+        finally:
+            if self.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGCONT)
+
+    def start(self):
+        """run() in a thread; stop() ends it."""
+        self._thread = threading.Thread(target=self.run, name="throttle", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self):
+        self.stopping.set()
+        if self._thread is not None:
+            self._thread.join(10)
 
 
 # -- a standalone cluster's Worker JVM, for good ---------------------------------------------------
@@ -344,6 +431,10 @@ def main(argv=None):
                         help="with --log: the shares of max_iter the kills are spread over")
     parser.add_argument("--delay", type=float, nargs=2, default=(2.0, 8.0), metavar=("MIN", "MAX"),
                         help="without --log: seconds from a connected worker (or the last rejoin) to a kill")
+    parser.add_argument("--every", type=float, help="a kill every EVERY seconds from the first worker's connection to "
+                        "the job's end (--kills caps them; 0: no cap)")
+    parser.add_argument("--throttle", type=float, metavar="SHARE", help="no kills: hold the first connected worker "
+                        "to SHARE of the wall clock (SIGSTOP/SIGCONT) until it leaves the exchanger")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one wait may take")
     args = parser.parse_args(argv)
     if args.log and not args.max_iter:
@@ -351,11 +442,18 @@ def main(argv=None):
     if args.port is None and not args.log:
         parser.error("give --port, or --log to read it from")
     log = DriverLog(args.log, args.max_iter) if args.log else None
-    chaos = Chaos(args.port, args.kills, args.seed, log=log, window=args.window,
-                  delay=args.delay, timeout=args.timeout, say=lambda line: print(line, file=sys.stderr, flush=True))
+    port = args.port if args.port is not None else log.wait_for_port(args.timeout)
+    if args.throttle:
+        throttle = Throttle(port, args.throttle, timeout=args.timeout)
+        throttle.run()
+        return 0 if throttle.pid else 1
+    chaos = Chaos(port, args.kills, args.seed, log=log, window=args.window, delay=args.delay,
+                  timeout=args.timeout, say=lambda line: print(line, file=sys.stderr, flush=True), every=args.every)
     kills = chaos.run()
     for kill in kills:
         print(json.dumps(kill.record()), flush=True)
+    if args.every:
+        return 0 if kills else 1
     return 0 if len(kills) == args.kills and all(k.rejoined_at for k in kills) else 1
 
 

@@ -81,44 +81,48 @@ def task_cause(message):
 
 def failed_tasks(sc, group, seen):
     """Spark's tasks of job group `group` that failed since the last call, as [(partition, cause, (stage,
-    attempt))], each stage attempt's in the order they ended; `seen` ({stage: (attempt, failed tasks of it seen)},
-    updated) is what earlier calls saw. Every attempt of a stage is read, a barrier stage's reruns among them:
+    attempt))], each stage attempt's in the order they ended; `seen` ({stage: (attempt, ids of its failed tasks
+    seen)}, updated) is what earlier calls saw. Every attempt of a stage is read, a barrier stage's reruns among them:
     Spark's status store has a failed task before the attempt after it (its listener's events come in order). A
-    look Spark cannot answer (its context stopping) returns what it read: the rest is read by the next."""
+    failure is known by its task id, not by its place in Spark's list: tasks fail in another order than their ids (a
+    retry, launched later, can fail before the first attempt of another partition), and an offset into a list in
+    another order than the failures' reads one already counted in place of the new one, under the wrong worker. A look
+    Spark cannot answer (its context stopping) returns what it read: the rest is read by the next."""
     tracker = sc.statusTracker()
     found = []
     try:
         for job in filter(None, map(tracker.getJobInfo, tracker.getJobIdsForGroup(group))):
             for stage_id in job.stageIds:
                 stage = tracker.getStageInfo(stage_id)
-                attempt, count = seen.get(stage_id, (0, 0))
-                if stage is None or (stage.currentAttemptId == attempt and stage.numFailedTasks <= count):
+                attempt, ids = seen.get(stage_id, (0, frozenset()))
+                if stage is None or (stage.currentAttemptId == attempt and stage.numFailedTasks <= len(ids)):
                     continue
                 read = []
                 while True:
-                    tasks = stage_failures(sc, stage_id, attempt, count)
-                    read += [(partition, cause, (stage_id, attempt)) for _, partition, cause in sorted(tasks)]
+                    tasks = [t for t in stage_failures(sc, stage_id, attempt) if t[1] not in ids]
+                    read += [(partition, cause, (stage_id, attempt)) for _, _, partition, cause in sorted(tasks)]
                     if attempt == stage.currentAttemptId:
                         break
-                    attempt, count = attempt + 1, 0
-                seen[stage_id] = (attempt, count + len(tasks))
+                    attempt, ids = attempt + 1, frozenset()
+                seen[stage_id] = (attempt, ids | {task_id for _, task_id, _, _ in tasks})
                 found += read
     except Exception:  # Py4J's error as the context stops: the job's own end says what happened
         pass
     return found
 
 
-def stage_failures(sc, stage_id, attempt, offset):
-    """[(when it ended (ms), partition, cause)] of the failed tasks of attempt `attempt` of stage `stage_id`, past
-    the first `offset` (by task id)."""
+def stage_failures(sc, stage_id, attempt):
+    """[(when it ended (ms), task id, partition, cause)] of the failed tasks of attempt `attempt` of stage
+    `stage_id`. The partition is the task's partition id (a worker's rank), not its index in the attempt's task set,
+    which differs from it in an attempt that reruns only some partitions."""
     v1 = sc._jvm.org.apache.spark.status.api.v1
     statuses = sc._jvm.java.util.ArrayList()
     statuses.add(v1.TaskStatus.FAILED)
-    tasks = sc._jsc.sc().statusStore().taskList(stage_id, attempt, offset, 1000, v1.TaskSorting.ID, statuses)
+    tasks = sc._jsc.sc().statusStore().taskList(stage_id, attempt, 0, 1 << 30, v1.TaskSorting.ID, statuses)
     out = []
     for task in map(tasks.apply, range(tasks.size())):
         message = task.errorMessage()
         ran = task.duration()
         ended = task.launchTime().getTime() + (ran.get() if ran.isDefined() else 0)
-        out.append((ended, task.index(), task_cause(message.get() if message.isDefined() else "")))
+        out.append((ended, task.taskId(), task.partitionId(), task_cause(message.get() if message.isDefined() else "")))
     return out
