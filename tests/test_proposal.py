@@ -1,6 +1,6 @@
 """The fork's Proposal (brocolli-caffe 9.0.2's proposal_layer.cpp, Faster R-CNN's) on the TensorFlow backend
 against the bundled pycaffe: the same rois [item, x1, y1, x2, y2] and scores on fixed-seed inputs (anchors,
-deltas, clipping, min_size, pre- and post-NMS top N, the NMS threshold), and in a SavedModel."""
+deltas, clipping, min_size, pre- and post-NMS top N, the NMS threshold, tied scores), and in a SavedModel."""
 
 import os
 import subprocess
@@ -31,9 +31,12 @@ def net(items, anchors, height, width, body, tops=("rois", "scores")):
             + " ".join(f'top: "{t}"' for t in tops) + f" proposal_param {{ {body} }} }}\n")
 
 
-def inputs(items, anchors, height, width, image, seed):
+def inputs(items, anchors, height, width, image, seed, levels=None):
+    """Fixed-seed bottoms; with `levels`, the scores take that many values only, so that many tie."""
     rng = np.random.default_rng(seed)
     cls = rng.uniform(0.01, 1.0, (items, 2 * anchors, height, width)).astype(np.float32)
+    if levels:
+        cls = np.ceil(cls * levels).astype(np.float32) / levels
     deltas = (rng.standard_normal((items, 4 * anchors, height, width)) * 0.4).astype(np.float32)
     info = np.tile(np.array([image[0], image[1], 1.0], np.float32), (items, 1))
     info[1:] = 999  # the fork reads the first item's image size for every item
@@ -49,7 +52,7 @@ def forward(backend, text, fed, tops):
         model.close()
 
 
-CASES = [  # (items, ratios, scales, H, W, image (h, w), proposal_param, boxes under min_size reach the NMS)
+CASES = [  # (items, ratios, scales, H, W, image (h, w), proposal_param, boxes under min_size (tied at 0) reach the NMS)
     (2, [0.5, 1, 2], [8, 16, 32], 6, 7, (90, 100), "feat_stride: 16 min_size: 4 pre_nms_topn: 60 post_nms_topn: 20 "
      "nms_thresh: 0.5", False),
     (1, [1], [16, 32], 5, 5, (37, 41), "feat_stride: 8 min_size: 10 pre_nms_topn: 6000 post_nms_topn: 300 "
@@ -67,15 +70,29 @@ def test_proposal_as_pycaffe(items, ratios, scales, height, width, image, body, 
     fed = inputs(items, anchors, height, width, image, seed=len(body))
     want_rois, want_scores = forward("caffe", text, fed, ["rois", "scores"])
     got_rois, got_scores = forward("tensorflow", text, fed, ["rois", "scores"])
-    if ties:  # the boxes under min_size, all scored 0, in the fork's quicksort's order here, by index there
-        want_rois, want_scores = want_rois[want_scores > 0], want_scores[want_scores > 0]
-        assert np.all(got_scores[len(want_scores):] == 0)
-        got_rois, got_scores = got_rois[got_scores > 0], got_scores[got_scores > 0]
+    assert (np.sum(want_scores == 0) > 1) == ties  # tied boxes in the fork's quicksort's order
     assert got_rois.shape == want_rois.shape and len(want_rois) > items
     np.testing.assert_array_equal(got_rois, want_rois)
     np.testing.assert_array_equal(got_scores, want_scores)
     assert set(want_rois[:, 0]) == set(range(items))
     assert np.all(want_rois[:, 3] <= image[1] - 1) and np.all(want_rois[:, 4] <= image[0] - 1)
+
+
+@pytest.mark.parametrize("levels, body", [
+    (3, "feat_stride: 16 min_size: 4 pre_nms_topn: 50 post_nms_topn: 40 nms_thresh: 0.6"),
+    (5, "feat_stride: 8 min_size: 12 pre_nms_topn: 6000 post_nms_topn: 300 nms_thresh: 0.7"),
+    (2, "feat_stride: 16 min_size: 1 pre_nms_topn: 7 post_nms_topn: 5 nms_thresh: 0.9")])
+def test_tied_scores_go_in_the_forks_quicksort_order(levels, body):
+    """Scores of a few values only (and 0 under min_size): the order of equal scores decides which boxes
+    suppress which and in what order the rows come, and both are pycaffe's."""
+    items, anchors, height, width = 2, 4, 5, 6
+    text = net(items, anchors, height, width, body + " ratio: 0.5 ratio: 2 scale: 8 scale: 16")
+    fed = inputs(items, anchors, height, width, (80, 96), seed=levels, levels=levels)
+    want_rois, want_scores = forward("caffe", text, fed, ["rois", "scores"])
+    got_rois, got_scores = forward("tensorflow", text, fed, ["rois", "scores"])
+    assert len(np.unique(want_scores)) < len(want_scores) - items  # ties among the kept
+    np.testing.assert_array_equal(got_rois, want_rois)
+    np.testing.assert_array_equal(got_scores, want_scores)
 
 
 def test_proposal_anchors_are_the_forks():
@@ -108,7 +125,7 @@ def test_the_saved_model_of_a_proposal_net_gives_pycaffes_rois_in_plain_tensorfl
     checkpoint.save_caffemodel(weights, model.graph, [])
     model.close()
     export.export(str(prototxt), weights, str(tmp_path / "saved"))
-    fed = inputs(items, anchors, height, width, image, seed=3)
+    fed = inputs(items, anchors, height, width, image, seed=3, levels=4)  # ties: the fork's quicksort served
     np.savez(tmp_path / "in.npz", **fed)
     done = subprocess.run([sys.executable, "-c", SERVE, str(tmp_path / "saved"), str(tmp_path / "in.npz"),
                            str(tmp_path / "out.npz")], cwd=str(tmp_path), capture_output=True, text=True,

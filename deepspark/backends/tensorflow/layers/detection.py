@@ -335,11 +335,92 @@ def proposal_boxes(deltas, anchors, stride, image_hw, min_size):
     return tf.reshape(tf.stack(box, axis=-1), (sizes[0], -1, 4)), tf.reshape(big, (sizes[0], -1))
 
 
+# The fork sorts Proposal's scores with its own quicksort (sort_box), which leaves equal scores in an order of
+# its own that decides which of them reach the NMS first; fork_order runs that quicksort in TensorFlow ops (a
+# SavedModel serves it), every range of one recursion depth partitioned at once, so that ties go as pycaffe's.
+
+def _partition(v, pos, start, end, active):
+    """sort_box's partition of every active range [start, end] (each position holds its range's) at once: its
+    scans skip values equal to the pivot v[start], so the k-th value under it from the left swaps with the k-th
+    over it from the right while the first lies before the second, and `right` stops at the next value over it
+    past the last swapped one, else at that one, else at start; then the pivot swaps to `right`. Returns each
+    position's gather source and its range's `right`."""
+    pivot = tf.gather(v, start)
+    inner = active & (pos > start)
+    lt, gt = inner & (v < pivot), inner & (v > pivot)
+    lt_sum, gt_sum = tf.cumsum(tf.cast(lt, tf.int32)), tf.cumsum(tf.cast(gt, tf.int32))
+    lt_before, gt_before = tf.gather(lt_sum, start), tf.gather(gt_sum, start)
+    lt_count, gt_count = tf.gather(lt_sum, end) - lt_before, tf.gather(gt_sum, end) - gt_before
+    lows = tf.concat([tf.cast(tf.where(lt)[:, 0], tf.int32), [0]], 0)  # never empty
+    highs = tf.concat([tf.cast(tf.where(gt)[:, 0], tf.int32), [0]], 0)
+
+    def low(k):  # the k-th position (from the left) of a value under the pivot, in each position's segment
+        return tf.gather(lows, tf.clip_by_value(lt_before + k, 0, tf.size(lows) - 1))
+
+    def high(k):  # the k-th (from the right) of a value over it
+        return tf.gather(highs, tf.clip_by_value(gt_before + gt_count - 1 - k, 0, tf.size(highs) - 1))
+
+    lt_rank, gt_rank = lt_sum - lt_before - 1, gt_count - (gt_sum - gt_before)
+    partner_of_low, partner_of_high = high(lt_rank), low(gt_rank)
+    swap_low = lt & (lt_rank < gt_count) & (pos < partner_of_low)
+    swap_high = gt & (gt_rank < lt_count) & (partner_of_high < pos)
+    swaps = tf.cumsum(tf.cast(swap_low, tf.int32))
+    k = tf.gather(swaps, end) - tf.gather(swaps, start)  # the pairs swapped, a prefix of both lists
+    last_low = tf.where(k > 0, low(k - 1), start)
+    next_high = high(k)
+    right = tf.where((k < gt_count) & (next_high > last_low), next_high, last_low)
+    source = tf.where(swap_low, partner_of_low, tf.where(swap_high, partner_of_high, pos))
+    pivot_moves = active & (right > start)
+    source = tf.where(pivot_moves & (pos == start), tf.gather(source, right),
+                      tf.where(pivot_moves & (pos == right), start, source))
+    return source, right
+
+
+def _settled(v, pos, start, end, active):
+    """Active positions whose segment is non-increasing already, which sort_box leaves as it is."""
+    rises = tf.cast(active & (pos > start) & (v > tf.gather(v, tf.maximum(pos - 1, 0))), tf.int32)
+    rises = tf.cumsum(rises)
+    return active & (tf.gather(rises, end) == tf.gather(rises, start))
+
+
+def fork_order(scores, num_top):
+    """Each row's indices (N x P) in the order the fork's Proposal sort_box(list, 0, P - 1, num_top) leaves
+    its scores: a quicksort whose pivot is each range's first value, partitioned from both ends, that sorts
+    the first num_top places only; here every range of one recursion depth is partitioned at once."""
+    rows, size = tf.shape(scores)[0], tf.shape(scores)[1]
+    values = tf.reshape(scores, (-1,))
+    pos = tf.range(rows * size)
+    base = pos // size * size
+    state = (pos, base, base + size - 1, tf.fill(tf.shape(pos), size > 1))
+
+    def level(order, start, end, active):
+        v = tf.gather(values, order)
+        active &= ~_settled(v, pos, start, end, active)
+        source, right = _partition(v, pos, start, end, active)
+        order = tf.where(active, tf.gather(order, source), order)
+        left_side, right_side = active & (pos < right), active & (pos > right)
+        active = (left_side & (start < right - 1)) | (right_side & (right + 1 - base < num_top) & (right + 1 < end))
+        return (order, tf.where(right_side, right + 1, start), tf.where(left_side, right - 1, end), active)
+
+    order, *_ = tf.while_loop(lambda order, start, end, active: tf.reduce_any(active), level, state)
+    return tf.reshape(order - base, (rows, size))
+
+
+def proposal_order(scores, num_top):
+    """The indices of each row's first min(num_top, P) scores (N x P) in the order the fork's sort_box leaves
+    them: top_k's where no two of them (nor the last and the next) tie, the only descending order then; else
+    fork_order's, whose passes are as many as the fork's recursion is deep."""
+    k = tf.minimum(num_top, tf.shape(scores)[1])
+    best = tf.math.top_k(scores, k=tf.minimum(k + 1, tf.shape(scores)[1]))
+    ties = tf.reduce_any(best.values[:, 1:] == best.values[:, :-1])
+    return tf.cond(ties, lambda: fork_order(scores, num_top)[:, :k], lambda: best.indices[:, :k])
+
+
 @layer("Proposal")
 def proposal(layer, bottoms, params, ctx):
     """The fork's Proposal (Faster R-CNN's; no backward): every anchor at every position moved by its deltas,
-    clipped, scored 0 under min_size; per item the best pre_nms_topn (ties by index, where the fork's quicksort
-    may pick either) through nms_cpu (iou over nms_thresh suppresses), the first post_nms_topn kept as rows
+    clipped, scored 0 under min_size; per item the best pre_nms_topn (ties in the order of the fork's quicksort)
+    through nms_cpu (iou over nms_thresh suppresses), the first post_nms_topn kept as rows
     [item, x1, y1, x2, y2] by item, best first, and their scores (a second top)."""
     param = layer.param.proposal_param
     anchors = proposal_anchors(param)
@@ -351,8 +432,8 @@ def proposal(layer, bottoms, params, ctx):
                                 float(param.min_size))
     scores = tf.where(big, scores, 0.0 * scores)
     bound = min(param.pre_nms_topn, math.prod(layer.bottom_shapes[0][2:]) * count)
-    scores, order = tf.math.top_k(scores, k=tf.minimum(param.pre_nms_topn, tf.shape(scores)[1]))
-    boxes = tf.gather(boxes, order, batch_dims=1)
+    order = proposal_order(scores, param.pre_nms_topn)
+    scores, boxes = tf.gather(scores, order, batch_dims=1), tf.gather(boxes, order, batch_dims=1)
     nms = pb.NonMaximumSuppressionParameter(nms_threshold=param.nms_thresh)
     kept = suppress(boxes, pixel_size(boxes), tf.ones_like(scores, tf.bool), nms, bound, pixel_overlaps)
     kept &= tf.cumsum(tf.cast(kept, tf.int32), axis=1) <= param.post_nms_topn
