@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -231,3 +232,73 @@ def test_a_dataframe_fed_shard_is_shuffled_every_epoch_on_the_executors(tmp_path
         again = runs[1][shard]
         common = min(len(labels), len(again))
         assert (again[:common] == labels[:common]).all()  # the same seed, the same orders
+
+
+# A job of each algorithm run whole and resumed from its first snapshot before its end, in one driver and one
+# session (argv: the recorded folders, named by algorithm, each with solver.prototxt and resumed.prototxt); prints
+# each resume's iteration.
+RESUMED_RUNS = """
+import glob, os, re, sys
+import deepspark
+for folder in sys.argv[1:]:
+    algorithm = os.path.basename(folder)
+    last = deepspark.train(os.path.join(folder, "solver.prototxt"), algorithm=algorithm).summary["iterations"]
+    snapshots = glob.glob(os.path.join(folder, "out", "recorded_iter_*.solverstate"))
+    at = min(int(re.search(r"_iter_(\\d+)", path).group(1)) for path in snapshots)
+    assert at < last, snapshots
+    deepspark.train(os.path.join(folder, "resumed.prototxt"), algorithm=algorithm,
+                    snapshot=os.path.join(folder, "out", f"recorded_iter_{at}.solverstate"))
+    print(at)
+"""
+
+# The Recorder with each batch's time (one clock for the processes of a machine): PySpark may run an average job's
+# rounds of one worker in several Python workers, so a worker's batches are found in several files.
+TIMED_RECORDER = RECORDER.replace("import os", "import os\nimport time").replace(
+    'out.write(" ".join(', 'out.write(str(time.monotonic_ns()) + " " + " ".join(')
+
+# Each algorithm's job: (max_iter, snapshot). The driver snapshots an exchanger's job at the multiple it sees the
+# workers pass (it looks every 0.5 s): long enough to see one before the end (here ~10 of 12 multiples seen);
+# average's rounds end at every multiple.
+RESUMED_JOBS = {"sync": (1200, 100), "average": (24, 12)}
+
+
+def labels_by_shard(folder):
+    """{the first record of a worker's shard (shard 0 or 1 of the 60 records): the labels it read, in order} of
+    the timed Recorder files under `folder`."""
+    batches = sorted(tuple(int(word) for word in line.split()) for name in os.listdir(folder)
+                     for line in (folder / name).read_text().splitlines())
+    seen = {}
+    for _, *labels in batches:
+        seen.setdefault(labels[0] // 30 * 30, []).extend(labels)
+    return {first: np.array(labels) for first, labels in seen.items()}
+
+
+@pytest.mark.spark
+def test_a_resumed_spark_job_reads_on_in_each_workers_order_where_the_whole_job_did(tmp_path):
+    """sync (workers joining the exchanger) and average (rounds on cached Trainers): a 2-worker shuffled job and
+    the same job resumed from its first snapshot; each worker's batches after the resume are the ones the whole
+    job read from that iteration on (not epoch 0's order again)."""
+    train = numbered(tmp_path / "train_lmdb")
+    folders = []
+    for algorithm, (max_iter, snapshot) in RESUMED_JOBS.items():
+        folder = tmp_path / algorithm
+        for run, name in (("whole", "solver"), ("resumed", "resumed")):
+            (folder / run).mkdir(parents=True)
+            (folder / f"{run}_net.prototxt").write_text(RECORDED_NET.format(train=train, seen=folder / run))
+            (folder / f"{name}.prototxt").write_text(
+                RECORDED_SOLVER.format(net=folder / f"{run}_net.prototxt", prefix=folder / "out" / "recorded")
+                .replace("max_iter: 24", f"max_iter: {max_iter}\nsnapshot: {snapshot}"))
+        (folder / "order_recorder.py").write_text(TIMED_RECORDER)
+        folders.append(folder)
+    done = subprocess.run([sys.executable, "-c", RESUMED_RUNS, *map(str, folders)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for folder, at in zip(folders, map(int, done.stdout.split()), strict=True):
+        max_iter = RESUMED_JOBS[folder.name][0]
+        whole, resumed = (labels_by_shard(folder / run) for run in ("whole", "resumed"))
+        assert sorted(whole) == sorted(resumed) == [0, 30], folder
+        for shard, labels in whole.items():
+            assert len(labels) == 10 * max_iter and len(resumed[shard]) == 10 * (max_iter - at), (folder, at)
+            assert sorted(labels[:30]) == list(range(shard, shard + 30))
+            assert (labels[:30] != labels[120:150]).any()  # epoch 4 in another order than epoch 0
+            assert (resumed[shard] == labels[10 * at:]).all(), (folder, at)
