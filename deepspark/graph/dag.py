@@ -11,6 +11,14 @@ from deepspark.graph.registry import AUTOMATIC, REGISTRY, ShapeError, count, fmt
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.upgrade import input_layer
 
+# Types of the bundled pycaffe's sources that it cannot run either (docs/layers.md): there is nothing to equal.
+UNRUNNABLE = {
+    "PSROIPooling": "the bundled pycaffe cannot run it either: its CPU Forward is NOT_IMPLEMENTED (it aborts the "
+                    "process, 'Not Implemented Yet')",
+    "BN": "the bundled pycaffe cannot run it either: the fork's bn_layer.cpp registers no type (it aborts, "
+          "'Unknown layer type: BN'); BatchNormKyle (use_alpha_beta) is the fork's batch norm it runs",
+}
+
 
 @dataclass
 class Layer:
@@ -122,6 +130,8 @@ class Graph:
 
     def _build(self):
         for i, lp in enumerate(self.net_param.layer):
+            if lp.type in UNRUNNABLE:
+                raise self._error(f"layer '{lp.name}': {lp.type} is refused: {UNRUNNABLE[lp.type]}", i, "type")
             if lp.type not in REGISTRY:
                 raise self._error(f"layer '{lp.name}': unknown layer type '{lp.type}' (docs/layers.md lists the "
                                   "supported types)", i, "type")
