@@ -1,18 +1,17 @@
 """Every layer type the bundled pycaffe registers is supported (docs/layers.md's table) or refused in one line saying why, and each refusal's why holds: pycaffe aborts on it too, in a subprocess (#43)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from conftest import ROOT
 from deepspark import graph
-from deepspark.backends.caffe import runtime
 from deepspark.config import parse_net
 from deepspark.errors import ConfigError
 from deepspark.graph.dag import UNRUNNABLE
 from deepspark.proto import deepspark_pb2 as pb
+from test_annotated_opencv import pycaffe_forward
+from test_zoo_layers import caffe  # noqa: F401 (a fixture: pycaffe, or the tests skip)
 
 pytestmark = pytest.mark.caffe
 NETS = {  # a net of the type, with bottoms of shapes its layer takes
@@ -24,16 +23,6 @@ NETS = {  # a net of the type, with bottoms of shapes its layer takes
            'layer { name: "it" type: "BN" bottom: "x" top: "y" bn_param { frozen: true } }\n',
            "Unknown layer type: BN"),
 }
-FORWARD = ("import sys\nfrom deepspark.backends.caffe import runtime\ncaffe = runtime.caffe()\n"
-           "caffe.Net(sys.argv[1], caffe.TEST).forward()\n")
-
-
-@pytest.fixture(scope="module")
-def caffe():
-    try:
-        return runtime.caffe()
-    except ImportError as error:
-        pytest.skip(str(error))
 
 
 def test_every_registered_type_is_supported_or_refused_saying_why(caffe):
@@ -53,8 +42,5 @@ def test_each_refusal_says_why_and_pycaffe_aborts_on_it(caffe, kind, tmp_path):
     refusal = str(caught.value)
     assert "\n" not in refusal and f"{kind} is refused: the bundled pycaffe cannot run it either" in refusal
     assert abort in refusal
-    (tmp_path / "net.prototxt").write_text(text)
-    done = subprocess.run([sys.executable, "-c", FORWARD, str(tmp_path / "net.prototxt")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "GLOG_minloglevel": "0", "PYTHONPATH": ROOT})
-    assert done.returncode != 0 and abort in done.stderr, done.stderr[-2000:]
+    status, err = pycaffe_forward(text, tmp_path)
+    assert status != 0 and abort in err, err[-2000:]
