@@ -1,18 +1,27 @@
 """Stragglers do not set an easgd job's pace: each worker trains its own iteration count, the job ends once the workers'
 iterations sum to workers x max_iter (the exchanger's leases, exchange/handlers.py), and the driver's cadence follows
 the job's iteration (their sum / workers), not the slowest worker's. Real Spark, real TensorFlow, a real throttle
-(tools/chaos.py's Throttle: SIGSTOP and SIGCONT)."""
+(tools/chaos.py's Throttle: SIGSTOP and SIGCONT). sync and average, in step, say in one line when a straggler holds
+their rounds (algorithms/base.py's Pace)."""
 
+import logging
 import re
 import signal
+import threading
+import time
 
+import numpy as np
 import pytest
 
+from deepspark.algorithms.base import Pace
+from deepspark.algorithms.sync import RoundsHandler
+from deepspark.exchange import ExchangeClient, ExchangeServer
 from deepspark.exchange.handlers import Leases
 from sparkjobs import chaos, read_until, start_training, workers_done
 from synthetic import make_job
 
 MAX_ITER = 1000
+SECRET = b"per-job-secret"
 
 
 def test_a_lone_worker_is_leased_its_whole_count_at_once():
@@ -84,3 +93,50 @@ def test_a_throttled_worker_trains_fewer_the_other_more_and_the_job_ends_on_thei
     tested = [int(i) for i in re.findall(r"Iteration (\d+), Testing net", log)]
     assert tested[0] == 0 and tested[-1] == MAX_ITER and all(i % 250 == 0 for i in tested), tested
     assert (tmp_path / "out" / f"tiny_iter_{MAX_ITER}.caffemodel").exists()
+
+
+def test_pace_says_the_straggler_once_a_window_is_in_and_then_not_again_within_its_minute():
+    now = [0.0]
+    pace = Pace(window=5.0, every=60.0, clock=lambda: now[0])
+    for second in range(1, 11):
+        now[0] = float(second)
+        pace.add(0, 0.1, 1)   # 10 it/s
+        pace.add(1, 0.1, 1)
+        pace.add(2, 0.5, 1)   # 2 it/s
+        said = pace.judge()
+        assert said is None or second == 5, (second, said)
+        if second == 5:
+            assert said == "Worker 2 holds the round: 2.0 it/s against 10.0 for the others"
+    now[0] = 70.0
+    pace.add(0, 0.1, 1)
+    pace.add(1, 0.1, 1)
+    pace.add(2, 0.5, 1)
+    assert pace.judge() is not None  # a minute on, still straggling: said again
+    now[0] = 80.0
+    pace.add(0, 0.1, 1)
+    pace.add(1, 0.11, 1)  # within a few percent: nobody holds the round
+    assert pace.judge() is None
+
+
+def test_a_sync_server_says_which_worker_holds_its_rounds(caplog):
+    center = np.zeros(100, np.float32)
+    handler = RoundsHandler(2, round_timeout=10.0, pace=Pace(window=0.5, every=60.0))
+    with ExchangeServer(center, SECRET, handler, timeout=10.0) as server:
+        clients = [ExchangeClient(server.address, SECRET, w, timeout=10.0).connect(100) for w in (0, 1)]
+
+        def rounds(worker, seconds):
+            params = np.ones(100, np.float32)
+            for iteration in range(1, 16):
+                time.sleep(seconds)  # its step
+                clients[worker].average(params, iteration)
+
+        with caplog.at_level(logging.INFO, logger="deepspark.algorithms.sync"):
+            threads = [threading.Thread(target=rounds, args=args) for args in ((0, 0.005), (1, 0.06))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        for c in clients:
+            c.close()
+    said = [r.getMessage() for r in caplog.records if "holds the round" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("Worker 1 holds the round: "), said

@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from deepspark import rules
-from deepspark.algorithms.base import Algorithm, Projection, period_note
+from deepspark.algorithms.base import Algorithm, Pace, Projection, period_note
 
 log = logging.getLogger(__name__)
 # Seconds a Spark round of `average` costs outside its steps and its transfers (task launch, the
@@ -66,6 +66,7 @@ class Average(Algorithm):
     def hold_center(self, job, center, host, secret):
         job.center = center
         job.velocity = np.zeros_like(center) if self.outer(job.ds) else None  # the outer momentum
+        job.pace, job.paced = Pace(), job.start_iter  # the workers' rates, and the iteration rounds ended at
         log.info(f"No exchanger: the center is broadcast every {job.ds.period} iterations and "
                  f"the {job.workers} workers' parameters averaged on the driver")
         return None
@@ -78,7 +79,14 @@ class Average(Algorithm):
 
     def update_center(self, job, returned):
         """The next center from the round's parameters (in worker order): their mean (rules.average_models,
-        collected rather than tree-aggregated so that it is that exact rule), or DiLoCo's outer step toward it."""
+        collected rather than tree-aggregated so that it is that exact rule), or DiLoCo's outer step toward it; a
+        line when a straggler holds the rounds (base.Pace: each worker's steps over its own seconds in them)."""
+        steps, job.paced = returned[0]["iteration"] - job.paced, returned[0]["iteration"]
+        for r in returned:
+            job.pace.add(r["worker"], r["seconds"], steps)
+        said = job.pace.judge()
+        if said:
+            log.info(said)
         mean = rules.average_models([r["params"] for r in returned])
         if self.outer(job.ds):
             rules.outer_step(job.center, mean, job.velocity, job.ds.outer_learning_rate, job.ds.outer_momentum)

@@ -2,11 +2,21 @@
 
 import dataclasses
 import logging
+import statistics
+import threading
+import time
 
 from deepspark.errors import ConfigError, DeepSparkError
 from deepspark.proto import deepspark_pb2 as pb
 
 log = logging.getLogger(__name__)
+# Seconds of rounds a Pace judges at once, and the fewest seconds between two of its lines: a straggler is said
+# soon after it starts to hold the rounds, then once a minute while it does, not every round.
+PACE_WINDOW_SECONDS = 5.0
+PACE_EVERY_SECONDS = 60.0
+# A worker holds the round when its own rate is under this share of the others' (their median): a quarter
+# slower, well past the few percent two workers on one machine differ by.
+PACE_SHARE = 0.8
 
 
 class WorkerError(DeepSparkError):
@@ -113,6 +123,47 @@ def center_rate(costs, network):
 def period_note(ds):
     """`plan`'s note of an algorithm that exchanges every period."""
     return f"period {ds.period}, {'overlapped' if ds.overlap else 'blocking'}"
+
+
+# -- what the algorithms in step share --------------------------------------------------------------
+
+
+class Pace:
+    """Each worker's own rate in rounds that all workers finish together (sync's, average's): its iterations over
+    the seconds it worked on them (not those it then waited for the others), judged every `window` seconds of
+    rounds; the line that says the slowest holds the round, at most once every `every` seconds. Thread-safe."""
+
+    def __init__(self, window=PACE_WINDOW_SECONDS, every=PACE_EVERY_SECONDS, share=PACE_SHARE, clock=time.monotonic):
+        self.window, self.every, self.share, self.clock = window, every, share, clock
+        self.lock = threading.Lock()
+        self.work = {}  # worker -> [seconds, iterations] in this window
+        self.since = clock()
+        self.said = None  # when the last line was said
+
+    def add(self, worker, seconds, iterations=1):
+        """Worker `worker` worked `seconds` on `iterations` iterations of a round."""
+        with self.lock:
+            work = self.work.setdefault(worker, [0.0, 0])
+            work[0] += seconds
+            work[1] += iterations
+
+    def judge(self):
+        """Once a window's rounds are in: the line when its slowest worker's rate is under `share` of the others'
+        and none was said within `every` seconds, else None (the next window starts)."""
+        with self.lock:
+            now = self.clock()
+            if now - self.since < self.window:
+                return None
+            rates = {w: n / s for w, (s, n) in self.work.items() if s > 0}
+            self.work, self.since = {}, now
+            if len(rates) < 2:
+                return None
+            slow = min(rates, key=rates.get)
+            others = statistics.median(r for w, r in rates.items() if w != slow)
+            if rates[slow] >= self.share * others or (self.said is not None and now - self.said < self.every):
+                return None
+            self.said = now
+        return f"Worker {slow} holds the round: {rates[slow]:.1f} it/s against {others:.1f} for the others"
 
 
 # -- what the worker loops share -------------------------------------------------------------------

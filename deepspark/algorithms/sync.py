@@ -4,12 +4,13 @@ import logging
 import math
 import socket
 import threading
+import time
 import zlib
 
 import numpy as np
 
 from deepspark import rules
-from deepspark.algorithms.base import Algorithm, Projection, WorkerError, read_params, send_history, write_params
+from deepspark.algorithms.base import Algorithm, Pace, Projection, WorkerError, read_params, send_history, write_params
 from deepspark.exchange import RefusedError
 from deepspark.exchange import protocol as P
 from deepspark.exchange.handlers import Handler
@@ -39,6 +40,8 @@ class RoundsHandler(Handler):
                    center becomes their mean (rules.average_models, in worker-id order) and each
                    worker gets it back as CENTER
     round_timeout  seconds a worker waits for the rest of its round (default: the server's options' timeout)
+    pace           the workers' rates (base.Pace: from each reply sent to the worker's next frame), and the line
+                   that says a straggler holds the rounds
 
     A round that cannot complete (a worker left, or round_timeout passed) is failed for
     every worker in it, with the reason. Every (re)joining worker restarts at the last
@@ -48,7 +51,7 @@ class RoundsHandler(Handler):
     frame = P.AVERAGE
     kind = "a synchronous"
 
-    def __init__(self, workers, *, round_timeout=None):
+    def __init__(self, workers, *, round_timeout=None, pace=None):
         if int(workers) < 1:
             raise ValueError(f"a synchronous round needs at least one worker, got {workers!r}")
         self.workers = int(workers)
@@ -59,6 +62,8 @@ class RoundsHandler(Handler):
         self._rounds = 0
         self._round_iteration = None  # the iteration of the last completed round
         self._gone = set()  # workers that left and have not rejoined: no round can complete without them
+        self.pace = Pace() if pace is None else pace
+        self._replied = {}  # worker id -> when its last round's reply went: its work since is its own
 
     def attach(self, server, center):
         super().attach(server, center)
@@ -75,6 +80,7 @@ class RoundsHandler(Handler):
         """The last completed round. An open round that holds this worker's frame holds its previous
         connection's (a process Spark has since replaced, whose server thread still waits in the round
         and never saw its socket die): it can never complete as it is, so it fails, and its waiters with it."""
+        self._replied.pop(worker_id, None)  # a rejoin's wait is not its work
         with self._cond:
             self._gone.discard(worker_id)
             rnd = self._round
@@ -88,6 +94,9 @@ class RoundsHandler(Handler):
     def serve(self, conn, h):
         """Add x to the round of its iteration; once all N are in, every worker gets their mean."""
         wid = conn.worker_id
+        replied = self._replied.pop(wid, None)
+        if replied is not None:  # the header has just arrived: its step and its x read out since the last reply
+            self.pace.add(wid, time.monotonic() - replied)
         try:
             conn.frames.receive_params()  # the worker's x as the server sees it
             finite = rules.all_finite(conn.buf)
@@ -114,6 +123,9 @@ class RoundsHandler(Handler):
                 self._round_iteration = h.iteration
                 self.server.committed(rnd.params)
                 self._cond.notify_all()
+                said = self.pace.judge()
+                if said:
+                    log.info(said)
             elif not self._cond.wait_for(lambda: rnd.done or rnd.failure, self.round_timeout):
                 self._fail_late(rnd)
             if rnd.failure:
@@ -121,6 +133,7 @@ class RoundsHandler(Handler):
             # The center changes again only when a round completes, which needs this
             # worker's next frame: sending it outside the lock is safe (and so is a PULL's).
         conn.frames.send_model(P.CENTER, self.center, h.iteration, self.server.history.reply_flags(wid))
+        self._replied[wid] = time.monotonic()
 
     def _fail_late(self, rnd):
         """Fail `rnd`, which round_timeout passed without. A worker that left may be rejoining (Spark retries
