@@ -346,6 +346,8 @@ def check_deepspark(ds, path):
     run, its row's check says: deepspark.algorithms.check, where a solver is loaded to train or plan)."""
     if ds.workers < 1:
         raise ConfigError(f"workers must be at least 1, not {ds.workers}", path)
+    if ds.min_workers > ds.workers:
+        raise ConfigError(f"min_workers ({ds.min_workers}) must not exceed workers ({ds.workers})", path)
     if ds.period < 1:
         raise ConfigError(f"period must be at least 1, not {ds.period}", path)
     if ds.HasField("iterations") and ds.iterations < 1:  # unset: max_iter

@@ -25,6 +25,8 @@ def values_for(field):
         return [([flag, "spark://10.0.0.1:7077"], "spark://10.0.0.1:7077")]
     if field.type in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
         return [([flag, "0.375"], 0.375)]  # exact in float32
+    if field.name == "min_workers":  # never above workers (2)
+        return [([flag, "1"], 1)]
     return [([flag, "7"], 7)]
 
 

@@ -25,6 +25,19 @@ class Limits:
         return cls(max(ds.max_failures, 1), float(ds.failure_window), ds.max_worker_failures, ds.max_job_failures)
 
 
+class Spent(str):
+    """A spent budget's one line; whole_job: the workers' failures together (max_job_failures) spent it, not one
+    worker's own (which that worker's leaving makes good, as far as min_workers allows)."""
+
+    whole_job = False
+
+    @classmethod
+    def of_job(cls, line):
+        spent = cls(line)
+        spent.whole_job = True
+        return spent
+
+
 class Budget:
     """The failures seen so far, against Limits: fail() says when the job must stop, and why, in one line."""
 
@@ -40,7 +53,7 @@ class Budget:
 
     def fail(self, worker, at, cause):
         """Count a failure of `worker` at `at` (seconds, monotonic) whose cause Spark gave as `cause`: None
-        while the job may go on, else the one line that says why it stops."""
+        while the job may go on, else the one line that says why it stops (Spent)."""
         limits = self.limits
         count, first = self.run.get(worker, (0, at))
         self.run[worker] = (count + 1, first)
@@ -50,16 +63,16 @@ class Budget:
                 times.popleft()
         last = f"the last: {one_line(cause)}"
         if count + 1 >= limits.in_a_row:
-            return (f"worker {worker} failed {how_often(count + 1)} in a row in {at - first:.0f}s without training "
-                    f"between them (max_failures {limits.in_a_row}); {last}")
+            return Spent(f"worker {worker} failed {how_often(count + 1)} in a row in {at - first:.0f}s without "
+                         f"training between them (max_failures {limits.in_a_row}); {last}")
         span = f"in {limits.window:g}s" if limits.window else "in the job"
         window = f"failure_window {limits.window:g}s"
         if limits.per_worker and len(self.times[worker]) >= limits.per_worker:
-            return (f"worker {worker} failed {how_often(len(self.times[worker]))} {span} ({window}, "
-                    f"max_worker_failures {limits.per_worker}); {last}")
+            return Spent(f"worker {worker} failed {how_often(len(self.times[worker]))} {span} ({window}, "
+                         f"max_worker_failures {limits.per_worker}); {last}")
         if limits.per_job and len(self.all) >= limits.per_job:
-            return (f"the workers failed {how_often(len(self.all))} {span} ({window}, max_job_failures "
-                    f"{limits.per_job}), worker {worker} the last; {last}")
+            return Spent.of_job(f"the workers failed {how_often(len(self.all))} {span} ({window}, "
+                                f"max_job_failures {limits.per_job}), worker {worker} the last; {last}")
         return None
 
     def failures(self, worker):

@@ -211,16 +211,15 @@ class Job:
     def run_workers(self, task, train_worker, timeout, barrier=False):
         """One long Spark task per worker, each `executor.run` with the algorithm's loop `train_worker(trainer,
         client, params)` (joining the center within `timeout` seconds), followed through the exchanger (watch);
-        their Summaries. barrier: Spark's barrier execution mode, all N tasks together."""
+        their Summaries. Each worker's task is a Spark job of its own, so that one leaves the job or joins it
+        again alone (min_workers); barrier: Spark's barrier execution mode, all N tasks together in one job."""
         stage = self.shards.barrier() if barrier else self.shards
-
-        def tasks():
-            done = stage.mapPartitionsWithIndex(lambda i, items: [executor.run(i, items, task, train_worker, timeout)])
+        done = stage.mapPartitionsWithIndex(lambda i, items: [executor.run(i, items, task, train_worker, timeout)])
+        if barrier:
             # The shuffle after a barrier stage makes it a ShuffleMapStage, which Spark reruns whole when
             # a task fails (a barrier ResultStage fails the job instead).
-            return (done.repartition(1) if barrier else done).collect()
-
-        return self.watch(tasks, barrier)
+            return self.watch(lambda: done.repartition(1).collect(), barrier=True)
+        return self.watch(run_worker=lambda worker: self.sc.runJob(done, lambda summaries: summaries, [worker]))
 
     def run_rounds(self, task, train_round, update_center):
         """Rounds without an exchanger (spark/rounds.py): the center broadcast, `train_round(trainer, steps)` on
@@ -247,14 +246,15 @@ class Job:
                               resume_iteration=self.start_iter, history_sets=self.history_sets,
                               histories=self.resume_histories).start()
 
-    def watch(self, run_tasks, barrier=False):
-        """Run `run_tasks()` (the Spark job, in a barrier stage or not) and follow the workers through the exchanger
-        (Watch), their failures counted against the job's budget; its result."""
+    def watch(self, run_tasks=None, barrier=False, run_worker=None):
+        """Run the Spark job (`run_tasks()`, in a barrier stage or not) or each worker's (`run_worker(w)`) and
+        follow the workers through the exchanger (Watch), their failures counted against the job's budget, a worker
+        that cannot go on leaving as far as min_workers allows; the workers' results."""
         self.watched = Watch(self.sc, self.server, self.cadence, self.workers, schedule.stop_iteration(self.param),
                              self.ds.connect_timeout, batch_size(self.graph), budget=Budget(Limits.of(self.ds)),
                              stops=setting(self.sc, "spark.task.maxFailures") == str(WATCHED_ATTEMPTS),
-                             barrier=barrier)
-        return self.watched.run(run_tasks)
+                             barrier=barrier, min_workers=self.ds.min_workers)
+        return self.watched.run(run_tasks, run_worker)
 
     # -- the run ----------------------------------------------------------------
 
@@ -408,13 +408,17 @@ class Job:
                      f"then the spill), {100 * ready / max(train, 1e-9):.2f}% of training time")
         if outages.all:
             log.info(outages.summary(time.monotonic()))
+        left = self.watched.left if self.watched is not None else {}
+        if left:
+            log.info(f"Trained on {len(results)} of {self.workers} workers to the end: "
+                     + "; ".join(f"worker {w} left ({why})" for w, why in sorted(left.items())))
         weights, values, arrays = self.cadence.finish(final)
         log.info("Optimization Done.")
         plot_path = self.cadence.plot(self.output, f"{self.graph.name}: {self.workers} workers, {self.title}")
         log.info(f"Plot of loss and test outputs against time: {plot_path}")
         summary = {"iterations": final, "weights": weights, "spill_seconds": spill, "ready_seconds": max(ready, 0.0),
                    "train_seconds": train, "wall_seconds": time.monotonic() - self.started,
-                   "losses": len(outages.all), "rejoins": sum(restarts.values()),
+                   "losses": len(outages.all), "rejoins": sum(restarts.values()), "left": sorted(left),
                    "lost_seconds": sum(o.cost(time.monotonic()) for o in outages.all),
                    "startup_seconds": max((sum(parts.values()) for parts in startup.values()), default=None),
                    "workers": [dataclasses.asdict(r) for r in sorted(results, key=lambda r: r.worker)], **values}

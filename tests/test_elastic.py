@@ -1,0 +1,117 @@
+"""Elastic membership (#45): min_workers; a worker that cannot go on leaves the job, which finishes with the others and says so; below min_workers the job stops in one line."""
+
+import os
+import re
+import signal
+
+import pytest
+
+from deepspark.config import check_deepspark
+from deepspark.errors import ConfigError
+from deepspark.proto import deepspark_pb2 as pb
+from deepspark.spark.budget import Budget, Limits
+
+from sparkjobs import kill_while_training, start_training, workers_done
+from synthetic import make_job
+from test_failure_budget import GATE, CRASH
+
+
+def test_min_workers_defaults_to_every_worker_and_never_exceeds_workers():
+    assert pb.DeepSparkParameter().min_workers == 0  # 0: all of them, as before
+    check_deepspark(pb.DeepSparkParameter(workers=3, min_workers=3), "s.prototxt")
+    with pytest.raises(ConfigError, match=r"min_workers \(4\) must not exceed workers \(3\)"):
+        check_deepspark(pb.DeepSparkParameter(workers=3, min_workers=4), "s.prototxt")
+
+
+def test_a_workers_own_budget_is_its_own_and_the_jobs_is_the_whole_jobs():
+    """A worker whose own limit is spent may leave; the job's limit (max_job_failures) stops the job."""
+    budget = Budget(Limits(in_a_row=2, window=60, per_worker=0, per_job=3))
+    assert budget.fail(0, 0, CRASH) is None
+    own = budget.fail(0, 1, CRASH)
+    assert own.startswith("worker 0 failed 2 times in a row") and not own.whole_job
+    job = budget.fail(1, 2, CRASH)
+    assert job.startswith("the workers failed 3 times in 60s") and job.whole_job
+
+
+def gated(tmp_path, failing=(1,), **knobs):
+    """The tiny job with the workers `failing` crashing in their every Spark task before they train
+    (test_failure_budget's GATE)."""
+    solver = make_job(tmp_path, **knobs)
+    gate = GATE.replace("task.partitionId() == 1", f"task.partitionId() in {failing!r}").replace(
+        '"worker 1 cannot start"', 'f"worker {task.partitionId()} cannot start"')
+    assert gate != GATE
+    (tmp_path / "crash_gate.py").write_text(gate)
+    net = (tmp_path / "net.prototxt").read_text().replace(
+        'layer { name: "conv" type: "Convolution" bottom: "data"',
+        'layer { name: "gate" type: "Python" bottom: "data" top: "gated" '
+        'python_param { module: "crash_gate" layer: "Gate" } }\nlayer { name: "conv" type: "Convolution" '
+        'bottom: "gated"')
+    assert "crash_gate" in net
+    (tmp_path / "net.prototxt").write_text(net)
+    return solver
+
+
+def finish(driver, timeout=300):
+    try:
+        return driver.communicate(timeout=timeout)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+
+
+@pytest.mark.spark
+def test_a_worker_in_a_crash_loop_leaves_and_the_job_finishes_with_the_other(tmp_path):
+    solver = gated(tmp_path, max_iter=400, test_interval=400)
+    _, stderr = finish(start_training(solver, "--min-workers", "1"))
+    text = (tmp_path / "out" / "train.log").read_text()
+    assert re.search(r"Worker 1 left the job: worker 1 failed 4 times in a row in \d+s without training between "
+                     r"them \(max_failures 4\); the last: .*RuntimeError: worker 1 cannot start; 1 of 2 workers train "
+                     r"on \(min_workers 1\)", text), text[-3000:]
+    assert re.search(r"Trained on 1 of 2 workers to the end: worker 1 left \(worker 1 failed 4 times", text), text[-3000:]
+    assert driver_ok(stderr) and workers_done(text) == [0] and "Optimization Done." in text, stderr[-3000:]
+
+
+def driver_ok(stderr):
+    return "error:" not in stderr.strip().splitlines()[-1] if stderr.strip() else True
+
+
+@pytest.mark.spark
+def test_below_min_workers_the_job_stops_in_one_line(tmp_path):
+    """Workers 1 and 2 of 3 crash in a loop; min_workers 2: the first to spend its budget leaves, the second
+    cannot."""
+    solver = gated(tmp_path, max_iter=100000, test_interval=0, workers=3, failing=(1, 2))
+    driver = start_training(solver, "--min-workers", "2", "--max-failures", "2")
+    _, stderr = finish(driver)
+    last = stderr.strip().splitlines()[-1]
+    assert driver.returncode == 1, stderr[-3000:]
+    first, second = re.fullmatch(r"deepspark train: error: worker ([12]) failed 2 times in a row in \d+s without "
+                                 r"training between them \(max_failures 2\); the last: .*RuntimeError: worker ([12]) "
+                                 r"cannot start; 1 of 3 workers would train on, fewer than min_workers 2", last).groups()
+    assert first == second, last
+    text = (tmp_path / "out" / "train.log").read_text()
+    assert re.search(rf"Worker {3 - int(first)} left the job: .*; 2 of 3 workers train on \(min_workers 2\)",
+                     text), text[-3000:]
+
+
+# A job long enough that a kill lands while both train, short enough for the suite.
+KILLED_MAX_ITER = 4000
+
+
+@pytest.mark.spark
+def test_a_worker_lost_for_good_leaves_the_job_finishing_with_one_fewer_and_saying_so(tmp_path):
+    """max_failures 1: Spark gives each task one attempt, so a killed worker cannot be restarted; min_workers 1 lets
+    the other finish the job."""
+    solver = make_job(tmp_path, max_iter=KILLED_MAX_ITER, test_interval=KILLED_MAX_ITER)
+    driver = start_training(solver, "--max-failures", "1", "--min-workers", "1")
+    said = []
+    _, stderr, kills = kill_while_training(driver, tmp_path / "out" / "train.log", KILLED_MAX_ITER, 1, 3, (0.1, 0.4),
+                                           timeout=120, wait=300, say=said.append)
+    assert driver.returncode == 0, (said, stderr[-3000:])
+    text = (tmp_path / "out" / "train.log").read_text()
+    assert len(kills) == 1, (said, text[-3000:])
+    left = re.findall(r"Worker (\d) left the job: its Spark job failed: (.*); 1 of 2 workers train on "
+                      r"\(min_workers 1\)", text)
+    assert len(left) == 1 and "Python worker exited unexpectedly" in left[0][1], text[-3000:]
+    gone = int(left[0][0])
+    assert workers_done(text) == [1 - gone] and "Optimization Done." in text, text[-3000:]
+    assert f"Trained on 1 of 2 workers to the end: worker {gone} left" in text
