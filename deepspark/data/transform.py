@@ -35,7 +35,9 @@ class Transformer:
         extras = [name for name in ANNOTATED_EXTRAS if self.param.HasField(name)]
         if extras:  # AnnotatedFeeder does these itself and hands the rest here
             raise ConfigError(f"transform_param.{extras[0]}: only an AnnotatedData layer takes the SSD fork's "
-                              f"{', '.join(ANNOTATED_EXTRAS)} here; remove it")
+                              f"{', '.join(ANNOTATED_EXTRAS)} here; on another data layer the bundled pycaffe "
+                              "applies none of them to a raw record (it aborts where old_resize_param's size is "
+                              "not the record's, and on any encoded record): remove it")
         self.phase = _phase(phase)
         self.scale = np.float32(self.param.scale)
         self.crop_h, self.crop_w = crop_of(self.param)
