@@ -7,11 +7,13 @@ import sys
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from conftest import ROOT
 from deepspark.data.annotated import PYCAFFE_ABORTS, convert_annoset
+from deepspark.data.datum import DataError
 from deepspark.errors import ConfigError
-from test_annotated import annotated_layer, annoset, converted, feeder  # noqa: F401 (fixtures)
+from test_annotated import LABEL_MAP, annotated_layer, annoset, converted, feeder, voc_xml  # noqa: F401 (fixtures)
 from test_detection import pycaffe  # noqa: F401 (a fixture)
 
 NOISE = ("noise_param { prob: 1 hist_eq: true inverse: true decolorize: true gauss_blur: true jpeg: 50 "
@@ -94,3 +96,20 @@ def test_noise_on_an_encoded_record_is_refused(annoset, encoded):
     with pytest.raises(ConfigError, match="noise_param jpeg: the fork noises encoded records through OpenCV") as c:
         feeder(annotated_layer(encoded, annoset[2], 2, "noise_param { jpeg: 80 }"))
     assert "\n" not in str(c.value)
+
+
+def test_a_later_record_of_another_size_is_refused_where_pycaffe_aborts(tmp_path):
+    """The first record (16x20) fits FIT_SMALL_SIZE 16x20 as it is; the second (16x24) would be resized."""
+    for name, width in (("a.png", 20), ("b.png", 24)):
+        Image.fromarray(np.full((16, width, 3), 9, np.uint8)).save(tmp_path / name)
+        (tmp_path / f"{name}.xml").write_text(voc_xml(width, 16, [("cat", 1, 1, 8, 8, 0)]))
+    (tmp_path / "list.txt").write_text("a.png a.png.xml\nb.png b.png.xml\n")
+    (tmp_path / "labelmap.prototxt").write_text(LABEL_MAP)
+    convert_annoset(str(tmp_path), str(tmp_path / "list.txt"), str(tmp_path / "lmdb"),
+                    label_map_file=str(tmp_path / "labelmap.prototxt"))
+    ours = feeder(annotated_layer(tmp_path / "lmdb", tmp_path / "labelmap.prototxt", 1,
+                                  "old_resize_param { resize_mode: FIT_SMALL_SIZE height: 16 width: 20 }"))
+    assert ours.next_batch()["data"].shape == (1, 3, 16, 20)
+    with pytest.raises(DataError, match="FIT_SMALL_SIZE of a 16x24 raw record to 16x20 is not done here") as caught:
+        ours.next_batch()
+    assert "\n" not in str(caught.value)
