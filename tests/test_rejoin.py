@@ -2,7 +2,11 @@
 
 import collections
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,12 +14,13 @@ from google.protobuf import text_format
 
 from deepspark import engine, nets
 from deepspark.config import load_solver
-from deepspark.data import encode_datum, feeder_for, lmdb_io
+from deepspark.data import decode_datum, encode_datum, feeder_for, lmdb_io
 from deepspark.data.datum import array_to_image
 from deepspark.data.feeder import DataFeeder
 from deepspark.data.resume import BLOCKS
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark import executor
+from deepspark.spark.shards import Range
 from sparkjobs import cluster, kill_while_training, start_runs
 from synthetic import make_job
 
@@ -36,6 +41,40 @@ def data_layer(source):
 
 def labels(feeder, batches):
     return [int(label) for _ in range(batches) for label in feeder.next_batch()["label"]]
+
+
+# A worker's process spills its range of the LMDB, leaves a half-written spill and a streamed one behind, and is
+# SIGKILLed (argv: the source, the job's folder's parent, what to leave).
+SPILL_AND_DIE = """import os, signal, sys
+os.environ["SPARK_LOCAL_DIRS"] = sys.argv[2]
+from deepspark.spark import executor
+from deepspark.spark.shards import Range
+from deepspark.spark.shards import Range
+path, count, _ = executor.spill(Range(sys.argv[1], 10, 30, 42), "job", 1)
+folder = executor.job_dir("job")
+for name in (f"shard-1-pid{os.getpid()}_lmdb", f"shard-1-0-10_lmdb.tmp-{os.getpid()}", f"shard-0-pid{os.getpid()}_lmdb"):
+    os.makedirs(os.path.join(folder, name))
+print(path, count, os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_workers_replacement_takes_its_whole_spill_and_clears_what_dead_processes_left(tmp_path,
+                                                                                                monkeypatch):
+    source = labelled_lmdb(tmp_path / "source_lmdb")
+    done = subprocess.run([sys.executable, "-c", SPILL_AND_DIE, source, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    path, count, pid = done.stdout.split()
+    assert int(count) == 20
+    written = os.stat(os.path.join(path, "data.mdb")).st_mtime_ns
+    monkeypatch.setenv("SPARK_LOCAL_DIRS", str(tmp_path))
+    taken, records, _ = executor.spill(Range(source, 10, 30, 42), "job", 1)
+    assert (taken, records) == (path, 20) and os.stat(os.path.join(path, "data.mdb")).st_mtime_ns == written
+    assert [int(label) for _, value in lmdb_io.read_records(taken, 0, 20)
+            for label in [decode_datum(value, b"", taken)[1]]] == list(range(10, 30))
+    # Worker 1's dead process's leftovers are gone; worker 0's (another worker: not its to clear) stay.
+    assert sorted(os.listdir(executor.job_dir("job"))) == [f"shard-0-pid{pid}_lmdb", "shard-1-10-30_lmdb"]
 
 
 @pytest.mark.parametrize("shuffle", [False, True, BLOCKS])

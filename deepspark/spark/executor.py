@@ -7,6 +7,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import resource
 import shutil
 import socket
@@ -208,18 +209,52 @@ def shard_records(payload, worker):
 
 def spill(payload, job_id, worker):
     """Stream this worker's shard into a local LMDB (DeepSpark's spill step) in batched transactions, so
-    that memory does not grow with the shard; (path, records, seconds)."""
+    that memory does not grow with the shard; (path, records, seconds).
+
+    A record range's spill is named by the range, and a lost worker's replacement on the same executor takes the
+    spill its killed process left whole (lmdb_io publishes a spill only once it is complete) instead of writing the
+    same records again; what dead processes of this worker left half-written, or spilled from a stream, is removed
+    first, so a worker killed every few seconds does not fill the executor's disk with copies of its shard."""
     started = time.monotonic()
     folder = job_dir(job_id)
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"shard-{worker}-{os.getpid()}_lmdb")
-    if os.path.exists(path):
-        shutil.rmtree(path)
+    remove_dead_spills(folder, worker)
+    if isinstance(payload, Range):
+        path = os.path.join(folder, f"shard-{worker}-{payload.start}-{payload.stop}_lmdb")
+        if os.path.isdir(path):
+            count = lmdb_io.count(path)
+            if count == payload.stop - payload.start:
+                return path, count, time.monotonic() - started
+            shutil.rmtree(path)
+    else:
+        path = os.path.join(folder, f"shard-{worker}-pid{os.getpid()}_lmdb")
+        shutil.rmtree(path, ignore_errors=True)
     count = lmdb_io.write_lmdb(path, shard_records(payload, worker))
     if not count:
         shutil.rmtree(path, ignore_errors=True)
         raise WorkerError(f"worker {worker} on {socket.gethostname()}: its shard is empty")
     return path, count, time.monotonic() - started
+
+
+def remove_dead_spills(folder, worker):
+    """Remove what processes of worker `worker` that are gone left in `folder`: a spill half-written (lmdb_io's
+    .tmp-PID) or one of a streamed shard (pid PID), which no other process reads."""
+    for name in os.listdir(folder):
+        found = re.fullmatch(rf"shard-{worker}-(?:pid(\d+)_lmdb|.*_lmdb\.tmp-(\d+))", name)
+        pid = found and int(found.group(1) or found.group(2))
+        if pid and pid != os.getpid() and not process_alive(pid):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def process_alive(pid):
+    """Whether process `pid` runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True
 
 
 def payload_of(items):
