@@ -107,9 +107,60 @@ def _network_rows(emulated, suffix, how):
              f"{first[1]} reached it first" if first and not met else "")]
 
 
+def _seeded(accuracy, name):
+    """The records of run `name` off the clock that trained (one a seed)."""
+    return [r for r in accuracy if r.get("run") == name and r.get("tests", "off the clock") == "off the clock"
+            and "points" in r]
+
+
+def _medians(runs, key):
+    return time_to_accuracy.median([r.get(key) for r in runs])
+
+
+def _peer_rows(accuracy):
+    """#44's acceptance: easgd's median time to 0.88 at most 0.8x each single-process peer's, DeepSpark single's
+    samples/s at least keras single's; all from the rounds of one bench/time_to_accuracy.py invocation."""
+    rows, easgd = [], _seeded(accuracy, time_to_accuracy.SCALED)
+    spread = time_to_accuracy.spread
+    for peer in time_to_accuracy.PEERS_COMPARED:
+        runs = _seeded(accuracy, peer)
+        if not easgd or not runs:
+            continue
+        e, p = _medians(easgd, "seconds_to_0.88"), _medians(runs, "seconds_to_0.88")
+        ratio = e / p if e and p else None
+        rows.append((f"easgd (period 10, base_lr x2) median time to 0.88 at most 0.8x {peer}'s, same invocation",
+                     f"easgd {spread([r.get('seconds_to_0.88') for r in easgd], 1, ' s')}, {peer} "
+                     f"{spread([r.get('seconds_to_0.88') for r in runs], 1, ' s')} (medians and ranges of "
+                     f"{len(easgd)} and {len(runs)} seeds)" + (f": {ratio:.2f}x" if ratio else ""),
+                     ratio is not None and ratio <= 0.8,
+                     "easgd's median seed did not reach 0.88" if e is None else
+                     f"{peer}'s median seed did not reach 0.88" if p is None else f"easgd took {ratio:.2f}x"))
+    single, keras = _seeded(accuracy, "single"), _seeded(accuracy, "keras single")
+    if single and keras:
+        s, k = _medians(single, "samples_per_second"), _medians(keras, "samples_per_second")
+        ratio = s / k if s and k else None
+        rows.append(("DeepSpark single's samples/s at least keras single's, same invocation",
+                     f"single {cell(s, 0)}, keras single {cell(k, 0)} (medians of {len(single)} and {len(keras)} "
+                     "seeds, between each run's first and last test point)" + (f": {ratio:.2f}x" if ratio else ""),
+                     ratio is not None and ratio >= 1, "" if ratio else "a run had fewer than two test points"))
+    return rows
+
+
+def start_line(accuracy):
+    """The single run's start against keras single's: from its process's start to its first step."""
+    single, keras = _seeded(accuracy, "single"), _seeded(accuracy, "keras single")
+    s, k = _medians(single, "process_start_to_first_step"), _medians(keras, "process_start_to_first_step")
+    if not s or not k:
+        return None
+    return (f"Start-up, from the process's start to its first step (medians of the seeds): DeepSpark single "
+            f"{s:.1f} s, keras single {k:.1f} s: {s / k:.2f}x (DeepSpark's imports TensorFlow, reads the solver and "
+            "builds its net and feeders; keras's imports TensorFlow, loads the arrays, builds and compiles its "
+            "model and traces fit's step).")
+
+
 def targets(accuracy, emulated, startup):
     """(target, what was measured, met, why not) for each of the issue's targets, from the records."""
-    rows = []
+    rows = _peer_rows(accuracy)
     for suffix, how in (("", ""), (network.SCALED_SUFFIX, ", base_lr x2 for all three")):
         rows.extend(_network_rows(emulated, suffix, how))
     single, easgd = _run(accuracy, "single"), _run(accuracy, "easgd period 10")
@@ -154,7 +205,8 @@ def targets_section(accuracy, emulated, startup):
         return missing("the runs the targets are measured on", "make bench")
     return table(["target", "measured", "met", "why not"],
                  [[t, m, "yes" if ok else "**no**", "" if ok else why] for t, m, ok, why in rows]) + \
-        "\n\nEach row is computed from the records of the sections below."
+        "\n\nEach row is computed from the records of the sections below." + \
+        (f" {start_line(accuracy)}" if start_line(accuracy) else "")
 
 
 def compare_block(accuracy):

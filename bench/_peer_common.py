@@ -37,17 +37,46 @@ def every(config, samples_per_step):
     return max(1, round(config["milestone"] / samples_per_step))
 
 
-def save(config, start, samples, arrays):
-    """Writes a checkpoint: the arrays and the seconds since `start`, a time.time() (the clock crosses processes).
+def save(config, start, samples, arrays, tested=0.0):
+    """Writes a checkpoint: the arrays and the seconds since `start`, a time.time() (the clock crosses processes),
+    less the `tested` seconds the run's own tests took (off the clock, as every test here).
 
     From any process of the run (a driver, a Spark worker, a DDP rank): the file's name holds the samples, written
     under a temporary name and renamed, so that a reader never sees half of one.
     """
-    seconds = time.time() - start
+    seconds = time.time() - start - tested
     path = os.path.join(config["folder"], f"ckpt-{samples:09d}.npz")
     partial = path + ".partial.npz"
     np.savez(partial, *arrays, seconds=seconds)
     os.replace(partial, path)
+
+
+class Stop:
+    """A single-process run's early stop: each checkpoint tested as it is written, off the clock (its seconds kept in
+    `tested`), and the run told to stop once one is at or above config["stop_at"] (None: never; the test then never
+    runs). Its first step's time.time() in `first_step`, for the page's start-up line."""
+
+    def __init__(self, config, tester):
+        self.stop_at, self.tested, self.reached, self.first_step = config.get("stop_at"), 0.0, False, None
+        if self.stop_at:
+            *_, x_test, y_test = load(config)
+            self.test = tester(config, x_test, y_test)
+
+    def stepped(self):
+        if self.first_step is None:
+            self.first_step = time.time()
+
+    def saved(self, arrays):
+        """After a checkpoint of `arrays`: whether the run may stop."""
+        if self.stop_at and not self.reached:
+            began = time.time()
+            self.reached = self.test(arrays) >= self.stop_at
+            self.tested += time.time() - began
+        return self.reached
+
+    def report(self, start):
+        return {"clock_start": start, "first_step_at": self.first_step, "stopped_at": self.stop_at if self.reached
+                else None}
 
 
 def checkpoints(folder):

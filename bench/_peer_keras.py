@@ -44,34 +44,41 @@ def tester(config, x_test, y_test):
 class Milestones(keras.callbacks.Callback):
     """Writes the weights every `every` batches and after the last, and stops fit there: a fit's checkpoints."""
 
-    def __init__(self, config, start, images, steps):
+    def __init__(self, config, start, images, steps, stop):
         super().__init__()
-        self.config, self.start, self.images, self.steps = config, start, images, steps
+        self.config, self.start, self.images, self.steps, self.stop = config, start, images, steps, stop
         self.every, self.done, self.samples = _peer_common.every(config, config["batch"]), 0, 0
 
     def on_train_batch_end(self, batch, logs=None):
         # An epoch's last batch is short (60,000 = 937·64 + 32): count the samples it held.
         self.done += 1
+        self.stop.stepped()
         self.samples += min(self.config["batch"], self.images - batch * self.config["batch"])
         if self.done % self.every == 0 or self.done == self.steps:
-            _peer_common.save(self.config, self.start, self.samples, self.model.get_weights())
+            weights = self.model.get_weights()
+            _peer_common.save(self.config, self.start, self.samples, weights, self.stop.tested)
+            if self.stop.saved(weights):
+                self.model.stop_training = True
         if self.done == self.steps:
             self.model.stop_training = True
 
 
 def single(config):
-    """model.fit on the whole training set in this process, batch 64."""
+    """model.fit on the whole training set in this process, batch 64 (its initial weights and order seeded by config's
+    seed)."""
+    keras.utils.set_random_seed(config.get("seed", 0))
     x, y, *_ = _peer_common.load(config)
-    batch = config["batch"]
+    batch, stop = config["batch"], _peer_common.Stop(config, tester)
     steps = round(config["epochs"] * len(x) / batch)
     start = time.time()
-    model, milestones = lenet(config), Milestones(config, start, len(x), steps)
+    model, milestones = lenet(config), Milestones(config, start, len(x), steps, stop)
     model.fit(x[..., None], y, batch_size=batch, epochs=math.ceil(steps / math.ceil(len(x) / batch)), shuffle=True,
               verbose=0, callbacks=[milestones])
     return {"clock": "from before the model is built (TensorFlow imported, the data in memory): building and "
                      "compiling the model, fit's start-up (its input pipeline, tracing the train step), training, "
                      "and the checkpoint writes",
-            "epochs": milestones.samples / len(x), "versions": _peer_common.versions("tensorflow", "keras")}
+            "epochs": milestones.samples / len(x), "versions": _peer_common.versions("tensorflow", "keras"),
+            **stop.report(start)}
 
 
 RUNS = {"single": single}

@@ -39,9 +39,10 @@ def sgd(model, config):
                            weight_decay=config["weight_decay"])
 
 
-def train(model, config, start, data, batch, steps, per_step, order, saves):
+def train(model, config, start, data, batch, steps, per_step, order, saves, stop=None):
     """`steps` SGD steps of `batch` images, whole batches in the order order(epoch) gives, each step worth `per_step`
-    samples in all; if `saves`, the parameters written every milestone and after the last step."""
+    samples in all; if `saves`, the parameters written every milestone and after the last step, and with a `stop`
+    (_peer_common.Stop) the run ends at a checkpoint that reaches its target."""
     images, labels = data
     optimizer, every, step = sgd(model, config), _peer_common.every(config, per_step), 0
     for epoch in itertools.count():
@@ -52,11 +53,15 @@ def train(model, config, start, data, batch, steps, per_step, order, saves):
             F.cross_entropy(model(images[chosen]), labels[chosen]).backward()
             optimizer.step()
             step += 1
+            if stop:
+                stop.stepped()
             if saves and (step % every == 0 or step == steps):
-                _peer_common.save(config, start, step * per_step,
-                                  [p.detach().numpy().copy() for p in model.parameters()])
+                arrays = [p.detach().numpy().copy() for p in model.parameters()]
+                _peer_common.save(config, start, step * per_step, arrays, stop.tested if stop else 0.0)
+                if stop and stop.saved(arrays):
+                    return step
             if step == steps:
-                return
+                return step
 
 
 def tensors(config):
@@ -65,15 +70,16 @@ def tensors(config):
 
 
 def single(config):
-    """This process's loop over the whole training set, batch 64, reshuffled each epoch."""
-    data, batch = tensors(config), config["batch"]
+    """This process's loop over the whole training set, batch 64, reshuffled each epoch (seeded by config's seed)."""
+    torch.manual_seed(config.get("seed", 0))
+    data, batch, stop = tensors(config), config["batch"], _peer_common.Stop(config, tester)
     steps = round(config["epochs"] * len(data[0]) / batch)
     start = time.time()
-    train(LeNet(config["scale"]), config, start, data, batch, steps, batch, lambda _: torch.randperm(len(data[0])),
-          saves=True)
+    done = train(LeNet(config["scale"]), config, start, data, batch, steps, batch,
+                 lambda _: torch.randperm(len(data[0])), saves=True, stop=stop)
     return {"clock": "from before the model is built (torch imported, the data in memory): building the model, "
                      "training, and the checkpoint writes",
-            "epochs": steps * batch / len(data[0]), "versions": _peer_common.versions(*VERSIONS)}
+            "epochs": done * batch / len(data[0]), "versions": _peer_common.versions(*VERSIONS), **stop.report(start)}
 
 
 def ddp(config, start):

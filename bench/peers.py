@@ -1,6 +1,7 @@
 """The external peers of the time-to-accuracy table (#14): Elephas, Spark's TorchDistributor, and single-process tf.keras and PyTorch loops training models/lenet's LeNet on Fashion-MNIST; JSON lines in time_to_accuracy's schema.
 
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/peers.py [--quick] [--epochs 2.5] [--only NAME,...]
+        [--seed N]
 
 The peers live in a venv of their own, bench/.venv-peers (tools/peers-env.sh, run first here: a no-op once built),
 since elephas 7.3 pins TensorFlow < 2.20, numpy < 2 and pyspark <= 4.0.0. Each run is a process of that venv on the
@@ -9,9 +10,12 @@ SGD at base_lr 0.01 (constant: no "inv" decay, no lr_mult 2 on biases), momentum
 the gradient, Caffe's xavier fillers, inputs scaled by transform_param's 1/256. The clock starts where training
 starts (each record's "clock" says what it holds: for the distributed peers, their workers' start-up); the Spark
 session, the imports and the data read come before it. Tests are off the clock, as time_to_accuracy's: each run
-writes its weights every ~15,000 samples (the per-epoch modes only at epoch ends, the one place their weights meet;
-elephas's modes run whole epochs), each checkpoint is tested afterwards on the 10,000 test images. Peak memory is
-the PSS of the run's process tree. A run that cannot run emits a line with "error": the reason.
+writes its weights every 6,400 samples (time_to_accuracy.GRID_SAMPLES; the per-epoch modes only at epoch ends, the
+one place their weights meet; elephas's modes run whole epochs), each checkpoint is tested afterwards on the 10,000
+test images; the single-process peers also test each as they write it, off their clock, and stop at the first at or
+above 0.88 (STOPS_EARLY). Peak memory is the PSS of the run's process tree, the load average is read while it
+trains. A run that cannot run emits a line with "error": the reason. By default the distributed peers run
+(DISTRIBUTED); bench/time_to_accuracy.py runs the single-process ones at each seed in its rounds.
 """
 
 import argparse
@@ -56,7 +60,14 @@ RUNS = {
     "keras single": ("tf.keras", "_peer_keras", {"run": "single"}, "single process, model.fit, batch 64"),
     "torch single": ("PyTorch", "_peer_torch", {"run": "single"}, "single process, a training loop, batch 64"),
 }
+# What `make bench` runs of them here: the distributed peers, once each, Elephas in its best mode on the last full page
+# (asynchronous, a pull and a push every batch; its epoch modes took 130-160 s a run and did not reach 0.88 first).
+# The single-process peers run in bench/time_to_accuracy.py's rounds, at each seed beside DeepSpark's runs; the other
+# modes run with --only.
+DISTRIBUTED = ("torchdistributor", "elephas asynchronous batch")
 QUICK = ("torchdistributor",)
+# The runs that stop once a checkpoint tests at or above the last target (their own tests, off their clock).
+STOPS_EARLY = ("torch single", "keras single")
 # --smoke: one cheap peer for a few steps, in the peers' venv as it is (never built by the smoke run; without it the
 # peers are skipped, in one line, after DeepSpark's side of the runs: the solver's numbers and the data file).
 SMOKE, SMOKE_EPOCHS = ("torch single",), 0.02
@@ -92,19 +103,25 @@ def peer_env():
 
 
 def run(name, config, folder):
-    """The run's record: trained in its own process (peak PSS of its tree), then its checkpoints tested."""
+    """The run's record: trained in its own process (peak PSS of its tree, the machine's load), then its checkpoints
+    tested."""
     peer, module, _, mode = RUNS[name]
     os.makedirs(folder)
     config_path, log_path = os.path.join(folder, "config.json"), os.path.join(folder, "run.log")
     with open(config_path, "w") as stream:
         json.dump({**config, "folder": folder}, stream)
-    started = time.monotonic()
+    load, began, started = time_to_accuracy.Load(), time.time(), time.monotonic()
     with open(log_path, "w") as log:
         process = subprocess.Popen([PYTHON, "-c", LAUNCH, module, "train", config_path], cwd=ROOT, stdout=log,
                                    stderr=subprocess.STDOUT, env=peer_env())
         memory = _memory.PeakPss(process.pid)
         process.wait()
     peak, wall = memory.stop(), time.monotonic() - started
+    report = {}
+    if os.path.exists(os.path.join(folder, "run.json")):
+        with open(os.path.join(folder, "run.json")) as stream:
+            report = json.load(stream)
+    loads = load.stop(report.pop("clock_start", None))
     head = {"peer": peer, "mode": mode}
     if process.returncode:
         error_path = os.path.join(folder, "error.txt")
@@ -119,34 +136,39 @@ def run(name, config, folder):
                             capture_output=True, text=True)
     if tested.returncode:
         raise SystemExit(f"{name}: testing its checkpoints failed:\n{tested.stderr[-3000:]}")
-    with open(os.path.join(folder, "run.json")) as stream:
-        report = json.load(stream)
     points = [tuple(point) for point in json.loads(tested.stdout.splitlines()[-1])]
-    return {**time_to_accuracy.figures(name, points, peak, wall, on_clock=False), **head, **report}
+    first = report.pop("first_step_at", None)
+    return {**time_to_accuracy.figures(name, points, peak, wall, on_clock=False), **head, **report, **loads,
+            **({"seed": config["seed"]} if config.get("seed") else {}),
+            **({"process_start_to_first_step": round(first - began, 2)} if first else {})}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"only {', '.join(QUICK)}, {time_to_accuracy.QUICK_EPOCHS:g} epochs")
-    parser.add_argument("--epochs", type=float, default=time_to_accuracy.EPOCHS)
+    parser.add_argument("--epochs", type=float, help=f"default {time_to_accuracy.EPOCHS:g}")
+    parser.add_argument("--seed", type=int, help="the runs' seed (their initial weights and order; default: none "
+                        "set, each peer's own)")
     parser.add_argument("--only", help=f"comma-separated run names: {', '.join(RUNS)}")
     parser.add_argument("--smoke", action="store_true", help=f"runs end to end only (make bench-smoke): "
                         f"{', '.join(SMOKE)}, {SMOKE_EPOCHS:g} epochs, where bench/.venv-peers is (else no peer)")
     parser.add_argument("--out", default=_results.results_path("peers"))
     args = parser.parse_args()
-    names = args.only.split(",") if args.only else list(SMOKE if args.smoke else QUICK if args.quick else RUNS)
+    names = args.only.split(",") if args.only else list(SMOKE if args.smoke else QUICK if args.quick else DISTRIBUTED)
     unknown = [name for name in names if name not in RUNS]
     if unknown:
         parser.error(f"no run {', '.join(unknown)}; the runs: {', '.join(RUNS)}")
-    epochs = SMOKE_EPOCHS if args.smoke else time_to_accuracy.QUICK_EPOCHS if args.quick else args.epochs
+    epochs = args.epochs or (SMOKE_EPOCHS if args.smoke else time_to_accuracy.QUICK_EPOCHS if args.quick else
+                             time_to_accuracy.EPOCHS)
     if not args.smoke:
         built = subprocess.run(["bash", os.path.join(ROOT, "tools", "peers-env.sh")], capture_output=True, text=True)
     with tempfile.TemporaryDirectory() as scratch:
         data = os.path.join(scratch, "fashion-mnist.npz")
         write_data(data)
         config = {"data": data, "epochs": epochs, "workers": time_to_accuracy.WORKERS,
-                  "milestone": time_to_accuracy.MILESTONE_SAMPLES, **solver_numbers()}
+                  "milestone": time_to_accuracy.GRID_SAMPLES, **solver_numbers(),
+                  **({"seed": args.seed} if args.seed is not None else {})}
         if args.smoke and not os.path.exists(PYTHON):
             print(f"peers: no {os.path.relpath(PYTHON, ROOT)} (make peers-env): {', '.join(names)} skipped",
                   file=sys.stderr, flush=True)
@@ -158,8 +180,10 @@ def main():
                 record = {"bench": "time_to_accuracy", "run": name, "peer": RUNS[name][0], "mode": RUNS[name][3],
                           "error": f"tools/peers-env.sh failed: {(built.stderr.strip() or '?').splitlines()[-1]}"}
             else:
-                record = run(name, {**config, **RUNS[name][2]}, os.path.join(scratch, str(i)))
-            _results.emit({**record, "epochs": record.get("epochs", epochs)}, args.out)
+                stop = {"stop_at": time_to_accuracy.TARGETS[-1]} if name in STOPS_EARLY else {}
+                record = run(name, {**config, **RUNS[name][2], **stop}, os.path.join(scratch, str(i)))
+            _results.emit({**record, "epochs": record.get("epochs", epochs),
+                           **({"repeat": args.seed} if args.seed and args.seed > 1 else {})}, args.out)
 
 
 if __name__ == "__main__":
