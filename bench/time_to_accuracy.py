@@ -296,8 +296,8 @@ def figures(name, points, peak_mb, wall, on_clock, workers=None, period=None):
 
 
 def caffemodel_writes(lines):
-    """Seconds each snapshot's .caffemodel took to write (serialised, written, fsync'd, renamed: from its
-    `Snapshotting to` line to the solver state's line), in a process that snapshots on its training loop."""
+    """Seconds each snapshot's .caffemodel held a single run's training loop: from its `Snapshotting to` line to the
+    solver state's line."""
     return [b - a for (a, first), (b, then) in zip(lines, lines[1:])
             if first.startswith("Snapshotting to") and then.startswith("Snapshotting solver state")]
 
@@ -516,11 +516,11 @@ def machine_lines(runs):
         total = sum(w[0] for _, w in writes)
         trained = sum(r["points"][-1][0] - r["points"][0][0] for r, _ in writes if len(r["points"]) > 1)
         said = (said + " " if said else "") + (
-            f"The single runs' .caffemodel snapshots (written, fsync'd and renamed on the training loop, every test "
-            f"point) took {total:.2f} s in all over {sum(w[2] for _, w in writes)} writes, at most "
+            "The single runs' .caffemodel snapshots held their training loop (from a snapshot's `Snapshotting to` "
+            f"line to its solver state's: serialised, then written, fsync'd and renamed by a thread of their own, "
+            f"checkpoint.writes_behind) {total:.2f} s in all over {sum(w[2] for _, w in writes)} snapshots, at most "
             f"{max(w[1] for _, w in writes):.3f} s one" + (f": {100 * total / trained:.1f}% of their training time"
-                                                           if trained > 0 else "") + " (the solver state's write "
-            "follows each, not timed here).")
+                                                           if trained > 0 else "") + ".")
     return said
 
 

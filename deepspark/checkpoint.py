@@ -1,6 +1,10 @@
 """Caffe's binary proto files (.caffemodel, .solverstate, .binaryproto) in and out, written atomically."""
 
+import contextlib
+import contextvars
 import os
+import queue
+import threading
 
 import numpy as np
 
@@ -9,8 +13,76 @@ from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 
 
+# The writer of the writes_behind() block this thread's context is in, or None: atomic_write writes at once.
+_BEHIND = contextvars.ContextVar("deepspark_checkpoint_writes_behind", default=None)
+# Writes a writes_behind() block may have waiting at once: a solver that snapshots faster than the disk takes them
+# waits at the third instead of holding more snapshots in memory.
+BEHIND_DEPTH = 2
+
+
+class _Writer:
+    """One thread that runs atomic_write's writes in the order they came; the first that fails is raised to the
+    block's next write or its end, and no write after it runs (each is whole or absent, never half-written)."""
+
+    def __init__(self):
+        self.pending, self.error = queue.Queue(maxsize=BEHIND_DEPTH), None
+        self.thread = threading.Thread(target=self._run, daemon=True, name="checkpoint-writer")
+        self.thread.start()
+
+    def _run(self):
+        while (item := self.pending.get()) is not None:
+            if self.error is None:
+                try:
+                    _write_now(*item)
+                except BaseException as error:  # noqa: BLE001  (raised again on the block's own thread)
+                    self.error = error
+
+    def raise_error(self):
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def put(self, path, data):
+        self.raise_error()
+        self.pending.put((path, data))
+
+    def close(self, raising):
+        self.pending.put(None)
+        self.thread.join()
+        if raising:
+            self.raise_error()
+
+
+@contextlib.contextmanager
+def writes_behind():
+    """Inside the block, atomic_write hands each file to a thread of its own and returns: a solver's snapshots are
+    written, fsync'd and renamed off its training loop (0.06-0.24 s a file here on a busy disk, #44). The block's end
+    waits for every write, so after it the files are there as atomic_write leaves them; a write that failed is raised
+    at the block's next write or at its end. A process killed inside the block may lack its last snapshots, never
+    hold half of one."""
+    writer = _Writer()
+    token = _BEHIND.set(writer)
+    try:
+        yield
+    except BaseException:
+        _BEHIND.reset(token)
+        writer.close(raising=False)  # the block's own error is the one to see
+        raise
+    _BEHIND.reset(token)
+    writer.close(raising=True)
+
+
 def atomic_write(path, data):
-    """Write bytes to a temporary name beside `path`, then rename: never a half-written file."""
+    """Write bytes to a temporary name beside `path`, then rename: never a half-written file (inside writes_behind(),
+    on its thread, after the writes before it)."""
+    writer = _BEHIND.get()
+    if writer is not None:
+        writer.put(path, bytes(data))
+        return
+    _write_now(path, data)
+
+
+def _write_now(path, data):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -52,8 +124,26 @@ def array_to_blob(array, blob=None, legacy_dims=False):
     blob.shape.dim.extend(int(d) for d in array.shape)
     if legacy_dims and array.ndim == 4:
         blob.num, blob.channels, blob.height, blob.width = (int(d) for d in array.shape)
-    blob.data.extend(array.ravel().tolist())
+    if array.size:
+        # The packed field's bytes (tag 5, wire type 2: Caffe's `repeated float data = 5 [packed = true]`) merged in
+        # whole: the same message as data.extend, 50x faster than a Python float per value (a LeNet snapshot's
+        # 431,080 took 50-100 ms on the training loop here, #44).
+        raw = array.astype("<f4", copy=False).tobytes()
+        blob.MergeFromString(_DATA_TAG + _varint(len(raw)) + raw)
     return blob
+
+
+_DATA_TAG = bytes([5 << 3 | 2])
+
+
+def _varint(value):
+    """`value` as a protobuf base-128 varint."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def blob_to_array(blob):

@@ -187,7 +187,8 @@ def train(solver, weights=None, snapshot=None):
             if snapshot:
                 run.restore(snapshot)
                 resume_order(run)
-            results = run.solve()
+            with checkpoint.writes_behind():  # the snapshots' fsync off the training loop (#44)
+                results = run.solve()
             arrays = checkpoint.layer_blobs(run.model.graph, run.model.get_params())
         finally:
             run.close()

@@ -1,6 +1,7 @@
 """.caffemodel and .solverstate files: round trips, Caffe's copy-by-layer-name rules, atomic writes."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -98,3 +99,49 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         checkpoint.atomic_write(str(target), b"data")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_blob_is_the_message_data_extend_makes(lenet):
+    # array_to_blob merges the packed field's bytes whole; the message is the one a float at a time makes.
+    for array in [*random_params(lenet), np.array([np.nan, -0.0, np.inf], np.float32), np.zeros((0, 3), np.float32)]:
+        made = pb.BlobProto()
+        made.shape.dim.extend(array.shape)
+        made.data.extend(array.ravel().tolist())
+        assert checkpoint.array_to_blob(array).SerializeToString() == made.SerializeToString()
+    assert list(checkpoint.array_to_blob(np.arange(6.0).reshape(1, 1, 2, 3), legacy_dims=True).data) == [0, 1, 2, 3,
+                                                                                                           4, 5]
+
+
+def test_writes_behind_go_in_order_on_their_own_thread_and_are_there_after_the_block(tmp_path, monkeypatch):
+    synced, fsync = [], os.fsync
+
+    def recorded(fd):
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), threading.current_thread().name))
+        return fsync(fd)
+    monkeypatch.setattr(os, "fsync", recorded)
+    paths = [str(tmp_path / f"s_iter_{i}.caffemodel") for i in range(5)]
+    with checkpoint.writes_behind():
+        for i, path in enumerate(paths):
+            checkpoint.atomic_write(path, bytes([i]) * 1000)
+    assert [open(path, "rb").read() for path in paths] == [bytes([i]) * 1000 for i in range(5)]
+    assert [os.path.basename(p).split(".tmp-")[0] for p, _ in synced] == [os.path.basename(p) for p in paths]
+    assert {name for _, name in synced} == {"checkpoint-writer"}
+    checkpoint.atomic_write(str(tmp_path / "after"), b"x")  # after the block: on the caller's thread again
+    assert synced[-1][1] == threading.current_thread().name
+
+
+def test_a_failed_write_behind_is_raised_and_leaves_nothing(tmp_path, monkeypatch):
+    def boom(fd):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(OSError, match="disk full"):
+        with checkpoint.writes_behind():
+            checkpoint.atomic_write(str(tmp_path / "a.caffemodel"), b"data")
+    assert os.listdir(tmp_path) == []
+    # The block's own error wins; the writes before it are still waited for.
+    monkeypatch.undo()
+    with pytest.raises(KeyError):
+        with checkpoint.writes_behind():
+            checkpoint.atomic_write(str(tmp_path / "b.caffemodel"), b"data")
+            raise KeyError("the solver's")
+    assert os.listdir(tmp_path) == ["b.caffemodel"]
