@@ -16,6 +16,7 @@ import pytest
 from deepspark.algorithms.base import Pace
 from deepspark.algorithms.sync import RoundsHandler
 from deepspark.exchange import ExchangeClient, ExchangeServer
+from deepspark.exchange import protocol as P
 from deepspark.exchange.handlers import Leases
 from sparkjobs import chaos, read_until, start_training, workers_done
 from synthetic import make_job
@@ -140,3 +141,15 @@ def test_a_sync_server_says_which_worker_holds_its_rounds(caplog):
             c.close()
     said = [r.getMessage() for r in caplog.records if "holds the round" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("Worker 1 holds the round: "), said
+
+
+@pytest.mark.parametrize("flags, iteration, held, out", [
+    (0, 7, None, None), (0, 7, 30, 30), (P.F_LEASE, 40, None, 40), (P.F_LEASE, 40, 40, 40), (P.F_LEASE, 41, 40, 41),
+    (P.F_LEASE, -1, None, "below zero"), (P.F_LEASE, 39, 40, "below the 40 leased before")])
+def test_a_reply_leases_only_when_flagged_and_never_less_than_before(flags, iteration, held, out):
+    h = P.Header(P.DIFF, flags, 0, iteration, 0, float("nan"))
+    if isinstance(out, str):
+        with pytest.raises(P.ProtocolError, match=out):
+            P.lease_of(h, held)
+    else:
+        assert P.lease_of(h, held) == out

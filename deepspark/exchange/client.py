@@ -466,12 +466,7 @@ class OverlappedExchange:
 
     def poll(self):
         """The exchange in flight applied to the worker if its result has arrived, without waiting; True if so."""
-        if not self.client.ready:
-            return False
-        self._read_params()
-        self.client.poll(self.params)
-        self._write_params()
-        return True
+        return self.client.ready and self.wait()
 
     def start(self, iteration, loss, before=None):
         """The exchange in flight applied first (waiting for it), so that the snapshot includes it; before();
