@@ -90,7 +90,7 @@ def test_the_accuracy_section_names_the_largest_fall_of_a_run_that_ends_above_th
     # The epochs most runs train, then the runs that train other lengths, by length.
     assert noise_line(runs) == (
         "Runs train 2.5 epochs of samples; b: 3; d: 3.5 (Elephas trains whole epochs; the single-process peers stop "
-        "at their first test at or above 0.88; COMPARED_EPOCHS and TARGET_EPOCHS in bench/time_to_accuracy.py). Test "
+        "at their first test at or above 0.88; COMPARED_EPOCHS and AFTER in bench/time_to_accuracy.py). Test "
         "accuracy is not monotone: among the runs that end above 0.85, one (a) fell by 1.0 points between two "
         "snapshots; a time to a target is the first snapshot at or above it, and a run can end below a target it "
         "reached.")
