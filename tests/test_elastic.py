@@ -3,6 +3,10 @@
 import os
 import re
 import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
@@ -11,7 +15,8 @@ from deepspark.errors import ConfigError
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.budget import Budget, Limits
 
-from sparkjobs import kill_while_training, start_training, workers_done
+from conftest import ROOT
+from sparkjobs import cluster, kill_while_training, start_training, workers_done
 from synthetic import make_job
 from test_failure_budget import GATE, CRASH
 
@@ -115,3 +120,50 @@ def test_a_worker_lost_for_good_leaves_the_job_finishing_with_one_fewer_and_sayi
     gone = int(left[0][0])
     assert workers_done(text) == [1 - gone] and "Optimization Done." in text, text[-3000:]
     assert f"Trained on 1 of 2 workers to the end: worker {gone} left" in text
+
+
+# A job that one worker alone trains for well past connect_timeout plus a new Spark Worker's start.
+JOIN_MAX_ITER, JOIN_CONNECT_TIMEOUT = 30000, 45
+
+
+def add_worker_when_left(train_log, master, cluster_dir, ended, added):
+    """tools/spark-cluster.sh add-worker 2 once `train_log` says a worker left (or the job ended)."""
+    while not ended() and "left the job" not in (train_log.read_text() if train_log.exists() else ""):
+        time.sleep(0.2)
+    if ended():
+        return
+    port = int(master.rsplit(":", 1)[1])
+    env = {**os.environ, "CLUSTER_DIR": str(cluster_dir), "SPARK_MASTER_PORT": str(port),
+           "SPARK_MASTER_WEBUI_PORT": str(port + 1), "VENV": os.path.dirname(os.path.dirname(sys.executable))}
+    added.append(subprocess.run(["bash", os.path.join(ROOT, "tools", "spark-cluster.sh"), "add-worker", "2"], env=env,
+                                capture_output=True, text=True, timeout=120))
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_a_worker_that_left_joins_again_on_an_executor_spark_grants_mid_run(tmp_path, monkeypatch):
+    """A standalone cluster of one 1-core Spark Worker: one worker never gets a slot and leaves after
+    connect_timeout; a second Spark Worker then joins the cluster, Spark grants the job an executor on it, and the
+    worker that left starts there from the center, trains and exchanges."""
+    monkeypatch.setenv("WORKERS", "1")
+    with cluster(tmp_path) as (master, cluster_dir):
+        solver = make_job(tmp_path, max_iter=JOIN_MAX_ITER, test_interval=JOIN_MAX_ITER,
+                          connect_timeout=JOIN_CONNECT_TIMEOUT)
+        driver = start_training(solver, "--master", master, "--min-workers", "1")
+        train_log, added = tmp_path / "out" / "train.log", []
+        adder = threading.Thread(target=add_worker_when_left,
+                                 args=(train_log, master, cluster_dir, lambda: driver.poll() is not None, added))
+        adder.start()
+        _, stderr = finish(driver, timeout=600)
+        adder.join(130)
+    text = train_log.read_text()
+    assert driver.returncode == 0, stderr[-3000:]
+    assert added and added[0].returncode == 0, added
+    left = re.findall(rf"Worker (\d) left the job: it did not connect to the exchanger within {JOIN_CONNECT_TIMEOUT}s "
+                      r"\(connect_timeout\); 1 of 2 workers train on \(min_workers 1\)", text)
+    assert len(left) == 1, text[-3000:]
+    assert re.search(rf"Worker {left[0]} joins the job again on executor \d+ \(127\.0\.0\.1(:\d+)?\), which "
+                     r"Spark granted; it starts from the center, 2 of 2 workers train", text), text[-3000:]
+    trained = dict(re.findall(r"Worker (\d) on \S+ \(in [^)]*\): \d+ iterations, (\d+) exchanges", text))
+    assert sorted(trained) == ["0", "1"] and int(trained[left[0]]) > 0, text[-3000:]
+    assert "Trained on" not in text and "Optimization Done." in text

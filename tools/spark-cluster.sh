@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Starts, stops or reports a Spark standalone master and two workers on 127.0.0.1,
 # from the pip-installed pyspark (which ships no start-master.sh / start-worker.sh).
-#   tools/spark-cluster.sh start|stop|status|kill-worker N
+#   tools/spark-cluster.sh start|stop|status|kill-worker N|add-worker N
 # kill-worker N: SIGKILLs worker N's JVM for good, as a machine that is gone (its executors lose their Worker
-# and exit; tools/chaos.py's kill_spark_worker runs it in the fault tests).
+# and exit; tools/chaos.py's kill_spark_worker runs it in the fault tests). add-worker N: starts worker N (N above
+# WORKERS) on the running master, as a machine that joins: a running job is granted an executor on it.
 # Environment: VENV (default .venv), CLUSTER_DIR (default /tmp/deepspark-spark-cluster),
 # SPARK_MASTER_PORT (7077), SPARK_MASTER_WEBUI_PORT (8080), WORKERS (2), WORKER_CORES (1), WORKER_MEMORY (2g),
 # HIDE_FROM_WORKERS (folders, space-separated, that the workers must not see: each is covered by an empty
@@ -111,6 +112,21 @@ kill_worker() {
   echo "[cluster] killed worker $1 (pid $pid) for good"
 }
 
+add_worker() {
+  export SPARK_HOME; SPARK_HOME=$(spark_home)
+  export SPARK_LOCAL_IP=127.0.0.1 PYSPARK_PYTHON="$venv/bin/python"
+  local before; before=$(alive_workers)
+  echo "[cluster] adding worker $1 ($cores core, $memory)"
+  mkdir -p "$dir/work-$1"
+  start_worker "$1"
+  for _ in $(seq 1 120); do
+    if [ "$(alive_workers)" -gt "$before" ]; then echo "[cluster] worker $1 ALIVE"; return 0; fi
+    sleep 0.5
+  done
+  echo "[cluster] worker $1 did not register within 60 s; its log: $dir/worker-$1.log" >&2
+  return 1
+}
+
 status() {
   if alive "$dir/master.pid"; then
     echo "master $url running; $(alive_workers) workers ALIVE"
@@ -124,5 +140,6 @@ case "${1:-}" in
   stop) stop ;;
   status) status ;;
   kill-worker) [ -n "${2:-}" ] || { echo "usage: $0 kill-worker N" >&2; exit 2; }; kill_worker "$2" ;;
-  *) echo "usage: $0 start|stop|status|kill-worker N" >&2; exit 2 ;;
+  add-worker) [ -n "${2:-}" ] || { echo "usage: $0 add-worker N" >&2; exit 2; }; add_worker "$2" ;;
+  *) echo "usage: $0 start|stop|status|kill-worker N|add-worker N" >&2; exit 2 ;;
 esac

@@ -248,6 +248,9 @@ class Watch:
                 continue
             if now <= due:
                 continue
+            if not stats:  # none has connected: no job to go on with
+                return (f"only 0 of {self.workers} workers connected to the exchanger within "
+                        f"{self.connect_timeout:g}s; {executor_report(self.sc)}")
             waited = f"{self.connect_timeout:g}s (connect_timeout)"
             why = (f"it did not connect to the exchanger within {waited}" if s is None else
                    f"lost at iteration {self.lost[worker]}, it was not back within {waited}")
