@@ -56,7 +56,9 @@ def test_a_released_workers_lease_goes_back_to_the_others_and_poly_caps_at_max_i
     leases = Leases(2, 50, lookahead=100)
     assert leases.grant(0, 0) == 100 and leases.grant(1, 0) == 0  # the first took all of it
     leases.release(0, 30)
-    assert leases.grant(1, 0) == 70
+    assert "released at iteration 30" in leases.line({0: 30, 1: 0})
+    assert leases.grant(1, 0) == 70 and leases.grant(0, 30) == 30  # back: nothing left for it
+    assert "released" not in leases.line({0: 30, 1: 70})
     capped = Leases(2, 50, lookahead=100, cap=50)
     assert capped.grant(0, 0) == 50 and capped.grant(1, 0) == 50
 

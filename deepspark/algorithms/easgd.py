@@ -72,6 +72,10 @@ class EasgdHandler(Handler):
     def lease(self, worker_id, iteration):
         return None if self.leases is None else self.leases.grant(worker_id, iteration)
 
+    def release(self, worker_id, iteration):
+        if self.leases is not None:
+            self.leases.release(worker_id, iteration)
+
     def job_iteration(self, iterations):
         """The iterations trained together / workers, with leases (Leases.iteration); else the slowest's."""
         return super().job_iteration(iterations) if self.leases is None else self.leases.iteration(iterations)

@@ -43,6 +43,10 @@ class Handler:
         leases none (each worker trains to its own stop)."""
         return None
 
+    def release(self, worker_id, iteration):
+        """Worker `worker_id` has left the job for good at `iteration` (its last reported): what the handler holds
+        for it past there goes to the others (EASGD's leases); it may join again later."""
+
     def job_iteration(self, iterations):
         """The job's iteration, as the driver's cadence counts it, from each worker's last reported one
         ({worker id: iteration}): the slowest's, where the workers train in step or each to its own stop."""
@@ -87,6 +91,7 @@ class Leases:
         with self._lock:
             if worker not in self._leased:
                 self._base[worker] = self._leased[worker] = int(iteration)
+            self._released.pop(worker, None)  # back after it left: it leases again
             now = time.monotonic()
             first, _ = self._seen.get(worker, ((now, int(iteration)), None))
             self._seen[worker] = (first, (now, int(iteration)))  # for its rate
