@@ -51,6 +51,18 @@ def test_fork_order_is_sort_boxs_on_tied_scores():
         np.testing.assert_array_equal(proposal_order(tf.constant(scores), num_top).numpy(), want[:, :k])
 
 
+@pytest.mark.parametrize("scores", [
+    [5, 4, 4, 3, 9, 1, 1, 2], [1, 2, 3, 4, 5, 6, 7, 8], [3, 3, 3, 3], [2, 2, 1, 1, 2, 2, 1, 1, 3, 3],
+    [9, 8, 7, 1, 1, 5, 5, 0, 0, 6]])
+@pytest.mark.parametrize("num_top", [3, 100])
+def test_peeled_heads_ascending_runs_and_one_value_as_sort_box(scores, num_top):
+    """A head of descending maxima (which sort_box peels one by one and fork_order skips at once), scores in
+    ascending order (its deepest recursion), all equal."""
+    scores = np.array([scores, scores[::-1]], np.float32)
+    np.testing.assert_array_equal(fork_order(tf.constant(scores), num_top).numpy(),
+                                  np.stack([sort_box(row, num_top) for row in scores]))
+
+
 def test_without_ties_the_order_is_the_descending_one():
     scores = np.random.default_rng(1).permutation(200).reshape(2, 100).astype(np.float32)
     np.testing.assert_array_equal(proposal_order(tf.constant(scores), 30).numpy(),

@@ -376,11 +376,23 @@ def _partition(v, pos, start, end, active):
     return source, right
 
 
-def _settled(v, pos, start, end, active):
-    """Active positions whose segment is non-increasing already, which sort_box leaves as it is."""
-    rises = tf.cast(active & (pos > start) & (v > tf.gather(v, tf.maximum(pos - 1, 0))), tf.int32)
-    rises = tf.cumsum(rises)
-    return active & (tf.gather(rises, end) == tf.gather(rises, start))
+def _peeled(v, pos, start, end, active, item_start, num_top):
+    """sort_box leaves a range whose first value is its maximum as it is and goes on with the rest (when that
+    rest starts before num_top and holds two values): each active range's run of such first values skipped at
+    once, that is the values of its non-increasing head down to the maximum M of what follows the head. Returns
+    the ranges' new starts and which positions are still in an active range (none where it is all head)."""
+    far = ranges = tf.size(pos)  # past every position; a range is known by its start
+    rises = active & (pos > start) & (v > tf.gather(v, tf.maximum(pos - 1, 0)))
+    head_end = tf.gather(tf.math.unsorted_segment_min(tf.where(rises, pos, far), start, ranges), start)
+    tail = active & (pos >= head_end)
+    most = tf.gather(tf.math.unsorted_segment_max(tf.where(tail, v, -np.inf), start, ranges), start)
+    first = tf.gather(tf.math.unsorted_segment_min(tf.where(active & ~tail & (v < most), pos, far), start, ranges),
+                      start)
+    first = tf.where(head_end <= end, first, far)  # no rise: all of it is left as it is
+    moved = first > start
+    go_on = (first <= end) & (~moved | ((first - item_start < num_top) & (first < end)))
+    still = active & go_on & (pos >= first)
+    return tf.where(still, first, start), still
 
 
 def fork_order(scores, num_top):
@@ -395,7 +407,7 @@ def fork_order(scores, num_top):
 
     def level(order, start, end, active):
         v = tf.gather(values, order)
-        active &= ~_settled(v, pos, start, end, active)
+        start, active = _peeled(v, pos, start, end, active, base, num_top)
         source, right = _partition(v, pos, start, end, active)
         order = tf.where(active, tf.gather(order, source), order)
         left_side, right_side = active & (pos < right), active & (pos > right)
