@@ -1,18 +1,26 @@
-"""Faults, several per run (#13): `make demo`'s job (LeNet on Fashion-MNIST, 2 workers; real data) shortened to --iterations, once unharmed and once with --kills training workers SIGKILLed at seeded moments by tools/chaos.py's harness (each waits for the rejoin before the next).
+"""Staying power (#45): `make demo`'s job (LeNet on Fashion-MNIST, 2 workers; real data) on a standalone cluster on 127.0.0.1, clean, with a worker SIGKILLed every 15 s from the first exchange to the end, and with one worker throttled to a third, for easgd and sync; each run's time to the clean run's final test accuracy as a ratio to the clean run's, all in one invocation.
 
-    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/chaos.py [--iterations 1500] [--kills 3] [--seed 1]
-        [--algorithm easgd|sync]
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/chaos.py [--iterations 1500] [--every 15]
+        [--share 0.333] [--algorithms easgd sync] [--master cluster|local|spark://...] [--quick] [--smoke]
+        [--out bench/measured_chaos.jsonl] [--plot docs/chaos.png]
 
-One JSON line per run (test accuracy, wall seconds; the harmed run's kills: iteration, seconds to the
-rejoin), then one comparing them: the accuracy difference in points, the wall-time overhead ratio
-(harmed / unharmed), the rejoins the driver logged and the median seconds from a kill to its rejoin.
+The solver is models/lenet/solver.prototxt with its defaults (the failure budget, the exchange) but
+test_interval (--test-interval, 100: the curve's points; the driver tests off the workers' clock). A
+run's clock starts at the driver's Solving line; its time to an accuracy is the first test that reached
+it. The kills are tools/chaos.py's --every (each on the clock, whatever the last rejoin took); the
+straggler is its Throttle (SIGSTOP/SIGCONT, as cpulimit does). One JSON line per run (its test points,
+kills and rejoins, the machine's load average at its start and end), then one per harmed run: its ratio
+to the clean run's time to that run's final accuracy (and to it less --tolerance, 0.005: a harmed run's
+last test can fall a few hundredths of a point short of a clean run's by the tests' noise alone), against
+the target (kills 1.3x, easgd's straggler 1.2x; sync's straggler has none: it is shown beside). --plot
+draws test accuracy against time; --figures recomputes the ratios and the plot from a file's run records.
 """
 
 import argparse
 import importlib.util
+import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,8 +28,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _results  # noqa: E402  (bench/_results.py)
+from _tables import cell, missing, table  # noqa: E402  (bench/_tables.py)
 
 # tools/chaos.py by its path: this file is chaos.py too.
 _spec = importlib.util.spec_from_file_location("tools_chaos", os.path.join(ROOT, "tools", "chaos.py"))
@@ -30,70 +40,254 @@ sys.modules[_spec.name] = chaos
 _spec.loader.exec_module(chaos)
 
 SOLVER = os.path.join(ROOT, "models", "lenet", "solver.prototxt")
+CLUSTER = os.path.join(ROOT, "tools", "spark-cluster.sh")
+STAMP = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+) ")
+TESTING = re.compile(r"\] Iteration (\d+), Testing net")
 ACCURACY = re.compile(r"Test net output #\d+: accuracy = ([\d.]+)")
-REJOINED = re.compile(r"Worker \d+ rejoined the exchanger")
-TARGET_POINTS = 1.0
+REJOINED = re.compile(r"Worker (\d+) rejoined the exchanger .*, ([\d.]+)s after its loss")
+STARTUP = re.compile(r"Start-up of worker (\d+): .*\(attempt (\d+)\) to its first step done: (.*)$", re.M)
+TARGETS = {"kill": 1.3, "straggler": {"easgd": 1.2}}
 
 
-def run(iterations, algorithm, folder, kills=0, seed=0):
-    """One training run, with `kills` workers killed by the harness: (test accuracy, wall seconds, the
-    driver's log, the Kills)."""
-    log_path = os.path.join(folder, "train.log")
-    started = time.monotonic()
-    driver = subprocess.Popen([sys.executable, "-m", "deepspark.cli", "train", "--solver", SOLVER, "--iterations",
-                               str(iterations), "--output", folder, "--algorithm", algorithm],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": ROOT})
+def solver_file(folder, test_interval):
+    """The LeNet solver with test_interval `test_interval` and its net by its absolute path, written in `folder`."""
+    with open(SOLVER) as stream:
+        text = stream.read()
+    text = re.sub(r"test_interval: \d+", f"test_interval: {test_interval}", text)
+    text = re.sub(r'net: "([^"]+)"', lambda m: f'net: "{os.path.join(ROOT, m.group(1))}"', text)
+    path = os.path.join(folder, "solver.prototxt")
+    with open(path, "w") as stream:
+        stream.write(text)
+    return path
+
+
+def seconds_of(line):
+    """The seconds of the day a glog line was written at (None: no stamp)."""
+    found = STAMP.match(line)
+    return None if found is None else int(found.group(1)) * 3600 + int(found.group(2)) * 60 + float(found.group(3))
+
+
+def test_points(log):
+    """[(seconds from the Solving line, iteration, test accuracy)] of a driver's log."""
+    points, start, iteration = [], None, None
+    for line in log.splitlines():
+        at = seconds_of(line)
+        if start is None and "] Solving " in line:
+            start = at
+        tested = TESTING.search(line)
+        iteration = int(tested.group(1)) if tested else iteration
+        found = ACCURACY.search(line)
+        if found and start is not None and at is not None:
+            points.append((round((at - start) % 86400, 2), iteration, float(found.group(1))))
+    return points
+
+
+def time_to(points, accuracy):
+    """Seconds to the first test at or above `accuracy` (None: never)."""
+    return next((seconds for seconds, _, reached in points if reached >= accuracy), None)
+
+
+def run(args, folder, name, algorithm, harm=None):
+    """One training run (`harm`: "kill", "straggler" or None): its record."""
+    out = os.path.join(folder, f"{algorithm}-{name}")
+    flags = ["--master", args.master] if args.master != "local" else []
+    load = os.getloadavg()[0]
+    driver = subprocess.Popen([sys.executable, "-m", "deepspark.cli", "train", "--solver", args.solver,
+                               "--iterations", str(args.iterations), "--output", out, "--algorithm", algorithm,
+                               "--workers", "2", *flags], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    ended = lambda: driver.poll() is not None  # noqa: E731
+    log = chaos.DriverLog(os.path.join(out, "train.log"), args.iterations)
     harness = None
-    if kills:
-        harness = chaos.Chaos(None, kills, seed, log=chaos.DriverLog(log_path, iterations),
-                              ended=lambda: driver.poll() is not None, timeout=600,
-                              say=lambda line: print(line, file=sys.stderr, flush=True)).start()
-    _, stderr = driver.communicate()
-    seconds = time.monotonic() - started
-    made = harness.join(30) if harness else []
-    with open(log_path, encoding="utf-8") as stream:
-        log = stream.read()
-    accuracies = ACCURACY.findall(log)
-    if driver.returncode or not accuracies:
-        raise SystemExit(f"the run failed:\n{stderr[-3000:]}")
-    return float(accuracies[-1]), seconds, log, made
+    try:
+        if harm:
+            port = log.wait_for_port(600, ended)
+            harness = (chaos.Chaos(port, None, args.seed, every=args.every, ended=ended, timeout=600,
+                                   say=lambda line: print(line, file=sys.stderr, flush=True)) if harm == "kill"
+                       else chaos.Throttle(port, args.share, ended=ended, timeout=600)).start()
+        _, stderr = driver.communicate(timeout=3600)
+    finally:
+        if harness is not None:
+            harness.stop()
+        if driver.poll() is None:
+            driver.kill()
+    with open(os.path.join(out, "train.log"), encoding="utf-8") as stream:
+        text = stream.read()
+    points = test_points(text)
+    record = {"bench": "chaos", "algorithm": algorithm, "run": name, "iterations": args.iterations,
+              "master": args.master, "returncode": driver.returncode, "points": points,
+              "final_accuracy": points[-1][2] if points else None, "load_average": [round(load, 2),
+                                                                                     round(os.getloadavg()[0], 2)]}
+    if harm == "kill":
+        record["kills"] = len(harness.kills)
+        record["seconds_kill_to_connection"] = [round(k.seconds_to_rejoin, 2) for k in harness.kills
+                                                if k.seconds_to_rejoin is not None]
+        record["rejoins"] = [[int(w), float(s)] for w, s in REJOINED.findall(text)]
+        record["startups"] = [[int(w), int(a), parts] for w, a, parts in STARTUP.findall(text)]
+    if driver.returncode:
+        record["error"] = stderr.strip().splitlines()[-1] if stderr.strip() else "no message"
+    return record
+
+
+def figure(clean, harmed, tolerance):
+    """The ratio record of a harmed run against its clean run: time to the clean run's final accuracy, and to it
+    less `tolerance` (a test's noise: the harmed run's last test may fall a few hundredths of a point short of it)."""
+    algorithm, harm = harmed["algorithm"], "kill" if "kills" in harmed else "straggler"
+    target = TARGETS[harm].get(algorithm) if isinstance(TARGETS[harm], dict) else TARGETS[harm]
+    record = {"bench": "chaos", "algorithm": algorithm, "figure": harmed["run"], "accuracy": clean["final_accuracy"],
+              "tolerance": tolerance, "finished": harmed["returncode"] == 0, "target": target,
+              "harmed_final_accuracy": harmed["final_accuracy"]}
+    for suffix, accuracy in (("", clean["final_accuracy"]), ("_within", clean["final_accuracy"] - tolerance)):
+        base, took = time_to(clean["points"], accuracy), time_to(harmed["points"], accuracy)
+        ratio = None if took is None or not base else round(took / base, 3)
+        record.update({f"clean_seconds{suffix}": base, f"seconds{suffix}": took, f"ratio{suffix}": ratio,
+                       f"meets_target{suffix}": None if target is None else bool(
+                           ratio is not None and ratio <= target and record["finished"])})
+    return record
+
+
+def figures(records, tolerance):
+    """The ratio records of every harmed run in `records` against its algorithm's clean run."""
+    clean = {r["algorithm"]: r for r in records if r.get("run") == "clean" and r.get("points") and not r.get("error")}
+    return [figure(clean[r["algorithm"]], r, tolerance) for r in records
+            if r.get("run") not in (None, "clean") and r["algorithm"] in clean]
+
+
+def plot(records, path):
+    """Test accuracy against seconds from Solving, a line per run, a panel per algorithm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    runs = [r for r in records if r.get("run") and r.get("points")]
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in runs))
+    figure_, axes = pyplot.subplots(1, len(algorithms), figsize=(6 * len(algorithms), 4), squeeze=False)
+    for axis, algorithm in zip(axes[0], algorithms):
+        for r in (r for r in runs if r["algorithm"] == algorithm):
+            seconds, _, accuracy = zip(*r["points"])
+            axis.plot(seconds, accuracy, marker=".", label=r["run"] + (" (the job failed)" if r["returncode"] else ""))
+        axis.set(title=f"{algorithm}, 2 workers", xlabel="seconds from Solving", ylabel="test accuracy")
+        axis.set_ylim(0.6, 0.92)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure_.tight_layout()
+    figure_.savefig(path, dpi=90)
+    pyplot.close(figure_)
+
+
+def page_section(records, data_folder=None):
+    """The results page's chaos section (markdown) from this benchmark's records."""
+    found = [r for r in records if r.get("bench") == "chaos" and r.get("figure") and "ratio_within" in r]
+    runs = [r for r in records if r.get("bench") == "chaos" and r.get("run") and "points" in r]
+    if not found:
+        return missing("staying power: kills every 15 s and a straggler",
+                       "OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/chaos.py")
+    said = {True: "met", False: "not met", None: "no target"}
+    rows = [[f["algorithm"], f["figure"], cell(f["accuracy"], 4), cell(f["harmed_final_accuracy"], 4),
+             *[f"{cell(f['seconds' + s], 0, ' s') if f['seconds' + s] is not None else 'not reached'} / "
+               f"{cell(f['clean_seconds' + s], 0, ' s')} = {cell(f['ratio' + s], 2, 'x')}" for s in ("", "_within")],
+             f"{f['target']}x: {said[f['meets_target']]}, {said[f['meets_target_within']]}" if f["target"]
+             else said[None]] for f in found]
+    kills = [r for r in runs if "kills" in r]
+    loads = [x for r in runs for x in r.get("load_average", [])]
+    text = ("## Staying power: a kill every 15 s, a straggler (#45)\n\n"
+            + table(["algorithm", "run", "clean run's final accuracy", "run's final accuracy",
+                     "time to the clean's final accuracy: run / clean", f"to it less {found[0]['tolerance']:g}: run / clean",
+                     "target (strict, less the tolerance)"], rows)
+            + "\n\nFrom `bench/measured_chaos.jsonl` (bench/chaos.py); the plot is `docs/chaos.png`. "
+            + "; ".join(f"{r['algorithm']}: {r['kills']} kills, from a kill to the replacement's connection (tools/chaos.py) "
+                        f"{spread(r['seconds_kill_to_connection'])}, the driver's rejoin lines "
+                        f"{spread([s for _, s in r['rejoins']])}" for r in kills)
+            + (f". The machine's 1-minute load average at the runs' starts and ends: {min(loads):.1f}-{max(loads):.1f}."
+               if loads else "")
+            + "".join(f" {r['algorithm']}'s {r['run']} run failed: {r['error']}." for r in runs if r.get("error"))
+            + " A run's clock starts at the driver's Solving line, its executors' start-up on it (30-60 s here, which"
+            " the load moves by tens of seconds between runs); the driver's rejoin lines run long where its watch was"
+            " testing the center (it sees a loss or a rejoin only after the test), the harness's times do not. On two"
+            " cores a throttled worker leaves its core to the other, so a straggler costs easgd little or nothing here."
+            "\n\n![test accuracy against time](chaos.png)")
+    return text
+
+
+def spread(seconds):
+    """'median M s (A-B s)' of a list of seconds, or 'none'."""
+    if not seconds:
+        return "none"
+    ordered = sorted(seconds)
+    return f"median {ordered[len(ordered) // 2]:.1f} s ({ordered[0]:.1f}-{ordered[-1]:.1f} s)"
+
+
+def start_cluster(folder):
+    """tools/spark-cluster.sh's master and two Workers on free loopback ports: (master URL, its environment)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1] % 20000 + 20000
+    env = {**os.environ, "CLUSTER_DIR": os.path.join(folder, "cluster"), "SPARK_MASTER_PORT": str(base),
+           "SPARK_MASTER_WEBUI_PORT": str(base + 1), "VENV": os.path.dirname(os.path.dirname(sys.executable))}
+    subprocess.run(["bash", CLUSTER, "start"], env=env, check=True, capture_output=True, timeout=300)
+    return f"spark://127.0.0.1:{base}", env
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=1500)
-    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--every", type=float, default=15.0, help="seconds between two kills")
+    parser.add_argument("--share", type=float, default=1 / 3, help="the straggler's share of the wall clock")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--algorithm", choices=("easgd", "sync"), default="easgd")
+    parser.add_argument("--test-interval", type=int, default=100)
+    parser.add_argument("--algorithms", nargs="+", choices=("easgd", "sync"), default=["easgd", "sync"])
+    parser.add_argument("--master", default="cluster",
+                        help="cluster: start tools/spark-cluster.sh's on free ports; local: local mode; or a URL")
+    parser.add_argument("--quick", action="store_true", help="600 iterations, easgd only")
     parser.add_argument("--smoke", action="store_true",
-                        help="runs end to end only (make bench-smoke): 200 iterations, 1 kill")
+                        help="runs end to end only (make bench-smoke): local mode, 200 iterations, easgd, a kill "
+                             "every 5 s")
     parser.add_argument("--out", default=_results.results_path("chaos"))
+    parser.add_argument("--tolerance", type=float, default=0.005,
+                        help="the second figure's accuracy: the clean run's final less this")
+    parser.add_argument("--plot", default="", help="a PNG of test accuracy against time (docs/chaos.png)")
+    parser.add_argument("--figures", metavar="JSONL", help="run nothing: the ratios and the plot again from the "
+                        "runs' records in JSONL (another --tolerance), to --out")
     args = parser.parse_args()
+    if args.figures:
+        with open(args.figures) as stream:
+            runs = [r for r in map(json.loads, stream) if r.get("run")]
+        for record in runs + figures(runs, args.tolerance):
+            _results.emit(record, args.out)
+        if args.plot:
+            plot(runs, args.plot)
+        return
+    if args.quick:
+        args.iterations, args.algorithms = 600, ["easgd"]
     if args.smoke:
-        args.iterations, args.kills = 200, 1  # fewer and the job can end before the kill
-    common = {"bench": "chaos", "algorithm": args.algorithm, "iterations": args.iterations,
-              "data": "Fashion-MNIST (real), the demo's LeNet job, 2 workers"}
+        args.iterations, args.algorithms, args.master, args.every, args.test_interval = 200, ["easgd"], "local", 5, 100
+    records = []
     with tempfile.TemporaryDirectory() as folder:
-        accuracy, seconds, _, _ = run(args.iterations, args.algorithm, os.path.join(folder, "unharmed"))
-        _results.emit({**common, "run": "unharmed", "test_accuracy": accuracy, "wall_seconds": round(seconds, 1)},
-                      args.out)
-        harmed, harmed_seconds, log, kills = run(args.iterations, args.algorithm, os.path.join(folder, "harmed"),
-                                                 args.kills, args.seed)
-    to_rejoin = [k.seconds_to_rejoin for k in kills if k.seconds_to_rejoin is not None]
-    _results.emit({**common, "run": "harmed", "kills": len(kills), "seed": args.seed, "test_accuracy": harmed,
-                   "wall_seconds": round(harmed_seconds, 1),
-                   "killed": [{"iteration": k.iteration, "seconds_to_rejoin": None if k.seconds_to_rejoin is None
-                               else round(k.seconds_to_rejoin, 2)} for k in kills]}, args.out)
-    delta = 100 * (harmed - accuracy)
-    _results.emit({**common, "figure": f"{args.kills} worker kills in one run", "kills_made": len(kills),
-                   "accuracy_unharmed": accuracy, "accuracy_harmed": harmed, "accuracy_delta_points": round(delta, 2),
-                   "wall_overhead_ratio": round(harmed_seconds / seconds, 3),
-                   "rejoins_logged": len(REJOINED.findall(log)),
-                   "median_seconds_kill_to_rejoin": round(statistics.median(to_rejoin), 2) if to_rejoin else None,
-                   "target_points": TARGET_POINTS,
-                   "meets_target": len(kills) == args.kills and abs(delta) <= TARGET_POINTS},
-                  args.out)
+        args.solver = solver_file(folder, args.test_interval)
+        env = None
+        if args.master == "cluster":
+            args.master, env = start_cluster(folder)
+        try:
+            for algorithm in args.algorithms:
+                clean = run(args, folder, "clean", algorithm)
+                records.append(clean)
+                _results.emit(clean, args.out)
+                for name, harm in ((f"kill every {args.every:g} s", "kill"),
+                                   (f"straggler at {args.share:.2f}", "straggler")):
+                    harmed = run(args, folder, name, algorithm, harm)
+                    records.append(harmed)
+                    _results.emit(harmed, args.out)
+                    for record in figures([clean, harmed], args.tolerance):
+                        records.append(record)
+                        _results.emit(record, args.out)
+        finally:
+            if env is not None:
+                subprocess.run(["bash", CLUSTER, "stop"], env=env, capture_output=True, timeout=120)
+    if args.plot:
+        plot(records, args.plot)
 
 
 if __name__ == "__main__":
