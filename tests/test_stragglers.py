@@ -71,8 +71,8 @@ def test_a_throttled_worker_trains_fewer_the_other_more_and_the_job_ends_on_thei
     try:
         seen = read_until(driver, r"Exchanger listening on ")
         port = int(re.search(r"Exchanger listening on [\d.]+:(\d+)", seen[-1]).group(1))
-        # The first worker to connect runs a fifth of the time from before its first step.
-        throttle = chaos.Throttle(port, share=0.2, ended=lambda: driver.poll() is not None, timeout=120).start()
+        # The first worker to connect runs a tenth of the time from before its first step.
+        throttle = chaos.Throttle(port, share=0.1, ended=lambda: driver.poll() is not None, timeout=120).start()
         _, stderr = driver.communicate(timeout=600)
     finally:
         if throttle is not None:
