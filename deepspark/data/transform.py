@@ -25,8 +25,9 @@ class Transformer:
     """Caffe's DataTransformer::Transform(Datum) for a batch of N images.
 
     out[n, c, h, w'] = (x[n, c, h_off+h, w_off+w] - mean[c, h_off+h, w_off+w]) * scale
-    with w' = crop_w-1-w when the image is mirrored (TRAIN only, probability 1/2),
-    h_off, w_off random in TRAIN and centred in TEST, and mean either the mean file
+    with w' = crop_w-1-w when the image is mirrored (probability 1/2 in either phase, as Caffe's
+    do_mirror = mirror() && Rand(2) has no phase), h_off, w_off random in TRAIN and centred in TEST,
+    and mean either the mean file
     at the uncropped position or mean_value[c].
     """
 
@@ -43,7 +44,7 @@ class Transformer:
         self.crop_h, self.crop_w = crop_of(self.param)
         if bool(self.crop_h) != bool(self.crop_w):
             raise ConfigError("transform_param: crop_h and crop_w go together (or use crop_size)")
-        self.mirror = bool(self.param.mirror) and self.phase == pb.TRAIN
+        self.mirror = bool(self.param.mirror)
         self.random_crop = self.phase == pb.TRAIN
         self.rng = np.random.default_rng(seed)
         if self.param.mean_file and len(self.param.mean_value):

@@ -104,7 +104,9 @@ class Forward:
                                  data_shape=None if raw is None else (lambda layer: raw))
             model.set_params(checkpoint.weights_for(model.graph, checkpoint.parse_caffemodel(caffemodel),
                                                     model.get_params(), "the model's weights"))
-            transformer = Transformer(pb.TransformationParameter.FromString(self.transform), pb.TEST, mean=mean)
+            param = pb.TransformationParameter.FromString(self.transform)
+            param.mirror = False  # Caffe's TEST phase mirrors at random; a prediction must not depend on a draw
+            transformer = Transformer(param, pb.TEST, mean=mean)
             _BUILT[key] = (model, transformer)
             if self.counters is not None:
                 self.counters[0].add(1)
