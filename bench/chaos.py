@@ -17,6 +17,7 @@ draws test accuracy against time; --figures recomputes the ratios and the plot f
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -101,32 +102,41 @@ def run(args, folder, name, algorithm, harm=None):
     harness = None
     try:
         if harm:
-            port = log.wait_for_port(600, ended)
-            harness = (chaos.Chaos(port, None, args.seed, every=args.every, ended=ended, timeout=600,
-                                   say=lambda line: print(line, file=sys.stderr, flush=True)) if harm == "kill"
-                       else chaos.Throttle(port, args.share, ended=ended, timeout=600)).start()
+            with contextlib.suppress(TimeoutError):  # the job ended before its exchanger started: its record says how
+                harness = start_harm(args, harm, log.wait_for_port(600, ended), ended)
         _, stderr = driver.communicate(timeout=3600)
     finally:
         if harness is not None:
             harness.stop()
         if driver.poll() is None:
             driver.kill()
-    with open(os.path.join(out, "train.log"), encoding="utf-8") as stream:
-        text = stream.read()
+    text = ""
+    if os.path.exists(log.path):
+        with open(log.path, encoding="utf-8") as stream:
+            text = stream.read()
     points = test_points(text)
     record = {"bench": "chaos", "algorithm": algorithm, "run": name, "iterations": args.iterations,
               "master": args.master, "returncode": driver.returncode, "points": points,
               "final_accuracy": points[-1][2] if points else None, "load_average": [round(load, 2),
                                                                                      round(os.getloadavg()[0], 2)]}
     if harm == "kill":
-        record["kills"] = len(harness.kills)
-        record["seconds_kill_to_connection"] = [round(k.seconds_to_rejoin, 2) for k in harness.kills
+        kills = harness.kills if harness is not None else []
+        record["kills"] = len(kills)
+        record["seconds_kill_to_connection"] = [round(k.seconds_to_rejoin, 2) for k in kills
                                                 if k.seconds_to_rejoin is not None]
         record["rejoins"] = [[int(w), float(s)] for w, s in REJOINED.findall(text)]
         record["startups"] = [[int(w), int(a), parts] for w, a, parts in STARTUP.findall(text)]
     if driver.returncode:
         record["error"] = stderr.strip().splitlines()[-1] if stderr.strip() else "no message"
     return record
+
+
+def start_harm(args, harm, port, ended):
+    """The harm of a run, started on the exchanger at `port`: kills every args.every s, or a straggler."""
+    if harm == "kill":
+        return chaos.Chaos(port, None, args.seed, every=args.every, ended=ended, timeout=600,
+                           say=lambda line: print(line, file=sys.stderr, flush=True)).start()
+    return chaos.Throttle(port, args.share, ended=ended, timeout=600).start()
 
 
 def figure(clean, harmed, tolerance):
@@ -193,11 +203,12 @@ def page_section(records, data_folder=None):
     loads = [x for r in runs for x in r.get("load_average", [])]
     text = ("## Staying power: a kill every 15 s, a straggler (#45)\n\n"
             + table(["algorithm", "run", "clean run's final accuracy", "run's final accuracy",
-                     "time to the clean's final accuracy: run / clean", f"to it less {found[0]['tolerance']:g}: run / clean",
+                     "time to the clean's final accuracy: run / clean",
+                     f"to it less {found[0]['tolerance']:g}: run / clean",
                      "target (strict, less the tolerance)"], rows)
             + "\n\nFrom `bench/measured_chaos.jsonl` (bench/chaos.py); the plot is `docs/chaos.png`. "
-            + "; ".join(f"{r['algorithm']}: {r['kills']} kills, from a kill to the replacement's connection (tools/chaos.py) "
-                        f"{spread(r['seconds_kill_to_connection'])}, the driver's rejoin lines "
+            + "; ".join(f"{r['algorithm']}: {r['kills']} kills, from a kill to the replacement's connection "
+                        f"(tools/chaos.py) {spread(r['seconds_kill_to_connection'])}, the driver's rejoin lines "
                         f"{spread([s for _, s in r['rejoins']])}" for r in kills)
             + (f". The machine's 1-minute load average at the runs' starts and ends: {min(loads):.1f}-{max(loads):.1f}."
                if loads else "")

@@ -52,7 +52,8 @@ from deepspark.spark.shards import Range
 from deepspark.spark.shards import Range
 path, count, _ = executor.spill(Range(sys.argv[1], 10, 30, 42), "job", 1)
 folder = executor.job_dir("job")
-for name in (f"shard-1-pid{os.getpid()}_lmdb", f"shard-1-0-10_lmdb.tmp-{os.getpid()}", f"shard-0-pid{os.getpid()}_lmdb"):
+pid = os.getpid()
+for name in (f"shard-1-pid{pid}_lmdb", f"shard-1-0-10_lmdb.tmp-{pid}", f"shard-0-pid{pid}_lmdb"):
     os.makedirs(os.path.join(folder, name))
 print(path, count, os.getpid(), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
