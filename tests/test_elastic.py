@@ -18,7 +18,7 @@ from deepspark.spark.budget import Budget, Limits
 from conftest import ROOT
 from sparkjobs import cluster, kill_while_training, start_training, workers_done
 from synthetic import make_job
-from test_failure_budget import GATE, CRASH
+from test_failure_budget import CRASH, gated
 
 
 def test_min_workers_defaults_to_every_worker_and_never_exceeds_workers():
@@ -36,24 +36,6 @@ def test_a_workers_own_budget_is_its_own_and_the_jobs_is_the_whole_jobs():
     assert own.startswith("worker 0 failed 2 times in a row") and not own.whole_job
     job = budget.fail(1, 2, CRASH)
     assert job.startswith("the workers failed 3 times in 60s") and job.whole_job
-
-
-def gated(tmp_path, failing=(1,), **knobs):
-    """The tiny job with the workers `failing` crashing in their every Spark task before they train
-    (test_failure_budget's GATE)."""
-    solver = make_job(tmp_path, **knobs)
-    gate = GATE.replace("task.partitionId() == 1", f"task.partitionId() in {failing!r}").replace(
-        '"worker 1 cannot start"', 'f"worker {task.partitionId()} cannot start"')
-    assert gate != GATE
-    (tmp_path / "crash_gate.py").write_text(gate)
-    net = (tmp_path / "net.prototxt").read_text().replace(
-        'layer { name: "conv" type: "Convolution" bottom: "data"',
-        'layer { name: "gate" type: "Python" bottom: "data" top: "gated" '
-        'python_param { module: "crash_gate" layer: "Gate" } }\nlayer { name: "conv" type: "Convolution" '
-        'bottom: "gated"')
-    assert "crash_gate" in net
-    (tmp_path / "net.prototxt").write_text(net)
-    return solver
 
 
 def finish(driver, timeout=300):

@@ -119,8 +119,8 @@ def test_a_worker_killed_more_times_than_max_failures_rejoins_each_time_and_the_
     assert "Optimization Done." in text and workers_done(text) == [0]
 
 
-# A pass-through Python layer whose setup fails in Spark's task of worker 1, and nowhere else (the driver builds the
-# test net with it): that worker crashes in a loop before it ever trains.
+# A pass-through Python layer whose setup fails in the Spark tasks of the workers FAILING (gated prepends it), and
+# nowhere else (the driver builds the test net with it): those workers crash in a loop before they ever train.
 GATE = '''import caffe
 from pyspark import TaskContext
 
@@ -128,8 +128,8 @@ from pyspark import TaskContext
 class Gate(caffe.Layer):
     def setup(self, bottom, top):
         task = TaskContext.get()
-        if task is not None and task.partitionId() == 1:
-            raise RuntimeError("worker 1 cannot start")
+        if task is not None and task.partitionId() in FAILING:
+            raise RuntimeError(f"worker {task.partitionId()} cannot start")
 
     def reshape(self, bottom, top):
         top[0].reshape(*bottom[0].data.shape)
@@ -142,10 +142,11 @@ class Gate(caffe.Layer):
 '''
 
 
-@pytest.mark.spark
-def test_a_worker_that_crashes_in_a_loop_stops_the_job_with_one_line_naming_it(tmp_path):
-    solver = make_job(tmp_path, max_iter=100000, test_interval=0)
-    (tmp_path / "crash_gate.py").write_text(GATE)
+def gated(tmp_path, failing=(1,), **knobs):
+    """The tiny job (synthetic.make_job with `knobs`) with the workers `failing` crashing in their every Spark task
+    before they train (GATE)."""
+    solver = make_job(tmp_path, **knobs)
+    (tmp_path / "crash_gate.py").write_text(f"FAILING = {tuple(failing)!r}\n{GATE}")
     net = (tmp_path / "net.prototxt").read_text().replace(
         'layer { name: "conv" type: "Convolution" bottom: "data"',
         'layer { name: "gate" type: "Python" bottom: "data" top: "gated" '
@@ -153,6 +154,12 @@ def test_a_worker_that_crashes_in_a_loop_stops_the_job_with_one_line_naming_it(t
         'bottom: "gated"')
     assert "crash_gate" in net
     (tmp_path / "net.prototxt").write_text(net)
+    return solver
+
+
+@pytest.mark.spark
+def test_a_worker_that_crashes_in_a_loop_stops_the_job_with_one_line_naming_it(tmp_path):
+    solver = gated(tmp_path, max_iter=100000, test_interval=0)
     started = time.monotonic()
     driver = start_training(solver)
     try:

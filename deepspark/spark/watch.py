@@ -131,10 +131,11 @@ class Watch:
         while self.running():
             self.wait(WATCH_SECONDS)
             stats = self.server.stats()
-            stop = self.failures(stats) or self.ended()
+            stop = self.failures(stats)
             if stop:  # the budget is spent, or too few would train on: the job stops with the line that says why
                 self.cancel()
                 raise JobError(stop)
+            self.ended()  # after failures(): a job that failed says its worker's loss first
             lost = self.rejoins(stats)
             self.tell_losses()
             mine = {w: s for w, s in stats.items() if w not in self.left}
@@ -224,12 +225,16 @@ class Watch:
 
     def ended(self):
         """Each member whose Spark job failed (Spark's own attempts spent: a SparkContext of the caller's, or
-        max_failures 1) leaves, as far as min_workers allows; the line that stops the job, if one cannot."""
+        max_failures 1) leaves, as far as min_workers allows; where one cannot, the job stops (the others' Spark
+        jobs cancelled, as Spark's abort of a single job's stage cancelled its other tasks) with Spark's line."""
         for worker, job in sorted(self.jobs.items(), key=str):
             if worker is not None and worker in self.members() and "failure" in job.outcome:
-                stop = self.leave(worker, f"its Spark job failed: {first_line(job.outcome['failure'])}")
-                if stop:
-                    return stop
+                error = job.outcome["failure"]
+                stop = self.leave(worker, f"its Spark job failed: {first_line(error)}")
+                if stop is not None:
+                    self.cancel()
+                    spark = failed(error, self.sc)
+                    raise spark if self.fewest() == self.workers else JobError(stop, detail=spark.detail)
         return None
 
     def overdue(self, stats):
