@@ -11,14 +11,17 @@
    backend) against pycaffe's own `net.forward` (the input copied into its blob first), all three loading the
    same weights from a .caffemodel as a detector does; rounds interleaved so machine noise hits all alike;
    images/s, microseconds per call, and the median of the per-round ratios ours / pycaffe's. The rule (#43):
-   at batch 1 the TensorFlow backend is within 2x of pycaffe, a ratio of at least 0.5, on R-Net and O-Net;
-   P-Net at 12x12 is almost all per-call cost, and the floor (3.) bounds its ratio. Every contender gets the
-   same thread count (--threads).
-3. `tf_speed_call_floor`: what one call costs TensorFlow itself at batch 1, with no work in it: an empty
-   tf.function (no input, a constant out) called as a tf.function and as its concrete function, and
-   `direct_call` (the TensorFlow backend's forward path: an array in, an array out) on a function that only
-   passes a 1x3x12x12 input on: the median and the best round. No TensorFlow forward at batch 1 is faster
-   than this last figure; on a loaded machine its best round is the one to read.
+   at batch 1 the TensorFlow backend is within 2x of pycaffe, a ratio of at least 0.5, on all four. A small
+   pass (P-Net at 12x12, R-Net) moves to TensorFlow Lite's interpreter after its first calls
+   (deepspark/backends/tensorflow/lite.py): `tf_path` says which path the timed calls took, and the answers
+   compared with pycaffe's are that path's, taken after the rounds. Every contender gets the same thread
+   count (--threads).
+3. `tf_speed_call_floor`: what one call costs TensorFlow's executor itself at batch 1, with no work in it: an
+   empty tf.function (no input, a constant out) called as a tf.function and as its concrete function, and
+   `direct_call` (the TensorFlow backend's executor path: an array in, an array out) on a function that only
+   passes a 1x3x12x12 input on: the median and the best round. No forward on the executor at batch 1 is faster
+   than this last figure (what moved P-Net at 12x12 to the interpreter); on a loaded machine its best round is
+   the one to read.
 
 Prints one JSON line per figure and appends them to --out.
 
@@ -152,10 +155,15 @@ def bench_mtcnn(name, shape, rounds, seconds, threads, emit):
     contenders = {"deepspark_tf": lambda x: ours.forward(data=x), "deepspark_caffe": lambda x: theirs.forward(data=x),
                   "pycaffe": baseline.forward}
     data = np.random.default_rng(0).uniform(-1, 1, shape).astype(np.float32)
+    for forward in contenders.values():  # out of the rounds: the reshape to `shape` and TensorFlow's trace
+        forward(data)
+    rates = interleaved(contenders, data, rounds, seconds)
+    # After the rounds: the answers of the pass that was timed (a small one moves to TensorFlow Lite's interpreter)
     answers = {impl: {k: np.array(v) for k, v in forward(data).items()} for impl, forward in contenders.items()}
     agree = all(np.allclose(answers["deepspark_tf"][k], v, rtol=1e-4, atol=1e-5) for k, v in answers["pycaffe"].items())
-    rates = interleaved(contenders, data, rounds, seconds)
-    case = {"bench": "tf_speed_mtcnn_batch1", "net": name, "input": "x".join(map(str, shape))}
+    model = ours._model
+    case = {"bench": "tf_speed_mtcnn_batch1", "net": name, "input": "x".join(map(str, shape)),
+            "tf_path": "interpreter" if hasattr(model._calls[model._forward_fn], "interpreter") else "executor"}
     for impl, values in rates.items():
         median = statistics.median(values)
         emit({**case, "impl": impl, "threads": threads, "images_per_s": round(median, 1),

@@ -8,7 +8,7 @@ import numpy as np
 
 from deepspark import fillers, schedule
 from deepspark.backends import base
-from deepspark.backends.tensorflow import compiler, runtime
+from deepspark.backends.tensorflow import compiler, lite, runtime
 from deepspark.backends.tensorflow.runtime import tf
 from deepspark.graph import backward_needs
 from deepspark.proto import deepspark_pb2 as pb
@@ -62,7 +62,9 @@ class Model(base.Model):
         self._get_flat_fn = traced(self._flat, input_signature=[])
         self._set_flat_fn = traced(self._assign_flat, input_signature=[flat])
         self._shaped = {}  # the input shapes -> their graph, carried state and passes (see _compile)
-        self._calls = {}  # a forward tf.function -> its direct_call, once traced (see forward)
+        self._calls = {}  # a forward tf.function -> its direct_call or interpreted pass, once traced (see forward)
+        self._forwards = {}  # a forward tf.function -> its calls so far, until its pass is chosen (see forward)
+        self._writes = 0  # counts the writes to the parameters: an interpreted pass sets them again after one
         self._compile()
 
     def _compile(self):
@@ -199,6 +201,7 @@ class Model(base.Model):
             self._train_outputs = passes[-1][1]
             self._apply_fn(rate, iteration)
         self.iter += 1
+        self._writes += 1
         return float(loss)
 
     def train_outputs(self):
@@ -206,9 +209,40 @@ class Model(base.Model):
         return None if outputs is None else {name: value.numpy() for name, value in outputs.items()}
 
     def forward(self, batch):
-        if self._forward_fn not in self._calls:
-            self._calls[self._forward_fn] = direct_call(self._forward_fn.get_concrete_function(), self.feeds)
-        return self._calls[self._forward_fn](self.feed(batch))
+        """The pass's outputs: by TensorFlow's executor (direct_call), or, for a small pass called again and
+        again, by TensorFlow Lite's interpreter (lite: the first lite.CALLS_BEFORE calls by the executor)."""
+        fn = self._forward_fn
+        if fn not in self._calls:
+            self._calls[fn] = direct_call(fn.get_concrete_function(), self.feeds)
+            self._forwards[fn] = 0 if lite.worth_it(self.graph, self.train) else None
+        if self._forwards.get(fn) is not None:
+            self._forwards[fn] += 1
+            if self._forwards[fn] > lite.CALLS_BEFORE:
+                self._forwards[fn] = None  # chosen, for good
+                self._calls[fn] = self._interpreted() or self._calls[fn]
+        return self._calls[fn](self.feed(batch))
+
+    def _interpreted(self):
+        """This shape's forward pass run by TensorFlow Lite's interpreter (lite.interpreted), the parameters fed
+        as inputs; None where it refuses the pass, or where the pass moves state (a carried state, running
+        statistics): the executor runs those."""
+        names = list(self.feeds)
+        specs = [tf.TensorSpec(self.feeds[name], tf.float32, name=f"input{i}") for i, name in enumerate(names)]
+        specs += [tf.TensorSpec(shape, tf.float32, name=f"param{i}") for i, shape in enumerate(self._stored_shapes)]
+        moved = []
+
+        def inference(*tensors):
+            ctx = compiler.Context(self.graph, dict(zip(names, tensors)), self.train, self._rng, self._random_seed,
+                                   self._orders, self._state)
+            _, blobs = compiler.run(self.graph, tensors[len(names):], ctx)
+            moved.extend(ctx.updates + ctx.carries)
+            return [blobs[name].caffe for name in self.graph.outputs]
+
+        concrete = traced(inference, input_signature=specs).get_concrete_function()
+        if moved:
+            return None
+        return lite.interpreted(concrete, names, self.graph.outputs, self._variables, lambda: self._writes,
+                                self.threads)
 
     def gradients(self, batch):
         loss, grads = self._gradients_fn(self.feed(batch))
@@ -256,6 +290,7 @@ class Model(base.Model):
     def set_params(self, arrays):
         for i, (variable, array) in enumerate(zip(self._variables, self.check_arrays(arrays))):
             variable.assign(self._store(i, array))
+        self._writes += 1
 
     def get_flat(self, out=None):
         flat = self._get_flat_fn().numpy()
@@ -266,6 +301,7 @@ class Model(base.Model):
 
     def set_flat(self, vector):
         self._set_flat_fn(self.check_flat(vector))
+        self._writes += 1
 
     def get_history(self):
         self._ensure_solver()
