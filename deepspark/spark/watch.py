@@ -336,17 +336,16 @@ class Watch:
         unsaid = [w for w in sorted(lost) if w not in self.said]
         if gone and unsaid:
             waited = f"{self.connect_timeout:g}s (connect_timeout)"
-            if executors:
-                left = ", ".join(f"executor {e} on {host}" for e, host in sorted(executors.items()))
-                then = (f" (left: {left}); its shard is re-placed when a slot frees and it "
-                        f"goes on from the center where it was; the job fails if no worker trains for {waited} "
-                        f"before it rejoins")
-            else:
-                then = (f" and has none left; its shard is re-placed if Spark gets an executor within {waited}, "
-                        f"else the job fails")
+            left = ", ".join(f"executor {e} on {host}" for e, host in sorted(executors.items()))
+            then = f" (left: {left})" if executors else " and has none left"
             if self.fewest() < self.workers:  # elastic: the job goes on without it
-                then = then.split(";")[0] + (f"; it goes on from the center where it was when a slot frees, or "
-                                             f"leaves the job if not back within {waited}")
+                then += (f"; it goes on from the center where it was when a slot frees, or leaves the job if not "
+                         f"back within {waited}")
+            elif executors:
+                then += (f"; its shard is re-placed when a slot frees and it goes on from the center where it was; "
+                         f"the job fails if no worker trains for {waited} before it rejoins")
+            else:
+                then += f"; its shard is re-placed if Spark gets an executor within {waited}, else the job fails"
             for wid in unsaid:
                 log.warning(f"Worker {wid} lost at iteration {lost[wid]}: Spark lost {' and '.join(gone)}{then}")
                 self.lost_with[wid] = gone
