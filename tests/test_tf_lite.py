@@ -3,6 +3,7 @@ which passes move there, how few operators MTCNN's P-Net takes there, and that t
 the parameters written after the move too."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -82,3 +83,26 @@ def test_a_pass_the_converter_refuses_is_none():
     concrete = traced(adds, input_signature=specs).get_concrete_function()
     call = lite.interpreted(concrete, ["data"], ["out"], [param], lambda: 0)
     assert np.array_equal(call({"data": np.ones((2, 3), np.float32)})["out"], np.ones((2, 3), np.float32))
+
+
+def test_two_threads_calling_one_interpreted_pass_each_get_their_own_answer():
+    def adds(*tensors):
+        return [tensors[0] + tensors[1]]
+
+    specs = [tf.TensorSpec((64, 64), tf.float32, name="input0"), tf.TensorSpec((64,), tf.float32, name="param0")]
+    concrete = traced(adds, input_signature=specs).get_concrete_function()
+    call = lite.interpreted(concrete, ["data"], ["out"], [tf.Variable(np.zeros(64, np.float32))], lambda: 0)
+    wrong = []
+
+    def caller(value):
+        data = np.full((64, 64), value, np.float32)
+        for _ in range(300):
+            if not np.array_equal(call({"data": data})["out"], data):  # another thread's input between set and get
+                wrong.append(value)
+
+    threads = [threading.Thread(target=caller, args=(value,)) for value in (1.0, 2.0, 3.0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong

@@ -18,6 +18,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 import warnings
 
 from deepspark.backends.tensorflow.runtime import tf
@@ -87,16 +88,20 @@ def interpreted(concrete, inputs, outputs, params, written, threads=None):
     param_indices = [fed[f"param{i}"] for i in range(len(params))]
     output_indices = [answered[name] for name in returned]
     loaded = [None]  # written() when the parameters were last set
+    # One interpreter holds its tensors between set_tensor and get_tensor: two threads calling one Net (which the
+    # executor's pass allows) take turns.
+    lock = threading.Lock()
 
     def call(arrays):
-        if loaded[0] != written():
-            for index, variable in zip(param_indices, params):
-                interpreter.set_tensor(index, variable.numpy())
-            loaded[0] = written()
-        for index, top in zip(input_indices, inputs):
-            interpreter.set_tensor(index, arrays[top])
-        interpreter.invoke()
-        return {blob: interpreter.get_tensor(index) for blob, index in zip(outputs, output_indices)}
+        with lock:
+            if loaded[0] != written():
+                for index, variable in zip(param_indices, params):
+                    interpreter.set_tensor(index, variable.numpy())
+                loaded[0] = written()
+            for index, top in zip(input_indices, inputs):
+                interpreter.set_tensor(index, arrays[top])
+            interpreter.invoke()
+            return {blob: interpreter.get_tensor(index) for blob, index in zip(outputs, output_indices)}
 
     call.interpreter = interpreter
     return call
