@@ -102,6 +102,9 @@ def test_a_worker_lost_for_good_leaves_the_job_finishing_with_one_fewer_and_sayi
     gone = int(left[0][0])
     assert workers_done(text) == [1 - gone] and "Optimization Done." in text, text[-3000:]
     assert f"Trained on 1 of 2 workers to the end: worker {gone} left" in text
+    # Its share, the lease it held past its last iteration among it (Handler.release), trained by the other.
+    assert re.search(rf"Iterations trained together: {2 * KILLED_MAX_ITER} of {2 * KILLED_MAX_ITER} .*worker {gone} "
+                     r"\d+ at [\d.]+ it/s, fewer than its share .*released at iteration \d+", text), text[-3000:]
 
 
 # A job that one worker alone trains for well past connect_timeout plus a new Spark Worker's start.

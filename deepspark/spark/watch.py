@@ -219,6 +219,8 @@ class Watch:
         self.lost.pop(worker, None)
         self.said.add(worker)
         self.sc.cancelJobGroup(self.jobs[worker].group)
+        # What the handler leased it past its last reported iteration goes to the others (Handler.release).
+        self.server.handler.release(worker, self.server.stats().get(worker, {}).get("iteration", 0))
         log.warning(f"Worker {worker} left the job: {why}; {train_on} of {self.workers} workers train on "
                     f"(min_workers {self.fewest()}); it joins again if Spark grants a new executor")
         return None
