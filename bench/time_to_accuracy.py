@@ -637,7 +637,7 @@ def divergence_section(records, data, plot):
                                           for p in periods]])
     bases = ", ".join(f"{cell(single.get(f'samples_to_{t}'))} to {t}" for t in LABELS)
     milestones = sorted({r["milestone_samples"] for runs in groups.values() for r in runs.values()
-                         if r.get("milestone_samples")})
+                         if r.get("milestone_samples") not in (None, GRID_SAMPLES)})
     drawn = draw_divergence(groups, single, plot)
     return "\n\n".join(filter(None, [
         table(header, rows),
@@ -646,8 +646,8 @@ def divergence_section(records, data, plot):
         "reached within its samples (x of single's). The moving rate keeps β = p·α = 0.9 (α = 0.45 and 0.225 for 2 "
         "and 4 workers); a blank cell was not run. A row with base_lr x2 steps at twice single's learning rate "
         "(Goyal et al.'s linear rule for its global batch of 2 x 64); a codec's row sends its exchanges in it (the "
-        "slow-link section's runs, on loopback here). Samples are counted at the snapshots (every ~15,000 samples"
-        + (", " + " or ".join(cell(m) for m in milestones) + " where a run says so" if milestones else "") +
+        "slow-link section's runs, on loopback here). Samples are counted at the snapshots (every "
+        f"{cell(GRID_SAMPLES)} samples" + (", " + " or ".join(cell(m) for m in milestones) + " where a run says so" if milestones else "") +
         "), so d moves in steps of that over single's samples. 4 workers oversubscribe the 2 cores (two a core): "
         f"the table compares samples, not seconds. From `{os.path.relpath(data, ROOT)}/time_to_accuracy.jsonl`."]))
 

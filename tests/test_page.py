@@ -1,5 +1,6 @@
 """bench/_page.py: docs/results.md from the page's benchmark records; a section without data says so."""
 
+import argparse
 import json
 import sys
 
@@ -264,3 +265,18 @@ def test_a_float32_run_stopped_short_of_0_88_gives_the_time_ratio_as_a_bound():
     records[1] = slow(tta.COMPRESSED, [[20.0, 139776, 0.879]], INT4_FRAME, 32, 0.014, 0.01, "int4")
     assert slow_links.targets(records, [])[0][1:] == ("int4 > 20.0 s, float32 > 150.0 s", False,
                                                      "int4 did not reach 0.88 within its run")
+
+
+def test_the_rounds_interleave_the_frameworks_seed_by_seed():
+    tta = page.time_to_accuracy
+
+    def plan(*flags):
+        parser = argparse.Namespace(only=None, smoke=False, quick=False, seeds=None, epochs=None)
+        for flag in flags:
+            setattr(parser, *flag)
+        return [(name, seed) for name, seed, _ in tta.plan(parser)]
+    compared = [*tta.COMPARED, *tta.PEERS_COMPARED]
+    assert plan() == [(name, seed) for seed in (1, 2, 3) for name in compared] + [(name, 1) for name in tta.AFTER]
+    assert plan(("quick", True)) == [(name, seed) for seed in (1, 2) for name in compared]
+    assert plan(("only", "single,torch single"), ("seeds", 2)) == [("single", 1), ("torch single", 1), ("single", 2),
+                                                                 ("torch single", 2)]
