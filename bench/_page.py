@@ -4,6 +4,7 @@
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -11,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benchmarks, each of which draws its own section
 
 import backends  # noqa: E402  (bench/backends.py)
+import chaos  # noqa: E402  (bench/chaos.py)
 import communication  # noqa: E402  (bench/communication.py)
 import data_integration  # noqa: E402  (bench/data_integration.py)
 import network  # noqa: E402  (bench/network.py)
@@ -258,6 +260,16 @@ def rewrite_row(row, path=os.path.join(ROOT, "docs", "measured.md")):
     return True
 
 
+def chaos_section(path=os.path.join(ROOT, "bench", "measured_chaos.jsonl")):
+    """The staying-power section (its own heading) that bench/chaos.py draws of its records: it runs apart from
+    `make bench` (a standalone cluster, kills), so the page keeps its last records; None where there are none."""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as stream:
+        records = [json.loads(line) for line in stream if line.strip()]
+    return chaos.page_section(records) if records else None
+
+
 def section(module, data):
     """The section bench/MODULE.py draws of the records it wrote into `data` (its page_section), or what is
     missing."""
@@ -296,6 +308,8 @@ def main():
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "results.md"))
     parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"), help="whose \"How it compares\" "
                         "table to rewrite (\"\": none)")
+    parser.add_argument("--chaos", default=os.path.join(ROOT, "bench", "measured_chaos.jsonl"),
+                        help="bench/chaos.py's records, for the staying-power section (\"\": none)")
     parser.add_argument("--measured", default=os.path.join(ROOT, "docs", "measured.md"), help="whose \"Measured "
                         "here\" row of the seal to rewrite (\"\": none)")
     args = parser.parse_args()
@@ -330,6 +344,7 @@ def main():
         section(data_integration, args.data),
         "## What the project costs its workers: start-up and memory",
         section(start_up, args.data),
+        chaos_section(args.chaos),
     ]
     with open(args.out, "w") as stream:
         stream.write("\n\n".join(filter(None, sections)) + "\n")

@@ -49,7 +49,7 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
     readme.write_text("# x\n\n<!-- compare:begin (bench/_page.py writes this) -->\nold\n<!-- compare:end -->\n\nrest\n")
     out = tmp_path / "docs" / "results.md"
     monkeypatch.setattr(sys, "argv", ["_page.py", "--data", str(data), "--out", str(out), "--readme", str(readme),
-                                      "--measured", ""])
+                                      "--measured", "", "--chaos", ""])
     page.main()
     text = out.read_text()
     assert "| easgd period 10 | — | 31.0 s | 40.2 s | 30,080 | 45,120 | — | 0.8840 | 1,890 MB | — |" in text
@@ -146,6 +146,8 @@ def test_the_rounds_give_medians_and_ranges_the_acceptance_ratios_and_a_slowdown
     assert ("Intervals between two tests slower than half their run's median rate: single (seed 2): 19,200–25,600 "
             "samples at 256 samples/s against its median 3,200, load average up to 9.5.") in text
     assert "every 6,400 samples" in text and "Seeds 1, 2, 3" in text
+    # bench/chaos.py runs apart from make bench: the page keeps its section, drawn from bench/measured_chaos.jsonl.
+    assert text.count("\n## Staying power: a kill every 15 s, a straggler (#45)\n") == 1
 
 
 FLOAT32_FRAME, INT4_FRAME = 36 + 4 * 431_080 + 16, 36 + 222_276 + 16  # header, payload, tag
@@ -192,7 +194,7 @@ def test_the_slow_link_section_prices_sync_and_reports_the_targets_and_the_seal(
                       "the default), different CPUs, LeNet | old | old |\n| next | row |\n")
     out = tmp_path / "docs" / "results.md"
     monkeypatch.setattr(sys, "argv", ["_page.py", "--data", str(data), "--out", str(out), "--readme", "",
-                                      "--measured", str(measured)])
+                                      "--measured", str(measured), "--chaos", ""])
     page.main()
     text = out.read_text()
     # 72.0 s against 25.0 s; sync's 1,724,372 bytes an iteration over its 936 iterations to 0.88 on loopback, against
