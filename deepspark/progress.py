@@ -97,7 +97,7 @@ class WorkerBars:
                           mininterval=0, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
                           "[{elapsed}<{remaining}{postfix}]") for worker in range(workers)]
 
-    def draw(self, stats, lost=()):
+    def draw(self, stats, lost=(), iteration=None):
         """Each worker's bar at its iteration, with its loss and images/s; `lost`: workers lost before they ended."""
         now = time.monotonic()
         for worker, bar in enumerate(self.bars):
@@ -115,8 +115,10 @@ class WorkerBars:
 
 class Lines:
     """The workers' progress as whole log lines on the console (not the log file): `Progress: iteration 200 of 1000
-    (20%, ETA 41s): w0 loss 0.5123, 3,200 img/s | w1 ...` each time the slowest worker passes another
-    1/LINES_PER_JOB of max_iter, and at the end."""
+    (20%, ETA 41s): w0 loss 0.5123, 3,200 img/s | w1 ...` each time the job's iteration passes another
+    1/LINES_PER_JOB of max_iter, and at the end. The job's iteration is the one draw() is given (an easgd job's:
+    its workers' iterations trained together, so neither a straggler nor a worker that left holds the lines), else
+    the slowest worker's once every worker has reported (workers that train in step)."""
 
     def __init__(self, workers, max_iter, batch_size):
         self.log, self.workers, self.max_iter = log.current(), workers, max_iter
@@ -124,35 +126,36 @@ class Lines:
         self.rates = Rates(workers, batch_size)
         self.started = time.monotonic()
         self.next = self.every
-        self.last = None  # (stats, lost) of the last draw, for the line at the end
+        self.last = None  # (iteration, notes) of the last draw, for the line at the end
         self.said = -1  # the iteration of the last line
 
-    def draw(self, stats, lost=()):
+    def draw(self, stats, lost=(), iteration=None):
         now = time.monotonic()
         notes = {w: worker_note(s, self.rates.of(w, min(s.get("iteration", 0), self.max_iter), now), w in lost)
                  for w, s in stats.items() if s}
-        self.last = (stats, notes)
-        if len(notes) == self.workers and self.slowest(stats) >= self.next:
-            self.say(stats, notes, now)
+        ready = iteration is not None or len(notes) == self.workers
+        if iteration is None:
+            iteration = min((s.get("iteration", 0) for s in stats.values() if s), default=0)
+        iteration = min(iteration, self.max_iter)
+        if notes:
+            self.last = (iteration, notes)
+        if ready and iteration >= self.next:
+            self.say(iteration, notes, now)
 
-    def slowest(self, stats):
-        return min(min(s.get("iteration", 0), self.max_iter) for s in stats.values())
-
-    def say(self, stats, notes, now):
-        iteration = self.slowest(stats)
+    def say(self, iteration, notes, now):
         self.next = (iteration // self.every + 1) * self.every
         if iteration == self.said:
             return
         self.said = iteration
         rate = iteration / (now - self.started) if now > self.started else 0.0
         eta = f", ETA {(self.max_iter - iteration) / rate:.0f}s" if 0 < iteration < self.max_iter and rate else ""
-        rows = " | ".join(f"w{w} {notes[w]}" if w in notes else f"w{w} waiting" for w in range(self.workers))
+        rows = " | ".join(f"w{w} {notes[w]}" if w in notes else f"w{w} not training" for w in range(self.workers))
         self.log.console(f"Progress: iteration {iteration} of {self.max_iter} ({100 * iteration / self.max_iter:.0f}%"
                          f"{eta}): {rows}")
 
     def close(self):
         """The line at the end, where the last one said less."""
-        if self.last is not None and self.last[0]:
+        if self.last is not None:
             self.say(*self.last, time.monotonic())
 
 
@@ -163,7 +166,7 @@ class Rows:
     def __init__(self, workers, max_iter):
         self.log, self.workers, self.max_iter = log.current(), workers, max_iter
 
-    def draw(self, stats, lost=()):
+    def draw(self, stats, lost=(), iteration=None):
         """The row of each worker from the exchanger's stats; `lost`: the workers lost before they finished."""
         rows = []
         for worker in range(self.workers):
@@ -191,7 +194,7 @@ class Bar:
     def __init__(self, max_iter):
         self.log, self.max_iter, self.started = log.current(), max_iter, time.monotonic()
 
-    def draw(self, stats, lost=()):
+    def draw(self, stats, lost=(), iteration=None):
         s = stats.get(0) or {}
         loss = s.get("loss", float("nan"))
         self.log.progress(bar_text(s.get("iteration", 0), self.max_iter, started=self.started,

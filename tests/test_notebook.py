@@ -372,3 +372,16 @@ def test_the_progress_lines_stay_out_of_the_log_file(tmp_path):
         lines.draw({0: {"iteration": 10, "loss": 1.0}})
     assert "Progress: iteration 10 of 10" in log.stream.getvalue()
     assert (tmp_path / "train.log").read_text() == ""
+
+
+def test_the_progress_lines_follow_the_jobs_iteration_past_a_straggler_and_a_worker_that_left():
+    with Log(stream=io.StringIO()) as log:
+        lines = progress.Lines(2, 100, 8)
+        lines.draw({0: {"iteration": 60, "loss": 1.0}})  # in step, w1 not reported yet: no line
+        assert "Progress" not in log.stream.getvalue()
+        # easgd: the job's iteration is its workers' trained together; w1, far behind, holds no line
+        lines.draw({0: {"iteration": 150, "loss": 1.0}, 1: {"iteration": 10, "loss": 2.0}}, iteration=80)
+        assert "Progress: iteration 80 of 100" in log.stream.getvalue()
+        lines.draw({0: {"iteration": 190, "loss": 1.0}}, iteration=100)  # w1 left the job: the lines go on
+        said = log.stream.getvalue().splitlines()[-1]
+        assert "Progress: iteration 100 of 100" in said and "w1 not training" in said

@@ -139,7 +139,7 @@ class Watch:
             lost = self.rejoins(stats)
             self.tell_losses()
             mine = {w: s for w, s in stats.items() if w not in self.left}
-            progress.draw(mine, lost)
+            progress.draw(mine, lost, iteration=self.server.job_iteration(stats))
             diverged = [s["error"][1] for _, s in sorted(stats.items()) if s.get("error", (0,))[0] == E_DIVERGED]
             if diverged:  # stop at once: a retry from the center would diverge again at the same rate
                 self.cancel()
@@ -168,7 +168,8 @@ class Watch:
             # One look after the job: the last one inside the loop may come before the workers' last exchanges
             # (a job shorter than a look), and Caffe's cadence at their last iteration would never be seen.
             stats = self.server.stats()
-            progress.draw({w: s for w, s in stats.items() if w not in self.left}, self.rejoins(stats))
+            progress.draw({w: s for w, s in stats.items() if w not in self.left}, self.rejoins(stats),
+                          iteration=self.server.job_iteration(stats))
             self.center(stats)
 
     def members(self):
