@@ -29,6 +29,7 @@ Prints one JSON line per figure and appends them to --out.
 """
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -141,6 +142,32 @@ def interleaved(contenders, data, rounds, seconds):
     return rates
 
 
+class PathLines(logging.Handler):
+    """The TensorFlow backend's lines saying what runs a forward pass (its executor, or TensorFlow Lite's
+    interpreter for a small pass called again and again), collected while the block runs."""
+
+    LOGGER = "deepspark.backends.tensorflow.model"
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        logger = logging.getLogger(self.LOGGER)
+        self.level = logger.level
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logger = logging.getLogger(self.LOGGER)
+        logger.removeHandler(self)
+        logger.setLevel(self.level)
+
+
 def bench_mtcnn(name, shape, rounds, seconds, threads, emit):
     """The contenders on MTCNN net `name` at input `shape` (None: the prototxt's), with the same weights."""
     with tempfile.TemporaryDirectory(prefix="tf_speed-") as scratch:
@@ -157,13 +184,13 @@ def bench_mtcnn(name, shape, rounds, seconds, threads, emit):
     data = np.random.default_rng(0).uniform(-1, 1, shape).astype(np.float32)
     for forward in contenders.values():  # out of the rounds: the reshape to `shape` and TensorFlow's trace
         forward(data)
-    rates = interleaved(contenders, data, rounds, seconds)
+    with PathLines() as paths:  # the TF backend's DEBUG line: which runs the pass once chosen
+        rates = interleaved(contenders, data, rounds, seconds)
     # After the rounds: the answers of the pass that was timed (a small one moves to TensorFlow Lite's interpreter)
     answers = {impl: {k: np.array(v) for k, v in forward(data).items()} for impl, forward in contenders.items()}
     agree = all(np.allclose(answers["deepspark_tf"][k], v, rtol=1e-4, atol=1e-5) for k, v in answers["pycaffe"].items())
-    model = ours._model
     case = {"bench": "tf_speed_mtcnn_batch1", "net": name, "input": "x".join(map(str, shape)),
-            "tf_path": "interpreter" if hasattr(model._calls[model._forward_fn], "interpreter") else "executor"}
+            "tf_path": "interpreter" if any("Lite" in line for line in paths.lines) else "executor"}
     for impl, values in rates.items():
         median = statistics.median(values)
         emit({**case, "impl": impl, "threads": threads, "images_per_s": round(median, 1),

@@ -2,6 +2,7 @@
 
 import functools
 import itertools
+import logging
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,6 +13,10 @@ from deepspark.backends.tensorflow import compiler, lite, runtime
 from deepspark.backends.tensorflow.runtime import tf
 from deepspark.graph import backward_needs
 from deepspark.proto import deepspark_pb2 as pb
+
+log = logging.getLogger(__name__)
+# What runs a forward pass after its first lite.CALLS_BEFORE calls (the DEBUG line that says which).
+PATHS = {True: "TensorFlow Lite's interpreter", False: "TensorFlow's executor (the interpreter refused it)"}
 
 # After runtime's quiet import of TensorFlow: the parts of its eager runtime that direct_call uses.
 from tensorflow.python.eager import context as eager_context, execute  # noqa: E402
@@ -219,7 +224,10 @@ class Model(base.Model):
             self._forwards[fn] += 1
             if self._forwards[fn] > lite.CALLS_BEFORE:
                 self._forwards[fn] = None  # chosen, for good
-                self._calls[fn] = self._interpreted() or self._calls[fn]
+                interpreted = self._interpreted()
+                self._calls[fn] = interpreted or self._calls[fn]
+                shapes = ", ".join("x".join(map(str, shape)) for shape in self.feeds.values())
+                log.debug(f"Forward pass at {shapes}: by {PATHS[bool(interpreted)]} from now on")
         return self._calls[fn](self.feed(batch))
 
     def _interpreted(self):
