@@ -203,3 +203,32 @@ def test_max_job_failures_in_the_window_stops_the_job_and_each_loss_names_the_wo
     assert re.fullmatch(rf"deepspark train: error: the workers failed 3 times in 600s \(failure_window 600s, "
                         rf"max_job_failures 3\), worker {1 - first} the last; the last: .*Python worker exited "
                         rf"unexpectedly.*", stderr.strip().splitlines()[-1]), stderr[-3000:]
+
+
+def test_the_driver_goes_on_looking_at_failures_while_a_test_pass_holds_its_loop():
+    """Watch.looking_on: a test pass or snapshot (tens of seconds under load) does not leave the failures to be
+    counted all at once after it, with no training seen between them: a thread looks every WATCH_SECONDS."""
+    from deepspark.spark import watch
+
+    class Driver:  # what looking_on reads of a Watch: the exchanger's stats, the failures' and rejoins' looks
+        def __init__(self):
+            self.server = self
+            self.looks, self.rejoined = [], 0
+
+        def stats(self):
+            return {0: {"exchanges": len(self.looks)}}
+
+        def failures(self, stats):
+            self.looks.append(time.monotonic())
+            return "worker 0 failed 2 times in a row" if len(self.looks) == 4 else None
+
+        def rejoins(self, stats):
+            self.rejoined += 1
+
+    driver = Driver()
+    began = time.monotonic()
+    stop = watch.Watch.looking_on(driver, lambda stats: time.sleep(8 * watch.WATCH_SECONDS), {})
+    assert stop == "worker 0 failed 2 times in a row"
+    assert len(driver.looks) == 4 and driver.rejoined == 4  # it stopped looking at the stop
+    assert all(at - began < 8 * watch.WATCH_SECONDS for at in driver.looks)  # during the pass, not after it
+    assert watch.Watch.looking_on(Driver(), lambda stats: None, {}) is None

@@ -1,5 +1,6 @@
 """The driver following its workers through the exchanger's stats while the Spark job runs: progress rows, rejoins and losses, Caffe's cadence on the center, and the job's end."""
 
+import contextvars
 import dataclasses
 import logging
 import threading
@@ -163,7 +164,10 @@ class Watch:
                 if not self.running() and all("results" in j.outcome for j in self.current()):
                     break  # it ended as the deadline came
                 raise self.idle_error(lost)
-            self.center(stats)  # every worker's iterations, a left one's too: the job's count is of all trained
+            stop = self.looking_on(self.center, stats)  # every worker's iterations, a left one's too: the job's
+            if stop:                                        # count is of all trained
+                self.cancel()
+                raise JobError(stop)
         if all("results" in j.outcome for j in self.current()):
             # One look after the job: the last one inside the loop may come before the workers' last exchanges
             # (a job shorter than a look), and Caffe's cadence at their last iteration would never be seen.
@@ -179,6 +183,31 @@ class Watch:
     def current(self):
         """The Spark jobs of the training: the single one, or each member's."""
         return [j for w, j in sorted(self.jobs.items(), key=str) if w not in self.left]
+
+    def looking_on(self, work, stats):
+        """work(stats) (Caffe's cadence on the center: a test pass or a snapshot, tens of seconds on a loaded driver)
+        while a thread of its own goes on looking at Spark's failed tasks and the rejoins every WATCH_SECONDS: looked
+        at only after it, a kill every few seconds would come as failures all at once with no training seen between
+        them, a crash loop to the budget. The line that stops the job, else None."""
+        done, stops = threading.Event(), []
+
+        def look():
+            while not done.wait(WATCH_SECONDS) and not stops:
+                stats = self.server.stats()
+                stop = self.failures(stats)
+                if stop:
+                    stops.append(stop)
+                self.rejoins(stats)
+
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(look,), daemon=True,
+                                  name="deepspark-watch")
+        thread.start()
+        try:
+            work(stats)
+        finally:
+            done.set()
+            thread.join()
+        return stops[0] if stops else None
 
     def running(self):
         """Whether a Spark job of the training is still running."""
