@@ -25,7 +25,7 @@ PNET_OPERATORS = 37
 def pass_of(net):
     """The call that serves `net`'s forward pass at its present shape."""
     model = net._model
-    return model._calls[model._forward_fn]
+    return model._forward_calls.calls[model._forward_fn]
 
 
 def test_which_passes_may_move_small_test_passes_of_the_known_layers():

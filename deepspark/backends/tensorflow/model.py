@@ -67,9 +67,7 @@ class Model(base.Model):
         self._get_flat_fn = traced(self._flat, input_signature=[])
         self._set_flat_fn = traced(self._assign_flat, input_signature=[flat])
         self._shaped = {}  # the input shapes -> their graph, carried state and passes (see _compile)
-        self._calls = {}  # a forward tf.function -> its direct_call or interpreted pass, once traced (see forward)
-        self._forwards = {}  # a forward tf.function -> its calls so far, until its pass is chosen (see forward)
-        self._writes = 0  # counts the writes to the parameters: an interpreted pass sets them again after one
+        self._forward_calls = ForwardCalls(self)  # how each forward pass is called (see forward)
         self._compile()
 
     def _compile(self):
@@ -206,7 +204,7 @@ class Model(base.Model):
             self._train_outputs = passes[-1][1]
             self._apply_fn(rate, iteration)
         self.iter += 1
-        self._writes += 1
+        self._forward_calls.writes += 1
         return float(loss)
 
     def train_outputs(self):
@@ -216,41 +214,7 @@ class Model(base.Model):
     def forward(self, batch):
         """The pass's outputs: by TensorFlow's executor (direct_call), or, for a small pass called again and
         again, by TensorFlow Lite's interpreter (lite: the first lite.CALLS_BEFORE calls by the executor)."""
-        fn = self._forward_fn
-        if fn not in self._calls:
-            self._calls[fn] = direct_call(fn.get_concrete_function(), self.feeds)
-            self._forwards[fn] = 0 if lite.worth_it(self.graph, self.train) else None
-        if self._forwards.get(fn) is not None:
-            self._forwards[fn] += 1
-            if self._forwards[fn] > lite.CALLS_BEFORE:
-                self._forwards[fn] = None  # chosen, for good
-                interpreted = self._interpreted()
-                self._calls[fn] = interpreted or self._calls[fn]
-                shapes = ", ".join("x".join(map(str, shape)) for shape in self.feeds.values())
-                log.debug(f"Forward pass at {shapes}: by {PATHS[bool(interpreted)]} from now on")
-        return self._calls[fn](self.feed(batch))
-
-    def _interpreted(self):
-        """This shape's forward pass run by TensorFlow Lite's interpreter (lite.interpreted), the parameters fed
-        as inputs; None where it refuses the pass, or where the pass moves state (a carried state, running
-        statistics): the executor runs those."""
-        names = list(self.feeds)
-        specs = [tf.TensorSpec(self.feeds[name], tf.float32, name=f"input{i}") for i, name in enumerate(names)]
-        specs += [tf.TensorSpec(shape, tf.float32, name=f"param{i}") for i, shape in enumerate(self._stored_shapes)]
-        moved = []
-
-        def inference(*tensors):
-            ctx = compiler.Context(self.graph, dict(zip(names, tensors)), self.train, self._rng, self._random_seed,
-                                   self._orders, self._state)
-            _, blobs = compiler.run(self.graph, tensors[len(names):], ctx)
-            moved.extend(ctx.updates + ctx.carries)
-            return [blobs[name].caffe for name in self.graph.outputs]
-
-        concrete = traced(inference, input_signature=specs).get_concrete_function()
-        if moved:
-            return None
-        return lite.interpreted(concrete, names, self.graph.outputs, self._variables, lambda: self._writes,
-                                self.threads)
+        return self._forward_calls.call(self._forward_fn)(self.feed(batch))
 
     def gradients(self, batch):
         loss, grads = self._gradients_fn(self.feed(batch))
@@ -261,36 +225,8 @@ class Model(base.Model):
         return serving_module(self, batch_size, any_size)
 
     def layer_passes(self, batch):
-        """Each layer compiled on its own (a tf.function), fed the blobs the forwards before it made.
-
-        Forward calls the layer's function under a GradientTape when Caffe's Net
-        would give the layer a backward (graph.backward_needs), so that TensorFlow
-        keeps what the gradient reads, as Caffe's Forward keeps a pooling mask;
-        backward runs the gradient TensorFlow compiled for that call on the
-        diffs of the layer's tops (its loss_weight for a loss top) into the
-        diffs of its bottoms and parameters: Caffe's Backward, with no forward
-        run again, timed by itself. (The earlier measure, a forward-and-gradient
-        function less the forward, was the difference of two noisy timings,
-        clipped at 0 ms for ReLU and the loss, and took every bottom's gradient:
-        conv1's of the data too, which Caffe never computes.) Every call pays
-        TensorFlow's dispatch of a function, a few hundred microseconds on a
-        busy 2-core machine, which the compiled training step pays once for
-        the whole net (bench/time_layers.py measures the sum against it).
-        """
-        inputs = {top: tf.constant(array) for top, array in self.feed(batch).items()}
-        ctx = compiler.Context(self.graph, inputs, self.train, self._rng, self._random_seed,
-                               self._orders)
-        blobs, diffs, passes = {}, {}, []  # what Caffe's blobs hold as data and as diff
-        losses = {}  # layer: [(top tensor, loss_weight)] of its last forward, by layer: automatic tops share a name
-        for layer, needs in zip(self.graph.layers, backward_needs(self.graph)):
-            params = compiler.layer_params(layer, self._variables, ctx.orders)
-            params = [tf.convert_to_tensor(value) for value in params]  # the weights stay as they are
-            passes.append(_layer_pass(layer, params, needs, ctx, blobs, diffs, losses))
-
-        def loss():
-            return sum(weight * float(tf.reduce_sum(top)) for terms in losses.values() for top, weight in terms)
-
-        return passes, loss
+        """Each layer compiled on its own, Caffe's Forward and Backward timed by themselves (layer_passes)."""
+        return layer_passes(self, batch)
 
     def get_params(self):
         return [self._load(i, v) for i, v in enumerate(self._variables)]
@@ -298,7 +234,7 @@ class Model(base.Model):
     def set_params(self, arrays):
         for i, (variable, array) in enumerate(zip(self._variables, self.check_arrays(arrays))):
             variable.assign(self._store(i, array))
-        self._writes += 1
+        self._forward_calls.writes += 1
 
     def get_flat(self, out=None):
         flat = self._get_flat_fn().numpy()
@@ -309,7 +245,7 @@ class Model(base.Model):
 
     def set_flat(self, vector):
         self._set_flat_fn(self.check_flat(vector))
-        self._writes += 1
+        self._forward_calls.writes += 1
 
     def get_history(self):
         self._ensure_solver()
@@ -320,6 +256,57 @@ class Model(base.Model):
         arrays = self.check_arrays(arrays, self.history_shapes, "history blob")
         for i, (variable, array) in enumerate(zip(self._history, arrays)):
             variable.assign(self._store(i, array))
+
+
+class ForwardCalls:
+    """The call of each traced forward pass of a Model: direct_call through TensorFlow's executor, or, for a small
+    pass called again and again, TensorFlow Lite's interpreter (lite), chosen once per pass."""
+
+    def __init__(self, model):
+        self._model = model
+        self.calls = {}  # a forward tf.function -> its direct_call or interpreted pass, once traced (see call)
+        self._counts = {}  # a forward tf.function -> its calls so far, until its pass is chosen (see call)
+        self.writes = 0  # counts the writes to the parameters: an interpreted pass sets them again after one
+
+    def call(self, fn):
+        """What runs the forward tf.function `fn` (the model's at its present shape) this time: by the executor
+        at first; after lite.CALLS_BEFORE calls of a pass lite.worth_it takes, by the interpreter where it can."""
+        model = self._model
+        if fn not in self.calls:
+            self.calls[fn] = direct_call(fn.get_concrete_function(), model.feeds)
+            self._counts[fn] = 0 if lite.worth_it(model.graph, model.train) else None
+        if self._counts.get(fn) is not None:
+            self._counts[fn] += 1
+            if self._counts[fn] > lite.CALLS_BEFORE:
+                self._counts[fn] = None  # chosen, for good
+                interpreted = self._interpreted()
+                self.calls[fn] = interpreted or self.calls[fn]
+                shapes = ", ".join("x".join(map(str, shape)) for shape in model.feeds.values())
+                log.debug(f"Forward pass at {shapes}: by {PATHS[bool(interpreted)]} from now on")
+        return self.calls[fn]
+
+    def _interpreted(self):
+        """This shape's forward pass run by TensorFlow Lite's interpreter (lite.interpreted), the parameters fed
+        as inputs; None where it refuses the pass, or where the pass moves state (a carried state, running
+        statistics): the executor runs those."""
+        model = self._model
+        names = list(model.feeds)
+        specs = [tf.TensorSpec(model.feeds[name], tf.float32, name=f"input{i}") for i, name in enumerate(names)]
+        specs += [tf.TensorSpec(shape, tf.float32, name=f"param{i}") for i, shape in enumerate(model._stored_shapes)]
+        moved = []
+
+        def inference(*tensors):
+            ctx = compiler.Context(model.graph, dict(zip(names, tensors)), model.train, model._rng,
+                                   model._random_seed, model._orders, model._state)
+            _, blobs = compiler.run(model.graph, tensors[len(names):], ctx)
+            moved.extend(ctx.updates + ctx.carries)
+            return [blobs[name].caffe for name in model.graph.outputs]
+
+        concrete = traced(inference, input_signature=specs).get_concrete_function()
+        if moved:
+            return None
+        return lite.interpreted(concrete, names, model.graph.outputs, model._variables, lambda: self.writes,
+                                model.threads)
 
 
 def direct_call(concrete, feeds, single_threaded=None):
@@ -476,6 +463,39 @@ def _checked_input(name, x, shape, fixers, smallest=None):
     check = tf.debugging.Assert(fits, [f"input {name} must be {expected}{why}; it is", given], summarize=8)
     with tf.control_dependencies([check]):
         return tf.ensure_shape(tf.identity(x), shape)
+
+
+def layer_passes(model, batch):
+    """Each layer of `model` (a Model) compiled on its own (a tf.function), fed the blobs the forwards before it made.
+
+    Forward calls the layer's function under a GradientTape when Caffe's Net
+    would give the layer a backward (graph.backward_needs), so that TensorFlow
+    keeps what the gradient reads, as Caffe's Forward keeps a pooling mask;
+    backward runs the gradient TensorFlow compiled for that call on the
+    diffs of the layer's tops (its loss_weight for a loss top) into the
+    diffs of its bottoms and parameters: Caffe's Backward, with no forward
+    run again, timed by itself. (The earlier measure, a forward-and-gradient
+    function less the forward, was the difference of two noisy timings,
+    clipped at 0 ms for ReLU and the loss, and took every bottom's gradient:
+    conv1's of the data too, which Caffe never computes.) Every call pays
+    TensorFlow's dispatch of a function, a few hundred microseconds on a
+    busy 2-core machine, which the compiled training step pays once for
+    the whole net (bench/time_layers.py measures the sum against it).
+    """
+    inputs = {top: tf.constant(array) for top, array in model.feed(batch).items()}
+    ctx = compiler.Context(model.graph, inputs, model.train, model._rng, model._random_seed,
+                           model._orders)
+    blobs, diffs, passes = {}, {}, []  # what Caffe's blobs hold as data and as diff
+    losses = {}  # layer: [(top tensor, loss_weight)] of its last forward, by layer: automatic tops share a name
+    for layer, needs in zip(model.graph.layers, backward_needs(model.graph)):
+        params = compiler.layer_params(layer, model._variables, ctx.orders)
+        params = [tf.convert_to_tensor(value) for value in params]  # the weights stay as they are
+        passes.append(_layer_pass(layer, params, needs, ctx, blobs, diffs, losses))
+
+    def loss():
+        return sum(weight * float(tf.reduce_sum(top)) for terms in losses.values() for top, weight in terms)
+
+    return passes, loss
 
 
 def _traced_layer(layer, ctx, layouts, tensors, values):
