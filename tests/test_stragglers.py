@@ -155,3 +155,12 @@ def test_a_reply_leases_only_when_flagged_and_never_less_than_before(flags, iter
             P.lease_of(h, held)
     else:
         assert P.lease_of(h, held) == out
+
+
+def test_the_ends_line_names_only_a_worker_well_short_of_its_share():
+    leases = Leases(workers=2, stop=10000)
+    for worker in (0, 1):
+        leases.grant(worker, 0)
+    line = leases.line({0: 9780, 1: 10220})  # a clean 2-worker run's ordinary spread (make demo's)
+    assert "fewer than its share" not in line and "20000 of 20000" in line
+    assert "worker 0 8000 at 0.0 it/s, fewer than its share of 10000" in leases.line({0: 8000, 1: 12000})
