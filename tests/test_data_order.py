@@ -206,8 +206,11 @@ def test_a_dataframe_fed_shard_is_shuffled_every_epoch_on_the_executors(tmp_path
         (folder / "seen").mkdir(parents=True)
         (folder / "order_recorder.py").write_text(RECORDER)
         (folder / "net.prototxt").write_text(RECORDED_NET.format(train=train, seen=folder / "seen"))
+        # sync: its workers train in step, each its max_iter, 3 epochs of its shard (easgd's split the job's
+        # iterations as their speeds go: under load one read a single epoch)
         (folder / "solver.prototxt").write_text(RECORDED_SOLVER.format(net=folder / "net.prototxt",
-                                                                       prefix=folder / "out" / "recorded"))
+                                                                       prefix=folder / "out" / "recorded")
+                                                .replace("workers: 2", "workers: 2 algorithm: SYNC"))
         solvers.append(str(folder / "solver.prototxt"))
     done = subprocess.run([sys.executable, "-c", DATAFRAME_RUNS, *solvers], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
