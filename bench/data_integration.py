@@ -81,7 +81,8 @@ def run(kind, iterations, folder, sources):
                     train_seconds=round(w["train_seconds"], 2),
                     spill_share=round(w["spill_seconds"] / (w["spill_seconds"] + w["train_seconds"]), 4))
                for w in summary["workers"]]
-    images = sum(w["iterations"] * BATCH / w["train_seconds"] for w in summary["workers"])
+    # A worker that trained none (an easgd job's leases: in a short run a late one may) adds no images/s.
+    images = sum(w["iterations"] * BATCH / w["train_seconds"] for w in summary["workers"] if w["train_seconds"] > 0)
     ready = summary["ready_seconds"]
     return dict(source=kind, iterations=summary["iterations"], images_per_s=round(images, 1),
                 wall_seconds=round(wall, 2), spill_seconds=max(w["spill_seconds"] for w in workers),

@@ -187,7 +187,12 @@ def measure(size_gb, iterations, epochs, folder):
     spill, ready = max(w["spill_seconds"] for w in workers), ready[0]
     shard = max(w["records"] for w in workers)
     both_mb = sum(w["records"] for w in workers) * RECORD_BYTES / 1e6
-    rate = min(w["iterations"] / w["train_seconds"] for w in workers)  # iterations per second per worker
+    # Iterations per second per worker, of those that trained: an easgd job's workers share its iterations as their
+    # speeds go (the exchanger's leases), and in a short run a late worker may train none.
+    rate = min((w["iterations"] / w["train_seconds"] for w in workers if w["iterations"] and w["train_seconds"] > 0),
+               default=0.0)
+    if not rate:
+        sys.exit(f"no worker trained an iteration:\n{log[-4000:]}")
     epoch = shard / BATCH / rate
     record = dict(bench="data_scale", size_gb=size_gb, records=count, iterations=iterations,
                   driver_peak_rss_mb=round(driver_mb, 1), workers=workers,
