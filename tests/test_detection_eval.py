@@ -85,7 +85,8 @@ def detection_solver(folder, version):
     (folder / "net.prototxt").write_text(NET.format(list=folder / "list.txt"))
     solver = folder / f"{version}.prototxt"
     solver.write_text(f'net: "{folder}/net.prototxt"\ntest_iter: 2\ntest_interval: 100\ntest_initialization: true\n'
-                      f'base_lr: 0\nlr_policy: "fixed"\neval_type: "detection"\nap_version: "{version}"\nmax_iter: 1\n')
+                      f'base_lr: 0\nlr_policy: "fixed"\neval_type: "detection"\nap_version: "{version}"\nmax_iter: 1\n'
+                      f'snapshot_prefix: "{folder}/snapshot"\n')  # its snapshot and train.log there, not in the cwd
     return str(solver)
 
 
