@@ -48,8 +48,7 @@ class Task:
     job_id: names the job's local folders; solver, train_net: the serialized
     SolverParameter and train NetParameter; solver_path: for error messages;
     address: (host, port) of the driver's exchanger, None for a job without
-    one; secret: the job's exchange secret; threads: compute threads per worker;
-    start_iteration: the iteration the job started at (a resumed job's).
+    one; secret: the job's exchange secret; threads: compute threads per worker.
     """
 
     job_id: str
@@ -59,7 +58,6 @@ class Task:
     address: tuple = None
     secret: str = ""
     threads: int = 1
-    start_iteration: int = 0
 
     @functools.cached_property
     def param(self):

@@ -342,8 +342,7 @@ class Job:
         return Task(job_id=uuid.uuid4().hex[:12], solver=self.param.SerializeToString(),
                     train_net=absolute_sources(self.solver.train_net).SerializeToString(),
                     solver_path=self.solver.path,
-                    address=self.exchange_address(), secret=secret, threads=worker_threads(self.sc, self.workers),
-                    start_iteration=self.start_iter)
+                    address=self.exchange_address(), secret=secret, threads=worker_threads(self.sc, self.workers))
 
     def load_center(self, shape):
         """x̃'s start (the graph, center0, the start iteration) and the solver histories a --snapshot holds
