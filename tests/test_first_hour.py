@@ -162,7 +162,7 @@ def test_deepspark_knobs_from_their_own_file_embedded_block_then_file_then_flags
     with pytest.raises(Exception, match=r"other.prototxt:1:1: .*unknown field 'peroid' in DeepSparkParameter"):
         load_solver(solver, str(other))
     ds = load_solver(os.path.join(ROOT, "models/lenet/solver.prototxt")).param.deepspark_param
-    assert (ds.workers, ds.period, round(ds.moving_rate, 6)) == (2, 10, 0.45)  # the zoo's, beside its solver
+    assert (ds.workers, ds.period, round(ds.moving_rate, 6)) == (2, 32, 0.45)  # the zoo's, beside its solver
 
 
 def test_a_solver_where_a_net_is_expected_and_a_missing_python_module_are_named(tmp_path):

@@ -90,7 +90,7 @@ def test_mlflow_autolog_records_a_fits_params_and_metrics(frame, tmp_path, monke
         mlflow.pyspark.ml.autolog(disable=True)
     params, metrics = run.data.params, run.data.metrics
     assert params["DeepSparkEstimator.movingRate"] == "0.3" and params["DeepSparkEstimator.maxIter"] == "30"
-    assert params["DeepSparkEstimator.period"] == "10"  # the solver's, a Param left unset
+    assert params["DeepSparkEstimator.period"] == "32"  # the solver's, a Param left unset
     fitted = model.stages[0]
     assert metrics["test0/accuracy"] == pytest.approx(fitted.summary["test0/accuracy"], abs=1e-4)
     history = mlflow.tracking.MlflowClient().get_metric_history(run.info.run_id, "test0/accuracy")
