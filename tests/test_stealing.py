@@ -1,0 +1,257 @@
+"""Work stealing of record blocks (#45, stragglers): the job's ledger on the exchanger grants every block of every
+worker's record range once a job epoch, a worker's own first and then the range most behind from its back; workers
+claim them through a CLAIM frame and their Data feeders read them; a straggler's unread records are read by the
+others. The ledger and the frames alone, a real exchanger with its client, real LMDBs, and a real Spark job."""
+
+import os
+import re
+import signal
+import time
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from deepspark.algorithms.easgd import EasgdHandler
+from deepspark.data import encode_datum
+from deepspark.data.lmdb_io import write_lmdb
+from deepspark.data.feeder import DataFeeder
+from deepspark.exchange import ExchangeClient, ExchangeServer
+from deepspark.exchange import protocol as P
+from deepspark.exchange.ledger import Ledger
+from deepspark.proto import deepspark_pb2 as pb
+from sparkjobs import chaos, read_until, start_training, workers_done
+from test_data_order import RECORDED_NET, RECORDED_SOLVER, RECORDER
+
+SECRET = b"per-job-secret"
+RANGES = [(0, 200), (200, 400)]  # two workers' record ranges: 4 blocks of 64 records each (the last 8)
+
+
+def blocks_of(grants):
+    return sorted((g.first, g.count) for g in grants)
+
+
+def everyone(block=64):
+    """Every block of RANGES as (first, count)."""
+    return sorted((first, min(block, stop - first)) for start, stop in RANGES for first in range(start, stop, block))
+
+
+def test_two_workers_at_different_speeds_claim_each_block_once_an_epoch_the_fast_one_the_slows_from_its_back():
+    ledger = Ledger(RANGES, 64, shuffle=False)  # in order: each range's blocks front to back
+    by_epoch, held = {}, {0: [], 1: []}
+    for turn in range(40):  # worker 0 claims three blocks for each of worker 1's, reporting the last one read
+        worker = 1 if turn % 4 == 3 else 0
+        (grant,) = ledger.claim(worker, 1, [g.ticket for g in held[worker]])
+        held[worker] = [grant]
+        by_epoch.setdefault(grant.epoch, []).append((worker, grant))
+    assert len(by_epoch) >= 4
+    for epoch, grants in by_epoch.items():
+        claimed = blocks_of(g for _, g in grants)
+        if epoch < max(by_epoch):
+            assert claimed == everyone(), epoch  # every block of the epoch once
+        else:
+            assert len(set(claimed)) == len(claimed) and set(claimed) <= set(everyone())
+    first = [(worker, g.owner, g.first) for worker, g in by_epoch[0]]
+    # worker 0 its own four, then worker 1's from the back (392, then 328) while worker 1 reads from its front
+    assert first[:3] == [(0, 0, 0), (0, 0, 64), (0, 0, 128)] and (1, 1, 200) in first, first
+    stolen = [f for worker, owner, f in first if worker == 0 and owner == 1]
+    assert stolen[:2] == [392, 328], first
+    assert sum(ledger.taken[0].values()) > 0 and not ledger.taken[1]
+    read = ledger.epochs()
+    assert all(records == 400 and not twice for records, _, twice in read[:2]), read
+    line = ledger.line()
+    assert "of 400 read whole, each record once" in line and "worker 0 " in line and "of worker 1's" in line, line
+
+
+def test_the_next_epoch_begins_once_every_block_is_claimed_own_blocks_first_in_the_seeds_order():
+    ledger = Ledger(RANGES, 64, seed=3)
+    epoch0 = ledger.claim(0, 4) + ledger.claim(1, 4)
+    assert {g.epoch for g in epoch0} == {0} and blocks_of(epoch0) == everyone()
+    (next_one,) = ledger.claim(1, 1)
+    assert next_one.epoch == 1 and next_one.owner == 1  # its own range first in the new epoch
+    again = Ledger(RANGES, 64, seed=3)
+    assert again.claim(0, 4) + again.claim(1, 4) == epoch0  # the seed repeats the order
+    other = Ledger(RANGES, 64, seed=4)
+    assert [g.first for g in other.claim(0, 4)] != [g.first for g in epoch0[:4]]
+
+
+def test_a_workers_unread_blocks_go_back_and_are_handed_out_first():
+    ledger = Ledger(RANGES, 64, shuffle=False)
+    slow = ledger.claim(1, 2)
+    read = ledger.claim(0, 4)
+    assert ledger.give_back(1) == 2 and ledger.give_back(1) == 0
+    back = ledger.claim(0, 2, [g.ticket for g in read])
+    assert blocks_of(back) == blocks_of(slow) and {g.epoch for g in back} == {0}
+    assert ledger.claim(1, 2)[0].epoch == 0  # what is left of epoch 0: worker 1's last two blocks
+    assert "2 blocks went back from workers that left" in ledger.line()
+
+
+def test_a_claim_of_a_worker_outside_the_job_or_of_a_ticket_it_does_not_hold_changes_nothing():
+    ledger = Ledger(RANGES, 64)
+    with pytest.raises(ValueError, match="worker 2 has no record range"):
+        ledger.claim(2, 1)
+    (grant,) = ledger.claim(0, 1)
+    for done in ([grant.ticket + 1], [grant.ticket, grant.ticket]):
+        with pytest.raises(ValueError, match="which it does not hold"):
+            ledger.claim(0, 1, done)
+    with pytest.raises(ValueError, match="which it does not hold"):
+        ledger.claim(1, 1, [grant.ticket])  # another worker's
+    assert ledger.claim(0, 1, [grant.ticket])[0].ticket == grant.ticket + 1
+
+
+@pytest.mark.parametrize("payload, why", [
+    (b"", "shorter than"), (P.CLAIM_HEAD.pack(0, 0), "CLAIM of 0 blocks"),
+    (P.CLAIM_HEAD.pack(P.MAX_CLAIM + 1, 0), "CLAIM of 65 blocks"),
+    (P.CLAIM_HEAD.pack(1, 2) + P.TICKET.pack(1), "with 2 tickets in 16 bytes"),
+    (P.CLAIM_HEAD.pack(1, 0) + b"\0", "in 9 bytes")])
+def test_a_claim_that_is_not_what_its_head_says_is_refused(payload, why):
+    with pytest.raises(P.ProtocolError, match=why):
+        P.decode_claim(payload)
+
+
+def test_grants_outside_the_job_or_more_than_claimed_are_refused_and_oversized_frames_at_their_header():
+    good = P.GRANT.pack(1, 0, 1, 64, 200)
+    assert P.decode_grants(good, 1, 2, 400) == [(1, 0, 1, 200, 64)]
+    for payload, wanted, why in ((good[:-1], 1, "bytes for a claim"), (good * 2, 1, "bytes for a claim"),
+                                 (P.GRANT.pack(1, 0, 2, 64, 0), 1, "not in the job's 2 ranges"),
+                                 (P.GRANT.pack(1, 0, 1, 64, 380), 1, r"records \[380, 444\)"),
+                                 (P.GRANT.pack(1, 0, 1, 0, 0), 1, "not in the job's")):
+        with pytest.raises(P.ProtocolError, match=why):
+            P.decode_grants(payload, wanted, 2, 400)
+    for type_, length in ((P.CLAIM, 8 + 8 * P.MAX_CLAIM + 8), (P.CLAIMED, 32 * P.MAX_CLAIM + 1), (P.CLAIM, 4)):
+        header = P.HEADER.pack(P.MAGIC, P.VERSION, type_, 0, 0, 0, length, 0.0)
+        with pytest.raises(P.ProtocolError, match="allowed"):
+            P.decode_header(header, 400)
+
+
+def served(ledger=None):
+    handler = EasgdHandler(0.5)
+    handler.ledger = ledger
+    return ExchangeServer(np.zeros(100, np.float32), SECRET, handler, timeout=10.0)
+
+
+def test_workers_claim_through_the_exchanger_garbage_ends_a_connection_and_a_closed_ones_blocks_go_back():
+    ledger = Ledger(RANGES, 64, shuffle=False)
+    with served(ledger) as server:
+        slow, fast = (ExchangeClient(server.address, SECRET, w, timeout=10.0).connect(100) for w in (1, 0))
+        held, at = slow.claim(2, [], 2, 400)
+        assert [(owner, first, count) for _, _, owner, first, count in held] == [(1, 200, 64), (1, 264, 64)]
+        assert at == slow.connections == 1
+        with pytest.raises(P.RefusedError, match="which it does not hold"):
+            fast.claim(1, [held[0][0]], 2, 400)  # another's ticket: declined, the connection goes on
+        mine, _ = fast.claim(4, [], 2, 400)
+        assert [first for _, _, _, first, _ in mine] == [0, 64, 128, 192]
+        fast._conn.send(P.CLAIM, P.CLAIM_HEAD.pack(0, 0))  # garbage: the server says why and ends the connection
+        with pytest.raises(P.RefusedError, match="CLAIM of 0 blocks"):
+            fast.claim(1, [], 2, 400)
+        stolen, at = fast.claim(2, [t for t, *_ in mine], 2, 400)  # connected again, its tickets went back
+        assert at == fast.connections == 2 and [first for *_, first, _ in stolen] == [0, 64]
+        slow.close()  # its two blocks unread go back, and the others take them first
+        for _ in range(100):
+            if ledger.returned >= 6:
+                break
+            time.sleep(0.05)
+        back, _ = fast.claim(4, [], 2, 400)  # the rest of its own that went back, then the slow one's
+        assert [first for *_, first, _ in back] == [128, 192, 200, 264]
+        fast.close()
+    assert any("CLAIM of 0 blocks" in reason for _, reason in server.refused)
+
+
+def test_a_job_without_a_ledger_declines_a_claim():
+    with served() as server:
+        client = ExchangeClient(server.address, SECRET, 0, timeout=10.0).connect(100)
+        with pytest.raises(P.RefusedError, match="keeps no ledger"):
+            client.claim(1, [], 2, 400)
+        client.close()
+
+
+NET_DATA = 'name: "d" type: "Data" top: "data" top: "label" data_param {{ source: "{source}" batch_size: 10 }}'
+
+
+def numbered_lmdb(path, first, stop):
+    """An LMDB at `path` of records first..stop-1 (1x8x8), each labelled with its number, keyed as in the source."""
+    rng = np.random.default_rng(first)
+    write_lmdb(str(path), [(b"%08d" % i, encode_datum(rng.integers(0, 255, (1, 8, 8), dtype=np.uint8), i))
+                           for i in range(first, stop)])
+    return str(path)
+
+
+def test_two_feeders_read_exactly_the_blocks_granted_them_the_fast_one_its_own_and_the_slows(tmp_path):
+    source = numbered_lmdb(tmp_path / "source_lmdb", 0, 400)
+    ledger, granted = Ledger(RANGES, 16, seed=7), {0: [], 1: []}
+    feeders = {}
+    for worker, (start, stop) in enumerate(RANGES):
+        spill = numbered_lmdb(tmp_path / f"spill{worker}_lmdb", start, stop)  # its own range, as its spill holds it
+        layer = text_format.Parse(NET_DATA.format(source=spill), pb.LayerParameter())
+        feeder = DataFeeder(layer, seed=worker, shuffle="blocks", memory_limit=0 if worker else None)
+
+        def claim(wanted, done, worker=worker):
+            grants = ledger.claim(worker, wanted, done)
+            granted[worker].extend(grants)
+            return [tuple(g) for g in grants], 1
+
+        feeder.steal(claim, lambda: 1, source, (start, stop))
+        feeders[worker] = feeder
+    read = {0: [], 1: []}
+    for turn in range(200):  # worker 0 reads five batches for each of worker 1's
+        worker = 1 if turn % 6 == 5 else 0
+        read[worker].extend(feeders[worker].next_batch()["label"].astype(int))
+    assert len([epoch for epoch in ledger.epochs() if epoch[0] == 400]) >= 3
+    for worker, feeder in feeders.items():
+        # what it read and what it holds unread are the records of the blocks granted it, each once
+        unread = [int(label) for block in feeder._claimed._blocks for label in block[4][block[5][block[6]:]]]
+        records = [i for g in granted[worker] for i in range(g.first, g.first + g.count)]
+        assert sorted(read[worker] + unread) == sorted(records), worker
+        feeder.close()
+    assert any(label >= 200 for label in read[0])  # the fast worker read the slow one's records
+    assert read[0][:10] != sorted(read[0][:10])  # shuffled within the blocks held
+
+
+# 1x256x256 records (64 KB each): a block, 4 MB of records, is 64 of them, and each worker's range of 200 is four
+# blocks; the net crops them to 8x8. Record i is labelled i, so the labels the Recorder layer writes name the records.
+STOLEN_NET = RECORDED_NET.replace("transform_param {{ scale", "transform_param {{ crop_size: 8 scale")
+STOLEN_ITER = 60  # 2 workers x 60 iterations x 10 = 1,200 records read: three job epochs of 400
+
+
+@pytest.mark.spark
+def test_a_stragglers_unread_records_are_read_by_the_other_worker_each_record_once_a_job_epoch(tmp_path):
+    rng = np.random.default_rng(0)
+    source = str(tmp_path / "train_lmdb")
+    write_lmdb(source, ((b"%08d" % i, encode_datum(rng.integers(0, 255, (1, 256, 256), dtype=np.uint8), i))
+                        for i in range(400)))
+    (tmp_path / "seen").mkdir()
+    (tmp_path / "order_recorder.py").write_text(RECORDER)
+    (tmp_path / "net.prototxt").write_text(STOLEN_NET.format(train=source, seen=tmp_path / "seen"))
+    (tmp_path / "solver.prototxt").write_text(RECORDED_SOLVER.format(net=tmp_path / "net.prototxt",
+                                                                     prefix=tmp_path / "out" / "stolen")
+                                              .replace("max_iter: 24", f"max_iter: {STOLEN_ITER}"))
+    driver = start_training(str(tmp_path / "solver.prototxt"))
+    throttle = None
+    try:
+        seen = read_until(driver, r"Exchanger listening on ")
+        port = int(re.search(r"Exchanger listening on [\d.]+:(\d+)", seen[-1]).group(1))
+        # The first worker to connect runs a tenth of the time from before its first step: the straggler.
+        throttle = chaos.Throttle(port, share=0.1, ended=lambda: driver.poll() is not None, timeout=120).start()
+        _, stderr = driver.communicate(timeout=600)
+    finally:
+        if throttle is not None:
+            throttle.stop()
+        if driver.poll() is None:
+            driver.send_signal(signal.SIGKILL)
+            driver.wait()
+    log = "".join(seen) + stderr
+    assert driver.returncode == 0 and workers_done(log) == [0, 1], log[-3000:]
+    assert "Work stealing: on; the workers claim blocks of 64 records" in log, log[-3000:]
+    ledger = re.search(r"Records read through the job's ledger \(blocks of 64 records\): (\d+) epochs? of 400 read "
+                       r"whole, each record once(.*)", log)
+    assert ledger and int(ledger.group(1)) >= 2 and "read twice" not in ledger.group(2), log[-3000:]
+    read = {int(name.split(".")[0]): np.array((tmp_path / "seen" / name).read_text().split(), dtype=int)
+            for name in os.listdir(tmp_path / "seen")}
+    slow = read.pop(throttle.pid)
+    (fast,) = read.values()
+    own = slow[0] // 200 * 200  # the straggler's range: its first batch is of its own first block
+    assert ((fast >= own) & (fast < own + 200)).any(), (own, fast)  # the other read the straggler's records
+    counts = np.bincount(np.concatenate([slow, fast]), minlength=400)
+    assert len(slow) + len(fast) == 10 * 2 * STOLEN_ITER
+    # every record read in each whole epoch, and no more than in the epochs begun after
+    assert counts.min() >= int(ledger.group(1)) and counts.max() - counts.min() <= 2, counts
