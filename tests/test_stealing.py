@@ -5,22 +5,27 @@ others. The ledger and the frames alone, a real exchanger with its client, real 
 
 import os
 import re
-import signal
 import time
 
 import numpy as np
 import pytest
 from google.protobuf import text_format
 
+from deepspark.algorithms import Easgd
 from deepspark.algorithms.easgd import EasgdHandler
+from deepspark.algorithms.sync import Sync
+from deepspark.config import load_solver
 from deepspark.data import encode_datum
-from deepspark.data.lmdb_io import write_lmdb
+from deepspark.data.lmdb_io import read_records, write_lmdb
+from deepspark.data.sources import write_records
 from deepspark.data.feeder import DataFeeder
 from deepspark.exchange import ExchangeClient, ExchangeServer
 from deepspark.exchange import protocol as P
 from deepspark.exchange.ledger import Ledger
 from deepspark.proto import deepspark_pb2 as pb
-from sparkjobs import chaos, read_until, start_training, workers_done
+from deepspark.spark.shards import stealing
+from sparkjobs import train_with_straggler, workers_done
+from synthetic import make_job
 from test_data_order import RECORDED_NET, RECORDED_SOLVER, RECORDER
 
 SECRET = b"per-job-secret"
@@ -225,29 +230,16 @@ def test_a_stragglers_unread_records_are_read_by_the_other_worker_each_record_on
     (tmp_path / "solver.prototxt").write_text(RECORDED_SOLVER.format(net=tmp_path / "net.prototxt",
                                                                      prefix=tmp_path / "out" / "stolen")
                                               .replace("max_iter: 24", f"max_iter: {STOLEN_ITER}"))
-    driver = start_training(str(tmp_path / "solver.prototxt"))
-    throttle = None
-    try:
-        seen = read_until(driver, r"Exchanger listening on ")
-        port = int(re.search(r"Exchanger listening on [\d.]+:(\d+)", seen[-1]).group(1))
-        # The first worker to connect runs a tenth of the time from before its first step: the straggler.
-        throttle = chaos.Throttle(port, share=0.1, ended=lambda: driver.poll() is not None, timeout=120).start()
-        _, stderr = driver.communicate(timeout=600)
-    finally:
-        if throttle is not None:
-            throttle.stop()
-        if driver.poll() is None:
-            driver.send_signal(signal.SIGKILL)
-            driver.wait()
-    log = "".join(seen) + stderr
-    assert driver.returncode == 0 and workers_done(log) == [0, 1], log[-3000:]
+    # The first worker to connect runs a tenth of the time from before its first step: the straggler.
+    returncode, log, straggler = train_with_straggler(str(tmp_path / "solver.prototxt"), share=0.1)
+    assert returncode == 0 and workers_done(log) == [0, 1], log[-3000:]
     assert "Work stealing: on; the workers claim blocks of 64 records" in log, log[-3000:]
     ledger = re.search(r"Records read through the job's ledger \(blocks of 64 records\): (\d+) epochs? of 400 read "
                        r"whole, each record once(.*)", log)
     assert ledger and int(ledger.group(1)) >= 2 and "read twice" not in ledger.group(2), log[-3000:]
     read = {int(name.split(".")[0]): np.array((tmp_path / "seen" / name).read_text().split(), dtype=int)
             for name in os.listdir(tmp_path / "seen")}
-    slow = read.pop(throttle.pid)
+    slow = read.pop(straggler)
     (fast,) = read.values()
     own = slow[0] // 200 * 200  # the straggler's range: its first batch is of its own first block
     assert ((fast >= own) & (fast < own + 200)).any(), (own, fast)  # the other read the straggler's records
@@ -255,3 +247,41 @@ def test_a_stragglers_unread_records_are_read_by_the_other_worker_each_record_on
     assert len(slow) + len(fast) == 10 * 2 * STOLEN_ITER
     # every record read in each whole epoch, and no more than in the epochs begun after
     assert counts.min() >= int(ledger.group(1)) and counts.max() - counts.min() <= 2, counts
+
+
+def test_a_job_steals_where_easgd_reads_an_lmdb_every_executor_reads_and_says_why_not_elsewhere(tmp_path):
+    solver = load_solver(make_job(tmp_path, train_records=200))
+    ds = solver.param.deepspark_param
+    plan, line = stealing(ds, Easgd(), solver, None, 2)
+    ranges, block = plan
+    assert [(r.start, r.stop) for r in ranges] == [(0, 100), (100, 200)] and block == (4 << 20) // 64
+    assert line.startswith(f"Work stealing: on; the workers claim blocks of {block} records")
+    parquet = numbered_lmdb(tmp_path / "other_lmdb", 0, 10)
+    write_records(str(tmp_path / "train.parquet"), read_records(parquet))
+    for algorithm, knobs, workers, data, why in (
+            (Sync(), {}, 2, None, "sync's workers train in step"),
+            (Easgd(), {"steal_records": False}, 2, None, "steal_records is off"),
+            (Easgd(), {}, 1, None, "one worker reads every record"),
+            (Easgd(), {"ship_records": True}, 2, None, "ship_records: the executors need not see the LMDB"),
+            (Easgd(), {}, 2, str(tmp_path / "train.parquet"), "a parquet source's shards are spilled to each "
+                                                               "executor, which no other reads")):
+        off = pb.DeepSparkParameter()
+        off.CopyFrom(ds)
+        for name, value in knobs.items():
+            setattr(off, name, value)
+        assert stealing(off, algorithm, solver, data, workers) == (
+            None, f"Work stealing: off ({why}); each worker reads its own shard")
+
+
+def test_a_stealing_feeder_has_no_position_of_its_own_to_hand_on_or_move_on(tmp_path):
+    source = numbered_lmdb(tmp_path / "source_lmdb", 0, 40)
+    layer = text_format.Parse(NET_DATA.format(source=source), pb.LayerParameter())
+    ledger = Ledger([(0, 40)], 16)
+    with DataFeeder(layer, seed=0, shuffle="blocks") as feeder:
+        feeder.steal(lambda wanted, done: ([tuple(g) for g in ledger.claim(0, wanted, done)], 1), lambda: 1, source,
+                     (0, 40))
+        assert feeder.skip(3)  # nothing to move on: the ledger says where the job's reading stands
+        with pytest.raises(ValueError, match="a stealing feeder has no single position"):
+            feeder.get_state()
+        seen = np.concatenate([feeder.next_batch()["label"] for _ in range(8)]).astype(int)
+        assert sorted(seen[:40]) == list(range(40)) and feeder.epoch >= 1  # one job epoch, then the next

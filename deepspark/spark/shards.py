@@ -10,6 +10,7 @@ import numpy as np
 
 from deepspark import nets
 from deepspark.data import LISTED_SOURCES, checked_records, decode_datum, lmdb_io, source_for
+from deepspark.data.claimed import HELD_BLOCKS
 from deepspark.data.feeder import records_per_block
 from deepspark.data.parquet import COLUMNS, DATUM, null_row
 from deepspark.data.sources import datum_shape, row_datum
@@ -94,8 +95,9 @@ def stealing(ds, algorithm, solver, data, workers):
     key, value = lmdb_io.first_record(location)
     block = records_per_block(decode_datum(value, key, location)[0].nbytes)
     return (ranges, block), (f"Work stealing: on; the workers claim blocks of {block} records of every worker's "
-                             "range from the exchanger's ledger, their own first, then the range most behind: each "
-                             "record read once a job epoch, a straggler's unread records by the others")
+                             "range from the exchanger's ledger, their own first, then the range most behind, and "
+                             f"shuffle the {HELD_BLOCKS} they hold: each record read once a job epoch, a straggler's "
+                             "unread records by the others")
 
 
 def train_source(solver):
