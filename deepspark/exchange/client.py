@@ -340,7 +340,8 @@ class ExchangeClient(Link):
         if self.pending or self._sock is None:
             return  # progress is best-effort; never block training for it
         try:
-            self._conn.send(P.REPORT, iteration=iteration, value=loss)
+            with self._wire:  # a claim from a feeder's prefetch thread may be on the wire
+                self._conn.send(P.REPORT, iteration=iteration, value=loss)
         except OSError:
             self._drop()
 
@@ -366,7 +367,8 @@ class ExchangeClient(Link):
         if self._sock is None:
             return
         try:
-            self._conn.frames.send_history(history, iteration, current_step)
+            with self._wire:
+                self._conn.frames.send_history(history, iteration, current_step)
         except OSError:
             self._drop()
 
