@@ -1,4 +1,4 @@
-"""Asynchronous EASGD (the default): N long Spark tasks, each exchanging with the driver's center every period, overlapped with its next iterations; its handler, worker loop and cost."""
+"""Asynchronous EASGD (the default): N long Spark tasks, each exchanging with the driver's center every period, overlapped with its next iterations; its handler (with the job's leases and, where its workers steal records, its ledger), worker loop and cost."""
 
 import contextlib
 import logging
@@ -8,14 +8,14 @@ import time
 
 from deepspark import rules
 from deepspark.algorithms.base import Algorithm, Projection, center_rate, exchange_seconds, period_note, send_history
-from deepspark.exchange import ExchangeOptions, OverlappedExchange
-from deepspark.exchange import protocol as P
 from deepspark.config import random_seed
 from deepspark.data.resume import BLOCKS
+from deepspark.exchange import ExchangeOptions, OverlappedExchange
+from deepspark.exchange import protocol as P
 from deepspark.exchange.handlers import Handler, Leases
 from deepspark.exchange.ledger import Ledger
-from deepspark.nets import train_order
 from deepspark.exchange.transport import slice_floats
+from deepspark.nets import train_order
 from deepspark.schedule import stop_iteration
 
 log = logging.getLogger(__name__)

@@ -135,8 +135,7 @@ class Ledger:
         epochs = self.epochs()
         whole = sum(read == total and not twice for read, total, twice in epochs)
         twice = [epoch for epoch, (_, _, again) in enumerate(epochs) if again]
-        read, total, _ = epochs[-1]
-        last = "" if read == total else f", epoch {len(epochs) - 1} {read} of {total} when the job ended"
+        short = [f"epoch {epoch}: {read} read" for epoch, (read, total, _) in enumerate(epochs) if read < total]
         with self._lock:
             taken = {worker: dict(by_owner) for worker, by_owner in self.taken.items()}
         parts = []
@@ -144,8 +143,9 @@ class Ledger:
             took = {owner: n for owner, n in taken.get(worker, {}).items() if n}
             parts.append(f"worker {worker} " + (", ".join(f"{n} of worker {owner}'s" for owner, n in sorted(took.items()))
                                                if took else "none of the others'"))
-        return (f"Records read through the job's ledger (blocks of {self.block} records): {whole} epoch"
-                f"{'s' * (whole != 1)} of {epochs[0][1]} read whole, each record once{last}"
+        return (f"Records read through the job's ledger (blocks of {self.block} records): {whole} of {len(epochs)} "
+                f"job epochs of {epochs[0][1]} begun read whole, each record once"
+                + (f" ({', '.join(short)} when the job ended)" if short else "")
                 + (f"; read twice in epoch(s) {', '.join(map(str, twice))}" if twice else "")
                 + f"; taken from others' ranges: {'; '.join(parts)}"
                 + (f"; {self.returned} blocks went back from workers that left" if self.returned else ""))
