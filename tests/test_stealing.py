@@ -153,15 +153,16 @@ def test_workers_claim_through_the_exchanger_garbage_ends_a_connection_and_a_clo
             fast.claim(1, [], 2, 400)
         stolen, at = fast.claim(2, [t for t, *_ in mine], 2, 400)  # connected again, its tickets went back
         assert at == fast.connections == 2 and [first for *_, first, _ in stolen] == [0, 64]
-        slow.close()  # its two blocks unread go back, and the others take them first
+        slow._drop()  # its connection lost: its two blocks unread go back, and the others take them first
         for _ in range(100):
             if ledger.returned >= 6:
                 break
             time.sleep(0.05)
         back, _ = fast.claim(4, [], 2, 400)  # the rest of its own that went back, then the slow one's
         assert [first for *_, first, _ in back] == [128, 192, 200, 264]
-        fast.close()
+        fast.close()  # done training (BYE): what it holds, read in part, stays claimed
     assert any("CLAIM of 0 blocks" in reason for _, reason in server.refused)
+    assert ledger.returned == 6 and ledger.claim(1, 1)[0].first == 328  # worker 1's last block of epoch 0
 
 
 def test_a_job_without_a_ledger_declines_a_claim():

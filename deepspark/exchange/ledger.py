@@ -30,8 +30,9 @@ class Ledger:
     with the most left (the one most behind), so that a straggler's blocks go from the end it reaches last. When
     every block of epoch e is claimed, epoch e + 1 begins: whatever the workers' speeds, each record is claimed
     once a job epoch and no worker waits. A worker reports the blocks it has read (their tickets) with its next
-    claim; those it holds unread go back (give_back: its connection ended, or it joined again, its process
-    having started over) and are handed out first, so that the epoch they are of is read whole.
+    claim; those it holds unread go back (give_back: its connection was lost, or it joined again, its process
+    having started over) and are handed out first, so that the epoch they are of is read whole, those of their
+    records it had read read again; a worker done training (keep) leaves its blocks claimed.
     """
 
     def __init__(self, ranges, block, seed=None, shuffle=True):
@@ -118,6 +119,12 @@ class Ledger:
             self._returned = collections.deque(sorted(self._returned))
             self.returned += len(held)
             return len(held)
+
+    def keep(self, worker):
+        """`worker` is done training: the blocks it holds stay claimed, read in part (given back, another would read
+        again what it read of them); the epoch they are of ends short by what it left unread."""
+        with self._lock:
+            self._held.pop(worker, None)
 
     def epochs(self):
         """Per job epoch begun: (records read, records in an epoch, whether some block was read twice)."""

@@ -334,10 +334,14 @@ class Session:
                 current = wid is not None and server._workers.get(wid, {}).get("peer") == conn.peer
                 if current:
                     server._workers[wid]["connected"] = False
+                    finished = server._workers[wid]["finished"]
             if current:  # outside the books: a handler takes its own lock, then the books
                 server.handler.left(wid)
-                if server.handler.ledger is not None:  # what it claimed and did not read, another reads
-                    server.handler.ledger.give_back(wid)
+                ledger = server.handler.ledger
+                if ledger is not None:
+                    # A worker done training (BYE) has read some of the records of the blocks it holds, which
+                    # another would read again: they stay claimed. A lost worker's go back, for another to read.
+                    ledger.keep(wid) if finished else ledger.give_back(wid)
 
     def refuse(self, code, reason):
         conn, wid = self.conn, self.conn.worker_id
