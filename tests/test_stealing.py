@@ -237,6 +237,7 @@ def test_a_stragglers_unread_records_are_read_by_the_other_worker_each_record_on
     returncode, log, straggler = train_with_straggler(str(tmp_path / "solver.prototxt"), share=0.1)
     assert returncode == 0 and workers_done(log) == [0, 1], log[-3000:]
     assert "Work stealing: on; the workers claim blocks of 64 records" in log, log[-3000:]
+    assert "blocks of 4 MB of records through a 8 MB shuffle buffer" in log
     ledger = re.search(r"Records read through the job's ledger \(blocks of 64 records\): (\d+) of (\d+) job epochs "
                        r"of 400 begun read whole, each record once(.*)", log)
     assert ledger and int(ledger.group(1)) >= 2 and "read twice" not in ledger.group(3), log[-3000:]

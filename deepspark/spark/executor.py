@@ -23,7 +23,8 @@ from deepspark.algorithms.base import WorkerError
 from deepspark.backends import BACKENDS, backend_module, use_gpu
 from deepspark.config import Solver, random_seed
 from deepspark.data import checked_records, decode_datum, lmdb_io
-from deepspark.data.feeder import DataFeeder
+from deepspark.data.claimed import HELD_BLOCKS
+from deepspark.data.feeder import BLOCK_BYTES, STREAM_WINDOW_BYTES, DataFeeder
 from deepspark.errors import SourceMap
 from deepspark.exchange import ExchangeClient, ExchangeOptions
 from deepspark.exchange.protocol import E_DIVERGED
@@ -349,13 +350,14 @@ def build(worker, payload, task):
     return trainer, shard_path, prepared
 
 
-def order_line(param):
+def order_line(param, stealing=False):
     """The driver's line of the order every worker reads its train shard in (each worker's own log adds its
     blocks in records): data_order's on Spark, seeded by random_seed and the worker's rank (nets.worker_seed), as
-    build seeds it."""
+    build seeds it; with `stealing`, through the blocks each worker holds claimed (DataFeeder.steal)."""
     seed = random_seed(param)
     return nets.order_line(nets.train_order(param.deepspark_param, spark=True),
-                           None if seed is None else f"{seed} and the worker's rank")
+                           None if seed is None else f"{seed} and the worker's rank",
+                           buffer=HELD_BLOCKS * BLOCK_BYTES if stealing else STREAM_WINDOW_BYTES)
 
 
 def task_gpu():

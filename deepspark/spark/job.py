@@ -284,7 +284,7 @@ class Job:
             self.task = self.start(stack)
             log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
                      f"({self.ds.backend} backend, {self.title})")
-            log.info(executor.order_line(self.param))
+            log.info(executor.order_line(self.param, self.stealing is not None))
             if schedule.stop_note(self.param):
                 log.info(schedule.stop_note(self.param))
             if schedule.scaling_line(self.param):
