@@ -293,3 +293,19 @@ def test_a_stealing_feeder_has_no_position_of_its_own_to_hand_on_or_move_on(tmp_
             feeder.get_state()
         seen = np.concatenate([feeder.next_batch()["label"] for _ in range(8)]).astype(int)
         assert sorted(seen[:40]) == list(range(40)) and feeder.epoch >= 1  # one job epoch, then the next
+
+
+def test_a_feeder_drops_the_blocks_granted_on_a_connection_the_worker_has_since_made_again(tmp_path):
+    source = numbered_lmdb(tmp_path / "source_lmdb", 0, 40)
+    layer = text_format.Parse(NET_DATA.format(source=source), pb.LayerParameter())
+    ledger, connection = Ledger([(0, 40)], 8, shuffle=False), [1]
+    with DataFeeder(layer, seed=0, shuffle=False) as feeder:
+        feeder.steal(lambda wanted, done: ([tuple(g) for g in ledger.claim(0, wanted, done)], connection[0]),
+                     lambda: connection[0], source, (0, 40))
+        assert list(feeder.next_batch()["label"].astype(int)) == list(range(10))  # in order: blocks 0 and 1
+        ledger.give_back(0)  # as the exchanger does when the worker joins again on a new connection
+        connection[0] = 2
+        # what it held went back, and it reads it again from the start (those it read: read twice, on a loss only)
+        assert list(feeder.next_batch()["label"].astype(int)) == list(range(10))
+        assert feeder._claimed.dropped == 1  # block 1, read in part (block 0, read whole, was not yet reported)
+        assert list(feeder.next_batch()["label"].astype(int)) == list(range(10, 20))
