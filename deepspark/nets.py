@@ -70,14 +70,15 @@ def train_order(ds, spark):
     return BLOCKS if order == pb.DeepSparkParameter.SHUFFLED else False
 
 
-def order_line(shuffle, seed, feeders=()):
+def order_line(shuffle, seed, feeders=(), buffer=STREAM_WINDOW_BYTES):
     """The log's line of the order a job's train shards are read in (`shuffle`: train_order's; `seed`: what
-    seeds it, a number or words, None where random_seed is unset) and, for `feeders` built, each layer's own: a Data layer's
-    blocks and shuffle buffer in records, an HDF5Data's or ImageData's own `shuffle`."""
+    seeds it, a number or words, None where random_seed is unset; `buffer`: the shuffle buffer's bytes) and, for
+    `feeders` built, each layer's own: a Data layer's blocks and shuffle buffer in records, an HDF5Data's or
+    ImageData's own `shuffle`."""
     if shuffle:
         seeded = "unseeded: random_seed is not set" if seed is None else f"seed {seed}"
         line = (f"Data order: shuffled per epoch ({seeded}), blocks of {BLOCK_BYTES >> 20} MB of records "
-                f"through a {STREAM_WINDOW_BYTES >> 20} MB shuffle buffer")
+                f"through a {buffer >> 20} MB shuffle buffer")
     else:
         line = "Data order: as the source (Caffe's)"
     layers = []

@@ -89,6 +89,26 @@ def kill_while_training(driver, train_log, max_iter, kills, seed, window, timeou
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
 
+def train_with_straggler(solver, *flags, share=0.1):
+    """Train `solver` in a driver of its own (start_training), the first worker to connect to its exchanger held to
+    `share` of the wall clock from before its first step (chaos.Throttle); (the driver's return code, its log, the
+    pid of the worker held). A driver still running at the end, however it ends, is killed."""
+    driver = start_training(solver, *flags)
+    throttle = None
+    try:
+        seen = read_until(driver, r"Exchanger listening on ")
+        port = int(re.search(r"Exchanger listening on [\d.]+:(\d+)", seen[-1]).group(1))
+        throttle = chaos.Throttle(port, share=share, ended=lambda: driver.poll() is not None, timeout=120).start()
+        _, stderr = driver.communicate(timeout=600)
+    finally:
+        if throttle is not None:
+            throttle.stop()
+        if driver.poll() is None:
+            driver.send_signal(signal.SIGKILL)
+            driver.wait()
+    return driver.returncode, "".join(seen) + stderr, throttle.pid
+
+
 def workers_done(log):
     return sorted(int(w) for w in re.findall(r"Worker (\d+) on \S+ \(in [^)]*\): \d+ iterations", log))
 

@@ -6,7 +6,6 @@ their rounds (algorithms/base.py's Pace)."""
 
 import logging
 import re
-import signal
 import threading
 import time
 
@@ -18,7 +17,7 @@ from deepspark.algorithms.sync import RoundsHandler
 from deepspark.exchange import ExchangeClient, ExchangeServer
 from deepspark.exchange import protocol as P
 from deepspark.exchange.handlers import Leases
-from sparkjobs import chaos, read_until, start_training, workers_done
+from sparkjobs import train_with_straggler, workers_done
 from synthetic import make_job
 
 MAX_ITER = 1000
@@ -66,22 +65,9 @@ def test_a_released_workers_lease_goes_back_to_the_others_and_poly_caps_at_max_i
 @pytest.mark.spark
 def test_a_throttled_worker_trains_fewer_the_other_more_and_the_job_ends_on_their_sum(tmp_path):
     solver = make_job(tmp_path, max_iter=MAX_ITER, test_interval=250, snapshot=0)
-    driver = start_training(solver, "--workers", "2")
-    throttle = None
-    try:
-        seen = read_until(driver, r"Exchanger listening on ")
-        port = int(re.search(r"Exchanger listening on [\d.]+:(\d+)", seen[-1]).group(1))
-        # The first worker to connect runs a tenth of the time from before its first step.
-        throttle = chaos.Throttle(port, share=0.1, ended=lambda: driver.poll() is not None, timeout=120).start()
-        _, stderr = driver.communicate(timeout=600)
-    finally:
-        if throttle is not None:
-            throttle.stop()
-        if driver.poll() is None:
-            driver.send_signal(signal.SIGKILL)
-            driver.wait()
-    log = "".join(seen) + stderr
-    assert driver.returncode == 0 and workers_done(log) == [0, 1], log[-3000:]
+    # The first worker to connect runs a tenth of the time from before its first step.
+    returncode, log, _ = train_with_straggler(solver, "--workers", "2", share=0.1)
+    assert returncode == 0 and workers_done(log) == [0, 1], log[-3000:]
     counts = {int(w): int(n) for w, n in re.findall(r"Worker (\d) on \S+ \(in [^)]*\): (\d+) iterations", log)}
     assert sum(counts.values()) == 2 * MAX_ITER, counts
     slow, fast = sorted(counts, key=counts.get)

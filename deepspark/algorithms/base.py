@@ -48,6 +48,7 @@ class Algorithm:
     spark = True  # trained by the spark Job; False: in this process (train)
     exchanger = True  # its workers exchange through the driver's exchanger (codec, saturation)
     no_codec = ""  # without the exchanger: why exchange_codec means nothing to it
+    steals = False  # its workers train at their own speeds: they claim record blocks from a ledger (steal_records)
 
     def title(self, ds):
         """What the log's "Solving" line and the plot call it."""

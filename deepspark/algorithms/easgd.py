@@ -1,4 +1,4 @@
-"""Asynchronous EASGD (the default): N long Spark tasks, each exchanging with the driver's center every period, overlapped with its next iterations; its handler, worker loop and cost."""
+"""Asynchronous EASGD (the default): N long Spark tasks, each exchanging with the driver's center every period, overlapped with its next iterations; its handler (with the job's leases and, where its workers steal records, its ledger), worker loop and cost."""
 
 import contextlib
 import logging
@@ -8,10 +8,14 @@ import time
 
 from deepspark import rules
 from deepspark.algorithms.base import Algorithm, Projection, center_rate, exchange_seconds, period_note, send_history
+from deepspark.config import random_seed
+from deepspark.data.resume import BLOCKS
 from deepspark.exchange import ExchangeOptions, OverlappedExchange
 from deepspark.exchange import protocol as P
 from deepspark.exchange.handlers import Handler, Leases
+from deepspark.exchange.ledger import Ledger
 from deepspark.exchange.transport import slice_floats
+from deepspark.nets import train_order
 from deepspark.schedule import stop_iteration
 
 log = logging.getLogger(__name__)
@@ -198,6 +202,7 @@ class Easgd(Algorithm):
     """Async EASGD: every period, d = α(x − x̃); the worker takes x − d, the center x̃ + d (rules.py)."""
 
     name = "easgd"
+    steals = True
 
     def title(self, ds):
         return "async EASGD"
@@ -213,6 +218,10 @@ class Easgd(Algorithm):
         rule.leases = Leases(job.workers, stop_iteration(param), job.start_iter,
                              lookahead=None if job.workers == 1 else 2 * ds.period,
                              cap=param.max_iter if param.lr_policy == "poly" else None)
+        if job.stealing is not None:  # the record blocks the workers claim, in the order the job's seed draws
+            ranges, block = job.stealing
+            rule.ledger = Ledger([(r.start, r.stop) for r in ranges], block, seed=random_seed(param),
+                                 shuffle=train_order(ds, spark=True) == BLOCKS)
         return rule
 
     def final_iteration(self, job, results):
@@ -225,9 +234,11 @@ class Easgd(Algorithm):
 
     def train(self, job, task):
         results = job.run_workers(task, train_worker, job.ds.exchange_timeout)
-        leases = job.server.handler.leases
+        leases, ledger = job.server.handler.leases, job.server.handler.ledger
         if leases is not None:
             log.info(leases.line({w: s.get("iteration", 0) for w, s in job.server.stats().items()}))
+        if ledger is not None:
+            log.info(ledger.line())
         return results
 
     def plan_note(self, ds):

@@ -1,6 +1,7 @@
 """Batches for a Data layer: one shard of an LMDB or Parquet dataset, looped like Caffe's Data layer, transformed."""
 
 import collections
+import functools
 import itertools
 import logging
 import queue
@@ -9,6 +10,7 @@ import threading
 import numpy as np
 
 from deepspark.errors import ConfigError
+from deepspark.data.claimed import HELD_BLOCKS, ClaimedStream, Positions
 from deepspark.data.datum import DataError, decode_datum, decode_datums
 from deepspark.data.resume import BLOCKS, Resumable, block_order
 from deepspark.data.sources import source_for
@@ -30,6 +32,12 @@ STREAM_WINDOW_BYTES = 64 << 20
 BLOCK_BYTES = 4 << 20
 
 log = logging.getLogger(__name__)
+
+
+def records_per_block(nbytes):
+    """Records of `nbytes` decoded bytes each in a block of BLOCK_BYTES: a streamed shard's unit of reading, and the
+    job's ledger's unit of claiming (work stealing)."""
+    return max(1, BLOCK_BYTES // max(nbytes, 1))
 
 
 def _color(transform_param):
@@ -88,6 +96,7 @@ class DataFeeder(Resumable):
         self._order = None
         self._position = 0
         self.epoch = 0
+        self._claimed = self._own = None  # steal(): the ledger's blocks, this shard's place in the source
         self._prefetch = int(prefetch)
         self._queue = None
         self._thread = None
@@ -100,7 +109,7 @@ class DataFeeder(Resumable):
         first, _ = decode_datum(value, key, self.path, self._color)
         self.source_shape, self._dtype = tuple(first.shape), first.dtype
         self.transformer.check(self.source_shape)
-        block = max(1, BLOCK_BYTES // max(first.nbytes, 1))
+        block = records_per_block(first.nbytes)
         self.blocks = (block, max(1, STREAM_WINDOW_BYTES // (block * max(first.nbytes, 1))))  # (records, window)
         if memory_limit is None:
             memory_limit = TEST_MEMORY_LIMIT if self.phase == pb.TEST else MEMORY_LIMIT
@@ -161,6 +170,8 @@ class DataFeeder(Resumable):
         prefetch thread reads ahead of the position."""
         if self._thread is not None:
             return batches == 0
+        if self._claimed is not None:  # where the job's reading stands is the ledger's: nothing here to move on
+            return True
         left = batches * self.batch_size
         while left:
             take = min(left, self.size)
@@ -170,16 +181,43 @@ class DataFeeder(Resumable):
             self.transformer.offsets(self.batch_size, self.source_shape)
         return True
 
+    def steal(self, claim, current, source, own, held=HELD_BLOCKS):
+        """From now on, read the blocks the job's ledger grants (ClaimedStream's claim and current): this shard's
+        (records [start, stop) = `own` of the LMDB at `source`, which the shard holds in their order) from the shard,
+        another worker's from `source`, which every executor reads; each epoch is the job's."""
+        self._own = (Positions(source), *own)
+        self._claimed = ClaimedStream(claim, current, self._run, self.order_rng, held, self.shuffle == BLOCKS)
+
+    def _run(self, first, count):
+        """(images, labels) of the source's records [first, first + count): from this shard where they are its own
+        (in memory, or its LMDB), else from the source."""
+        source, start, stop = self._own
+        if start <= first and first + count <= stop and self.in_memory:
+            return self._images[first - start:first - start + count], self._labels[first - start:first - start + count]
+        positions, at = (self._spill, first - start) if start <= first < stop else (source, first)
+        records = positions.run(at, count)
+        if len(records) != count:
+            raise DataError(f"the dataset changed while being read (record {first + len(records)} is gone)",
+                            positions.path)
+        return decode_block(self._decode, records)
+
+    @functools.cached_property
+    def _spill(self):
+        return Positions(self.path)
+
     def _assemble(self):
-        indices = self._next_indices(self.batch_size)
-        if self.in_memory:
+        if self._claimed is not None:
+            images, labels = self._claimed.read(self.batch_size)
+            self.epoch = self._claimed.epoch
+        elif self.in_memory:
+            indices = self._next_indices(self.batch_size)
             if self._order is None and indices[-1] - indices[0] == len(indices) - 1:
                 images = self._images[indices[0]:indices[-1] + 1]  # a view: no gather
             else:
                 images = self._images[indices]
             labels = self._labels[indices]
         else:
-            images, labels = self._stream.read(indices)
+            images, labels = self._stream.read(self._next_indices(self.batch_size))
         batch = {self.tops[0]: self.transformer.apply(images)}
         if len(self.tops) > 1:
             batch[self.tops[1]] = labels
@@ -232,8 +270,9 @@ class DataFeeder(Resumable):
     def get_state(self):
         """Where the feeder is (Resumable's), for another feeder of the same shard to go on with the same
         batches; not of a prefetching feeder: a queue of assembled batches would be ahead of the position."""
-        if self._prefetch > 0:
-            raise ValueError(f"{self.name}: a prefetching feeder has no single position")
+        if self._prefetch > 0 or self._claimed is not None:
+            raise ValueError(f"{self.name}: a {'prefetching' if self._prefetch > 0 else 'stealing'} feeder has no "
+                             "single position")
         return super().get_state()
 
     def close(self):
@@ -244,6 +283,10 @@ class DataFeeder(Resumable):
             self._thread = None
         if self._stream is not None:
             self._stream.close()
+        if self._own is not None:
+            self._own[0].close()
+        if "_spill" in self.__dict__:  # opened by a run of the shard's own records
+            self._spill.close()
 
     def __del__(self):
         try:

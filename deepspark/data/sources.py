@@ -283,10 +283,16 @@ class Lookup:
         txn = self._begun()
         return [txn.get(key) for key in keys]
 
-    def run(self, key, count):
-        """Up to `count` (key, value) records in key order from `key` on: a cursor placed by key, not stepped to."""
+    def run(self, key, count, skip=0):
+        """Up to `count` (key, value) records in key order from `key` on, `skip` records past it: a cursor placed by
+        key, then stepped over those."""
         cursor = self._begun().cursor()
-        return list(itertools.islice(cursor.iternext(), count)) if cursor.set_range(key) else []
+        if not cursor.set_range(key):
+            return []
+        for _ in range(skip):
+            if not cursor.next():
+                return []
+        return list(itertools.islice(cursor.iternext(), count))
 
     def close(self):
         if self._txn is not None:

@@ -79,7 +79,11 @@ class Link:
         self.lease = None
         self._conn = None  # made at the first connect; its buffer is also the overlapped snapshot
         self._closed = False
+        # Held for a request and its reply by a thread other than the one that trains (the overlapped exchange's)
+        # and by a claim, which the training thread's feeder makes while an exchange may be in flight.
+        self._wire = threading.RLock()
         self.exchanges = self.resets = self.reconnects = 0
+        self.connections = 0  # connections authenticated so far: a claim's blocks are void past a new one
         self.resume_iteration = 0  # the iteration the server last heard from this worker id
 
     @property
@@ -144,6 +148,7 @@ class Link:
             conn, self._secret, self.worker_id, bound, self.integrity, self.where)
         conn.frames.restart()  # as the server's new connection starts it
         conn.sock.settimeout(self.timeout)
+        self.connections += 1
 
     def _request(self, type_, params=None, iteration=0, value=math.nan, reply=None):
         """Send a frame (with the parameters `params`, in the job's codec) and read the header of its reply,
@@ -182,21 +187,23 @@ class Link:
         from x̃ (written where d would have been applied), rather than guessing whether
         the server applied the interrupted update.
         """
-        try:
-            return self._exchange_once(send_from, apply_to, iteration, loss)
-        except NonFiniteError:
-            if self.on_nonfinite == "raise":
-                raise
-            log.warning(f"worker {self.worker_id}: server refused non-finite parameters; resetting from the center")
-            self._pull_into(self._conn.buf if apply_to is None else apply_to)
-            self.resets += 1
-            return RESET
-        except P.RefusedError as e:
-            if e.code not in _CONNECTION_LOST:
-                raise
-            return self._rejoin(apply_to, e)
-        except (OSError, P.ProtocolError) as e:
-            return self._rejoin(apply_to, e)
+        with self._wire:  # the whole of it, a rejoin too: a claim from the training thread waits
+            try:
+                return self._exchange_once(send_from, apply_to, iteration, loss)
+            except NonFiniteError:
+                if self.on_nonfinite == "raise":
+                    raise
+                log.warning(f"worker {self.worker_id}: server refused non-finite parameters; resetting from the "
+                            "center")
+                self._pull_into(self._conn.buf if apply_to is None else apply_to)
+                self.resets += 1
+                return RESET
+            except P.RefusedError as e:
+                if e.code not in _CONNECTION_LOST:
+                    raise
+                return self._rejoin(apply_to, e)
+            except (OSError, P.ProtocolError) as e:
+                return self._rejoin(apply_to, e)
 
     def _rejoin(self, apply_to, cause):
         if self._closed:
@@ -227,6 +234,39 @@ class Link:
             conn.frames.receive_delta(apply, self._apply_step)
         self.exchanges += 1
         return APPLIED
+
+    def claim(self, wanted, done, owners, records):
+        """`wanted` blocks of records from the job's ledger (work stealing), having read those of tickets `done`:
+        [(ticket, epoch, owner, first, count)], checked against a job of `owners` record ranges over `records`
+        records; and the connection they were granted on (self.connections: a later one makes them void, the
+        server having given them back as it joined). A lost connection is made again first, once."""
+        payload = P.encode_claim(wanted, done)
+        with self._wire:
+            for attempt in (1, 2):
+                try:
+                    return self._claim_once(payload, wanted, owners, records)
+                except P.RefusedError as e:
+                    if e.code not in _CONNECTION_LOST or attempt == 2:
+                        raise
+                except (OSError, P.ProtocolError):
+                    if attempt == 2:
+                        raise
+                log.warning(f"worker {self.worker_id}: exchange connection lost during a claim; connecting again")
+                self._drop()
+                self.reconnects += 1
+                payload = P.encode_claim(wanted)  # its tickets went back with the lost connection
+
+    def _claim_once(self, payload, wanted, owners, records):
+        self._ensure(self.size)
+        at = self.connections
+        self._conn.send(P.CLAIM, payload)
+        h = self._conn.read_header(len(self._conn.view))
+        error = handshake.refused(self._conn, h)
+        if error is not None:
+            raise error
+        if h.type != P.CLAIMED:
+            raise P.ProtocolError(f"expected CLAIMED, got {P.TYPE_NAMES[h.type]}")
+        return P.decode_grants(self._conn.read_small(h.length), wanted, owners, records), at
 
     def _pull_into(self, out):
         h = self._request(P.PULL, reply=P.CENTER)
@@ -300,7 +340,8 @@ class ExchangeClient(Link):
         if self.pending or self._sock is None:
             return  # progress is best-effort; never block training for it
         try:
-            self._conn.send(P.REPORT, iteration=iteration, value=loss)
+            with self._wire:  # a claim from a feeder's prefetch thread may be on the wire
+                self._conn.send(P.REPORT, iteration=iteration, value=loss)
         except OSError:
             self._drop()
 
@@ -326,7 +367,8 @@ class ExchangeClient(Link):
         if self._sock is None:
             return
         try:
-            self._conn.frames.send_history(history, iteration, current_step)
+            with self._wire:
+                self._conn.frames.send_history(history, iteration, current_step)
         except OSError:
             self._drop()
 

@@ -1,4 +1,4 @@
-"""What an application of the exchange server is (Handler): the algorithms' handlers (deepspark.algorithms) serve one model frame type each, on decoded float32 arrays; and the iterations a job's workers train, counted together (Leases)."""
+"""What an application of the exchange server is (Handler): the algorithms' handlers (deepspark.algorithms) serve one model frame type each, on decoded float32 arrays, with the job's ledger of record blocks where its workers steal them; and the iterations a job's workers train, counted together (Leases)."""
 
 import contextlib
 import threading
@@ -13,11 +13,14 @@ class Handler:
     scratch    floats of scratch space each connection needs (Connection.allocate)
     copy_lock  held while ExchangeServer.pull() copies the center
     send_lock  held while the reply to a PULL frame sends the center
+    ledger     the job's ledger.Ledger of record blocks, which the server answers CLAIM frames from (work
+               stealing); None: each worker reads its own shard
     """
 
     frame = None
     kind = None
     scratch = 0
+    ledger = None
     copy_lock = send_lock = contextlib.nullcontext()
     server = center = None
 

@@ -12,8 +12,9 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from deepspark.proto import deepspark_pb2 as pb
 
 MAGIC = b"DSPX"
-VERSION = 5  # 2: every frame after the handshake carries an integrity tag; 3: workers' solver history;
-            # 4: the tag is AES-GCM's (16 bytes), not HMAC-SHA256's; 5: a reply's lease (F_LEASE)
+VERSION = 6  # 2: every frame after the handshake carries an integrity tag; 3: workers' solver history;
+            # 4: the tag is AES-GCM's (16 bytes), not HMAC-SHA256's; 5: a reply's lease (F_LEASE);
+            # 6: a worker's claim of record blocks (CLAIM, CLAIMED)
 
 # magic, version, type, flags, worker id, iteration, payload length (bytes), value.
 # `value` carries the loss on EXCHANGE, AVERAGE and REPORT so progress needs no extra frame, and the
@@ -40,6 +41,8 @@ AVERAGE = 12     # client -> server: parameters x for the synchronous round `ite
 HISTORY = 13     # either way: a worker's solver history (history sets x the model's floats), no reply;
                  # server -> client as the reply to GET_HISTORY, empty when the server holds none for it
 GET_HISTORY = 14  # client -> server: ask for the solver history held for this worker (a resumed job's)
+CLAIM = 15       # client -> server: blocks wanted, and the tickets of the blocks read since (work stealing)
+CLAIMED = 16     # server -> client: the blocks granted (ticket, epoch, owner, first record, count each)
 
 # Header flags of a reply to a model frame.
 F_SEND_HISTORY = 1  # the driver is snapshotting: send a HISTORY frame (once the reply is applied)
@@ -55,7 +58,7 @@ TYPE_NAMES = {
     HELLO: "HELLO", CHALLENGE: "CHALLENGE", AUTH: "AUTH", WELCOME: "WELCOME",
     EXCHANGE: "EXCHANGE", DIFF: "DIFF", PULL: "PULL", CENTER: "CENTER",
     REPORT: "REPORT", ERROR: "ERROR", BYE: "BYE", AVERAGE: "AVERAGE", HISTORY: "HISTORY",
-    GET_HISTORY: "GET_HISTORY",
+    GET_HISTORY: "GET_HISTORY", CLAIM: "CLAIM", CLAIMED: "CLAIMED",
 }
 
 # Error codes (ERROR frame flags).
@@ -79,6 +82,12 @@ TAG_SIZE = 16  # AES-GCM's tag of a sealed frame
 MAX_ERROR_BYTES = 1024
 MAX_FINGERPRINT_BYTES = 64 * 1024
 MAX_DIMS = 32
+# Blocks one CLAIM may ask for, and tickets it may report read: a worker holds a few blocks at a time (a block is
+# megabytes of records), so this bounds a frame, not a worker.
+MAX_CLAIM = 64
+CLAIM_HEAD = struct.Struct("<II")   # blocks wanted, tickets reported read (that many u64 follow)
+TICKET = struct.Struct("<Q")
+GRANT = struct.Struct("<QQIIQ")     # ticket, epoch, owner, count, first record
 
 # Payload lengths the small (non-model) frames may have: (minimum, maximum).
 _SMALL_LIMITS = {
@@ -91,6 +100,8 @@ _SMALL_LIMITS = {
     ERROR: (0, MAX_ERROR_BYTES),
     BYE: (0, 0),
     GET_HISTORY: (0, 0),
+    CLAIM: (CLAIM_HEAD.size, CLAIM_HEAD.size + MAX_CLAIM * TICKET.size),
+    CLAIMED: (0, MAX_CLAIM * GRANT.size),
 }
 MAX_SMALL_PAYLOAD = max(hi for _, hi in _SMALL_LIMITS.values())
 MODEL_TYPES = (EXCHANGE, DIFF, CENTER, AVERAGE)
@@ -203,6 +214,49 @@ def lease_of(h, held):
         raise ProtocolError(f"{TYPE_NAMES[h.type]} leases iteration {h.iteration}, below "
                             f"{'zero' if h.iteration < 0 else f'the {held} leased before'}")
     return h.iteration
+
+
+def encode_claim(wanted, done=()):
+    """A CLAIM's payload: `wanted` blocks (1..MAX_CLAIM), having read the blocks of tickets `done`."""
+    if not 1 <= wanted <= MAX_CLAIM or len(done) > MAX_CLAIM:
+        raise ValueError(f"a claim asks for 1..{MAX_CLAIM} blocks and reports at most {MAX_CLAIM} read")
+    return CLAIM_HEAD.pack(wanted, len(done)) + b"".join(TICKET.pack(ticket) for ticket in done)
+
+
+def decode_claim(payload):
+    """(wanted, [tickets read]) of a CLAIM's payload; ProtocolError unless its length and counts agree and are in
+    range."""
+    payload = bytes(payload)
+    if len(payload) < CLAIM_HEAD.size:
+        raise ProtocolError(f"CLAIM payload of {len(payload)} bytes, shorter than its {CLAIM_HEAD.size}-byte head")
+    wanted, count = CLAIM_HEAD.unpack_from(payload)
+    if not 1 <= wanted <= MAX_CLAIM or count > MAX_CLAIM or len(payload) != CLAIM_HEAD.size + count * TICKET.size:
+        raise ProtocolError(f"CLAIM of {wanted} blocks with {count} tickets in {len(payload)} bytes (1..{MAX_CLAIM} "
+                            f"blocks, at most {MAX_CLAIM} tickets, {TICKET.size} bytes each)")
+    return wanted, [TICKET.unpack_from(payload, CLAIM_HEAD.size + i * TICKET.size)[0] for i in range(count)]
+
+
+def encode_grants(grants):
+    """A CLAIMED's payload: each grant's (ticket, epoch, owner, first, count)."""
+    return b"".join(GRANT.pack(g.ticket, g.epoch, g.owner, g.count, g.first) for g in grants)
+
+
+def decode_grants(payload, wanted, owners, records):
+    """[(ticket, epoch, owner, first, count)] of a CLAIMED's payload, answering a claim of `wanted` blocks in a job
+    of `owners` record ranges over a source of `records`; ProtocolError for a length that is not whole grants, more
+    than wanted, or a grant outside the source."""
+    payload = bytes(payload)
+    if len(payload) % GRANT.size or len(payload) // GRANT.size > wanted:
+        raise ProtocolError(f"CLAIMED payload of {len(payload)} bytes for a claim of {wanted} blocks "
+                            f"({GRANT.size} bytes each)")
+    grants = []
+    for at in range(0, len(payload), GRANT.size):
+        ticket, epoch, owner, count, first = GRANT.unpack_from(payload, at)
+        if owner >= owners or not count or first + count > records:
+            raise ProtocolError(f"CLAIMED block of worker {owner}'s range, records [{first}, {first + count}): not "
+                                f"in the job's {owners} ranges of {records} records")
+        grants.append((ticket, epoch, owner, first, count))
+    return grants
 
 
 def encode_error(code, reason, worker_id=0):

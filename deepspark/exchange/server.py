@@ -274,7 +274,7 @@ class ExchangeServer:
 
 class Session:
     """One accepted connection on the server's side, in its own thread: the handshake, then the worker's
-    frames until it leaves (its handler's, the history's, PULL, REPORT, BYE, ERROR); a refusal gets its
+    frames until it leaves (its handler's, the history's, PULL, REPORT, CLAIM, BYE, ERROR); a refusal gets its
     ERROR frame before the close."""
 
     def __init__(self, server, conn, address=None):
@@ -334,8 +334,14 @@ class Session:
                 current = wid is not None and server._workers.get(wid, {}).get("peer") == conn.peer
                 if current:
                     server._workers[wid]["connected"] = False
+                    finished = server._workers[wid]["finished"]
             if current:  # outside the books: a handler takes its own lock, then the books
                 server.handler.left(wid)
+                ledger = server.handler.ledger
+                if ledger is not None:
+                    # A worker done training (BYE) has read some of the records of the blocks it holds, which
+                    # another would read again: they stay claimed. A lost worker's go back, for another to read.
+                    ledger.keep(wid) if finished else ledger.give_back(wid)
 
     def refuse(self, code, reason):
         conn, wid = self.conn, self.conn.worker_id
@@ -367,6 +373,10 @@ class Session:
             handshake.welcome(conn, wid, iteration, keys if server.integrity else None)
             server._workers[wid] = joined(prev, iteration, conn.peer)
         log.info(f"worker {wid} joined from {conn.peer}")
+        if server.handler.ledger is not None:
+            # A worker that joins again has started over (its process, or its connection and with it its claims):
+            # the blocks it held unread go back, as the claims it makes from now on say.
+            server.handler.ledger.give_back(wid)
         conn.worker_id = wid
         conn.history_bytes = 4 * server.history.floats
         return wid
@@ -404,6 +414,8 @@ class Session:
                 server.send_center(conn, me["iteration"])
             elif h.type == P.REPORT:  # verified with its header (it has no payload)
                 Session.note(me, h)
+            elif h.type == P.CLAIM:
+                self.claim(h)
             elif h.type == P.BYE:
                 log.info(f"worker {wid} left")
                 me["finished"] = True  # its training done (the driver's watch tells it from a loss)
@@ -417,6 +429,21 @@ class Session:
                 raise P.ProtocolError(f"{P.TYPE_NAMES[h.type]} from worker {wid}, but this is {handler.kind} server")
             else:
                 raise P.ProtocolError(f"unexpected {P.TYPE_NAMES[h.type]} from worker {wid}")
+
+    def claim(self, h):
+        """A CLAIM answered with the blocks the job's ledger grants (CLAIMED); an ERROR instead, the connection going
+        on, where the job keeps no ledger or the claim names a ticket the worker does not hold."""
+        conn, ledger = self.conn, self.server.handler.ledger
+        wanted, done = P.decode_claim(conn.read_small(h.length))  # verified, and its counts checked, first
+        try:
+            if ledger is None:
+                raise ValueError("a CLAIM, but this job's workers read their own shards (it keeps no ledger)")
+            grants = ledger.claim(conn.worker_id, wanted, done)
+        except ValueError as e:
+            conn.send_frame_bytes(P.encode_error(P.E_PROTOCOL, str(e), conn.worker_id))
+            return
+        conn.send(P.CLAIMED, P.encode_grants(grants))
+
 
 def joined(prev, iteration, peer):
     """A worker's stats as its connection from `peer` joins at `iteration`, carried over from its previous

@@ -23,6 +23,8 @@ from deepspark.algorithms.base import WorkerError
 from deepspark.backends import BACKENDS, backend_module, use_gpu
 from deepspark.config import Solver, random_seed
 from deepspark.data import checked_records, decode_datum, lmdb_io
+from deepspark.data.claimed import HELD_BLOCKS
+from deepspark.data.feeder import BLOCK_BYTES, STREAM_WINDOW_BYTES, DataFeeder
 from deepspark.errors import SourceMap
 from deepspark.exchange import ExchangeClient, ExchangeOptions
 from deepspark.exchange.protocol import E_DIVERGED
@@ -48,7 +50,9 @@ class Task:
     job_id: names the job's local folders; solver, train_net: the serialized
     SolverParameter and train NetParameter; solver_path: for error messages;
     address: (host, port) of the driver's exchanger, None for a job without
-    one; secret: the job's exchange secret; threads: compute threads per worker.
+    one; secret: the job's exchange secret; threads: compute threads per worker;
+    steal: the train Data layer reads the record blocks the exchanger's ledger grants (work stealing), not its
+    own shard alone.
     """
 
     job_id: str
@@ -58,6 +62,7 @@ class Task:
     address: tuple = None
     secret: str = ""
     threads: int = 1
+    steal: bool = False
 
     @functools.cached_property
     def param(self):
@@ -344,13 +349,14 @@ def build(worker, payload, task):
     return trainer, shard_path, prepared
 
 
-def order_line(param):
+def order_line(param, stealing=False):
     """The driver's line of the order every worker reads its train shard in (each worker's own log adds its
     blocks in records): data_order's on Spark, seeded by random_seed and the worker's rank (nets.worker_seed), as
-    build seeds it."""
+    build seeds it; with `stealing`, through the blocks each worker holds claimed (DataFeeder.steal)."""
     seed = random_seed(param)
     return nets.order_line(nets.train_order(param.deepspark_param, spark=True),
-                           None if seed is None else f"{seed} and the worker's rank")
+                           None if seed is None else f"{seed} and the worker's rank",
+                           buffer=HELD_BLOCKS * BLOCK_BYTES if stealing else STREAM_WINDOW_BYTES)
 
 
 def task_gpu():
@@ -402,6 +408,21 @@ def join_center(worker, task, model, timeout):
     return client, params, None if held is None else held[0]
 
 
+def steal(task, trainer, client, payload):
+    """With the job's ledger (task.steal), the train Data feeders read the record blocks it grants this worker
+    through its exchange connection (DataFeeder.steal): its own range's from its spill, another's from the source
+    LMDB, which every executor reads (shard_records checked it)."""
+    if not task.steal or not isinstance(payload, Range):
+        return
+
+    def claim(wanted, done):
+        return client.claim(wanted, done, task.param.deepspark_param.workers, payload.total)
+
+    for feeder in trainer.feeders:
+        if isinstance(feeder, DataFeeder):
+            feeder.steal(claim, lambda: client.connections, payload.source, (payload.start, payload.stop))
+
+
 def carry_on(worker, trainer):
     """Move a joining worker's feeders to where it stood at the iteration it joins at, that iteration x iter_size
     batches into its shard, each epoch's order drawn on the way as its reading drew it (the same seed, nets.carry_on):
@@ -419,11 +440,13 @@ def run(worker, items, task, train, timeout):
     """One worker's whole life in a Spark task: spill, build, join the center (waiting at most `timeout`
     seconds on it), `train(trainer, client, params)` -> (loss, extra Summary fields), leave; its Summary."""
     task_at = time.time()
-    trainer, shard_path, prepared = build(worker, payload_of(items), task)
+    payload = payload_of(items)
+    trainer, shard_path, prepared = build(worker, payload, task)
     model = trainer.model
     try:
         joining = time.monotonic()
         client, params, restored = join_center(worker, task, model, timeout)
+        steal(task, trainer, client, payload)
         carried = carry_on(worker, trainer)
         connect_seconds = time.monotonic() - joining
         trainer.on_step = functools.partial(check_finite, worker, client)

@@ -197,6 +197,7 @@ class Job:
 
     server = None  # the exchanger, for an algorithm that has one
     watched = None  # the Watch that followed the workers (its losses and rejoins), for an algorithm with an exchanger
+    stealing = None  # (the workers' record Ranges, records per block) where they steal record blocks (shards.stealing)
     own_sc = None  # the SparkContext run() started, until stop_session stops it
 
     @property
@@ -283,7 +284,7 @@ class Job:
             self.task = self.start(stack)
             log.info(f"Solving {self.graph.name} on {self.sc.master} with {self.workers} workers "
                      f"({self.ds.backend} backend, {self.title})")
-            log.info(executor.order_line(self.param))
+            log.info(executor.order_line(self.param, self.stealing is not None))
             if schedule.stop_note(self.param):
                 log.info(schedule.stop_note(self.param))
             if schedule.scaling_line(self.param):
@@ -324,6 +325,8 @@ class Job:
         """The shards planned, x̃ at its start and held, the test nets and the scalars up (each stopped by
         `stack`); the Task every worker receives."""
         self.shards, shape = shards.plan(self.sc, self.solver, self.options.data, self.workers, self.ds.ship_records)
+        self.stealing, line = shards.stealing(self.ds, self.algorithm, self.solver, self.options.data, self.workers)
+        log.info(line)
         self.load_center(shape)
         host = "127.0.0.1" if on_loopback(self.sc.master) else setting(self.sc, "spark.driver.host")
         secret = secrets.token_hex(32)
@@ -342,7 +345,8 @@ class Job:
         return Task(job_id=uuid.uuid4().hex[:12], solver=self.param.SerializeToString(),
                     train_net=absolute_sources(self.solver.train_net).SerializeToString(),
                     solver_path=self.solver.path,
-                    address=self.exchange_address(), secret=secret, threads=worker_threads(self.sc, self.workers))
+                    address=self.exchange_address(), secret=secret, threads=worker_threads(self.sc, self.workers),
+                    steal=self.stealing is not None)
 
     def load_center(self, shape):
         """x̃'s start (the graph, center0, the start iteration) and the solver histories a --snapshot holds

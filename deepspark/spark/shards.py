@@ -10,6 +10,8 @@ import numpy as np
 
 from deepspark import nets
 from deepspark.data import LISTED_SOURCES, checked_records, decode_datum, lmdb_io, source_for
+from deepspark.data.claimed import HELD_BLOCKS
+from deepspark.data.feeder import records_per_block
 from deepspark.data.parquet import COLUMNS, DATUM, null_row
 from deepspark.data.sources import datum_shape, row_datum
 from deepspark.errors import ConfigError
@@ -72,6 +74,30 @@ def frame_plan(sc, source, workers, ship_records):
 # whose records the driver can ship (ship_records).
 PLANS = {"lmdb": lmdb_plan, "parquet": parquet_plan, "dataframe": frame_plan}
 SHIPPED = frozenset({"lmdb"})
+
+
+def stealing(ds, algorithm, solver, data, workers):
+    """(the workers' record Ranges and the records in a block, or None; the log's line saying which): a job's
+    workers claim blocks of records from the exchanger's ledger (work stealing, steal_records) where the algorithm
+    lets each train at its own speed (easgd) and every executor reads the source, an LMDB; elsewhere each worker
+    reads its own shard, as before."""
+    location = data if data is not None else train_source(solver)
+    kind = None if location is None else source_for(location).name
+    off = ("steal_records is off" if not ds.steal_records else
+           f"{algorithm.name}'s workers train in step" if not algorithm.steals else
+           "one worker reads every record" if workers == 1 else
+           "the net's own layers read its data" if kind is None else
+           f"a {kind} source's shards are spilled to each executor, which no other reads" if kind != "lmdb" else
+           "ship_records: the executors need not see the LMDB" if ds.ship_records else None)
+    if off:
+        return None, f"Work stealing: off ({off}); each worker reads its own shard"
+    ranges, _ = lmdb_ranges(location, workers)
+    key, value = lmdb_io.first_record(location)
+    block = records_per_block(decode_datum(value, key, location)[0].nbytes)
+    return (ranges, block), (f"Work stealing: on; the workers claim blocks of {block} records of every worker's "
+                             "range from the exchanger's ledger, their own first, then the range most behind, and "
+                             f"shuffle the {HELD_BLOCKS} they hold: each record read once a job epoch, a straggler's "
+                             "unread records by the others")
 
 
 def train_source(solver):
