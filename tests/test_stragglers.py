@@ -53,10 +53,11 @@ def test_leases_sum_to_the_total_whoever_trains_them_and_never_shrink():
 
 def test_a_released_workers_lease_goes_back_to_the_others_and_poly_caps_at_max_iter():
     leases = Leases(2, 50, lookahead=100)
-    assert leases.grant(0, 0) == 100 and leases.grant(1, 0) == 0  # the first took all of it
+    assert leases.grant(0, 0) == 50  # worker 1's share is kept for it until it joins
+    assert leases.grant(1, 0) == 50 and leases.grant(0, 40) == 50
     leases.release(0, 30)
     assert "released at iteration 30" in leases.line({0: 30, 1: 0})
-    assert leases.grant(1, 0) == 70 and leases.grant(0, 30) == 30  # back: nothing left for it
+    assert leases.grant(1, 10) == 70 and leases.grant(0, 30) == 30  # back: nothing left for it
     assert "released" not in leases.line({0: 30, 1: 70})
     capped = Leases(2, 50, lookahead=100, cap=50)
     assert capped.grant(0, 0) == 50 and capped.grant(1, 0) == 50
@@ -141,6 +142,15 @@ def test_a_reply_leases_only_when_flagged_and_never_less_than_before(flags, iter
             P.lease_of(h, held)
     else:
         assert P.lease_of(h, held) == out
+
+
+def test_a_short_jobs_first_worker_leaves_the_late_ones_their_shares_until_they_join_or_are_released():
+    leases = Leases(3, 20, lookahead=64)  # a period-32 job of 20 iterations a worker: one lease would hold it all
+    assert leases.grant(0, 0) == 20 and leases.grant(0, 20) == 20  # the other two's 40 kept while they start
+    assert leases.grant(1, 0) == 20 + 0 and leases.grant(0, 20) == 20
+    leases.release(2, 0)  # never joined: its share is the others'
+    assert leases.grant(0, 20) == 40 and leases.grant(1, 5) == 20
+    assert leases.trained({0: 40, 1: 20}) == 60 == leases.total
 
 
 def test_the_ends_line_names_only_a_worker_well_short_of_its_share():

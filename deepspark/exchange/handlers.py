@@ -77,6 +77,9 @@ class Leases:
 
     A lease only grows, so a worker never trains past one it was told; the leases sum to the total at most,
     and each worker asks again (its next exchange) when it reaches its own: the job ends when none is left.
+    The share (stop − start) of each worker that has not joined yet is kept for it, so that a short job is not
+    trained whole by the first to come while the others' tasks are still starting; a worker released before it
+    ever joined gives its share to the others.
     """
 
     def __init__(self, workers, stop, start=0, lookahead=None, cap=None):
@@ -88,6 +91,7 @@ class Leases:
         self._base = {}    # worker id -> the iteration it started counting at
         self._seen = {}    # worker id -> (first (monotonic, iteration), last (monotonic, iteration)) it reported
         self._released = {}  # worker id -> the iteration it was released at (gone for good)
+        self._absent = set()  # workers released before they ever joined: their shares are the others'
 
     def _granted(self):
         return sum(self._leased[w] - self._base[w] for w in self._leased)
@@ -103,7 +107,8 @@ class Leases:
             first, _ = self._seen.get(worker, ((now, int(iteration)), None))
             self._seen[worker] = (first, (now, int(iteration)))  # for its rate
             lease = self._leased[worker]
-            left = self.total - self._granted()
+            waiting = self.workers - len(self._leased.keys() | self._absent)  # not joined yet: their shares kept
+            left = max(0, self.total - self._granted() - waiting * (self.stop - self.start))
             want = lease + left if self.lookahead is None else int(iteration) + self.lookahead
             if self.cap is not None:
                 want = min(want, self.cap)
@@ -117,6 +122,8 @@ class Leases:
             if worker in self._leased:
                 self._leased[worker] = max(self._base[worker], min(self._leased[worker], int(iteration)))
                 self._released[worker] = self._leased[worker]
+            else:
+                self._absent.add(worker)
 
     def trained(self, iterations):
         """The iterations trained together, from each worker's last reported one ({worker id: iteration})."""

@@ -421,6 +421,9 @@ def steal(task, trainer, client, payload):
     for feeder in trainer.feeders:
         if isinstance(feeder, DataFeeder):
             feeder.steal(claim, lambda: client.connections, payload.source, (payload.start, payload.stop))
+            # The order line the build logged was of its own shard alone; from here the ledger's blocks are read.
+            log.info(f"Data order: '{feeder.name}' reads the blocks the job's ledger grants (work stealing), "
+                     f"{HELD_BLOCKS} of {feeder.blocks[0]} records held and shuffled together")
 
 
 def carry_on(worker, trainer):
