@@ -5,6 +5,7 @@ import contextlib
 import glob
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -86,3 +87,38 @@ def test_a_driver_killed_outright_leaves_no_zygote_folder(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(driver.pid, signal.SIGKILL)  # whatever of its group is left
         driver.wait()
+
+
+def test_py4j_s_log_of_a_connection_an_interrupt_broke_is_dropped_and_other_errors_are_not(capsys):
+    """The average-SIGINT case's stray traceback: Py4J logs the BrokenPipeError it met shutting down the connection
+    the interrupt left half-used, through its own logger ("py4j.clientserver"), whose records reach the root's
+    handler without passing the root's filters."""
+    import logging
+
+    import py4j.clientserver
+
+    from deepspark.spark.job import Py4JQuiet
+
+    logger = logging.getLogger("py4j.clientserver")
+
+    def log(error):
+        try:
+            raise error
+        except Exception:
+            record = logger.makeRecord(logger.name, logging.ERROR, py4j.clientserver.__file__, 504,
+                                       "Exception occurred while shutting down connection", (), sys.exc_info())
+        logger.handle(record)
+
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger().addHandler(handler)
+    try:
+        with Py4JQuiet():
+            try:
+                raise KeyboardInterrupt()
+            except KeyboardInterrupt:
+                log(BrokenPipeError(32, "Broken pipe"))  # raised while the interrupt was handled: its context
+            log(ConnectionResetError(104, "reset"))  # no interrupt behind it: kept
+    finally:
+        logging.getLogger().removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "BrokenPipeError" not in err and "ConnectionResetError" in err, err

@@ -131,8 +131,10 @@ class DataFeeder(Resumable):
 
     # -- reading -----------------------------------------------------------
 
-    def _decode(self, keys, values):
-        return decode_datums(keys, values, self.path, self._color, self.source_shape, self._dtype)
+    def _decode(self, keys, values, path=None):
+        """Decoded records of `path` (the shard's own by default: a stolen block's is the source's, which a bad
+        record's error must name)."""
+        return decode_datums(keys, values, path or self.path, self._color, self.source_shape, self._dtype)
 
     def _load(self, chunk=8192):
         images = np.empty((self.size,) + self.source_shape, dtype=self._dtype)
@@ -199,7 +201,7 @@ class DataFeeder(Resumable):
         if len(records) != count:
             raise DataError(f"the dataset changed while being read (record {first + len(records)} is gone)",
                             positions.path)
-        return decode_block(self._decode, records)
+        return decode_block(functools.partial(self._decode, path=positions.path), records)
 
     @functools.cached_property
     def _spill(self):

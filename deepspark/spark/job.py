@@ -79,18 +79,30 @@ class Py4JQuiet(logging.Filter):
     logger) dropped while `with`; and the handler Py4J's logging.exception gave a root logger that had none taken
     away after (logging.basicConfig's: it would print every record that reaches the root from then on)."""
 
+    # A logger's filter sees only what is logged through it, not what its children pass up: Py4J's own loggers too.
+    LOGGERS = ("", "py4j", "py4j.clientserver", "py4j.java_gateway")
+
     def filter(self, record):
-        interrupt = record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt)
-        return not (interrupt and f"{os.sep}py4j{os.sep}" in record.pathname)
+        if not record.exc_info or f"{os.sep}py4j{os.sep}" not in record.pathname:
+            return True
+        # The interrupt itself, or what it broke on the way out (a BrokenPipeError while Py4J shut the connection).
+        error, seen = record.exc_info[1], 0
+        while error is not None and seen < 8:
+            if isinstance(error, KeyboardInterrupt):
+                return False
+            error, seen = error.__context__, seen + 1
+        return True
 
     def __enter__(self):
         root = logging.getLogger()
         self.unconfigured = not root.handlers
-        root.addFilter(self)
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
 
     def __exit__(self, *exc):
         root = logging.getLogger()
-        root.removeFilter(self)
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
         if self.unconfigured:
             for handler in list(root.handlers):
                 root.removeHandler(handler)
