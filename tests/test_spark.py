@@ -24,8 +24,9 @@ NOISE = re.compile(r"oneDNN|cuda|rebuild TensorFlow|^E0000|^I0000|^W0000|WARNING
 
 def test_local_two_workers_tensorflow(tmp_path):
     solver = make_job(tmp_path, max_iter=120, test_interval=60, snapshot=0)
-    status, _, log = run_cli("train", "--solver", solver, "--workers", "2")
+    status, _, log = run_cli("train", "--solver", solver, "--workers", "2", "--worker-threads", "3")
     assert status == 0, log[-3000:]
+    assert "Each worker computes on 3 threads (worker_threads 3)" in log
     # local[N,F]: F past any failure budget, which the driver counts for an exchanger's job (spark/budget.py)
     assert "on local[2,1000000] with 2 workers (tensorflow backend, async EASGD)" in log
     assert workers_done(log) == [0, 1]

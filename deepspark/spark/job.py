@@ -31,7 +31,7 @@ from deepspark.spark.center import HISTORY_SECONDS, CenterCadence
 from deepspark.spark.executor import Task
 from deepspark.spark.failures import JobError
 from deepspark.spark.session import (WATCHED_ATTEMPTS, is_local, on_loopback, quiet_tasks, setting, spark_context,
-                                     stop_context, this_python, worker_threads)
+                                     stop_context, this_python, threads_line)
 from deepspark.spark.watch import Watch
 
 log = logging.getLogger(__name__)
@@ -354,10 +354,12 @@ class Job:
                                      started=self.started)
         stack.callback(self.cadence.close)
         self.cadence.start(os.path.join(self.output, "tensorboard"))
+        threads, line = threads_line(self.sc, self.workers, self.ds.worker_threads)
+        log.info(line)
         return Task(job_id=uuid.uuid4().hex[:12], solver=self.param.SerializeToString(),
                     train_net=absolute_sources(self.solver.train_net).SerializeToString(),
                     solver_path=self.solver.path,
-                    address=self.exchange_address(), secret=secret, threads=worker_threads(self.sc, self.workers),
+                    address=self.exchange_address(), secret=secret, threads=threads,
                     steal=self.stealing is not None)
 
     def load_center(self, shape):

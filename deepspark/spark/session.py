@@ -68,12 +68,23 @@ def setting(sc, key, default=None):
     return sc._conf.get(key, default)
 
 
-def worker_threads(sc, concurrent):
-    """Compute threads per Python worker when `concurrent` tasks run at once: the cores shared out in local
-    mode, an executor's cores on a cluster."""
-    if is_local(sc.master):
-        return max(1, (os.cpu_count() or 1) // max(concurrent, 1))
-    return int(setting(sc, "spark.executor.cores", "1"))
+def worker_threads(sc, concurrent, asked=0):
+    """Compute threads per Python worker when `concurrent` tasks run at once: `asked` (the worker_threads knob)
+    where set, else the cores shared out in local mode, an executor's cores on a cluster."""
+    return threads_line(sc, concurrent, asked)[0]
+
+
+def threads_line(sc, concurrent, asked=0):
+    """(worker_threads's count, the line that says it and why)."""
+    if asked:
+        count, why = asked, f"worker_threads {asked}"
+    elif is_local(sc.master):
+        cores = os.cpu_count() or 1
+        count, why = max(1, cores // max(concurrent, 1)), f"{cores} cores shared by {concurrent} workers"
+    else:
+        count = int(setting(sc, "spark.executor.cores", "1"))
+        why = f"spark.executor.cores {count}"
+    return count, f"Each worker computes on {count} thread{'s' * (count != 1)} ({why})"
 
 
 def start_python_workers(sc, count):
