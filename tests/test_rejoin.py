@@ -93,20 +93,24 @@ def test_a_feeder_moved_on_k_batches_reads_what_the_one_that_read_them_reads_nex
         assert collections.Counter(epoch) == collections.Counter(range(SIZE))
 
 
-def test_an_image_list_feeder_moved_on_reads_what_the_one_that_read_them_reads_next(tmp_path):
+def test_an_image_list_feeder_moved_on_reads_what_the_one_that_read_them_reads_next_crops_and_mirrors_too(tmp_path):
     (tmp_path / "images").mkdir()
+    pixels = np.random.default_rng(0).integers(0, 256, (10, 1, 6, 6), dtype=np.uint8)
     for i in range(10):
-        array_to_image(np.full((1, 4, 4), 20 * i, np.uint8)).save(tmp_path / "images" / f"{i}.png")
+        array_to_image(pixels[i]).save(tmp_path / "images" / f"{i}.png")
     (tmp_path / "list.txt").write_text("".join(f"{i}.png {i}\n" for i in range(10)))
-    layer = text_format.Parse(f'name: "data" type: "ImageData" top: "data" top: "label" image_data_param {{ '
-                              f'source: "{tmp_path}/list.txt" root_folder: "{tmp_path}/images/" batch_size: 3 '
-                              f'shuffle: true }}', pb.LayerParameter())
+    layer = text_format.Parse(f'name: "data" type: "ImageData" top: "data" top: "label" transform_param {{ '
+                              f'mirror: true crop_size: 4 }} image_data_param {{ source: "{tmp_path}/list.txt" '
+                              f'root_folder: "{tmp_path}/images/" batch_size: 3 shuffle: true is_color: false }}',
+                              pb.LayerParameter())
     lost, replacement = (feeder_for(layer, pb.TRAIN, seed=5) for _ in range(2))
     read = labels(lost, 7)
     assert replacement.skip(7) and replacement.epoch == lost.epoch == 2
-    carried = labels(replacement, 3)
-    assert carried == labels(lost, 3)
-    assert sorted((read + carried)[:10]) == sorted((read + carried)[10:20]) == list(range(10))
+    for _ in range(3):  # the same records, cropped and mirrored as the lost feeder's next draws do
+        ours, theirs = replacement.next_batch(), lost.next_batch()
+        assert all(np.array_equal(ours[top], theirs[top]) for top in ours)
+        read += [int(label) for label in ours["label"]]
+    assert sorted(read[:10]) == sorted(read[10:20]) == list(range(10))
 
 
 def test_a_replacement_trainer_carries_on_the_shard_where_the_lost_worker_stood(tmp_path):

@@ -110,9 +110,11 @@ class ImageFeeder(Resumable):
         return indices
 
     def skip(self, batches):
-        """Resumable's: the positions only, no image loaded."""
+        """Resumable's: the positions only, no image loaded, and the crops and mirrors those batches drew (so
+        that the next batch draws what it would have)."""
         for _ in range(batches):
             self._next_indices()
+            self.transformer.offsets(self.batch_size, self.source_shape)
         return True
 
     def next_batch(self):
