@@ -82,6 +82,13 @@ def test_every_loss_and_rejoin_is_counted_with_its_cost():
     # A rejoin with no loss seen (both between two looks) still counts as both.
     outages.rejoined(2, 60.0)
     assert re.match(r"Workers lost 5 times .* rejoined 4 times", outages.summary(60.0))
+    # Spark's report of that loss, seen a look after the replacement connected, is the same loss: not one more
+    # that never ends. A loss seen long after is another.
+    late = outages.lost(2, 60.5, 800)
+    assert late is not None and late.rejoined_at == 60.0 and late.iteration == 800 and 2 not in outages.open
+    assert re.match(r"Workers lost 5 times .* rejoined 4 times", outages.summary(61.0))
+    outages.rejoined(3, 70.0)
+    assert outages.lost(3, 90.0, 900).rejoined_at is None and 3 in outages.open
 
 
 # The tiny job (synthetic.py) of one worker, long enough for three kills and their rejoins in its first half

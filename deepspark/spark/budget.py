@@ -6,6 +6,9 @@ import dataclasses
 # The longest cause a line quotes (first_line has made it one line already; our own errors' lines, with their fix,
 # run to a few hundred characters).
 CAUSE_CHARS = 1000
+# How long after a rejoin whose loss was not seen (its Outage made by the rejoin) Spark's report of the failed task
+# may come and still be that loss, not another: a look or a few (watch.WATCH_SECONDS is 0.5), on a loaded driver.
+LATE_SECONDS = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +104,7 @@ class Outage:
     iteration: int
     rejoined_at: float = None
     said: bool = False
+    seen: bool = True  # its loss seen: False for one its rejoin made (the loss seen a look or more after it)
 
     def cost(self, now):
         """The seconds it was (or has been) out."""
@@ -116,9 +120,15 @@ class Outages:
 
     def lost(self, worker, at, iteration):
         """`worker` lost at `at` (iteration `iteration`; its last exchange, as a loss is seen a look later: no
-        earlier than its last rejoin); its Outage, or None when it was already out."""
+        earlier than its last rejoin); its Outage, or None when it was already out. A loss seen within LATE_SECONDS
+        of a rejoin that made its own Outage (Spark reported the failed task after the replacement connected) is
+        that Outage's."""
         if worker in self.open:
             return None
+        last = next((o for o in reversed(self.all) if o.worker == worker), None)
+        if last is not None and not last.seen and at - last.rejoined_at <= LATE_SECONDS:
+            last.seen, last.iteration = True, last.iteration or iteration
+            return last
         back = [o.rejoined_at for o in self.all if o.worker == worker and o.rejoined_at is not None]
         self.open[worker] = outage = Outage(worker, max([at, *back]), iteration)
         self.all.append(outage)
@@ -127,7 +137,7 @@ class Outages:
     def rejoined(self, worker, at):
         """`worker` back at `at`: its Outage (its loss made now if none was seen: a loss and rejoin between two
         looks)."""
-        outage = self.open.pop(worker, None) or Outage(worker, at, 0)
+        outage = self.open.pop(worker, None) or Outage(worker, at, 0, seen=False)
         if outage not in self.all:
             self.all.append(outage)
         outage.rejoined_at = at

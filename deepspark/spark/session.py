@@ -80,7 +80,7 @@ def threads_line(sc, concurrent, asked=0):
         count, why = asked, f"worker_threads {asked}"
     elif is_local(sc.master):
         cores = os.cpu_count() or 1
-        count, why = max(1, cores // max(concurrent, 1)), f"{cores} cores shared by {concurrent} workers"
+        count, why = max(1, cores // max(concurrent, 1)), f"{cores} cores shared by {concurrent} worker{'s' * (concurrent != 1)}"
     else:
         count = int(setting(sc, "spark.executor.cores", "1"))
         why = f"spark.executor.cores {count}"
