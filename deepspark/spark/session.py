@@ -68,19 +68,21 @@ def setting(sc, key, default=None):
     return sc._conf.get(key, default)
 
 
-def worker_threads(sc, concurrent, asked=0):
-    """Compute threads per Python worker when `concurrent` tasks run at once: `asked` (the worker_threads knob)
-    where set, else the cores shared out in local mode, an executor's cores on a cluster."""
-    return threads_line(sc, concurrent, asked)[0]
+def worker_threads(sc, concurrent):
+    """Compute threads per Python worker when `concurrent` tasks run at once: the cores shared out in local
+    mode, an executor's cores on a cluster."""
+    return threads_line(sc, concurrent)[0]
 
 
 def threads_line(sc, concurrent, asked=0):
-    """(worker_threads's count, the line that says it and why)."""
+    """(compute threads per Python worker, the line that says how many and why): `asked` (the worker_threads
+    knob) where set, else worker_threads's share."""
     if asked:
         count, why = asked, f"worker_threads {asked}"
     elif is_local(sc.master):
         cores = os.cpu_count() or 1
-        count, why = max(1, cores // max(concurrent, 1)), f"{cores} cores shared by {concurrent} worker{'s' * (concurrent != 1)}"
+        count = max(1, cores // max(concurrent, 1))
+        why = f"{cores} cores shared by {concurrent} worker{'s' * (concurrent != 1)}"
     else:
         count = int(setting(sc, "spark.executor.cores", "1"))
         why = f"spark.executor.cores {count}"
