@@ -98,7 +98,10 @@ spark, started = spark_session(pb.DeepSparkParameter(), 2)
 def look(_):
     with open(f"/proc/{os.getppid()}/cmdline", "rb") as stream:
         parent = stream.read().split(b"\\0")
-    return [("tensorflow" in sys.modules, os.getppid(), [a.decode() for a in parent])]
+    keras = "keras" in sys.modules, os.environ.get("TF_USE_LEGACY_KERAS")
+    import tensorflow as tf
+    return [("tensorflow" in sys.modules, os.getppid(), [a.decode() for a in parent],
+             [*keras, tf.keras.layers.Dense(3).units, tf.keras.__name__])]
 
 seen = spark.sparkContext.parallelize(range(2), 2).mapPartitions(look).collect()
 print(json.dumps({"started": started, "workers": seen, "driver_tensorflow": "tensorflow" in sys.modules}))
@@ -107,10 +110,12 @@ spark.stop()
     result = json.loads(run_script(script).stdout.strip().splitlines()[-1])
     assert result["started"] and result["driver_tensorflow"] is False
     assert len(result["workers"]) == 2
-    for loaded, parent, argv in result["workers"]:
+    for loaded, parent, argv, keras in result["workers"]:
         assert loaded, "the task's Python worker had not imported TensorFlow before its task"
         assert argv[1:3] == ["-m", "deepspark.spark.daemon"], argv
-    assert len({parent for _, parent, _ in result["workers"]}) == 1  # one daemon forked both
+        # TensorFlow's eager import of Keras was skipped (daemon.keras_deferred), and tf.keras is Keras 3 on use.
+        assert keras == [False, None, 3, "keras._tf_keras.keras"], keras
+    assert len({parent for _, parent, _, _ in result["workers"]}) == 1  # one daemon forked both
 
 
 @pytest.mark.spark

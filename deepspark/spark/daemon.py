@@ -1,15 +1,15 @@
 """The executors' pyspark daemon (spark.python.daemon.module): pyspark's own, with the jobs' modules and the job's backend imported before it forks the Python workers; and in local mode its zygote, which imports them while Spark's JVM starts.
 
 A Python worker that Spark starts for a task is a fork of this daemon, so it
-starts with deepspark (which a task's closure names) and TensorFlow already
-imported, once for all of them, and shares that import's pages with the
+starts with deepspark's jobs (which a task's closure names) and TensorFlow
+already imported, once for all of them, and shares that import's pages with the
 daemon (copy-on-write) instead of holding its own. So does the Python worker
 Spark starts for a retried task (a lost worker's replacement): it rejoins
-without importing TensorFlow again, on a cluster's executor as in local mode. Running as
-`python -m deepspark.spark.daemon` has imported deepspark.spark (the jobs and
-the executor's loop) by the time this module runs; the backend is imported
-here. Nothing here may start a thread or TensorFlow's runtime: the workers
-are forks.
+without importing TensorFlow again, on a cluster's executor as in local mode. Both
+are imported here (`preload`: the jobs, JOBS, then the backend); the package
+deepspark.spark, which `python -m` imports first, names its API lazily, so that a
+launched daemon reaches its hand-over (below) without them. Nothing here may start a
+thread or TensorFlow's runtime: the workers are forks.
 
 In local mode the JVM launches the daemon only once its SparkContext is up, and the import
 then takes seconds on the cores the job's start needs. So a local job's driver
@@ -27,6 +27,8 @@ the daemon itself, as before.
 
 import contextlib
 import gc
+import importlib
+import importlib.util
 import json
 import os
 import select
@@ -39,8 +41,10 @@ from pyspark import daemon
 from deepspark.backends import backend_module
 from deepspark.spark.session import DAEMON_BACKEND, PRELOADED, ZYGOTE
 
+JOBS = "deepspark.spark.job"  # the jobs and the executor's loop (which every task's closure names), with their imports
 HEADER = struct.Struct("!Q")  # the length of the hand-over's JSON, sent with the three descriptors
 STREAMS = (0, 1, 2)
+LEGACY_KERAS = "TF_USE_LEGACY_KERAS"  # TensorFlow's choice of tf_keras over Keras 3 (keras_deferred)
 HAND_OVER_SECONDS = 60  # how long a launched daemon waits on the zygote (its backend import) before running alone
 # What the launched daemon process becomes once the zygote's fork runs the daemon (argv: the marker, the pid).
 WAITER = """import os, select, signal, sys
@@ -60,22 +64,41 @@ WAITER_MARK = "deepspark-daemon-waiter"
 
 
 def preload(backend):
-    """Import backend `backend` if it is one of PRELOADED, with stdout pointed at stderr meanwhile: the daemon's
-    stdout is its channel to the JVM. A backend that does not import is left to the task that needs it, whose error
-    names it. Then freeze what is loaded, so that the collector does not write to the pages the forks share."""
-    if backend in PRELOADED:
+    """Import the jobs (JOBS) and backend `backend` if it is one of PRELOADED, with stdout pointed at stderr
+    meanwhile: the daemon's stdout is its channel to the JVM. A backend that does not import is left to the task that
+    needs it, whose error names it. Then freeze what is loaded, so that the collector does not write to the pages the
+    forks share."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        importlib.import_module(JOBS)
+        if backend in PRELOADED:
+            with contextlib.suppress(Exception), keras_deferred():  # a task that imports it says why
+                backend_module(backend)
+    finally:
         sys.stdout.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)
-        try:
-            backend_module(backend)
-        except Exception:  # a task that imports it says why
-            pass
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
+        os.dup2(saved, 1)
+        os.close(saved)
     gc.freeze()
+
+
+@contextlib.contextmanager
+def keras_deferred():
+    """While TensorFlow loads here, have it skip its eager import of Keras (tensorflow/__init__.py imports
+    keras.src.optimizers for their SavedModel registrations): 0.7 s of its 2.8 s on this machine (#44), on the
+    cores the job's start-up needs, for a package no worker uses. Told to use the legacy tf_keras, which is not
+    installed, TensorFlow passes over that import (it allows the ImportError); the setting is taken back as soon
+    as it has loaded, and tf.keras still loads Keras on first use (TensorFlow's lazy loader reads the setting
+    then). A user's own TF_USE_LEGACY_KERAS, or an installed tf_keras, is left as it is."""
+    if LEGACY_KERAS in os.environ or importlib.util.find_spec("tf_keras") is not None:
+        yield
+        return
+    os.environ[LEGACY_KERAS] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[LEGACY_KERAS]
 
 
 def hand_over(path):

@@ -1,4 +1,4 @@
-"""A training job on Spark, what every algorithm (deepspark.algorithms) shares on the driver: its start (session, shards, the center's start, the exchanger, the Task) and its finish (the workers' lines, the last snapshot and test, the summary)."""
+"""A training job on Spark, what every algorithm (deepspark.algorithms) shares on the driver: its start (session, shards, the center's start, the exchanger, the Task) and its finish (the workers' lines, the last snapshot and test, the summary); and `train`, what `deepspark train` and `deepspark.train` run."""
 
 import contextlib
 import dataclasses
@@ -17,7 +17,7 @@ import numpy as np
 
 from deepspark import algorithms, checkpoint, fillers, pylayer, rules, schedule
 from deepspark.engine import JobResult
-from deepspark.config import host_port, output_folder, random_seed
+from deepspark.config import host_port, load_solver, output_folder, override, random_seed
 from deepspark.data import absolute_sources, source_shape
 from deepspark.errors import ConfigError
 from deepspark.exchange import ExchangeOptions, ExchangeServer
@@ -442,3 +442,28 @@ class Job:
         return JobResult(summary, self.output, history=tuple(self.cadence.history), final_test=dict(values),
                          weights=tuple(checkpoint.layer_blobs(self.graph, arrays)),
                          snapshots=tuple(self.cadence.snapshots), started=self.started)
+
+
+def train(solver, data=None, *, deepspark=None, weights=None, snapshot=None, iterations=None, output=None, **knobs):
+    """Train from a solver .prototxt (a path, or a loaded config.Solver); returns its JobResult (`.summary`: the
+    summary dict, `.history`, `.weights` in memory; the same for every algorithm).
+
+    data: a Spark DataFrame to train on instead of the train net's source, with a
+    `datum` column (Caffe Datum bytes) or `data` (an image array) and `label`
+    columns; its SparkSession runs the job and stays the caller's. deepspark: a
+    DeepSparkParameter prototxt (default: deepspark.prototxt beside the solver,
+    if there is one) over the solver's own deepspark_param block. weights: a
+    .caffemodel to start from; snapshot: a .solverstate to resume; iterations:
+    the iteration training stops at (max_iter, and so the learning-rate
+    schedule, as the solver says); output: the folder for snapshots and logs; knobs: any
+    DeepSparkParameter field by name (workers=4, algorithm="sync", period=10,
+    moving_rate=0.45, ...), over both.
+    """
+    solver = load_solver(solver, deepspark) if isinstance(solver, str) else solver
+    override(solver, iterations=iterations, output=output, **knobs)
+    algorithm = algorithms.of(solver.param.deepspark_param)
+    algorithm.check(solver.param.deepspark_param, solver.path)
+    options = Options(weights=weights, snapshot=snapshot, data=data)
+    if not algorithm.spark:
+        return algorithm.run(solver, options)
+    return Job().run(JobPlan.of(solver, options, algorithm))
