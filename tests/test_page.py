@@ -35,6 +35,9 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
         run("easgd 4 workers period 10", [[25.0, 15360, 0.80], [45.0, 61440, 0.86]], 2100, workers=4),
         run("easgd period 10, learning rate x2", [[20.0, 30080, 0.86], [35.0, 45120, 0.885]], 1890,
             learning_rate_times=2),
+        run("keras single", [[12.0, 15000, 0.85], [24.0, 30000, 0.881]], 700, workers=None, period=None, seed=1),
+        run("keras single", [[14.0, 15000, 0.86], [28.0, 30000, 0.87], [40.0, 45000, 0.89]], 720, workers=None,
+            period=None, seed=2, repeat=2),
         {"bench": "time_to_accuracy", "run": "elephas synchronous batch", "error": "no such mode"}])
     write(data, "peers", [run("torchdistributor", [[15.0, 15000, 0.85], [22.0, 30000, 0.872], [30.0, 60000, 0.87]], 1300,
                               workers=None)])
@@ -79,6 +82,9 @@ def test_the_page_tables_each_record_plots_the_runs_and_says_what_is_missing(tmp
     # A run that did not reach 0.88 says how far it went and its best test; each row has its time to 0.85.
     assert "| torchdistributor | not in its 30 s (60,000 samples; best test 0.8720) | — | 15.0 s | 1,300 MB |" in written
     assert "| single | 30.0 s | 45,000 | 20.0 s | 650 MB |" in written
+    # A run made at several seeds is one row: its medians and (ranges).
+    assert ("| keras single (2 seeds) | 32.0 s (24.0–40.0) | 37,500 (30,000–45,000) | 13.0 s (12.0–14.0) | "
+            "710 MB (700–720) |") in written
     assert "old" not in written and written.endswith("<!-- compare:end -->\n\nrest\n")
     assert "easgd 4 workers" not in written  # the README shows the runs of the comparison, not RQ5's
 
