@@ -13,7 +13,7 @@ import sys
 from google.protobuf.descriptor import FieldDescriptor
 
 from deepspark import compare, config, detect, export, nets, plan
-from deepspark.backends import BACKENDS
+from deepspark.backends import BACKENDS, defer_keras
 from deepspark.data import annotated, convert
 from deepspark.errors import DeepSparkError
 from deepspark.plot import plot_log
@@ -472,6 +472,7 @@ def add_data_verbs(verbs):
 
 
 def main(argv=None):
+    defer_keras()  # this process is DeepSpark's own
     args = parser().parse_args(argv)
     try:
         return args.run(args) or 0

@@ -118,6 +118,20 @@ spark.stop()
     assert len({parent for _, parent, _, _ in result["workers"]}) == 1  # one daemon forked both
 
 
+def test_the_cli_loads_tensorflow_without_its_eager_keras_and_tf_keras_still_loads_keras(tmp_path):
+    make_job(tmp_path)
+    script = f"""
+import json, os, sys
+from deepspark import cli
+cli.main(["time", "--model", {str(tmp_path / "net.prototxt")!r}, "--iterations", "1"])
+seen = ["tensorflow" in sys.modules, "keras" in sys.modules, os.environ.get("TF_USE_LEGACY_KERAS")]
+import pkgutil
+import tensorflow as tf
+print(json.dumps(seen + [tf.keras.layers.Dense(3).units, len(list(pkgutil.iter_modules(tf.__path__))) > 0]))
+"""
+    assert json.loads(run_script(script).stdout.strip().splitlines()[-1]) == [True, False, None, 3, True]
+
+
 @pytest.mark.spark
 def test_the_daemon_is_the_zygotes_fork_the_jvm_launched_a_waiter_and_the_jvm_maps_the_class_archive():
     # make setup wrote the archive (tools/jvm-archive.py): the driver's JVM starts from it.

@@ -28,7 +28,6 @@ the daemon itself, as before.
 import contextlib
 import gc
 import importlib
-import importlib.util
 import json
 import os
 import select
@@ -38,13 +37,12 @@ import sys
 
 from pyspark import daemon
 
-from deepspark.backends import backend_module
+from deepspark.backends import backend_module, defer_keras
 from deepspark.spark.session import DAEMON_BACKEND, PRELOADED, ZYGOTE
 
 JOBS = "deepspark.spark.job"  # the jobs and the executor's loop (which every task's closure names), with their imports
 HEADER = struct.Struct("!Q")  # the length of the hand-over's JSON, sent with the three descriptors
 STREAMS = (0, 1, 2)
-LEGACY_KERAS = "TF_USE_LEGACY_KERAS"  # TensorFlow's choice of tf_keras over Keras 3 (keras_deferred)
 HAND_OVER_SECONDS = 60  # how long a launched daemon waits on the zygote (its backend import) before running alone
 # What the launched daemon process becomes once the zygote's fork runs the daemon (argv: the marker, the pid).
 WAITER = """import os, select, signal, sys
@@ -74,31 +72,14 @@ def preload(backend):
     try:
         importlib.import_module(JOBS)
         if backend in PRELOADED:
-            with contextlib.suppress(Exception), keras_deferred():  # a task that imports it says why
+            defer_keras()  # its forks, the Python workers, are DeepSpark's own
+            with contextlib.suppress(Exception):  # a task that imports it says why
                 backend_module(backend)
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
     gc.freeze()
-
-
-@contextlib.contextmanager
-def keras_deferred():
-    """While TensorFlow loads here, have it skip its eager import of Keras (tensorflow/__init__.py imports
-    keras.src.optimizers for their SavedModel registrations): 0.7 s of its 2.8 s on this machine (#44), on the
-    cores the job's start-up needs, for a package no worker uses. Told to use the legacy tf_keras, which is not
-    installed, TensorFlow passes over that import (it allows the ImportError); the setting is taken back as soon
-    as it has loaded, and tf.keras still loads Keras on first use (TensorFlow's lazy loader reads the setting
-    then). A user's own TF_USE_LEGACY_KERAS, or an installed tf_keras, is left as it is."""
-    if LEGACY_KERAS in os.environ or importlib.util.find_spec("tf_keras") is not None:
-        yield
-        return
-    os.environ[LEGACY_KERAS] = "1"
-    try:
-        yield
-    finally:
-        del os.environ[LEGACY_KERAS]
 
 
 def hand_over(path):

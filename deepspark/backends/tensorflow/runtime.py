@@ -2,11 +2,13 @@
 
 import warnings
 
+from deepspark.backends import keras_deferred
 from deepspark.log import import_quietly
 
 # Quiet: deepspark/__init__.py set TF_CPP_MIN_LOG_LEVEL before anything loads it, and import_quietly holds back
-# the start-up lines that no setting silences.
-tf = import_quietly("tensorflow")
+# the start-up lines that no setting silences. Without Keras in the processes DeepSpark owns (keras_deferred).
+with keras_deferred():
+    tf = import_quietly("tensorflow")
 
 _threads = None  # the count TensorFlow took in this process, once a model asked for one
 
