@@ -63,3 +63,16 @@ def make_job(folder, max_iter=60, test_interval=30, snapshot=0, workers=2, train
                                     snapshot=snapshot, prefix=folder / "out" / "tiny", workers=workers,
                                     connect_timeout=connect_timeout))
     return str(solver)
+
+
+def before_conv(folder, name, module, layer, code):
+    """The tiny net of make_job in `folder` with a pass-through Python layer `name` (`module`.`layer`, whose source
+    `code` is written beside the net) between its data and its Convolution."""
+    (folder / f"{module}.py").write_text(code)
+    net = (folder / "net.prototxt").read_text()
+    conv = 'layer { name: "conv" type: "Convolution" bottom: "data"'
+    assert conv in net
+    (folder / "net.prototxt").write_text(net.replace(conv, (
+        f'layer {{ name: "{name}" type: "Python" bottom: "data" top: "{name}" '
+        f'python_param {{ module: "{module}" layer: "{layer}" }} }}\n'
+        f'layer {{ name: "conv" type: "Convolution" bottom: "{name}"')))

@@ -17,7 +17,7 @@ from deepspark.spark.budget import Budget, Limits
 
 from conftest import ROOT
 from sparkjobs import cluster, kill_while_training, start_training, workers_done
-from synthetic import make_job
+from synthetic import before_conv, make_job
 from test_failure_budget import CRASH, gated
 
 
@@ -107,8 +107,30 @@ def test_a_worker_lost_for_good_leaves_the_job_finishing_with_one_fewer_and_sayi
                      r"\d+ at [\d.]+ it/s, fewer than its share .*released at iteration \d+", text), text[-3000:]
 
 
-# A job that one worker alone trains for well past connect_timeout plus a new Spark Worker's start.
-JOIN_MAX_ITER, JOIN_CONNECT_TIMEOUT = 30000, 45
+# A pass-through Python layer that holds each forward in a Spark task for SECONDS: the tiny job then trains at the
+# sleep's pace whatever the machine (its own compute is a fraction of it), so that its length is known.
+PACE = '''import time
+import caffe
+from pyspark import TaskContext
+
+
+class Pace(caffe.Layer):
+    def setup(self, bottom, top):
+        self.seconds = SECONDS if TaskContext.get() is not None else 0  # the driver's tests go at their own speed
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        time.sleep(self.seconds)
+        top[0].data[...] = bottom[0].data
+
+    def backward(self, top, propagate_down, bottom):
+        bottom[0].diff[...] = top[0].diff
+'''
+# At 10 ms an iteration (100 it/s at most), one worker alone trains the job's 2 x 3,000 iterations in 60 s or more:
+# past connect_timeout (30 s) plus a new Spark Worker's start and the joined worker's (15-25 s), and not much more.
+JOIN_MAX_ITER, JOIN_CONNECT_TIMEOUT, JOIN_PACE_SECONDS = 3000, 30, 0.01
 
 
 def add_worker_when_left(train_log, master, cluster_dir, ended, added):
@@ -134,6 +156,7 @@ def test_a_worker_that_left_joins_again_on_an_executor_spark_grants_mid_run(tmp_
     with cluster(tmp_path) as (master, cluster_dir):
         solver = make_job(tmp_path, max_iter=JOIN_MAX_ITER, test_interval=JOIN_MAX_ITER,
                           connect_timeout=JOIN_CONNECT_TIMEOUT)
+        before_conv(tmp_path, "pace", "pace", "Pace", f"SECONDS = {JOIN_PACE_SECONDS}\n{PACE}")
         driver = start_training(solver, "--master", master, "--min-workers", "1")
         train_log, added = tmp_path / "out" / "train.log", []
         adder = threading.Thread(target=add_worker_when_left,

@@ -11,7 +11,7 @@ from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.budget import Budget, Limits, Outages
 
 from sparkjobs import kill_while_training, start_training, workers_done
-from synthetic import make_job
+from synthetic import before_conv, make_job
 
 CRASH = "SparkException: Python worker exited unexpectedly (crashed)"
 
@@ -153,14 +153,7 @@ def gated(tmp_path, failing=(1,), **knobs):
     """The tiny job (synthetic.make_job with `knobs`) with the workers `failing` crashing in their every Spark task
     before they train (GATE)."""
     solver = make_job(tmp_path, **knobs)
-    (tmp_path / "crash_gate.py").write_text(f"FAILING = {tuple(failing)!r}\n{GATE}")
-    net = (tmp_path / "net.prototxt").read_text().replace(
-        'layer { name: "conv" type: "Convolution" bottom: "data"',
-        'layer { name: "gate" type: "Python" bottom: "data" top: "gated" '
-        'python_param { module: "crash_gate" layer: "Gate" } }\nlayer { name: "conv" type: "Convolution" '
-        'bottom: "gated"')
-    assert "crash_gate" in net
-    (tmp_path / "net.prototxt").write_text(net)
+    before_conv(tmp_path, "gate", "crash_gate", "Gate", f"FAILING = {tuple(failing)!r}\n{GATE}")
     return solver
 
 
