@@ -113,7 +113,8 @@ spark.stop()
     for loaded, parent, argv, keras in result["workers"]:
         assert loaded, "the task's Python worker had not imported TensorFlow before its task"
         assert argv[1:3] == ["-m", "deepspark.spark.daemon"], argv
-        # TensorFlow's eager import of Keras was skipped (daemon.keras_deferred), and tf.keras is Keras 3 on use.
+        # TensorFlow's eager import of Keras was skipped (deepspark.backends.keras_deferred, asked for by the
+        # daemon), and tf.keras is Keras 3 on use.
         assert keras == [False, None, 3, "keras._tf_keras.keras"], keras
     assert len({parent for _, parent, _, _ in result["workers"]}) == 1  # one daemon forked both
 
