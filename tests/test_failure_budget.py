@@ -199,7 +199,10 @@ def test_max_job_failures_in_the_window_stops_the_job_and_each_loss_names_the_wo
                         r"unexpectedly.* \(its failure (\d) in 600s, 1 in a row without training\)", text)
     first = int(losses[0][0]) if losses else 0
     assert losses == [(str(first), "1"), (str(first), "2"), (str(1 - first), "1")], (said, text[-3000:])
-    assert [int(w) for w in re.findall(r"Worker (\d) rejoined the exchanger", text)] == [first, first], text
+    # The first two kills' replacements rejoin. The third's may too: Spark starts its retry (a fork of the warm
+    # zygote, milliseconds) before the driver's next look counts the failure that ends the job.
+    rejoins = [int(w) for w in re.findall(r"Worker (\d) rejoined the exchanger", text)]
+    assert rejoins[:2] == [first, first] and rejoins[2:] in ([], [1 - first]), text
     assert re.fullmatch(rf"deepspark train: error: the workers failed 3 times in 600s \(failure_window 600s, "
                         rf"max_job_failures 3\), worker {1 - first} the last; the last: .*Python worker exited "
                         rf"unexpectedly.*", stderr.strip().splitlines()[-1]), stderr[-3000:]
