@@ -48,6 +48,7 @@ ACCURACY = re.compile(r"Test net output #\d+: accuracy = ([\d.]+)")
 REJOINED = re.compile(r"Worker (\d+) rejoined the exchanger .*, ([\d.]+)s after its loss")
 STARTUP = re.compile(r"Start-up of worker (\d+): .*\(attempt (\d+)\) to its first step done: (.*)$", re.M)
 TARGETS = {"kill": 1.3, "straggler": {"easgd": 1.2}}
+LONE = "one worker alone"  # the run the straggler's bound is drawn from
 
 
 def solver_file(folder, test_interval):
@@ -88,17 +89,18 @@ def time_to(points, accuracy):
     return next((seconds for seconds, _, reached in points if reached >= accuracy), None)
 
 
-def run(args, folder, name, algorithm, harm=None):
-    """One training run (`harm`: "kill", "straggler" or None): its record."""
+def run(args, folder, name, algorithm, harm=None, workers=2, iterations=None):
+    """One training run (`harm`: "kill", "straggler" or None) of `workers` workers: its record."""
+    iterations = iterations or args.iterations
     out = os.path.join(folder, f"{algorithm}-{name}")
     flags = ["--master", args.master] if args.master != "local" else []
     load = os.getloadavg()[0]
     driver = subprocess.Popen([sys.executable, "-m", "deepspark.cli", "train", "--solver", args.solver,
-                               "--iterations", str(args.iterations), "--output", out, "--algorithm", algorithm,
-                               "--workers", "2", *flags], cwd=ROOT, stdout=subprocess.DEVNULL,
+                               "--iterations", str(iterations), "--output", out, "--algorithm", algorithm,
+                               "--workers", str(workers), *flags], cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     ended = lambda: driver.poll() is not None  # noqa: E731
-    log = chaos.DriverLog(os.path.join(out, "train.log"), args.iterations)
+    log = chaos.DriverLog(os.path.join(out, "train.log"), iterations)
     harness = None
     try:
         if harm:
@@ -115,7 +117,7 @@ def run(args, folder, name, algorithm, harm=None):
         with open(log.path, encoding="utf-8") as stream:
             text = stream.read()
     points = test_points(text)
-    record = {"bench": "chaos", "algorithm": algorithm, "run": name, "iterations": args.iterations,
+    record = {"bench": "chaos", "algorithm": algorithm, "run": name, "iterations": iterations, "workers": workers,
               "master": args.master, "returncode": driver.returncode, "points": points,
               "final_accuracy": points[-1][2] if points else None, "load_average": [round(load, 2),
                                                                                      round(os.getloadavg()[0], 2)]}
@@ -156,11 +158,32 @@ def figure(clean, harmed, tolerance):
     return record
 
 
-def figures(records, tolerance):
-    """The ratio records of every harmed run in `records` against its algorithm's clean run."""
+def bound(clean, lone, share, tolerance):
+    """The least time any exchange rule could take to the clean run's final accuracy with one of its two workers
+    at `share` of the wall clock, from a lone worker's run: the straggler's samples count at best as the lone
+    worker's (one worker's SGD, no averaging), at the job's (1 + share) times a lone worker's samples/s. Its
+    start-up (Solving to its first test) counts whole. A ratio to the clean run's time above the straggler's target
+    says no exchange rule reaches it with these cores."""
+    record = {"bench": "chaos", "algorithm": clean["algorithm"], "figure": "straggler's bound", "share": share,
+              "accuracy": clean["final_accuracy"], "tolerance": tolerance, "lone_iterations": lone["iterations"],
+              "target": TARGETS["straggler"].get(clean["algorithm"])}
+    start = lone["points"][0][0] if lone.get("points") else None
+    for suffix, accuracy in (("", clean["final_accuracy"]), ("_within", clean["final_accuracy"] - tolerance)):
+        base, alone = time_to(clean["points"], accuracy), time_to(lone.get("points") or [], accuracy)
+        least = None if alone is None or start is None else round(start + (alone - start) / (1 + share), 2)
+        record.update({f"clean_seconds{suffix}": base, f"lone_seconds{suffix}": alone, f"seconds{suffix}": least,
+                       f"ratio{suffix}": None if least is None or not base else round(least / base, 3)})
+    return record
+
+
+def figures(records, tolerance, share=1 / 3):
+    """The ratio records of every harmed run in `records` against its algorithm's clean run, and the straggler's
+    bound where a lone worker's run is there."""
     clean = {r["algorithm"]: r for r in records if r.get("run") == "clean" and r.get("points") and not r.get("error")}
-    return [figure(clean[r["algorithm"]], r, tolerance) for r in records
-            if r.get("run") not in (None, "clean") and r["algorithm"] in clean]
+    found = [figure(clean[r["algorithm"]], r, tolerance) for r in records
+             if r.get("run") not in (None, "clean", LONE) and r["algorithm"] in clean]
+    return found + [bound(clean[r["algorithm"]], r, share, tolerance) for r in records
+                    if r.get("run") == LONE and r["algorithm"] in clean and not r.get("error")]
 
 
 def plot(records, path):
@@ -188,7 +211,9 @@ def plot(records, path):
 
 def page_section(records, data_folder=None):
     """The results page's chaos section (markdown) from this benchmark's records."""
-    found = [r for r in records if r.get("bench") == "chaos" and r.get("figure") and "ratio_within" in r]
+    found = [r for r in records if r.get("bench") == "chaos" and r.get("figure") and "ratio_within" in r
+             and "lone_seconds" not in r]
+    bounds = [r for r in records if r.get("bench") == "chaos" and "lone_seconds" in r]
     runs = [r for r in records if r.get("bench") == "chaos" and r.get("run") and "points" in r]
     if not found:
         return missing("staying power: kills every 15 s and a straggler",
@@ -217,9 +242,17 @@ def page_section(records, data_folder=None):
             " lines run long where its watch was testing the center (it sees a loss or a rejoin only after the test),"
             " the harness's times do not. Each worker computes on one thread (its executor's one core), so a throttled"
             " worker's idle core is not the other's: a straggler at a third leaves the job (1 + 1/3) / 2 of its clean"
-            " samples/s, and easgd, whose job ends on the iterations its workers train together, needs about the clean"
-            " run's samples, 1.5x its time by the rate alone."
-            "\n\n![test accuracy against time](chaos.png)")
+            " samples/s; were it to need the clean run's samples, it would take 1.5x its time."
+            + "".join(f" The bound on {b['algorithm']}'s straggler: one worker alone took "
+                      f"{cell(b['lone_seconds'], 0, ' s') if b['lone_seconds'] is not None else 'more than its run'} to"
+                      f" {cell(b['accuracy'], 4)}; were the straggler's samples worth the lone worker's (one worker's"
+                      f" SGD, no averaging) at {1 + b['share']:.2f}x its samples/s, the job would take "
+                      + (f"{cell(b['seconds'], 0, ' s')}, {cell(b['ratio'], 2, 'x')} the clean run's"
+                         f" ({cell(b['ratio_within'], 2, 'x')} to it less the tolerance)"
+                         if b["ratio"] is not None else "longer than the lone run shows")
+                      + f": the least any exchange rule could reach with these cores, against the {b['target']}x"
+                      " target." for b in bounds)
+            + "\n\n![test accuracy against time](chaos.png)")
     return text
 
 
@@ -270,7 +303,7 @@ def main():
     if args.figures:
         with open(args.figures) as stream:
             runs = [r for r in map(json.loads, stream) if r.get("run")]
-        for record in runs + figures(runs, args.tolerance):
+        for record in runs + figures(runs, args.tolerance, args.share):
             _results.emit(record, args.out)
         if args.plot:
             plot(runs, args.plot)
@@ -296,6 +329,15 @@ def main():
                     records.append(harmed)
                     _results.emit(harmed, args.out)
                     for record in figures([clean, harmed], args.tolerance):
+                        records.append(record)
+                        _results.emit(record, args.out)
+                if algorithm in TARGETS["straggler"] and not args.smoke:
+                    # The bound on the straggler's time: one worker alone, half again the iterations (one
+                    # worker's SGD may need more samples than the clean run's to its accuracy).
+                    lone = run(args, folder, LONE, algorithm, workers=1, iterations=args.iterations * 3 // 2)
+                    records.append(lone)
+                    _results.emit(lone, args.out)
+                    for record in figures([clean, lone], args.tolerance, args.share):
                         records.append(record)
                         _results.emit(record, args.out)
         finally:

@@ -1,0 +1,50 @@
+"""bench/chaos.py's figures: each harmed run's ratio to its clean run, and the straggler's bound drawn from a lone
+worker's run, on the page apart from the table."""
+
+from conftest import load_script
+
+bench = load_script("bench/chaos.py", "bench_chaos")
+
+
+def record(name, points, workers=2, iterations=4000):
+    return {"bench": "chaos", "algorithm": "easgd", "run": name, "iterations": iterations, "workers": workers,
+            "master": "spark://127.0.0.1:1", "returncode": 0, "points": points, "final_accuracy": points[-1][2],
+            "load_average": [1.0, 2.0]}
+
+
+CLEAN = record("clean", [[10.0, 0, 0.1], [40.0, 2000, 0.88], [60.0, 4000, 0.895]])
+STRAGGLER = record("straggler at 0.33", [[8.0, 0, 0.1], [70.0, 2500, 0.89], [80.0, 3000, 0.896]])
+# Alone, one worker reaches 0.895 at 90 s, 80 s after its first test at 10 s.
+LONE = record(bench.LONE, [[10.0, 0, 0.1], [70.0, 3000, 0.8901], [90.0, 4000, 0.8951], [100.0, 6000, 0.9]],
+              workers=1, iterations=6000)
+
+
+def test_the_straggler_bound_counts_the_lone_workers_start_up_whole_and_its_training_at_the_jobs_rate():
+    found = bench.figures([CLEAN, STRAGGLER, LONE], 0.005, 1 / 3)
+    harmed, least = found
+    assert harmed["figure"] == "straggler at 0.33" and harmed["ratio"] == round(80.0 / 60.0, 3)
+    assert not harmed["meets_target"]
+    # 10 s of start-up, then the lone worker's 80 s of training at (1 + 1/3)x its rate: 60 s; 70 / 60 s.
+    assert least["figure"] == "straggler's bound" and least["lone_seconds"] == 90.0 and least["seconds"] == 70.0
+    assert least["ratio"] == round(70.0 / 60.0, 3)
+    # Less the tolerance (0.89): the clean run reached it at 60 s, the lone worker at 70 s: 10 + 60 x 0.75 = 55 s.
+    assert least["seconds_within"] == 55.0 and least["ratio_within"] == round(55.0 / 60.0, 3)
+
+
+def test_a_lone_worker_that_never_reaches_the_accuracy_gives_no_bound_and_the_page_says_so():
+    short = dict(LONE, points=[[10.0, 0, 0.1], [100.0, 6000, 0.89]])
+    harmed, least = bench.figures([CLEAN, STRAGGLER, short], 0.005, 1 / 3)
+    assert least["seconds"] is None and least["ratio"] is None
+    text = bench.page_section([CLEAN, STRAGGLER, short, harmed, least])
+    assert "one worker alone took more than its run to 0.8950" in text and "longer than the lone run shows" in text
+
+
+def test_the_page_tables_the_harmed_runs_and_gives_the_bound_in_words():
+    runs = [CLEAN, STRAGGLER, LONE]
+    text = bench.page_section(runs + bench.figures(runs, 0.005, 1 / 3))
+    rows = [line for line in text.splitlines() if line.startswith("| easgd")]
+    assert len(rows) == 1 and "straggler at 0.33" in rows[0] and "80 s / 60 s = 1.33x" in rows[0]
+    assert ("The bound on easgd's straggler: one worker alone took 90 s to 0.8950; were the straggler's samples "
+            "worth the lone worker's (one worker's SGD, no averaging) at 1.33x its samples/s, the job would take 70 s,"
+            " 1.17x the clean run's (0.92x to it less the tolerance): the least any exchange rule could reach with "
+            "these cores, against the 1.2x target.") in text
