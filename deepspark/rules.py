@@ -50,6 +50,37 @@ def decayed(moving_rate, moving_rate_gamma, moving_rate_step, moving_rate_limit,
     return max(moving_rate * moving_rate_gamma ** (exchanges // moving_rate_step), moving_rate_limit)
 
 
+def rate_weighted(moving_rate, share):
+    """(the worker's pull, the center's) for a worker training at `share` (0, 1] of the fastest worker's rate
+    (DeepSparkParameter.rate_weighted): the worker moves by min(1, α / share)·(x − x̃), toward the center harder the
+    slower it trains, and the center by α·share·(x − x̃), less toward a worker that lags. share 1: (α, α)."""
+    return min(1.0, moving_rate / share), moving_rate * share
+
+
+class TrainingRates:
+    """Each worker's training rate, as the exchanger sees it: iterations a second between two of its exchanges,
+    each new figure averaged half and half with the last; and its share of the fastest rate among the workers still
+    exchanging (whose last exchange is at most STALE of their own intervals old)."""
+
+    STALE = 4
+
+    def __init__(self):
+        self.seen = {}  # worker: (monotonic seconds, iteration, seconds between its last two exchanges, rate)
+
+    def share(self, worker, iteration, now):
+        """Record `worker`'s exchange at `iteration`, `now` (time.monotonic()): its share (0, 1] of the fastest
+        live worker's rate; 1 until two of its exchanges give it a rate."""
+        last = self.seen.get(worker)
+        interval, rate = (None, None) if last is None else last[2:]
+        if last is not None and now > last[0] and iteration > last[1]:
+            interval = now - last[0]
+            measured = (iteration - last[1]) / interval
+            rate = measured if rate is None else (rate + measured) / 2
+        self.seen[worker] = (now, iteration, interval, rate)
+        live = [r for t, _, i, r in self.seen.values() if r and now - t <= self.STALE * i]
+        return 1.0 if not rate or not live else min(1.0, rate / max(live))
+
+
 # ---- when to exchange --------------------------------------------------------
 
 def periodic_due(iteration, period):

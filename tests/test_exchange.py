@@ -186,6 +186,31 @@ def test_server_factor_and_moving_rate_decay():
         srv.stop()
 
 
+def test_rate_weighting_pulls_a_worker_at_a_tenth_of_the_others_rate_to_the_center_and_moves_the_center_little():
+    """rate_weighted (the schema's default for a job): the fastest worker exchanges by the paper's rule; one training
+    at a tenth of its rate takes min(1, α / 0.1) = all of the center's pull, and moves the center by α·0.1 of x − x̃."""
+    center = np.zeros(N, dtype=np.float32)
+    handler = EasgdHandler(0.2, rate_weighted=True, consistent=True)
+    with ExchangeServer(center, SECRET, handler) as srv, ExchangeClient(srv.address, SECRET, 0) as fast, \
+            ExchangeClient(srv.address, SECRET, 1) as slow:
+        for k in range(1, 4):  # 100 iterations a round for worker 0, 10 for worker 1
+            fast.exchange(np.zeros(N, dtype=np.float32), iteration=100 * k)
+            slow.exchange(np.zeros(N, dtype=np.float32), iteration=10 * k)
+            time.sleep(0.2)
+        c = srv.pull()
+        x = c + np.float32(10.0)
+        slow.exchange(x, iteration=40)
+        np.testing.assert_allclose(x, c, atol=1e-4)  # pull 1: the slow worker takes the center
+        moved = srv.pull() - c
+        assert 0.0 < moved.min() <= moved.max() < 1.0, moved[:4]  # α·s·10 with s ~0.1; the paper's rule: 2
+        c = srv.pull()
+        x = c + np.float32(10.0)
+        fast.exchange(x, iteration=400)
+        np.testing.assert_allclose(x, c + np.float32(8.0), rtol=1e-6)  # share 1: d = α(x − x̃) = 2
+        np.testing.assert_allclose(srv.pull(), c + np.float32(2.0), rtol=1e-6)
+    assert not EasgdHandler(0.2).rates and EasgdHandler.of(ExchangeOptions.of()).rates is not None
+
+
 @pytest.mark.parametrize("consistent", [True, False])
 def test_moving_rate_decays_to_its_floor_and_the_center_moves_by_it(consistent):
     # α·γ^⌊k/step⌋ never below the floor (the proto's moving_rate_gamma / _step / _limit):

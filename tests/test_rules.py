@@ -161,3 +161,27 @@ def test_outer_optimizer_knobs_out_of_range_are_one_line(knob, value, line):
 
     with pytest.raises(ConfigError, match=re.escape(line)):
         check_deepspark(pb.DeepSparkParameter(**{knob: value}), "x.prototxt")
+
+
+def test_rate_weighting_pulls_a_slow_worker_harder_and_the_center_less_toward_it():
+    assert rules.rate_weighted(0.2, 1.0) == (0.2, 0.2)  # one pace: the paper's rule
+    pull, toward = rules.rate_weighted(0.2, 0.5)
+    assert pull == pytest.approx(0.4) and toward == pytest.approx(0.1)
+    # Never past the center: at a tenth of the top rate the worker takes the center (pull 1).
+    assert rules.rate_weighted(0.2, 0.1) == (1.0, pytest.approx(0.02))
+
+
+def test_training_rates_give_each_worker_its_share_of_the_fastest_live_one():
+    rates = rules.TrainingRates()
+    # One exchange each: no rate yet, share 1.
+    assert rates.share(0, 30, 10.0) == 1.0 and rates.share(1, 10, 10.0) == 1.0
+    # Worker 0 trains 30 iterations a second, worker 1 10.
+    assert rates.share(0, 60, 11.0) == 1.0
+    assert rates.share(1, 20, 11.0) == pytest.approx(1 / 3)
+    # A new figure counts half: worker 1 at 30 a second now has (10 + 30) / 2 = 20.
+    assert rates.share(1, 50, 12.0) == pytest.approx(2 / 3)
+    # Worker 0 stopped exchanging (more than 4 of its 1 s intervals ago): worker 1 (now (20 + 2.5) / 2 = 11.25 a
+    # second) is the fastest live one.
+    assert rates.share(1, 60, 16.0) == 1.0 and rates.seen[1][3] == pytest.approx(11.25)
+    # An exchange with no new iteration (a rejoin going on from where its worker stood) keeps the rate it had.
+    assert rates.share(1, 60, 16.5) == 1.0 and rates.seen[1][3] == pytest.approx(11.25)

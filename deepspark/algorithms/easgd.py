@@ -27,6 +27,10 @@ class EasgdHandler(Handler):
     moving_rate    α; × moving_rate_gamma every moving_rate_step exchanges, never below moving_rate_limit
                    (rules.decayed; the knobs of DeepSparkParameter)
     server_factor  scales the center's share of d
+    rate_weighted  weigh each exchange by the worker's training rate as a share s of the fastest live worker's
+                   (rules.rate_weighted, rules.TrainingRates): d = min(1, α/s)(x − x̃) back to the worker,
+                   x̃ += server_factor·α·s(x − x̃). Off here (the paper's rule, exactly); a job takes the schema's
+                   (on)
     consistent     serialise updates under a lock (deterministic tests); the default is the
                    paper's lock-free variant
     chunk          floats per slice of the update (default: transport.slice_floats by size)
@@ -43,12 +47,13 @@ class EasgdHandler(Handler):
     kind = "an asynchronous EASGD"
 
     def __init__(self, moving_rate, *, server_factor=1.0, moving_rate_gamma=1.0, moving_rate_step=0,
-                 moving_rate_limit=0.0, consistent=False, chunk=None):
+                 moving_rate_limit=0.0, rate_weighted=False, consistent=False, chunk=None):
         if not 0.0 < moving_rate <= 1.0:
             raise ValueError(f"moving_rate must be in (0, 1], got {moving_rate!r}")
         self.base_moving_rate = float(moving_rate)
         self.server_factor = float(server_factor)
         self.decay = (float(moving_rate_gamma), int(moving_rate_step), float(moving_rate_limit))
+        self.rates = rules.TrainingRates() if rate_weighted else None
         self.consistent = bool(consistent)
         self.lock = threading.Lock() if consistent else contextlib.nullcontext()
         self.copy_lock = self.send_lock = self.lock
@@ -57,11 +62,11 @@ class EasgdHandler(Handler):
 
     @classmethod
     def of(cls, options, **kwargs):
-        """The rule of a job's ExchangeOptions: its moving rate, the rate's decay and floor, and the server factor
-        (kwargs: consistent, chunk)."""
+        """The rule of a job's ExchangeOptions: its moving rate, the rate's decay and floor, the server factor and
+        the rate weighting (kwargs: consistent, chunk)."""
         return cls(options.moving_rate, server_factor=options.server_factor,
                    moving_rate_gamma=options.moving_rate_gamma, moving_rate_step=options.moving_rate_step,
-                   moving_rate_limit=options.moving_rate_limit, **kwargs)
+                   moving_rate_limit=options.moving_rate_limit, rate_weighted=options.rate_weighted, **kwargs)
 
     def attach(self, server, center):
         super().attach(server, center)
@@ -91,6 +96,11 @@ class EasgdHandler(Handler):
         n, step = center.size, self.step
         count = server.exchanges
         alpha = rules.decayed(self.base_moving_rate, *self.decay, count)
+        factor = self.server_factor
+        if self.rates is not None:
+            # d = pull·(x − x̃) to the worker; the center takes server_factor·α·s(x − x̃) = factor·d.
+            pull, toward = rules.rate_weighted(alpha, self.rates.share(wid, h.iteration, started))
+            alpha, factor = pull, factor * toward / pull
         finite = True
 
         def difference(start, end):
@@ -125,13 +135,13 @@ class EasgdHandler(Handler):
             # Committed: counted before the reply so that a worker never sees its
             # exchange done before the server's books do.
             server.committed((wid,))
-            self._reply(conn, count, self.lease(wid, h.iteration))
+            self._reply(conn, count, self.lease(wid, h.iteration), factor)
             server.record(wid, latency=time.monotonic() - started)
 
-    def _reply(self, conn, count, lease):
-        """DIFF d to the worker and x̃ += server_factor·d, overlapped (the transport's send_delta says how), with
-        the worker's `lease` (F_LEASE) in place of the exchanges' count where there is one."""
-        center, buf, scratch, factor = self.center, conn.buf, conn.scratch, self.server_factor
+    def _reply(self, conn, count, lease, factor):
+        """DIFF d to the worker and x̃ += factor·d, overlapped (the transport's send_delta says how), with the
+        worker's `lease` (F_LEASE) in place of the exchanges' count where there is one."""
+        center, buf, scratch = self.center, conn.buf, conn.scratch
 
         def add(start, end):
             rules.apply_to_center(center[start:end], buf[start:end], factor, scratch[:end - start])
@@ -230,7 +240,8 @@ class Easgd(Algorithm):
 
     def listening(self, job):
         ds = job.ds
-        return f"{job.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}"
+        return (f"{job.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}"
+                + (", weighted by each worker's share of the fastest one's rate" if ds.rate_weighted else ""))
 
     def train(self, job, task):
         results = job.run_workers(task, train_worker, job.ds.exchange_timeout)

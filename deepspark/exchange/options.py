@@ -17,6 +17,7 @@ FIELDS = {
     "moving_rate_step": "moving_rate_step",
     "moving_rate_limit": "moving_rate_limit",
     "server_factor": "server_factor",
+    "rate_weighted": "rate_weighted",   # the EASGD rule weighs each exchange by the worker's share of the top rate
 }
 
 
@@ -33,6 +34,7 @@ class ExchangeOptions:
     moving_rate_step: int
     moving_rate_limit: float
     server_factor: float
+    rate_weighted: bool
 
     @classmethod
     def of(cls, ds=None, **changes):
