@@ -9,11 +9,15 @@ test_interval (--test-interval, 100: the curve's points; the driver tests off th
 run's clock starts at the driver's Solving line; its time to an accuracy is the first test that reached
 it. The kills are tools/chaos.py's --every (each on the clock, whatever the last rejoin took); the
 straggler is its Throttle (SIGSTOP/SIGCONT, as cpulimit does). One JSON line per run (its test points,
-kills and rejoins, the machine's load average at its start and end), then one per harmed run: its ratio
+kills and rejoins, the machine's load average at its start and end), then one per harmed run (each trains
+ROOM, 1.5, times the clean run's iterations, so that a late reach is timed): its ratio
 to the clean run's time to that run's final accuracy (and to it less --tolerance, 0.005: a harmed run's
 last test can fall a few hundredths of a point short of a clean run's by the tests' noise alone), against
-the target (kills 1.3x, easgd's straggler 1.2x; sync's straggler has none: it is shown beside). --plot
-draws test accuracy against time; --figures recomputes the ratios and the plot from a file's run records.
+the target (kills 1.3x, easgd's straggler 1.2x; sync's straggler has none: it is shown beside). For easgd
+two more runs: the straggler under the paper's rule (--no-rate-weighted, beside the default's), and one
+worker alone (--workers 1), whose time to the clean run's final accuracy bounds the straggler's: the
+least any exchange rule could take with these cores (figure "straggler's bound"). --plot draws test
+accuracy against time; --figures recomputes the ratios and the plot from a file's run records.
 """
 
 import argparse
@@ -49,6 +53,8 @@ REJOINED = re.compile(r"Worker (\d+) rejoined the exchanger .*, ([\d.]+)s after 
 STARTUP = re.compile(r"Start-up of worker (\d+): .*\(attempt (\d+)\) to its first step done: (.*)$", re.M)
 TARGETS = {"kill": 1.3, "straggler": {"easgd": 1.2}}
 LONE = "one worker alone"  # the run the straggler's bound is drawn from
+UNWEIGHTED = "the paper's rule"  # a straggler run without rate_weighted
+ROOM = 1.5  # the harmed and lone runs' iterations, in the clean run's: room to reach its final accuracy late
 
 
 def solver_file(folder, test_interval):
@@ -89,11 +95,12 @@ def time_to(points, accuracy):
     return next((seconds for seconds, _, reached in points if reached >= accuracy), None)
 
 
-def run(args, folder, name, algorithm, harm=None, workers=2, iterations=None):
-    """One training run (`harm`: "kill", "straggler" or None) of `workers` workers: its record."""
+def run(args, folder, name, algorithm, harm=None, workers=2, iterations=None, flags=()):
+    """One training run (`harm`: "kill", "straggler" or None) of `workers` workers, with the CLI's `flags` over the
+    solver's: its record."""
     iterations = iterations or args.iterations
     out = os.path.join(folder, f"{algorithm}-{name}")
-    flags = ["--master", args.master] if args.master != "local" else []
+    flags = [*flags, *(["--master", args.master] if args.master != "local" else [])]
     load = os.getloadavg()[0]
     driver = subprocess.Popen([sys.executable, "-m", "deepspark.cli", "train", "--solver", args.solver,
                                "--iterations", str(iterations), "--output", out, "--algorithm", algorithm,
@@ -133,6 +140,12 @@ def run(args, folder, name, algorithm, harm=None, workers=2, iterations=None):
     return record
 
 
+def room(args):
+    """The iterations of a run measured against the clean run's: ROOM times its, so that a run that reaches the
+    clean run's final accuracy later than the clean run's end has its time measured, not "not reached"."""
+    return int(args.iterations * ROOM)
+
+
 def start_harm(args, harm, port, ended):
     """The harm of a run, started on the exchanger at `port`: kills every args.every s, or a straggler."""
     if harm == "kill":
@@ -146,9 +159,11 @@ def figure(clean, harmed, tolerance):
     less `tolerance` (a test's noise: the harmed run's last test may fall a few hundredths of a point short of it)."""
     algorithm, harm = harmed["algorithm"], "kill" if "kills" in harmed else "straggler"
     target = TARGETS[harm].get(algorithm) if isinstance(TARGETS[harm], dict) else TARGETS[harm]
+    target = None if UNWEIGHTED in harmed["run"] else target  # the default's comparison, not the default
     record = {"bench": "chaos", "algorithm": algorithm, "figure": harmed["run"], "accuracy": clean["final_accuracy"],
               "tolerance": tolerance, "finished": harmed["returncode"] == 0, "target": target,
-              "harmed_final_accuracy": harmed["final_accuracy"]}
+              "harmed_final_accuracy": harmed["final_accuracy"], "harmed_iterations": harmed["iterations"],
+              "clean_iterations": clean["iterations"]}
     for suffix, accuracy in (("", clean["final_accuracy"]), ("_within", clean["final_accuracy"] - tolerance)):
         base, took = time_to(clean["points"], accuracy), time_to(harmed["points"], accuracy)
         ratio = None if took is None or not base else round(took / base, 3)
@@ -219,7 +234,8 @@ def page_section(records, data_folder=None):
         return missing("staying power: kills every 15 s and a straggler",
                        "OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/chaos.py")
     said = {True: "met", False: "not met", None: "no target"}
-    rows = [[f["algorithm"], f["figure"], cell(f["accuracy"], 4), cell(f["harmed_final_accuracy"], 4),
+    rows = [[f["algorithm"], f["figure"], cell(f["accuracy"], 4), f"{cell(f['harmed_final_accuracy'], 4)} ({f['harmed_iterations']:,} / {f['clean_iterations']:,})"
+             if f.get("harmed_iterations") else cell(f["harmed_final_accuracy"], 4),
              *[f"{cell(f['seconds' + s], 0, ' s') if f['seconds' + s] is not None else 'not reached'} / "
                f"{cell(f['clean_seconds' + s], 0, ' s')} = {cell(f['ratio' + s], 2, 'x')}" for s in ("", "_within")],
              f"{f['target']}x: {said[f['meets_target']]}, {said[f['meets_target_within']]}" if f["target"]
@@ -227,7 +243,7 @@ def page_section(records, data_folder=None):
     kills = [r for r in runs if "kills" in r]
     loads = [x for r in runs for x in r.get("load_average", [])]
     text = ("## Staying power: a kill every 15 s, a straggler (#45)\n\n"
-            + table(["algorithm", "run", "clean run's final accuracy", "run's final accuracy",
+            + table(["algorithm", "run", "clean run's final accuracy", "run's final accuracy (its iterations / the clean's)",
                      "time to the clean's final accuracy: run / clean",
                      f"to it less {found[0]['tolerance']:g}: run / clean",
                      "target (strict, less the tolerance)"], rows)
@@ -325,16 +341,23 @@ def main():
                 _results.emit(clean, args.out)
                 for name, harm in ((f"kill every {args.every:g} s", "kill"),
                                    (f"straggler at {args.share:.2f}", "straggler")):
-                    harmed = run(args, folder, name, algorithm, harm)
+                    harmed = run(args, folder, name, algorithm, harm, iterations=room(args))
                     records.append(harmed)
                     _results.emit(harmed, args.out)
                     for record in figures([clean, harmed], args.tolerance):
                         records.append(record)
                         _results.emit(record, args.out)
                 if algorithm in TARGETS["straggler"] and not args.smoke:
-                    # The bound on the straggler's time: one worker alone, half again the iterations (one
-                    # worker's SGD may need more samples than the clean run's to its accuracy).
-                    lone = run(args, folder, LONE, algorithm, workers=1, iterations=args.iterations * 3 // 2)
+                    # The same straggler under the paper's rule (no rate weighting), for the weighting's effect.
+                    paper = run(args, folder, f"straggler at {args.share:.2f}, {UNWEIGHTED}", algorithm, "straggler",
+                                iterations=room(args), flags=["--no-rate-weighted"])
+                    records.append(paper)
+                    _results.emit(paper, args.out)
+                    for record in figures([clean, paper], args.tolerance):
+                        records.append(record)
+                        _results.emit(record, args.out)
+                    # The bound on the straggler's time: one worker alone.
+                    lone = run(args, folder, LONE, algorithm, workers=1, iterations=room(args))
                     records.append(lone)
                     _results.emit(lone, args.out)
                     for record in figures([clean, lone], args.tolerance, args.share):
