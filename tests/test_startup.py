@@ -1,5 +1,6 @@
 """What a job itself costs (#14): the workers' start-up in parts, a driver without TensorFlow while its workers train, Python workers forked with the backend loaded; bench/startup.py's page section."""
 
+import importlib.util
 import json
 import os
 import re
@@ -232,3 +233,27 @@ def test_the_page_section_tables_the_runs_and_says_whether_each_target_is_met(tm
     slower = startup.page_section(records[:2] + [record("easgd", 4.5, 1400, 1400, workers=2)], str(tmp_path))
     assert "not met (2.14x" in slower and "not met (1,400 MB alone" in slower
     assert "Not measured yet" in startup.page_section([], str(tmp_path))
+
+
+def test_the_archive_tool_keeps_its_own_archive_and_the_three_newest_of_other_checkouts(tmp_path):
+    """tools/jvm-archive.py's prune: a fresh clone's `make` (CI's every run) writes a ~70 MB archive of its own; the
+    cache folder keeps this checkout's and KEEP others, the most recently written, and no day-old partial file."""
+    spec = importlib.util.spec_from_file_location("jvm_archive_tool", os.path.join(ROOT, "tools", "jvm-archive.py"))
+    tool = importlib.util.module_from_spec(spec)  # by its path: tools/ on sys.path would shadow bench/'s chaos.py
+    spec.loader.exec_module(tool)
+    now = time.time()
+    paths = []
+    for age in range(6):  # spark-...-0 the newest
+        path = tmp_path / f"spark-4.3.0-{age}-classes.jsa"
+        path.write_bytes(b"x")
+        os.utime(path, (now - age * 60, now - age * 60))
+        paths.append(path)
+    ours = paths[5]  # this checkout's, the oldest of all: kept whatever its age
+    leftover, fresh = tmp_path / "spark-4.3.0-9-classes.jsa.7.partial", tmp_path / "spark-4.3.0-8-classes.jsa.8.partial"
+    leftover.write_bytes(b"x")
+    fresh.write_bytes(b"x")
+    os.utime(leftover, (now - 2 * 86400, now - 2 * 86400))
+    removed = tool.prune(str(ours))
+    assert sorted(removed) == sorted(str(p) for p in (paths[3], paths[4], leftover))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [p.name for p in (*paths[:3], ours)] + [fresh.name])  # a partial file being written now stays
