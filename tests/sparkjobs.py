@@ -1,6 +1,7 @@
 """Helpers of the Spark tests: run a training driver (or several runs in one), read its log as it goes; the fault harness."""
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from conftest import ROOT
@@ -133,16 +135,28 @@ def free_ports(count):
 
 
 @contextlib.contextmanager
+def machine_lock(name):
+    """Held by one test of all the test runs on this machine at a time (an flock on a file in the temporary folder):
+    for what takes a port or a name that every run would take."""
+    with open(os.path.join(tempfile.gettempdir(), f"deepspark-test-{name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@contextlib.contextmanager
 def cluster(folder, hide=None, gpus=0):
     """tools/spark-cluster.sh's master and two workers on free ports, in folder/cluster; `hide`: a folder
     the workers must not see; `gpus`: GPU addresses each worker offers (GPUS). Yields (master URL, cluster
     folder)."""
-    base = free_ports(4)  # the master, its web UI, and the two workers' web UIs after it
-    env = {**os.environ, "CLUSTER_DIR": str(folder / "cluster"), "SPARK_MASTER_PORT": str(base),
-           "SPARK_MASTER_WEBUI_PORT": str(base + 1), "VENV": os.path.dirname(os.path.dirname(sys.executable)),
-           "HIDE_FROM_WORKERS": str(hide or ""), "GPUS": str(gpus)}
     script = os.path.join(ROOT, "tools", "spark-cluster.sh")
-    started = subprocess.run(["bash", script, "start"], env=env, capture_output=True, text=True, timeout=180)
+    # Another test run on this machine (a second checkout's `make test`) picks its ports only once this cluster has
+    # bound its own: free_ports alone lets two runs probe the same free ports at once.
+    with machine_lock("cluster-ports"):
+        base = free_ports(4)  # the master, its web UI, and the two workers' web UIs after it
+        env = {**os.environ, "CLUSTER_DIR": str(folder / "cluster"), "SPARK_MASTER_PORT": str(base),
+               "SPARK_MASTER_WEBUI_PORT": str(base + 1), "VENV": os.path.dirname(os.path.dirname(sys.executable)),
+               "HIDE_FROM_WORKERS": str(hide or ""), "GPUS": str(gpus)}
+        started = subprocess.run(["bash", script, "start"], env=env, capture_output=True, text=True, timeout=180)
     assert started.returncode == 0, started.stdout + started.stderr
     try:
         yield f"spark://127.0.0.1:{base}", folder / "cluster"

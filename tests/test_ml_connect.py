@@ -25,7 +25,11 @@ from pyspark.sql import types as T  # noqa: E402
 
 from deepspark.ml import DeepSparkModel  # noqa: E402
 from deepspark.spark.session import spark_session, stop_context  # noqa: E402
+from sparkjobs import machine_lock  # noqa: E402
 
+# The port of pyspark's local Spark Connect server (remote("local[...]")): one per machine, so another test run's
+# server waits for this one's to end (two at once: "Failed to bind to address 0.0.0.0:15002").
+CONNECT_PORT = "spark-connect-15002"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEPLOY = os.path.join(ROOT, "models", "lenet", "deploy.prototxt")
 TEST = os.path.join(ROOT, "data", "fashion_mnist_test_lmdb")
@@ -116,8 +120,9 @@ def test_transform_under_spark_connect_gives_classic_sparks_outputs(tmp_path):
                                    if os.path.abspath(p) != os.path.abspath(venv_bin))}
     for name in ("PYSPARK_PYTHON", "VIRTUAL_ENV"):
         env.pop(name, None)
-    done = subprocess.run([sys.executable, str(script), DEPLOY, weights, data, str(tmp_path / "connect.npz"),
-                           str(saved)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    with machine_lock(CONNECT_PORT):
+        done = subprocess.run([sys.executable, str(script), DEPLOY, weights, data, str(tmp_path / "connect.npz"),
+                               str(saved)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().splitlines()[-1] == (
         "fit runs the training job through a SparkContext, which Spark Connect does not give; fit in classic Spark "
@@ -164,8 +169,9 @@ def test_a_connect_server_whose_workers_lack_what_transform_runs_is_one_line_nam
     script = tmp_path / "workers.py"
     script.write_text(WORKERS)
     env = {**os.environ, "PYSPARK_PYTHON": system, "SPARK_LOCAL_IP": "127.0.0.1"}
-    done = subprocess.run([sys.executable, str(script), DEPLOY, weights], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    with machine_lock(CONNECT_PORT):
+        done = subprocess.run([sys.executable, str(script), DEPLOY, weights], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     said = done.stdout.strip().splitlines()[-1]
     # deepspark itself the workers find on PYTHONPATH, as this test's server has it.

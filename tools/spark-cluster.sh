@@ -74,13 +74,13 @@ start() {
     mkdir -p "$dir/work-$i"
     start_worker "$i"
   done
-  for _ in $(seq 1 120); do
+  for _ in $(seq 1 240); do
     if [ "$(alive_workers)" -ge "$workers" ]; then
       echo "[cluster] ready: $url with $workers workers ALIVE"; return 0
     fi
     sleep 0.5
   done
-  echo "[cluster] workers did not register within 60 s; logs in $dir" >&2
+  echo "[cluster] workers did not register within 120 s; logs in $dir" >&2
   tail -n 20 "$dir"/*.log >&2 || true
   stop
   return 1
@@ -119,11 +119,13 @@ add_worker() {
   echo "[cluster] adding worker $1 ($cores core, $memory)"
   mkdir -p "$dir/work-$1"
   start_worker "$1"
-  for _ in $(seq 1 120); do
+  # As long as start's wait for all of them: a JVM on a loaded machine (another test run beside this one) has taken
+  # more than 60 s to register.
+  for _ in $(seq 1 240); do
     if [ "$(alive_workers)" -gt "$before" ]; then echo "[cluster] worker $1 ALIVE"; return 0; fi
     sleep 0.5
   done
-  echo "[cluster] worker $1 did not register within 60 s; its log: $dir/worker-$1.log" >&2
+  echo "[cluster] worker $1 did not register within 120 s; its log: $dir/worker-$1.log" >&2
   return 1
 }
 
