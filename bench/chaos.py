@@ -140,10 +140,15 @@ def run(args, folder, name, algorithm, harm=None, workers=2, iterations=None, fl
     return record
 
 
-def room(args):
-    """The iterations of a run measured against the clean run's: ROOM times its, so that a run that reaches the
-    clean run's final accuracy later than the clean run's end has its time measured, not "not reached"."""
-    return int(args.iterations * ROOM)
+def measured_runs(args, algorithm):
+    """The runs measured against `algorithm`'s clean run, as (name, harm, run's keywords): a kill every args.every
+    s and a straggler; for a straggler target, the straggler under the paper's rule (no rate weighting: the
+    weighting's effect) and one worker alone (the straggler's bound)."""
+    runs = [(f"kill every {args.every:g} s", "kill", {}), (f"straggler at {args.share:.2f}", "straggler", {})]
+    if algorithm in TARGETS["straggler"] and not args.smoke:
+        runs += [(f"straggler at {args.share:.2f}, {UNWEIGHTED}", "straggler", {"flags": ["--no-rate-weighted"]}),
+                 (LONE, None, {"workers": 1})]
+    return runs
 
 
 def start_harm(args, harm, port, ended):
@@ -234,8 +239,8 @@ def page_section(records, data_folder=None):
         return missing("staying power: kills every 15 s and a straggler",
                        "OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/chaos.py")
     said = {True: "met", False: "not met", None: "no target"}
-    rows = [[f["algorithm"], f["figure"], cell(f["accuracy"], 4), f"{cell(f['harmed_final_accuracy'], 4)} ({f['harmed_iterations']:,} / {f['clean_iterations']:,})"
-             if f.get("harmed_iterations") else cell(f["harmed_final_accuracy"], 4),
+    rows = [[f["algorithm"], f["figure"], cell(f["accuracy"], 4),
+             f"{cell(f['harmed_final_accuracy'], 4)} ({f['harmed_iterations']:,} / {f['clean_iterations']:,})",
              *[f"{cell(f['seconds' + s], 0, ' s') if f['seconds' + s] is not None else 'not reached'} / "
                f"{cell(f['clean_seconds' + s], 0, ' s')} = {cell(f['ratio' + s], 2, 'x')}" for s in ("", "_within")],
              f"{f['target']}x: {said[f['meets_target']]}, {said[f['meets_target_within']]}" if f["target"]
@@ -243,7 +248,8 @@ def page_section(records, data_folder=None):
     kills = [r for r in runs if "kills" in r]
     loads = [x for r in runs for x in r.get("load_average", [])]
     text = ("## Staying power: a kill every 15 s, a straggler (#45)\n\n"
-            + table(["algorithm", "run", "clean run's final accuracy", "run's final accuracy (its iterations / the clean's)",
+            + table(["algorithm", "run", "clean run's final accuracy",
+                     "run's final accuracy (its iterations / the clean's)",
                      "time to the clean's final accuracy: run / clean",
                      f"to it less {found[0]['tolerance']:g}: run / clean",
                      "target (strict, less the tolerance)"], rows)
@@ -339,28 +345,10 @@ def main():
                 clean = run(args, folder, "clean", algorithm)
                 records.append(clean)
                 _results.emit(clean, args.out)
-                for name, harm in ((f"kill every {args.every:g} s", "kill"),
-                                   (f"straggler at {args.share:.2f}", "straggler")):
-                    harmed = run(args, folder, name, algorithm, harm, iterations=room(args))
-                    records.append(harmed)
-                    _results.emit(harmed, args.out)
-                    for record in figures([clean, harmed], args.tolerance):
-                        records.append(record)
-                        _results.emit(record, args.out)
-                if algorithm in TARGETS["straggler"] and not args.smoke:
-                    # The same straggler under the paper's rule (no rate weighting), for the weighting's effect.
-                    paper = run(args, folder, f"straggler at {args.share:.2f}, {UNWEIGHTED}", algorithm, "straggler",
-                                iterations=room(args), flags=["--no-rate-weighted"])
-                    records.append(paper)
-                    _results.emit(paper, args.out)
-                    for record in figures([clean, paper], args.tolerance):
-                        records.append(record)
-                        _results.emit(record, args.out)
-                    # The bound on the straggler's time: one worker alone.
-                    lone = run(args, folder, LONE, algorithm, workers=1, iterations=room(args))
-                    records.append(lone)
-                    _results.emit(lone, args.out)
-                    for record in figures([clean, lone], args.tolerance, args.share):
+                for name, harm, knobs in measured_runs(args, algorithm):
+                    measured = run(args, folder, name, algorithm, harm, iterations=int(args.iterations * ROOM),
+                                   **knobs)
+                    for record in [measured, *figures([clean, measured], args.tolerance, args.share)]:
                         records.append(record)
                         _results.emit(record, args.out)
         finally:

@@ -1,6 +1,8 @@
 """bench/chaos.py's figures: each harmed run's ratio to its clean run, and the straggler's bound drawn from a lone
 worker's run, on the page apart from the table."""
 
+import argparse
+
 from conftest import load_script
 
 bench = load_script("bench/chaos.py", "bench_chaos")
@@ -48,3 +50,15 @@ def test_the_page_tables_the_harmed_runs_and_gives_the_bound_in_words():
             "worth the lone worker's (one worker's SGD, no averaging) at 1.33x its samples/s, the job would take 70 s,"
             " 1.17x the clean run's (0.92x to it less the tolerance): the least any exchange rule could reach with "
             "these cores, against the 1.2x target.") in text
+
+
+def test_easgd_is_measured_beside_its_straggler_under_the_papers_rule_and_alone_and_sync_is_not():
+    args = argparse.Namespace(every=15.0, share=1 / 3, smoke=False)
+    easgd = bench.measured_runs(args, "easgd")
+    assert [(name, harm) for name, harm, _ in easgd] == [
+        ("kill every 15 s", "kill"), ("straggler at 0.33", "straggler"),
+        ("straggler at 0.33, the paper's rule", "straggler"), (bench.LONE, None)]
+    assert [knobs for _, _, knobs in easgd[2:]] == [{"flags": ["--no-rate-weighted"]}, {"workers": 1}]
+    assert [name for name, _, _ in bench.measured_runs(args, "sync")] == ["kill every 15 s", "straggler at 0.33"]
+    args.smoke = True  # make bench-smoke: the two harms only
+    assert len(bench.measured_runs(args, "easgd")) == 2

@@ -3,8 +3,9 @@ driver's options runs a small local job and writes the classes it loaded as it e
 -XX:ArchiveClassesAtExit). `make setup` runs this; an archive already there is kept. Run it again after changing the
 JDK (a JVM that cannot use the archive starts without it). Each checkout's pyspark has an archive of its own (~70
 MB): of the others in the cache folder only the KEEP most recently written stay, so that fresh clones (CI) do not
-fill the disk; a checkout whose archive went writes it again at its next `make`. A job reading Parquet loads Spark SQL's classes beyond it:
-an archive of those too costs a LeNet job more memory than it saves a session's start (bench/startup.py).
+fill the disk; a checkout whose archive went writes it again at its next `make`. A job reading Parquet loads Spark
+SQL's classes beyond it: an archive of those too costs a LeNet job more memory than it saves a session's start
+(bench/startup.py).
 
     .venv/bin/python tools/jvm-archive.py [--force]
 """
@@ -35,12 +36,13 @@ def prune(archive, keep=KEEP):
                     key=os.path.getmtime, reverse=True)
     stale = [p for p in glob.glob(os.path.join(folder, "spark-*-classes.jsa.*.partial"))
              if time.time() - os.path.getmtime(p) > 86400]
-    for path in others[keep:] + stale:
+    removed = others[keep:] + stale
+    for path in removed:
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass  # another checkout's make pruned it first
-    return others[keep:] + stale
+    return removed
 
 
 def main():

@@ -53,6 +53,20 @@ start_worker() {
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+# How long start and add-worker wait for Workers to register: a JVM on a loaded machine (another test run beside
+# this one) has taken more than 60 s.
+REGISTER_SECONDS=120
+
+# Waits until at least $1 workers are ALIVE on the master; fails after REGISTER_SECONDS.
+await_workers() {
+  local _
+  for _ in $(seq 1 $((REGISTER_SECONDS * 2))); do
+    [ "$(alive_workers)" -ge "$1" ] && return 0
+    sleep 0.5
+  done
+  return 1
+}
+
 alive_workers() {
   curl -fsS "http://127.0.0.1:$webui/json/" 2>/dev/null |
     "$venv/bin/python" -c 'import json,sys; print(sum(w["state"]=="ALIVE" for w in json.load(sys.stdin)["workers"]))' 2>/dev/null || echo 0
@@ -74,13 +88,10 @@ start() {
     mkdir -p "$dir/work-$i"
     start_worker "$i"
   done
-  for _ in $(seq 1 240); do
-    if [ "$(alive_workers)" -ge "$workers" ]; then
-      echo "[cluster] ready: $url with $workers workers ALIVE"; return 0
-    fi
-    sleep 0.5
-  done
-  echo "[cluster] workers did not register within 120 s; logs in $dir" >&2
+  if await_workers "$workers"; then
+    echo "[cluster] ready: $url with $workers workers ALIVE"; return 0
+  fi
+  echo "[cluster] workers did not register within $REGISTER_SECONDS s; logs in $dir" >&2
   tail -n 20 "$dir"/*.log >&2 || true
   stop
   return 1
@@ -119,13 +130,8 @@ add_worker() {
   echo "[cluster] adding worker $1 ($cores core, $memory)"
   mkdir -p "$dir/work-$1"
   start_worker "$1"
-  # As long as start's wait for all of them: a JVM on a loaded machine (another test run beside this one) has taken
-  # more than 60 s to register.
-  for _ in $(seq 1 240); do
-    if [ "$(alive_workers)" -gt "$before" ]; then echo "[cluster] worker $1 ALIVE"; return 0; fi
-    sleep 0.5
-  done
-  echo "[cluster] worker $1 did not register within 120 s; its log: $dir/worker-$1.log" >&2
+  if await_workers $((before + 1)); then echo "[cluster] worker $1 ALIVE"; return 0; fi
+  echo "[cluster] worker $1 did not register within $REGISTER_SECONDS s; its log: $dir/worker-$1.log" >&2
   return 1
 }
 
