@@ -114,8 +114,10 @@ def test_every_n_seconds_kills_on_the_clock_until_the_job_ends(exchanger):
 
 def test_a_throttled_worker_runs_a_share_of_the_time_and_runs_on_after(exchanger):
     port, accept = exchanger
-    spin = ("import socket, sys, time; s = socket.create_connection(('127.0.0.1', int(sys.argv[1]))); "
-            "end = time.monotonic() + 60\nwhile time.monotonic() < end: pass")
+    # It opens and closes a file as it spins, as a worker reading its data does: an fd closed between the harness's
+    # listing of its fds and its look at each is not the worker leaving the exchanger.
+    spin = ("import os, socket, sys, time; s = socket.create_connection(('127.0.0.1', int(sys.argv[1]))); "
+            "end = time.monotonic() + 60\nwhile time.monotonic() < end: os.close(os.open(os.devnull, os.O_RDONLY))")
     worker = subprocess.Popen([sys.executable, "-c", spin, str(port)])
     try:
         connected(port, accept, 1)

@@ -73,10 +73,13 @@ def exchanger_connections(port):
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds]
         except OSError:  # gone, or not ours to read
             continue
-        for link in links:
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed since the listing (a worker opens and closes files as it reads): not a socket
+                continue
             if link in sockets:
                 found[sockets[link]] = int(pid)
     return found
