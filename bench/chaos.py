@@ -135,6 +135,8 @@ def run(args, folder, name, algorithm, harm=None, workers=2, iterations=None, fl
                                                 if k.seconds_to_rejoin is not None]
         record["rejoins"] = [[int(w), float(s)] for w, s in REJOINED.findall(text)]
         record["startups"] = [[int(w), int(a), parts] for w, a, parts in STARTUP.findall(text)]
+    if harm == "straggler" and harness is not None:  # a hold let go before the job's end is a straggler no longer
+        record["straggler_held_seconds"], record["straggler_released"] = harness.held, harness.released
     if driver.returncode:
         record["error"] = stderr.strip().splitlines()[-1] if stderr.strip() else "no message"
     return record

@@ -128,6 +128,7 @@ def test_a_throttled_worker_runs_a_share_of_the_time_and_runs_on_after(exchanger
         share = (cpu_seconds(worker.pid) - before) / 2.0
         throttle.stop()
         assert throttle.pid == worker.pid and share < 0.45, share  # stopped 3/4 of the time; unthrottled, a core
+        assert throttle.released == "stopped" and throttle.held >= 2.0, (throttle.released, throttle.held)
         before = cpu_seconds(worker.pid)
         time.sleep(1.0)
         assert cpu_seconds(worker.pid) - before > 0.05  # SIGCONT at the end: it runs on

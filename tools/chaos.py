@@ -323,11 +323,14 @@ class Chaos:
 class Throttle:
     """A straggler: one worker connected to the exchanger on `port` (the first seen) held to `share` of the wall
     clock, SIGCONT for share x `period` s and SIGSTOP for the rest, as cpulimit does, until it leaves the exchanger
-    (it finished, or died), the job ends or stop(); then it runs on. `pid` is the worker held (None before)."""
+    (it finished, or died), the job ends or stop(); then it runs on. `pid` is the worker held (None before);
+    `held` the seconds from its first hold to its release and `released` why it was let go ("left", "died",
+    "ended", "stopped"; None before)."""
 
     def __init__(self, port, share=1 / 3, period=0.3, ended=lambda: False, timeout=300.0):
         self.port, self.share, self.period, self.ended, self.timeout = port, share, period, ended, timeout
         self.pid, self.stopping, self._thread = None, threading.Event(), None
+        self.held, self.released = None, None
 
     def run(self):
         deadline = time.monotonic() + self.timeout
@@ -335,19 +338,26 @@ class Throttle:
             connected = exchanger_connections(self.port)
             self.pid = connected[min(connected)] if connected else None
             time.sleep(POLL_SECONDS)
+        start, why = time.monotonic(), None
         try:
-            while self.pid is not None and not self.ended() and not self.stopping.is_set():
+            while self.pid is not None and why is None:
                 os.kill(self.pid, signal.SIGCONT)
-                if self.stopping.wait(self.share * self.period) or self.pid not in exchanger_clients(self.port):
-                    break
-                os.kill(self.pid, signal.SIGSTOP)
-                self.stopping.wait((1 - self.share) * self.period)
-        except ProcessLookupError:  # it died
-            pass
+                if self.stopping.wait(self.share * self.period):
+                    why = "stopped"
+                elif self.ended():
+                    why = "ended"
+                elif self.pid not in exchanger_clients(self.port):
+                    why = "left"
+                else:
+                    os.kill(self.pid, signal.SIGSTOP)
+                    self.stopping.wait((1 - self.share) * self.period)
+        except ProcessLookupError:
+            why = "died"
         finally:
             if self.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pid, signal.SIGCONT)
+                self.held, self.released = round(time.monotonic() - start, 2), why or "stopped"
 
     def start(self):
         """run() in a thread; stop() ends it."""
