@@ -1,8 +1,8 @@
 """Staying power (#45): `make demo`'s job (LeNet on Fashion-MNIST, 2 workers; real data) on a standalone cluster on 127.0.0.1, clean, with a worker SIGKILLed every 15 s from the first exchange to the end, and with one worker throttled to a third, for easgd and sync; each run's time to the clean run's final test accuracy as a ratio to the clean run's, all in one invocation.
 
     OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/chaos.py [--iterations 4000] [--every 15]
-        [--share 0.333] [--algorithms easgd sync] [--master cluster|local|spark://...] [--quick] [--smoke]
-        [--out bench/measured_chaos.jsonl] [--plot docs/chaos.png]
+        [--share 0.333] [--algorithms easgd sync] [--repeats 1] [--master cluster|local|spark://...] [--quick]
+        [--smoke] [--out bench/measured_chaos.jsonl] [--plot docs/chaos.png]
 
 The solver is models/lenet/solver.prototxt with its defaults (the failure budget, the exchange) but
 test_interval (--test-interval, 100: the curve's points; the driver tests off the workers' clock). A
@@ -16,8 +16,12 @@ last test can fall a few hundredths of a point short of a clean run's by the tes
 the target (kills 1.3x, easgd's straggler 1.2x; sync's straggler has none: it is shown beside). For easgd
 two more runs: the straggler under the paper's rule (--no-rate-weighted, beside the default's), and one
 worker alone (--workers 1), whose time to the clean run's final accuracy bounds the straggler's: the
-least any exchange rule could take with these cores (figure "straggler's bound"). --plot draws test
-accuracy against time; --figures recomputes the ratios and the plot from a file's run records.
+least any exchange rule could take with these cores (figure "straggler's bound"). Each figure also says what its
+time ratio is made of: the run's samples/s (its workers' iterations over their training time, from the driver's
+Worker lines) and the samples it trained to the accuracy, each against the clean run's. --repeats N runs an
+algorithm's clean and harmed runs N rounds, each harmed run against its own round's clean run, and the page shows
+the median round with the range. --plot draws test accuracy against time; --figures recomputes the ratios and the
+plot from a file's run records.
 """
 
 import argparse
@@ -50,6 +54,7 @@ STAMP = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+) ")
 TESTING = re.compile(r"\] Iteration (\d+), Testing net")
 ACCURACY = re.compile(r"Test net output #\d+: accuracy = ([\d.]+)")
 REJOINED = re.compile(r"Worker (\d+) rejoined the exchanger .*, ([\d.]+)s after its loss")
+TRAINED = re.compile(r"Worker (\d+) on \S+ \(in [^)]*\): (\d+) iterations, .*?, trained ([\d.]+)s")
 STARTUP = re.compile(r"Start-up of worker (\d+): .*\(attempt (\d+)\) to its first step done: (.*)$", re.M)
 TARGETS = {"kill": 1.3, "straggler": {"easgd": 1.2}}
 LONE = "one worker alone"  # the run the straggler's bound is drawn from
@@ -95,11 +100,11 @@ def time_to(points, accuracy):
     return next((seconds for seconds, _, reached in points if reached >= accuracy), None)
 
 
-def run(args, folder, name, algorithm, harm=None, workers=2, iterations=None, flags=()):
+def run(args, folder, name, algorithm, harm=None, workers=2, iterations=None, flags=(), repeat=0):
     """One training run (`harm`: "kill", "straggler" or None) of `workers` workers, with the CLI's `flags` over the
-    solver's: its record."""
+    solver's, in the invocation's `repeat`th round: its record."""
     iterations = iterations or args.iterations
-    out = os.path.join(folder, f"{algorithm}-{name}")
+    out = os.path.join(folder, f"{algorithm}-{name}-{repeat}")
     flags = [*flags, *(["--master", args.master] if args.master != "local" else [])]
     load = os.getloadavg()[0]
     driver = subprocess.Popen([sys.executable, "-m", "deepspark.cli", "train", "--solver", args.solver,
@@ -124,8 +129,9 @@ def run(args, folder, name, algorithm, harm=None, workers=2, iterations=None, fl
         with open(log.path, encoding="utf-8") as stream:
             text = stream.read()
     points = test_points(text)
-    record = {"bench": "chaos", "algorithm": algorithm, "run": name, "iterations": iterations, "workers": workers,
-              "master": args.master, "returncode": driver.returncode, "points": points,
+    record = {"bench": "chaos", "algorithm": algorithm, "run": name, "repeat": repeat, "iterations": iterations,
+              "workers": workers, "master": args.master, "returncode": driver.returncode, "points": points,
+              "trained": [[int(w), int(n), float(s)] for w, n, s in TRAINED.findall(text)],
               "final_accuracy": points[-1][2] if points else None, "load_average": [round(load, 2),
                                                                                      round(os.getloadavg()[0], 2)]}
     if harm == "kill":
@@ -161,16 +167,35 @@ def start_harm(args, harm, port, ended):
     return chaos.Throttle(port, args.share, ended=ended, timeout=600).start()
 
 
+def samples_per_second(record):
+    """The batches a second the run's workers trained together (each worker's iterations over its training time,
+    summed; the net's batch is the same in every run), from its Worker lines; None without them."""
+    rates = [iterations / seconds for _, iterations, seconds in record.get("trained") or [] if seconds > 0]
+    return sum(rates) or None
+
+
+def samples_to(record, accuracy):
+    """The batches (the job's iteration × its workers) the run trained to its first test at or above `accuracy`
+    (None: never)."""
+    return next((iteration * record["workers"] for _, iteration, reached in record["points"] if reached >= accuracy),
+                None)
+
+
 def figure(clean, harmed, tolerance):
     """The ratio record of a harmed run against its clean run: time to the clean run's final accuracy, and to it
-    less `tolerance` (a test's noise: the harmed run's last test may fall a few hundredths of a point short of it)."""
+    less `tolerance` (a test's noise: the harmed run's last test may fall a few hundredths of a point short of it);
+    and what the time ratio is made of, the run's samples/s and the samples it took, each against the clean's."""
     algorithm, harm = harmed["algorithm"], "kill" if "kills" in harmed else "straggler"
     target = TARGETS[harm].get(algorithm) if isinstance(TARGETS[harm], dict) else TARGETS[harm]
     target = None if UNWEIGHTED in harmed["run"] else target  # the default's comparison, not the default
     record = {"bench": "chaos", "algorithm": algorithm, "figure": harmed["run"], "accuracy": clean["final_accuracy"],
               "tolerance": tolerance, "finished": harmed["returncode"] == 0, "target": target,
               "harmed_final_accuracy": harmed["final_accuracy"], "harmed_iterations": harmed["iterations"],
-              "clean_iterations": clean["iterations"]}
+              "clean_iterations": clean["iterations"], "repeat": harmed.get("repeat", 0)}
+    rates = samples_per_second(harmed), samples_per_second(clean)
+    needed = samples_to(harmed, clean["final_accuracy"]), samples_to(clean, clean["final_accuracy"])
+    record["samples_per_second_ratio"] = round(rates[0] / rates[1], 3) if None not in rates else None
+    record["samples_ratio"] = round(needed[0] / needed[1], 3) if None not in needed and needed[1] else None
     for suffix, accuracy in (("", clean["final_accuracy"]), ("_within", clean["final_accuracy"] - tolerance)):
         base, took = time_to(clean["points"], accuracy), time_to(harmed["points"], accuracy)
         ratio = None if took is None or not base else round(took / base, 3)
@@ -188,7 +213,7 @@ def bound(clean, lone, share, tolerance):
     says no exchange rule reaches it with these cores."""
     record = {"bench": "chaos", "algorithm": clean["algorithm"], "figure": "straggler's bound", "share": share,
               "accuracy": clean["final_accuracy"], "tolerance": tolerance, "lone_iterations": lone["iterations"],
-              "target": TARGETS["straggler"].get(clean["algorithm"])}
+              "target": TARGETS["straggler"].get(clean["algorithm"]), "repeat": lone.get("repeat", 0)}
     start = lone["points"][0][0] if lone.get("points") else None
     for suffix, accuracy in (("", clean["final_accuracy"]), ("_within", clean["final_accuracy"] - tolerance)):
         base, alone = time_to(clean["points"], accuracy), time_to(lone.get("points") or [], accuracy)
@@ -199,13 +224,34 @@ def bound(clean, lone, share, tolerance):
 
 
 def figures(records, tolerance, share=1 / 3):
-    """The ratio records of every harmed run in `records` against its algorithm's clean run, and the straggler's
-    bound where a lone worker's run is there."""
-    clean = {r["algorithm"]: r for r in records if r.get("run") == "clean" and r.get("points") and not r.get("error")}
-    found = [figure(clean[r["algorithm"]], r, tolerance) for r in records
-             if r.get("run") not in (None, "clean", LONE) and r["algorithm"] in clean]
-    return found + [bound(clean[r["algorithm"]], r, share, tolerance) for r in records
-                    if r.get("run") == LONE and r["algorithm"] in clean and not r.get("error")]
+    """The ratio records of every harmed run in `records` against its algorithm's clean run of the same round
+    (repeat), and the straggler's bound where a lone worker's run is there."""
+    key = lambda r: (r["algorithm"], r.get("repeat", 0))  # noqa: E731
+    clean = {key(r): r for r in records if r.get("run") == "clean" and r.get("points") and not r.get("error")}
+    found = [figure(clean[key(r)], r, tolerance) for r in records
+             if r.get("run") not in (None, "clean", LONE) and key(r) in clean]
+    return found + [bound(clean[key(r)], r, share, tolerance) for r in records
+                    if r.get("run") == LONE and key(r) in clean and not r.get("error")]
+
+
+def medians(found):
+    """`found`'s figure records by (algorithm, figure), in their order, each group as (its median record by ratio,
+    the lower of the two middle ones, a run that never reached the accuracy counted highest; the group's ratios)."""
+    groups = {}
+    for f in found:
+        groups.setdefault((f["algorithm"], f["figure"]), []).append(f)
+    order = lambda f: (f["ratio"] is None, f["ratio"] or 0.0)  # noqa: E731
+    return [(sorted(group, key=order)[(len(group) - 1) // 2], [f["ratio"] for f in group])
+            for group in groups.values()]
+
+
+def spread_of(ratios):
+    """' (median of N: A-Bx)' for N > 1 ratios ('not reached' for B where one never did), '' for one."""
+    if len(ratios) < 2:
+        return ""
+    reached = sorted(r for r in ratios if r is not None)
+    high = f"{reached[-1]:.2f}x" if len(reached) == len(ratios) else "not reached"
+    return f" (median of {len(ratios)}: {reached[0]:.2f}-{high})" if reached else f" ({len(ratios)} runs)"
 
 
 def plot(records, path):
@@ -215,7 +261,7 @@ def plot(records, path):
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    runs = [r for r in records if r.get("run") and r.get("points")]
+    runs = [r for r in records if r.get("run") and r.get("points") and not r.get("repeat")]  # the first round's
     algorithms = list(dict.fromkeys(r["algorithm"] for r in runs))
     figure_, axes = pyplot.subplots(1, len(algorithms), figsize=(6 * len(algorithms), 4), squeeze=False)
     for axis, algorithm in zip(axes[0], algorithms):
@@ -241,12 +287,17 @@ def page_section(records, data_folder=None):
         return missing("staying power: kills every 15 s and a straggler",
                        "OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/chaos.py")
     said = {True: "met", False: "not met", None: "no target"}
+    grouped = medians(found)
     rows = [[f["algorithm"], f["figure"], cell(f["accuracy"], 4),
              f"{cell(f['harmed_final_accuracy'], 4)} ({f['harmed_iterations']:,} / {f['clean_iterations']:,})",
              *[f"{cell(f['seconds' + s], 0, ' s') if f['seconds' + s] is not None else 'not reached'} / "
                f"{cell(f['clean_seconds' + s], 0, ' s')} = {cell(f['ratio' + s], 2, 'x')}" for s in ("", "_within")],
              f"{f['target']}x: {said[f['meets_target']]}, {said[f['meets_target_within']]}" if f["target"]
-             else said[None]] for f in found]
+             else said[None]] for f, _ in grouped]
+    for row, (_, ratios) in zip(rows, grouped):
+        row[4] += spread_of(ratios)
+    made_of = [f for f, _ in grouped if f["figure"].startswith("straggler") and f.get("samples_ratio")
+               and f.get("samples_per_second_ratio")]
     kills = [r for r in runs if "kills" in r]
     loads = [x for r in runs for x in r.get("load_average", [])]
     text = ("## Staying power: a kill every 15 s, a straggler (#45)\n\n"
@@ -262,11 +313,16 @@ def page_section(records, data_folder=None):
             + (f". The machine's 1-minute load average at the runs' starts and ends: {min(loads):.1f}-{max(loads):.1f}."
                if loads else "")
             + "".join(f" {r['algorithm']}'s {r['run']} run failed: {r['error']}." for r in runs if r.get("error"))
+            + (" A row of several rounds (--repeats) is the round whose ratio is the median (the lower of the two"
+               " middle ones), its range beside it." if any(len(ratios) > 1 for _, ratios in grouped) else "")
             + " A run's clock starts at the driver's Solving line, its executors' start-up on it; the driver's rejoin"
             " lines run long where its watch was testing the center (it sees a loss or a rejoin only after the test),"
             " the harness's times do not. Each worker computes on one thread (its executor's one core), so a throttled"
-            " worker's idle core is not the other's: a straggler at a third leaves the job (1 + 1/3) / 2 of its clean"
-            " samples/s; were it to need the clean run's samples, it would take 1.5x its time."
+            " worker's idle core is not the other's. What a straggler's time is made of, its samples/s and the samples"
+            " it trained to the clean run's final accuracy, each against the clean run's: "
+            + ("; ".join(f"{f['algorithm']}'s {f['figure']}, {f['samples_per_second_ratio']:.2f}x the samples/s and"
+                         f" {f['samples_ratio']:.2f}x the samples" for f in made_of) or "not measured")
+            + "."
             + "".join(f" The bound on {b['algorithm']}'s straggler: one worker alone took "
                       f"{cell(b['lone_seconds'], 0, ' s') if b['lone_seconds'] is not None else 'more than its run'} to"
                       f" {cell(b['accuracy'], 4)}; were the straggler's samples worth the lone worker's (one worker's"
@@ -275,7 +331,7 @@ def page_section(records, data_folder=None):
                          f" ({cell(b['ratio_within'], 2, 'x')} to it less the tolerance)"
                          if b["ratio"] is not None else "longer than the lone run shows")
                       + f": the least any exchange rule could reach with these cores, against the {b['target']}x"
-                      " target." for b in bounds)
+                      " target." for b, _ in medians(bounds))
             + "\n\n![test accuracy against time](chaos.png)")
     return text
 
@@ -311,6 +367,8 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--test-interval", type=int, default=100)
     parser.add_argument("--algorithms", nargs="+", choices=("easgd", "sync"), default=["easgd", "sync"])
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of an algorithm's runs (its clean run and "
+                        "each harmed one), each harmed run against its round's clean run; the page gives the median")
     parser.add_argument("--master", default="cluster",
                         help="cluster: start tools/spark-cluster.sh's on free ports; local: local mode; or a URL")
     parser.add_argument("--quick", action="store_true", help="600 iterations, easgd only")
@@ -344,15 +402,16 @@ def main():
             args.master, env = start_cluster(folder)
         try:
             for algorithm in args.algorithms:
-                clean = run(args, folder, "clean", algorithm)
-                records.append(clean)
-                _results.emit(clean, args.out)
-                for name, harm, knobs in measured_runs(args, algorithm):
-                    measured = run(args, folder, name, algorithm, harm, iterations=int(args.iterations * ROOM),
-                                   **knobs)
-                    for record in [measured, *figures([clean, measured], args.tolerance, args.share)]:
-                        records.append(record)
-                        _results.emit(record, args.out)
+                for repeat in range(args.repeats):
+                    clean = run(args, folder, "clean", algorithm, repeat=repeat)
+                    records.append(clean)
+                    _results.emit(clean, args.out)
+                    for name, harm, knobs in measured_runs(args, algorithm):
+                        measured = run(args, folder, name, algorithm, harm, iterations=int(args.iterations * ROOM),
+                                       repeat=repeat, **knobs)
+                        for record in [measured, *figures([clean, measured], args.tolerance, args.share)]:
+                            records.append(record)
+                            _results.emit(record, args.out)
         finally:
             if env is not None:
                 subprocess.run(["bash", CLUSTER, "stop"], env=env, capture_output=True, timeout=120)

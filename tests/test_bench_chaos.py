@@ -62,3 +62,42 @@ def test_easgd_is_measured_beside_its_straggler_under_the_papers_rule_and_alone_
     assert [name for name, _, _ in bench.measured_runs(args, "sync")] == ["kill every 15 s", "straggler at 0.33"]
     args.smoke = True  # make bench-smoke: the two harms only
     assert len(bench.measured_runs(args, "easgd")) == 2
+
+
+def worker_lines(*trained):
+    """The driver's Worker lines of a run's log, (iterations, seconds trained) each."""
+    return "\n".join(f"I1207 05:22:38.081342 11748 deepspark] Worker {w} on vm (in /tmp/x/{w}, deepspark from /d): "
+                     f"{n} iterations, 889 exchanges, spilled 30000 records in 0.08s, trained {s}s, blocked on "
+                     "exchange 2.99s, sent 1.54e+03 MB and received 1.53e+03 MB through the exchanger, peak RSS 270 "
+                     "MB after the spill, 405 MB" for w, (n, s) in enumerate(trained))
+
+
+def test_a_figure_says_what_its_time_is_made_of_samples_a_second_and_samples_each_against_the_clean_runs():
+    trained = lambda text: [[int(w), int(n), float(s)] for w, n, s in bench.TRAINED.findall(text)]  # noqa: E731
+    clean = dict(CLEAN, trained=trained(worker_lines((4000, 80.0), (4000, 80.0))))  # 100 iterations/s
+    assert clean["trained"] == [[0, 4000, 80.0], [1, 4000, 80.0]]
+    # 60 + 20 iterations/s; 0.895 first at the job's iteration 3000 of 2 workers, the clean's at 4000
+    straggler = dict(STRAGGLER, trained=trained(worker_lines((6000, 100.0), (2000, 100.0))))
+    (harmed,) = bench.figures([clean, straggler], 0.005)
+    assert harmed["samples_per_second_ratio"] == 0.8 and harmed["samples_ratio"] == 0.75
+    text = bench.page_section([clean, straggler, harmed])
+    assert "easgd's straggler at 0.33, 0.80x the samples/s and 0.75x the samples." in text
+    (unmeasured,) = bench.figures([CLEAN, STRAGGLER], 0.005)  # no Worker lines: nothing to say
+    assert unmeasured["samples_per_second_ratio"] is None
+    assert "each against the clean run's: not measured." in bench.page_section([CLEAN, STRAGGLER, unmeasured])
+
+
+def test_rounds_pair_each_harmed_run_with_its_own_rounds_clean_run_and_the_page_shows_the_median_and_range():
+    rounds = []
+    for repeat, (clean_end, straggler_end) in enumerate([(60.0, 80.0), (50.0, 75.0), (60.0, 66.0)]):
+        clean = dict(CLEAN, repeat=repeat, points=[[10.0, 0, 0.1], [clean_end, 4000, 0.895]])
+        rounds += [clean, dict(STRAGGLER, repeat=repeat, points=[[8.0, 0, 0.1], [straggler_end, 3000, 0.896]])]
+    found = bench.figures(rounds, 0.005)
+    assert [(f["repeat"], f["ratio"]) for f in found] == [(0, 1.333), (1, 1.5), (2, 1.1)]
+    rows = [line for line in bench.page_section(rounds + found).splitlines() if line.startswith("| easgd")]
+    # the median round's (80 s / 60 s) cells, the range of the three beside
+    assert len(rows) == 1 and "80 s / 60 s = 1.33x (median of 3: 1.10-1.50x)" in rows[0], rows
+    never = dict(STRAGGLER, repeat=1, points=[[8.0, 0, 0.1], [75.0, 3000, 0.5]])
+    found = bench.figures(rounds[:3] + [never] + rounds[4:], 0.005)
+    row = next(line for line in bench.page_section(found).splitlines() if line.startswith("| easgd"))
+    assert "1.33x (median of 3: 1.10-not reached)" in row, row
