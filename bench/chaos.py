@@ -129,7 +129,8 @@ def run(args, folder, name, algorithm, harm=None, workers=2, iterations=None, fl
         with open(log.path, encoding="utf-8") as stream:
             text = stream.read()
     points = test_points(text)
-    record = {"bench": "chaos", "algorithm": algorithm, "run": name, "repeat": repeat, "iterations": iterations,
+    record = {"bench": "chaos", "algorithm": algorithm, "run": name, "repeat": repeat, "date": time.strftime("%F"),
+              "iterations": iterations,
               "workers": workers, "master": args.master, "returncode": driver.returncode, "points": points,
               "trained": [[int(w), int(n), float(s)] for w, n, s in TRAINED.findall(text)],
               "final_accuracy": points[-1][2] if points else None, "load_average": [round(load, 2),
@@ -312,6 +313,7 @@ def page_section(records, data_folder=None):
                         f"{spread([s for _, s in r['rejoins']])}" for r in kills)
             + (f". The machine's 1-minute load average at the runs' starts and ends: {min(loads):.1f}-{max(loads):.1f}."
                if loads else "")
+            + f" The runs' dates: {dates(runs)}."
             + "".join(f" {r['algorithm']}'s {r['run']} run failed: {r['error']}." for r in runs if r.get("error"))
             + (" A row of several rounds (--repeats) is the round whose ratio is the median (the lower of the two"
                " middle ones), its range beside it." if any(len(ratios) > 1 for _, ratios in grouped) else "")
@@ -334,6 +336,15 @@ def page_section(records, data_folder=None):
                       " target." for b, _ in medians(bounds))
             + "\n\n![test accuracy against time](chaos.png)")
     return text
+
+
+def dates(runs):
+    """'easgd, 2026-12-07; sync, ...' of the runs' dates by algorithm (records before the date was kept: undated)."""
+    said = []
+    for algorithm in dict.fromkeys(r["algorithm"] for r in runs):
+        days = sorted({r["date"] for r in runs if r["algorithm"] == algorithm and r.get("date")})
+        said.append(f"{algorithm}, {', '.join(days) or 'undated (an earlier invocation)'}")
+    return "; ".join(said)
 
 
 def spread(seconds):

@@ -101,3 +101,6 @@ def test_rounds_pair_each_harmed_run_with_its_own_rounds_clean_run_and_the_page_
     found = bench.figures(rounds[:3] + [never] + rounds[4:], 0.005)
     row = next(line for line in bench.page_section(found).splitlines() if line.startswith("| easgd"))
     assert "1.33x (median of 3: 1.10-not reached)" in row, row
+    dated = [dict(r, date="2026-12-07") for r in rounds[:2]] + [dict(CLEAN, algorithm="sync")]
+    assert "The runs' dates: easgd, 2026-12-07; sync, undated (an earlier invocation)." in bench.page_section(
+        dated + bench.figures(dated, 0.005))
