@@ -177,9 +177,10 @@ def samples_per_second(record):
 
 def samples_to(record, accuracy):
     """The batches (the job's iteration × its workers) the run trained to its first test at or above `accuracy`
-    (None: never)."""
-    return next((iteration * record["workers"] for _, iteration, reached in record["points"] if reached >= accuracy),
-                None)
+    (None: never, or a record of before the workers were kept)."""
+    workers = record.get("workers")
+    reached = (iteration * workers for _, iteration, at in record["points"] if at >= accuracy)
+    return next(reached, None) if workers else None
 
 
 def figure(clean, harmed, tolerance):
@@ -308,9 +309,11 @@ def page_section(records, data_folder=None):
                      f"to it less {found[0]['tolerance']:g}: run / clean",
                      "target (strict, less the tolerance)"], rows)
             + "\n\nFrom `bench/measured_chaos.jsonl` (bench/chaos.py); the plot is `docs/chaos.png`. "
-            + "; ".join(f"{r['algorithm']}: {r['kills']} kills, from a kill to the replacement's connection "
-                        f"(tools/chaos.py) {spread(r['seconds_kill_to_connection'])}, the driver's rejoin lines "
-                        f"{spread([s for _, s in r['rejoins']])}" for r in kills)
+            + "; ".join(f"{algorithm}: {sum(r['kills'] for r in its)} kills"
+                        + (f" in {len(its)} runs" if len(its) > 1 else "") + ", from a kill to the replacement's "
+                        f"connection (tools/chaos.py) {spread([x for r in its for x in r['seconds_kill_to_connection']])}"
+                        f", the driver's rejoin lines {spread([x for r in its for _, x in r['rejoins']])}"
+                        for algorithm, its in by_algorithm(kills).items())
             + (f". The machine's 1-minute load average at the runs' starts and ends: {min(loads):.1f}-{max(loads):.1f}."
                if loads else "")
             + f" The runs' dates: {dates(runs)}."
@@ -338,11 +341,19 @@ def page_section(records, data_folder=None):
     return text
 
 
+def by_algorithm(runs):
+    """{algorithm: its runs}, in the runs' order."""
+    found = {}
+    for r in runs:
+        found.setdefault(r["algorithm"], []).append(r)
+    return found
+
+
 def dates(runs):
     """'easgd, 2026-12-07; sync, ...' of the runs' dates by algorithm (records before the date was kept: undated)."""
     said = []
-    for algorithm in dict.fromkeys(r["algorithm"] for r in runs):
-        days = sorted({r["date"] for r in runs if r["algorithm"] == algorithm and r.get("date")})
+    for algorithm, its in by_algorithm(runs).items():
+        days = sorted({r["date"] for r in its if r.get("date")})
         said.append(f"{algorithm}, {', '.join(days) or 'undated (an earlier invocation)'}")
     return "; ".join(said)
 

@@ -82,6 +82,7 @@ def test_a_figure_says_what_its_time_is_made_of_samples_a_second_and_samples_eac
     assert harmed["samples_per_second_ratio"] == 0.8 and harmed["samples_ratio"] == 0.75
     text = bench.page_section([clean, straggler, harmed])
     assert "easgd's straggler at 0.33, 0.80x the samples/s and 0.75x the samples." in text
+    assert bench.samples_to({"points": CLEAN["points"]}, 0.5) is None  # an older record: no workers kept
     (unmeasured,) = bench.figures([CLEAN, STRAGGLER], 0.005)  # no Worker lines: nothing to say
     assert unmeasured["samples_per_second_ratio"] is None
     assert "each against the clean run's: not measured." in bench.page_section([CLEAN, STRAGGLER, unmeasured])
