@@ -319,7 +319,7 @@ def page_section(records, data_folder=None):
             + f" The runs' dates: {dates(runs)}."
             + "".join(f" {r['algorithm']}'s {r['run']} run failed: {r['error']}." for r in runs if r.get("error"))
             + (" A row of several rounds (--repeats) is the round whose ratio is the median (the lower of the two"
-               " middle ones), its range beside it." if any(len(ratios) > 1 for _, ratios in grouped) else "")
+               " middle ones), its range beside it; the plot draws each algorithm's first round." if any(len(ratios) > 1 for _, ratios in grouped) else "")
             + " A run's clock starts at the driver's Solving line, its executors' start-up on it; the driver's rejoin"
             " lines run long where its watch was testing the center (it sees a loss or a rejoin only after the test),"
             " the harness's times do not. Each worker computes on one thread (its executor's one core), so a throttled"
