@@ -130,11 +130,10 @@ def run(args, folder, name, algorithm, harm=None, workers=2, iterations=None, fl
             text = stream.read()
     points = test_points(text)
     record = {"bench": "chaos", "algorithm": algorithm, "run": name, "repeat": repeat, "date": time.strftime("%F"),
-              "iterations": iterations,
-              "workers": workers, "master": args.master, "returncode": driver.returncode, "points": points,
-              "trained": [[int(w), int(n), float(s)] for w, n, s in TRAINED.findall(text)],
-              "final_accuracy": points[-1][2] if points else None, "load_average": [round(load, 2),
-                                                                                     round(os.getloadavg()[0], 2)]}
+              "iterations": iterations, "workers": workers, "master": args.master, "returncode": driver.returncode,
+              "points": points, "trained": [[int(w), int(n), float(s)] for w, n, s in TRAINED.findall(text)],
+              "final_accuracy": points[-1][2] if points else None,
+              "load_average": [round(load, 2), round(os.getloadavg()[0], 2)]}
     if harm == "kill":
         kills = harness.kills if harness is not None else []
         record["kills"] = len(kills)
@@ -239,12 +238,9 @@ def figures(records, tolerance, share=1 / 3):
 def medians(found):
     """`found`'s figure records by (algorithm, figure), in their order, each group as (its median record by ratio,
     the lower of the two middle ones, a run that never reached the accuracy counted highest; the group's ratios)."""
-    groups = {}
-    for f in found:
-        groups.setdefault((f["algorithm"], f["figure"]), []).append(f)
     order = lambda f: (f["ratio"] is None, f["ratio"] or 0.0)  # noqa: E731
     return [(sorted(group, key=order)[(len(group) - 1) // 2], [f["ratio"] for f in group])
-            for group in groups.values()]
+            for group in grouped(found, lambda f: (f["algorithm"], f["figure"])).values()]
 
 
 def spread_of(ratios):
@@ -289,18 +285,18 @@ def page_section(records, data_folder=None):
         return missing("staying power: kills every 15 s and a straggler",
                        "OPENBLAS_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/chaos.py")
     said = {True: "met", False: "not met", None: "no target"}
-    grouped = medians(found)
+    rounds = medians(found)
     rows = [[f["algorithm"], f["figure"], cell(f["accuracy"], 4),
              f"{cell(f['harmed_final_accuracy'], 4)} ({f['harmed_iterations']:,} / {f['clean_iterations']:,})",
              *[f"{cell(f['seconds' + s], 0, ' s') if f['seconds' + s] is not None else 'not reached'} / "
                f"{cell(f['clean_seconds' + s], 0, ' s')} = {cell(f['ratio' + s], 2, 'x')}" for s in ("", "_within")],
              f"{f['target']}x: {said[f['meets_target']]}, {said[f['meets_target_within']]}" if f["target"]
-             else said[None]] for f, _ in grouped]
-    for row, (_, ratios) in zip(rows, grouped):
+             else said[None]] for f, _ in rounds]
+    for row, (_, ratios) in zip(rows, rounds):
         row[4] += spread_of(ratios)
-    made_of = [f for f, _ in grouped if f["figure"].startswith("straggler") and f.get("samples_ratio")
+    made_of = [f for f, _ in rounds if f["figure"].startswith("straggler") and f.get("samples_ratio")
                and f.get("samples_per_second_ratio")]
-    kills = [r for r in runs if "kills" in r]
+    kills = grouped([r for r in runs if "kills" in r], lambda r: r["algorithm"])
     loads = [x for r in runs for x in r.get("load_average", [])]
     text = ("## Staying power: a kill every 15 s, a straggler (#45)\n\n"
             + table(["algorithm", "run", "clean run's final accuracy",
@@ -311,15 +307,17 @@ def page_section(records, data_folder=None):
             + "\n\nFrom `bench/measured_chaos.jsonl` (bench/chaos.py); the plot is `docs/chaos.png`. "
             + "; ".join(f"{algorithm}: {sum(r['kills'] for r in its)} kills"
                         + (f" in {len(its)} runs" if len(its) > 1 else "") + ", from a kill to the replacement's "
-                        f"connection (tools/chaos.py) {spread([x for r in its for x in r['seconds_kill_to_connection']])}"
-                        f", the driver's rejoin lines {spread([x for r in its for _, x in r['rejoins']])}"
-                        for algorithm, its in by_algorithm(kills).items())
+                        "connection (tools/chaos.py) "
+                        f"{spread([x for r in its for x in r['seconds_kill_to_connection']])}, the driver's rejoin "
+                        f"lines {spread([x for r in its for _, x in r['rejoins']])}"
+                        for algorithm, its in kills.items())
             + (f". The machine's 1-minute load average at the runs' starts and ends: {min(loads):.1f}-{max(loads):.1f}."
                if loads else "")
             + f" The runs' dates: {dates(runs)}."
             + "".join(f" {r['algorithm']}'s {r['run']} run failed: {r['error']}." for r in runs if r.get("error"))
             + (" A row of several rounds (--repeats) is the round whose ratio is the median (the lower of the two"
-               " middle ones), its range beside it; the plot draws each algorithm's first round." if any(len(ratios) > 1 for _, ratios in grouped) else "")
+               " middle ones), its range beside it; the plot draws each algorithm's first round."
+               if any(len(ratios) > 1 for _, ratios in rounds) else "")
             + " A run's clock starts at the driver's Solving line, its executors' start-up on it; the driver's rejoin"
             " lines run long where its watch was testing the center (it sees a loss or a rejoin only after the test),"
             " the harness's times do not. Each worker computes on one thread (its executor's one core), so a throttled"
@@ -341,18 +339,18 @@ def page_section(records, data_folder=None):
     return text
 
 
-def by_algorithm(runs):
-    """{algorithm: its runs}, in the runs' order."""
+def grouped(items, key):
+    """{key(item): its items}, in the items' order."""
     found = {}
-    for r in runs:
-        found.setdefault(r["algorithm"], []).append(r)
+    for item in items:
+        found.setdefault(key(item), []).append(item)
     return found
 
 
 def dates(runs):
     """'easgd, 2026-12-07; sync, ...' of the runs' dates by algorithm (records before the date was kept: undated)."""
     said = []
-    for algorithm, its in by_algorithm(runs).items():
+    for algorithm, its in grouped(runs, lambda r: r["algorithm"]).items():
         days = sorted({r["date"] for r in its if r.get("date")})
         said.append(f"{algorithm}, {', '.join(days) or 'undated (an earlier invocation)'}")
     return "; ".join(said)
