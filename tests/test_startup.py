@@ -168,8 +168,8 @@ with open(f"/proc/{jvm}/maps") as stream:
     mapped = jvm_archive() in stream.read()
 print(json.dumps({"zygote": zygote.pid, "zygote_argv": argv(zygote.pid), "workers": seen,
                   "jvm_children": [argv(c) for c in children], "archive_mapped": mapped}))
-stop_context(sc)
-print(json.dumps({"zygote_exit": zygote.wait(timeout=60)}))
+sc.stop()  # as a pyspark.ml script's spark.stop() does: not session.stop_context
+print(json.dumps({"zygote_exit": zygote.wait(timeout=60), "folder": os.path.exists(os.path.dirname(zygote.args[-1]))}))
 """
     lines = run_script(script).stdout.strip().splitlines()
     result, ended = json.loads(lines[-2]), json.loads(lines[-1])
@@ -182,6 +182,7 @@ print(json.dumps({"zygote_exit": zygote.wait(timeout=60)}))
     assert len(waiters) == 1 and not any("deepspark.spark.daemon" in a for a in result["jvm_children"])
     assert result["archive_mapped"], "the driver's JVM did not map make setup's class archive"
     assert ended["zygote_exit"] == 0  # its daemon stopped with the SparkContext, and so did it
+    assert not ended["folder"]  # and it took its folder with it: stopped by sc.stop(), the driver removes none
 
 
 def test_a_daemon_without_a_zygote_runs_alone_and_a_zygote_given_up_on_forks_nothing(tmp_path):

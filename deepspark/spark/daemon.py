@@ -38,7 +38,7 @@ import sys
 from pyspark import daemon
 
 from deepspark.backends import backend_module, defer_keras
-from deepspark.spark.session import DAEMON_BACKEND, PRELOADED, ZYGOTE
+from deepspark.spark.session import DAEMON_BACKEND, PRELOADED, ZYGOTE, remove_zygote_socket
 
 JOBS = "deepspark.spark.job"  # the jobs and the executor's loop (which every task's closure names), with their imports
 HEADER = struct.Struct("!Q")  # the length of the hand-over's JSON, sent with the three descriptors
@@ -109,16 +109,15 @@ def zygote(path):
     one hand-over: fork the daemon with the streams, environment and folder handed over, answer its pid, and wait
     for it (it stays this process's child, in the driver's process tree). Exits when the driver closes this
     process's stdin first. A driver that died first (SIGKILL) never removes the folder (session.close_zygote):
-    this process does, as it exits."""
+    this process does, as it exits; and once it took its hand-over (the folder's only use), it removes the folder
+    itself, for a driver whose SparkContext stopped other than by session.stop_context (a pyspark.ml script's
+    spark.stop())."""
     driver = os.getppid()
     try:
         serve_hand_over(path)
     finally:
         if os.getppid() != driver:  # orphaned: the driver is gone
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(path))
+            remove_zygote_socket(path)
 
 
 def serve_hand_over(path):
@@ -130,8 +129,7 @@ def serve_hand_over(path):
         if listener not in select.select([listener, sys.stdin], [], [])[0]:  # the driver is done with this zygote
             return
         link, _ = listener.accept()
-    with contextlib.suppress(OSError):  # the driver may have let go of it meanwhile (session.close_zygote)
-        os.unlink(path)
+    remove_zygote_socket(path)  # its only use is over; the driver may have removed it meanwhile (close_zygote)
     with link:
         link.settimeout(HAND_OVER_SECONDS)
         message, fds, _, _ = socket.recv_fds(link, HEADER.size, len(STREAMS))

@@ -281,10 +281,15 @@ def close_zygote(process):
     if process is None:
         return
     process.stdin.close()
-    path = process.args[-1]
-    with contextlib.suppress(OSError):  # the zygote unlinks it as it takes its daemon
-        os.unlink(path)
-    os.rmdir(os.path.dirname(path))
+    remove_zygote_socket(process.args[-1])  # the zygote's, where it took its daemon already
+
+
+def remove_zygote_socket(path):
+    """A zygote's socket at `path` and its folder, each where still there: the driver and the zygote both remove
+    them (close_zygote, daemon.zygote), whichever is first."""
+    for remove, name in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
+        with contextlib.suppress(OSError):
+            remove(name)
 
 
 def jvm_options(master, archived=True):
