@@ -14,8 +14,8 @@ ROOM, 1.5, times the clean run's iterations, so that a late reach is timed): its
 to the clean run's time to that run's final accuracy (and to it less --tolerance, 0.005: a harmed run's
 last test can fall a few hundredths of a point short of a clean run's by the tests' noise alone), against
 the target (kills 1.3x, easgd's straggler 1.2x; sync's straggler has none: it is shown beside). For easgd
-two more runs: the straggler under the paper's rule (--no-rate-weighted, beside the default's), and one
-worker alone (--workers 1), whose time to the clean run's final accuracy bounds the straggler's: the
+three more runs: the straggler under the paper's rule (--no-rate-weighted, beside the default's), under rate
+weighting alone (--straggler-share 0: no straggler exchanges by its progress), and one worker alone (--workers 1), whose time to the clean run's final accuracy bounds the straggler's: the
 least any exchange rule could take with these cores (figure "straggler's bound"). Each figure also says what its
 time ratio is made of: the run's samples/s (its workers' iterations over their training time, from the driver's
 Worker lines) and the samples it trained to the accuracy, each against the clean run's. --repeats N runs an
@@ -59,6 +59,7 @@ STARTUP = re.compile(r"Start-up of worker (\d+): .*\(attempt (\d+)\) to its firs
 TARGETS = {"kill": 1.3, "straggler": {"easgd": 1.2}}
 LONE = "one worker alone"  # the run the straggler's bound is drawn from
 UNWEIGHTED = "the paper's rule"  # a straggler run without rate_weighted
+UNPUSHED = "rate weighting alone"  # a straggler run without straggler_share (no exchange by its progress)
 ROOM = 1.5  # the harmed and lone runs' iterations, in the clean run's: room to reach its final accuracy late
 
 
@@ -151,10 +152,13 @@ def run(args, folder, name, algorithm, harm=None, workers=2, iterations=None, fl
 def measured_runs(args, algorithm):
     """The runs measured against `algorithm`'s clean run, as (name, harm, run's keywords): a kill every args.every
     s and a straggler; for a straggler target, the straggler under the paper's rule (no rate weighting: the
-    weighting's effect) and one worker alone (the straggler's bound)."""
+    weighting's effect) and under rate weighting alone (the straggler's exchange by its progress off: its effect),
+    and one worker alone (the straggler's bound)."""
     runs = [(f"kill every {args.every:g} s", "kill", {}), (f"straggler at {args.share:.2f}", "straggler", {})]
     if algorithm in TARGETS["straggler"] and not args.smoke:
         runs += [(f"straggler at {args.share:.2f}, {UNWEIGHTED}", "straggler", {"flags": ["--no-rate-weighted"]}),
+                 (f"straggler at {args.share:.2f}, {UNPUSHED}", "straggler",
+                  {"flags": ["--straggler-share", "0"]}),
                  (LONE, None, {"workers": 1})]
     return runs
 
@@ -188,7 +192,7 @@ def figure(clean, harmed, tolerance):
     and what the time ratio is made of, the run's samples/s and the samples it took, each against the clean's."""
     algorithm, harm = harmed["algorithm"], "kill" if "kills" in harmed else "straggler"
     target = TARGETS[harm].get(algorithm) if isinstance(TARGETS[harm], dict) else TARGETS[harm]
-    target = None if UNWEIGHTED in harmed["run"] else target  # the default's comparison, not the default
+    target = None if UNWEIGHTED in harmed["run"] or UNPUSHED in harmed["run"] else target  # the default's only
     record = {"bench": "chaos", "algorithm": algorithm, "figure": harmed["run"], "accuracy": clean["final_accuracy"],
               "tolerance": tolerance, "finished": harmed["returncode"] == 0, "target": target,
               "harmed_final_accuracy": harmed["final_accuracy"], "harmed_iterations": harmed["iterations"],

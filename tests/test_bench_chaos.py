@@ -33,6 +33,12 @@ def test_the_straggler_bound_counts_the_lone_workers_start_up_whole_and_its_trai
     assert least["seconds_within"] == 55.0 and least["ratio_within"] == round(55.0 / 60.0, 3)
 
 
+def test_the_straggler_runs_under_another_rule_are_the_defaults_comparisons_with_no_target_of_their_own():
+    others = [record(f"straggler at 0.33, {rule}", STRAGGLER["points"]) for rule in (bench.UNWEIGHTED, bench.UNPUSHED)]
+    found = bench.figures([CLEAN, STRAGGLER, *others], 0.005, 1 / 3)
+    assert [(f["target"], f["meets_target"]) for f in found] == [(1.2, False), (None, None), (None, None)]
+
+
 def test_a_lone_worker_that_never_reaches_the_accuracy_gives_no_bound_and_the_page_says_so():
     short = dict(LONE, points=[[10.0, 0, 0.1], [100.0, 6000, 0.89]])
     harmed, least = bench.figures([CLEAN, STRAGGLER, short], 0.005, 1 / 3)
@@ -52,13 +58,15 @@ def test_the_page_tables_the_harmed_runs_and_gives_the_bound_in_words():
             "these cores, against the 1.2x target.") in text
 
 
-def test_easgd_is_measured_beside_its_straggler_under_the_papers_rule_and_alone_and_sync_is_not():
+def test_easgd_is_measured_beside_its_straggler_under_the_papers_rule_without_its_push_and_alone_and_sync_is_not():
     args = argparse.Namespace(every=15.0, share=1 / 3, smoke=False)
     easgd = bench.measured_runs(args, "easgd")
     assert [(name, harm) for name, harm, _ in easgd] == [
         ("kill every 15 s", "kill"), ("straggler at 0.33", "straggler"),
-        ("straggler at 0.33, the paper's rule", "straggler"), (bench.LONE, None)]
-    assert [knobs for _, _, knobs in easgd[2:]] == [{"flags": ["--no-rate-weighted"]}, {"workers": 1}]
+        ("straggler at 0.33, the paper's rule", "straggler"), ("straggler at 0.33, rate weighting alone", "straggler"),
+        (bench.LONE, None)]
+    assert [knobs for _, _, knobs in easgd[2:]] == [{"flags": ["--no-rate-weighted"]},
+                                                    {"flags": ["--straggler-share", "0"]}, {"workers": 1}]
     assert [name for name, _, _ in bench.measured_runs(args, "sync")] == ["kill every 15 s", "straggler at 0.33"]
     args.smoke = True  # make bench-smoke: the two harms only
     assert len(bench.measured_runs(args, "easgd")) == 2

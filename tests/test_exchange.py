@@ -5,12 +5,13 @@ import logging
 import socket
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
 
 from deepspark import rules
-from deepspark.algorithms.easgd import EasgdHandler
+from deepspark.algorithms.easgd import Easgd, EasgdHandler
 from deepspark.exchange import (ExchangeClient, ExchangeOptions, ExchangeServer, NonFiniteError, OverlappedExchange,
                                 RefusedError)
 from deepspark.exchange import protocol as P
@@ -209,6 +210,47 @@ def test_rate_weighting_pulls_a_worker_at_a_tenth_of_the_others_rate_to_the_cent
         np.testing.assert_allclose(x, c + np.float32(8.0), rtol=1e-6)  # share 1: d = α(x − x̃) = 2
         np.testing.assert_allclose(srv.pull(), c + np.float32(2.0), rtol=1e-6)
     assert not EasgdHandler(0.2).rates and EasgdHandler.of(ExchangeOptions.of()).rates is not None
+
+
+@pytest.mark.parametrize("consistent", [True, False])
+def test_a_straggler_is_sent_to_the_center_and_the_center_takes_the_gain_of_its_progress_since_it_was_handed(
+        consistent):
+    """straggler_share (the schema's 0.9, with rate_weighted): a worker at a tenth of the fastest rate exchanges by
+    its progress. Each exchange hands it the center h (pull 1), and the next moves the center by
+    straggler_gain·(x − h), in slices (chunk) and lock-free too; the fastest worker keeps the paper's rule, and a
+    straggler that catches up leaves nothing kept."""
+    center = np.zeros(N, dtype=np.float32)
+    handler = EasgdHandler(0.2, rate_weighted=True, straggler_share=0.9, straggler_gain=0.5, consistent=consistent,
+                           chunk=64)
+    with ExchangeServer(center, SECRET, handler) as srv, ExchangeClient(srv.address, SECRET, 0) as fast, \
+            ExchangeClient(srv.address, SECRET, 1) as slow:
+        handed = np.zeros(N, dtype=np.float32)
+        for k in range(1, 4):  # 100 iterations a round for worker 0, 10 for worker 1
+            fast.exchange(np.full(N, k, dtype=np.float32), iteration=100 * k)
+            slow.exchange(handed, iteration=10 * k)  # from its second on, a straggler: handed the center
+            time.sleep(0.2)
+        assert len(handler.progress) == 1
+        wait_for(lambda: bits(srv.pull()) == bits(srv.pull()))  # lock-free: the last add is in
+        c = srv.pull()
+        x = handed + np.float32(10.0)  # the slow worker holds h (the center it was handed), and trained 10 since
+        slow.exchange(x, iteration=40)
+        np.testing.assert_allclose(x, c, rtol=0, atol=1e-5)  # pull 1: it takes the center as read
+        wait_for(lambda: np.allclose(srv.pull(), c + np.float32(5.0), rtol=0, atol=1e-5))  # x̃ += 0.5·(x − h)
+        c = srv.pull()
+        x = c + np.float32(10.0)
+        fast.exchange(x, iteration=400)
+        np.testing.assert_allclose(x, c + np.float32(8.0), rtol=1e-6)  # share 1: d = α(x − x̃) = 2
+        wait_for(lambda: np.allclose(srv.pull(), c + np.float32(2.0), rtol=1e-6))
+        time.sleep(0.2)
+        slow.exchange(srv.pull(), iteration=40 + 2000)  # 2,000 iterations in 0.2 s: no straggler now
+        assert len(handler.progress) == 0
+    assert EasgdHandler.of(ExchangeOptions.of()).straggler_share == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="straggler_gain"):
+        EasgdHandler(0.2, straggler_gain=0.0)
+    said = Easgd().listening(types.SimpleNamespace(workers=2, ds=pb.DeepSparkParameter()))  # the job's line
+    assert said.endswith("rate; under 0.9 of it, the center takes 0.5 of a worker's progress"), said
+    assert Easgd().listening(types.SimpleNamespace(workers=2, ds=pb.DeepSparkParameter(straggler_share=0))).endswith(
+        "share of the fastest one's rate")
 
 
 @pytest.mark.parametrize("consistent", [True, False])

@@ -5,6 +5,9 @@ import logging
 import math
 import threading
 import time
+import weakref
+
+import numpy as np
 
 from deepspark import rules
 from deepspark.algorithms.base import Algorithm, Projection, center_rate, exchange_seconds, period_note, send_history
@@ -31,6 +34,10 @@ class EasgdHandler(Handler):
                    (rules.rate_weighted, rules.TrainingRates): d = min(1, α/s)(x − x̃) back to the worker,
                    x̃ += server_factor·α·s(x − x̃). Off here (the paper's rule, exactly); a job takes the schema's
                    (on)
+    straggler_share, straggler_gain
+                   with rate_weighted, a worker under straggler_share of the fastest rate exchanges by its progress
+                   (Progress): d = x − x̃ back (pull 1), x̃ += server_factor·straggler_gain·(x − h), h the center it
+                   was handed at its last exchange. 0: none does (here; a job takes the schema's)
     consistent     serialise updates under a lock (deterministic tests); the default is the
                    paper's lock-free variant
     chunk          floats per slice of the update (default: transport.slice_floats by size)
@@ -47,13 +54,19 @@ class EasgdHandler(Handler):
     kind = "an asynchronous EASGD"
 
     def __init__(self, moving_rate, *, server_factor=1.0, moving_rate_gamma=1.0, moving_rate_step=0,
-                 moving_rate_limit=0.0, rate_weighted=False, consistent=False, chunk=None):
+                 moving_rate_limit=0.0, rate_weighted=False, straggler_share=0.0, straggler_gain=0.5,
+                 consistent=False, chunk=None):
         if not 0.0 < moving_rate <= 1.0:
             raise ValueError(f"moving_rate must be in (0, 1], got {moving_rate!r}")
+        if not 0.0 <= straggler_share <= 1.0 or not 0.0 < straggler_gain <= 1.0:
+            raise ValueError(f"straggler_share must be in [0, 1] and straggler_gain in (0, 1], got "
+                             f"{straggler_share!r} and {straggler_gain!r}")
         self.base_moving_rate = float(moving_rate)
         self.server_factor = float(server_factor)
         self.decay = (float(moving_rate_gamma), int(moving_rate_step), float(moving_rate_limit))
         self.rates = rules.TrainingRates() if rate_weighted else None
+        self.straggler_share, self.straggler_gain = float(straggler_share), float(straggler_gain)
+        self.progress = weakref.WeakKeyDictionary()  # a straggler's connection: its Progress
         self.consistent = bool(consistent)
         self.lock = threading.Lock() if consistent else contextlib.nullcontext()
         self.copy_lock = self.send_lock = self.lock
@@ -66,7 +79,8 @@ class EasgdHandler(Handler):
         the rate weighting (kwargs: consistent, chunk)."""
         return cls(options.moving_rate, server_factor=options.server_factor,
                    moving_rate_gamma=options.moving_rate_gamma, moving_rate_step=options.moving_rate_step,
-                   moving_rate_limit=options.moving_rate_limit, rate_weighted=options.rate_weighted, **kwargs)
+                   moving_rate_limit=options.moving_rate_limit, rate_weighted=options.rate_weighted,
+                   straggler_share=options.straggler_share, straggler_gain=options.straggler_gain, **kwargs)
 
     def attach(self, server, center):
         super().attach(server, center)
@@ -97,10 +111,20 @@ class EasgdHandler(Handler):
         count = server.exchanges
         alpha = rules.decayed(self.base_moving_rate, *self.decay, count)
         factor = self.server_factor
+        progress = pushed = None
         if self.rates is not None:
+            share = self.rates.share(wid, h.iteration, started)
             # d = pull·(x − x̃) to the worker; the center takes server_factor·α·s(x − x̃) = factor·d.
-            pull, toward = rules.rate_weighted(alpha, self.rates.share(wid, h.iteration, started))
-            alpha, factor = pull, factor * toward / pull
+            pull, toward = rules.rate_weighted(alpha, share)
+            progress = self.straggler(conn, share)
+            if progress is None:
+                alpha, factor = pull, factor * toward / pull
+            else:
+                # d = x − x̃ (pull 1), in which h is the x̃ read; the center takes factor·(x − h), h the last
+                # exchange's, or rate weighting's factor·d on a straggler's first (Progress.handed: none kept).
+                pushed = progress.handed
+                progress.handed = False  # until this exchange is through: h is being overwritten
+                alpha, factor = 1.0, factor * (self.straggler_gain if pushed else toward)
         finite = True
 
         def difference(start, end):
@@ -110,7 +134,10 @@ class EasgdHandler(Handler):
             for lo in range(start, end, span):
                 hi = min(lo + span, end)
                 seg = buf[lo:hi]
-                rules.elastic_difference(seg, center[lo:hi], alpha, out=seg)
+                if progress is None:
+                    rules.elastic_difference(seg, center[lo:hi], alpha, out=seg)
+                else:
+                    progress.difference(seg, center, lo, hi, pushed)
                 if finite and not rules.all_finite(seg, ok[:hi - lo]):
                     finite = False
 
@@ -135,22 +162,54 @@ class EasgdHandler(Handler):
             # Committed: counted before the reply so that a worker never sees its
             # exchange done before the server's books do.
             server.committed((wid,))
-            self._reply(conn, count, self.lease(wid, h.iteration), factor)
+            self._reply(conn, count, self.lease(wid, h.iteration), factor, progress.pushed if pushed else buf)
+            if progress is not None:
+                progress.handed = True
             server.record(wid, latency=time.monotonic() - started)
 
-    def _reply(self, conn, count, lease, factor):
-        """DIFF d to the worker and x̃ += factor·d, overlapped (the transport's send_delta says how), with the
-        worker's `lease` (F_LEASE) in place of the exchanges' count where there is one."""
-        center, buf, scratch = self.center, conn.buf, conn.scratch
+    def straggler(self, conn, share):
+        """The Progress of the worker on `conn`, now at `share` of the fastest rate, where it is a straggler (kept
+        until it is one no longer, or leaves); None where it is not."""
+        if share >= self.straggler_share:
+            self.progress.pop(conn, None)
+            return None
+        progress = self.progress.get(conn)
+        if progress is None:
+            progress = self.progress[conn] = Progress(self.center.size)
+        return progress
+
+    def _reply(self, conn, count, lease, factor, delta):
+        """DIFF d to the worker and x̃ += factor·delta (d itself, or a straggler's progress), overlapped (the
+        transport's send_delta says how), with the worker's `lease` (F_LEASE) in place of the exchanges' count where
+        there is one."""
+        center, scratch = self.center, conn.scratch
 
         def add(start, end):
-            rules.apply_to_center(center[start:end], buf[start:end], factor, scratch[:end - start])
+            rules.apply_to_center(center[start:end], delta[start:end], factor, scratch[:end - start])
 
         flags = self.server.history.reply_flags(conn.worker_id)
         if lease is None:
             conn.frames.send_delta(P.DIFF, count, flags, self.span, add)
         else:
             conn.frames.send_delta(P.DIFF, lease, flags | P.F_LEASE, self.span, add)
+
+
+class Progress:
+    """What the server keeps of a straggler (EasgdHandler's straggler_share): h, the center it handed the worker at
+    its last exchange, and x − h, the progress it pushes to the center at this one; handed: h is whole."""
+
+    def __init__(self, n):
+        self.h = np.empty(n, np.float32)
+        self.pushed = np.empty(n, np.float32)
+        self.handed = False
+
+    def difference(self, seg, center, lo, hi, pushed):
+        """On x's slice `seg` (in place): x − h into pushed where h is whole, h ← x̃ as read now, and d = x − h."""
+        h = self.h[lo:hi]
+        if pushed:
+            np.subtract(seg, h, out=self.pushed[lo:hi])
+        np.copyto(h, center[lo:hi])  # lock-free, x̃ moves: d and the next push count from what was read
+        rules.elastic_difference(seg, h, 1.0, out=seg)
 
 
 def handler(ds):
@@ -240,8 +299,10 @@ class Easgd(Algorithm):
 
     def listening(self, job):
         ds = job.ds
-        return (f"{job.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}"
-                + (", weighted by each worker's share of the fastest one's rate" if ds.rate_weighted else ""))
+        weighted = ds.rate_weighted and (", weighted by each worker's share of the fastest one's rate" + (
+            f"; under {ds.straggler_share:g} of it, the center takes {ds.straggler_gain:g} of a worker's progress"
+            if ds.straggler_share > 0 else ""))
+        return f"{job.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}{weighted or ''}"
 
     def train(self, job, task):
         results = job.run_workers(task, train_worker, job.ds.exchange_timeout)

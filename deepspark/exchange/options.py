@@ -18,6 +18,8 @@ FIELDS = {
     "moving_rate_limit": "moving_rate_limit",
     "server_factor": "server_factor",
     "rate_weighted": "rate_weighted",   # the EASGD rule weighs each exchange by the worker's share of the top rate
+    "straggler_share": "straggler_share",  # under it a worker exchanges by its progress, the center taking the gain
+    "straggler_gain": "straggler_gain",
 }
 
 
@@ -35,6 +37,8 @@ class ExchangeOptions:
     moving_rate_limit: float
     server_factor: float
     rate_weighted: bool
+    straggler_share: float
+    straggler_gain: float
 
     @classmethod
     def of(cls, ds=None, **changes):
