@@ -325,7 +325,12 @@ def page_section(records, data_folder=None):
             + " A run's clock starts at the driver's Solving line, its executors' start-up on it; the driver's rejoin"
             " lines run long where its watch was testing the center (it sees a loss or a rejoin only after the test),"
             " the harness's times do not. Each worker computes on one thread (its executor's one core), so a throttled"
-            " worker's idle core is not the other's. What a straggler's time is made of, its samples/s and the samples"
+            " worker's idle core is not the other's."
+            + (f" The straggler's default run exchanges by its progress (straggler_share: the center takes half of what"
+               f" it trained since it was last handed the center); {UNPUSHED} turns that off (--straggler-share 0),"
+               f" {UNWEIGHTED} rate weighting too (--no-rate-weighted)."
+               if any(UNPUSHED in f["figure"] for f in found) else "")
+            + " What a straggler's time is made of, its samples/s and the samples"
             " it trained to the clean run's final accuracy, each against the clean run's: "
             + ("; ".join(f"{f['algorithm']}'s {f['figure']}, {f['samples_per_second_ratio']:.2f}x the samples/s and"
                          f" {f['samples_ratio']:.2f}x the samples" for f in made_of) or "not measured")

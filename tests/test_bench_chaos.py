@@ -37,6 +37,9 @@ def test_the_straggler_runs_under_another_rule_are_the_defaults_comparisons_with
     others = [record(f"straggler at 0.33, {rule}", STRAGGLER["points"]) for rule in (bench.UNWEIGHTED, bench.UNPUSHED)]
     found = bench.figures([CLEAN, STRAGGLER, *others], 0.005, 1 / 3)
     assert [(f["target"], f["meets_target"]) for f in found] == [(1.2, False), (None, None), (None, None)]
+    text = bench.page_section([CLEAN, STRAGGLER, *others, *found])
+    assert "rate weighting alone turns that off (--straggler-share 0), the paper's rule rate weighting too" in text
+    assert "turns that off" not in bench.page_section([CLEAN, STRAGGLER, *found[:1]])
 
 
 def test_a_lone_worker_that_never_reaches_the_accuracy_gives_no_bound_and_the_page_says_so():
