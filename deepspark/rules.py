@@ -77,8 +77,14 @@ class TrainingRates:
             measured = (iteration - last[1]) / interval
             rate = measured if rate is None else (rate + measured) / 2
         self.seen[worker] = (now, iteration, interval, rate)
-        live = [r for t, _, i, r in self.seen.values() if r and now - t <= self.STALE * i]
+        # list(): one step under the GIL, while other connections' threads add and forget workers.
+        live = [r for t, _, i, r in list(self.seen.values()) if r and now - t <= self.STALE * i]
         return 1.0 if not rate or not live else min(1.0, rate / max(live))
+
+    def forget(self, worker):
+        """`worker` left (its connection ended): a replacement's rate is its own, not one that counts the time
+        between the loss and the rejoin."""
+        self.seen.pop(worker, None)
 
 
 # ---- when to exchange --------------------------------------------------------

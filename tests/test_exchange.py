@@ -244,6 +244,8 @@ def test_a_straggler_is_sent_to_the_center_and_the_center_takes_the_gain_of_its_
         time.sleep(0.2)
         slow.exchange(srv.pull(), iteration=40 + 2000)  # 2,000 iterations in 0.2 s: no straggler now
         assert len(handler.progress) == 0
+        slow.close()  # its rate goes with it: a replacement's is its own
+        wait_for(lambda: 1 not in handler.rates.seen and 0 in handler.rates.seen)
     assert EasgdHandler.of(ExchangeOptions.of()).straggler_share == pytest.approx(0.9)
     with pytest.raises(ValueError, match="straggler_gain"):
         EasgdHandler(0.2, straggler_gain=0.0)

@@ -185,3 +185,9 @@ def test_training_rates_give_each_worker_its_share_of_the_fastest_live_one():
     assert rates.share(1, 60, 16.0) == 1.0 and rates.seen[1][3] == pytest.approx(11.25)
     # An exchange with no new iteration (a rejoin going on from where its worker stood) keeps the rate it had.
     assert rates.share(1, 60, 16.5) == 1.0 and rates.seen[1][3] == pytest.approx(11.25)
+    # A worker that left is forgotten: its replacement's first exchange, 20 s on, has no rate yet (share 1; had
+    # the 20 s counted, 0.38), and its second a rate of its own (30 a second, against worker 0's 22.8: share 1).
+    assert rates.share(0, 90, 36.0) == 1.0 and rates.share(0, 120, 37.0) == 1.0
+    rates.forget(1)
+    assert rates.share(1, 70, 36.5) == 1.0 and rates.seen[1][3] is None
+    assert rates.share(1, 100, 37.5) == 1.0 and rates.seen[1][3] == pytest.approx(30.0)

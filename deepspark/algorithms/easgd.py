@@ -167,6 +167,11 @@ class EasgdHandler(Handler):
                 progress.handed = True
             server.record(wid, latency=time.monotonic() - started)
 
+    def left(self, worker_id):
+        """Its rate goes with its connection (TrainingRates.forget); its Progress went with the connection."""
+        if self.rates is not None:
+            self.rates.forget(worker_id)
+
     def straggler(self, conn, share):
         """The Progress of the worker on `conn`, now at `share` of the fastest rate, where it is a straggler (kept
         until it is one no longer, or leaves); None where it is not."""
