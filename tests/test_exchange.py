@@ -15,7 +15,7 @@ from deepspark.algorithms.easgd import Easgd, EasgdHandler
 from deepspark.exchange import (ExchangeClient, ExchangeOptions, ExchangeServer, NonFiniteError, OverlappedExchange,
                                 RefusedError)
 from deepspark.exchange import protocol as P
-from deepspark.exchange.transport import PIPELINE_BYTES, RECV_SLICE, SLICE_FLOATS, slice_floats
+from deepspark.exchange.transport import PIPELINE_BYTES, RECV_SLICE, SLICE_FLOATS, Connection, slice_floats
 from deepspark.proto import deepspark_pb2 as pb
 
 import reference
@@ -246,6 +246,17 @@ def test_a_straggler_is_sent_to_the_center_and_the_center_takes_the_gain_of_its_
         assert len(handler.progress) == 0
         slow.close()  # its rate goes with it: a replacement's is its own
         wait_for(lambda: 1 not in handler.rates.seen and 0 in handler.rates.seen)
+        # What is kept of a straggler is its connection's: afresh for a new one, and gone when the worker leaves.
+        ends = [socket.socketpair() for _ in range(2)]
+        conn, again = (Connection(ours, "127.0.0.1:7", 7) for ours, _ in ends)
+        kept = handler.straggler(conn, 0.1)
+        assert handler.straggler(conn, 0.1) is kept and kept.h.size == N
+        assert handler.straggler(again, 0.1) is not kept
+        handler.left(7)
+        assert 7 not in handler.progress
+        for pair in ends:
+            for end in pair:
+                end.close()
     assert EasgdHandler.of(ExchangeOptions.of()).straggler_share == pytest.approx(0.9)
     with pytest.raises(ValueError, match="straggler_gain"):
         EasgdHandler(0.2, straggler_gain=0.0)

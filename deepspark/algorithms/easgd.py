@@ -17,7 +17,7 @@ from deepspark.exchange import ExchangeOptions, OverlappedExchange
 from deepspark.exchange import protocol as P
 from deepspark.exchange.handlers import Handler, Leases
 from deepspark.exchange.ledger import Ledger
-from deepspark.exchange.transport import slice_floats
+from deepspark.exchange.transport import mapped, slice_floats
 from deepspark.nets import train_order
 from deepspark.schedule import stop_iteration
 
@@ -66,7 +66,7 @@ class EasgdHandler(Handler):
         self.decay = (float(moving_rate_gamma), int(moving_rate_step), float(moving_rate_limit))
         self.rates = rules.TrainingRates() if rate_weighted else None
         self.straggler_share, self.straggler_gain = float(straggler_share), float(straggler_gain)
-        self.progress = weakref.WeakKeyDictionary()  # a straggler's connection: its Progress
+        self.progress = {}  # a straggler's worker id: its Progress (of its current connection)
         self.consistent = bool(consistent)
         self.lock = threading.Lock() if consistent else contextlib.nullcontext()
         self.copy_lock = self.send_lock = self.lock
@@ -168,19 +168,21 @@ class EasgdHandler(Handler):
             server.record(wid, latency=time.monotonic() - started)
 
     def left(self, worker_id):
-        """Its rate goes with its connection (TrainingRates.forget); its Progress went with the connection."""
+        """Its rate and its Progress go with its connection (TrainingRates.forget): a replacement's are its own."""
+        self.progress.pop(worker_id, None)
         if self.rates is not None:
             self.rates.forget(worker_id)
 
     def straggler(self, conn, share):
         """The Progress of the worker on `conn`, now at `share` of the fastest rate, where it is a straggler (kept
-        until it is one no longer, or leaves); None where it is not."""
+        until it is one no longer, or its connection ends or is replaced); None where it is not."""
+        wid = conn.worker_id
         if share >= self.straggler_share:
-            self.progress.pop(conn, None)
+            self.progress.pop(wid, None)
             return None
-        progress = self.progress.get(conn)
-        if progress is None:
-            progress = self.progress[conn] = Progress(self.center.size)
+        progress = self.progress.get(wid)
+        if progress is None or progress.conn() is not conn:  # new, or kept for a connection since replaced
+            progress = self.progress[wid] = Progress(self.center.size, conn)
         return progress
 
     def _reply(self, conn, count, lease, factor, delta):
@@ -200,12 +202,14 @@ class EasgdHandler(Handler):
 
 
 class Progress:
-    """What the server keeps of a straggler (EasgdHandler's straggler_share): h, the center it handed the worker at
-    its last exchange, and x − h, the progress it pushes to the center at this one; handed: h is whole."""
+    """What the server keeps of a straggler (EasgdHandler's straggler_share) on its connection `conn` (held weakly):
+    h, the center it handed the worker at its last exchange, and x − h, the progress it pushes to the center at this
+    one; handed: h is whole."""
 
-    def __init__(self, n):
-        self.h = np.empty(n, np.float32)
-        self.pushed = np.empty(n, np.float32)
+    def __init__(self, n, conn):
+        self.conn = weakref.ref(conn)
+        # Model-sized, and kept a while: mappings of their own, unmapped when they go (transport.mapped's reason).
+        self.h, self.pushed = mapped(n, np.float32), mapped(n, np.float32)
         self.handed = False
 
     def difference(self, seg, center, lo, hi, pushed):
