@@ -15,8 +15,9 @@ to the clean run's time to that run's final accuracy (and to it less --tolerance
 last test can fall a few hundredths of a point short of a clean run's by the tests' noise alone), against
 the target (kills 1.3x, easgd's straggler 1.2x; sync's straggler has none: it is shown beside). For easgd
 three more runs: the straggler under the paper's rule (--no-rate-weighted, beside the default's), under rate
-weighting alone (--straggler-share 0: no straggler exchanges by its progress), and one worker alone (--workers 1), whose time to the clean run's final accuracy bounds the straggler's: the
-least any exchange rule could take with these cores (figure "straggler's bound"). Each figure also says what its
+weighting alone (--straggler-share 0: no straggler exchanges by its progress), and one worker alone (--workers 1),
+whose time to the clean run's final accuracy bounds the straggler's: the least any exchange rule could take with
+these cores (figure "straggler's bound"). Each figure also says what its
 time ratio is made of: the run's samples/s (its workers' iterations over their training time, from the driver's
 Worker lines) and the samples it trained to the accuracy, each against the clean run's. --repeats N runs an
 algorithm's clean and harmed runs N rounds, each harmed run against its own round's clean run, and the page shows

@@ -308,10 +308,13 @@ class Easgd(Algorithm):
 
     def listening(self, job):
         ds = job.ds
-        weighted = ds.rate_weighted and (", weighted by each worker's share of the fastest one's rate" + (
-            f"; under {ds.straggler_share:g} of it, the center takes {ds.straggler_gain:g} of a worker's progress"
-            if ds.straggler_share > 0 else ""))
-        return f"{job.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}{weighted or ''}"
+        said = f"{job.workers} workers, period {ds.period}, moving rate {ds.moving_rate:g}"
+        if ds.rate_weighted:
+            said += ", weighted by each worker's share of the fastest one's rate"
+            if ds.straggler_share > 0:
+                said += (f"; under {ds.straggler_share:g} of it, the center takes {ds.straggler_gain:g} of a "
+                         "worker's progress")
+        return said
 
     def train(self, job, task):
         results = job.run_workers(task, train_worker, job.ds.exchange_timeout)
