@@ -291,6 +291,7 @@ def test_moving_rate_decays_to_its_floor_and_the_center_moves_by_it(consistent):
 
 def test_stats_per_worker(server, good):
     x = np.zeros(N, dtype=np.float32)
+    began = time.time()
     good.exchange(x, iteration=40, loss=1.5)
     good.report(41, 1.25)
     wait_for(lambda: server.stats()[1]["iteration"] == 41)
@@ -298,8 +299,21 @@ def test_stats_per_worker(server, good):
     assert s["exchanges"] == 1 and s["loss"] == 1.25 and s["connected"]
     assert 0 < s["latency"] < 10  # header in to reply out, seconds
     assert 0 <= s["seconds_since_contact"] <= s["seconds_since_exchange"]
+    good.exchange(x, iteration=50, loss=1.0)
     good.close()
     wait_for(lambda: not server.stats()[1]["connected"])
+    # When each connection that exchanged first did (the driver's clock): one time for this one's two exchanges; a
+    # second connection that exchanges adds its own, one that does not adds none.
+    (first,) = server.stats()[1]["trained_at"]
+    assert began <= first <= time.time()
+    for exchanges in (1, 0):
+        with ExchangeClient(server.address, SECRET, 1, shapes=SHAPES, timeout=10.0) as again:
+            again.connect()
+            for _ in range(exchanges):
+                again.exchange(x, iteration=60, loss=1.0)
+        wait_for(lambda: not server.stats()[1]["connected"])
+    trained = server.stats()[1]["trained_at"]
+    assert len(trained) == 2 and trained[0] == first < trained[1] and server.stats()[1]["connections"] == 3
 
 
 def test_overlapped_exchange_applies_difference_of_the_snapshot(server):

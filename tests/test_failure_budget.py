@@ -91,6 +91,42 @@ def test_every_loss_and_rejoin_is_counted_with_its_cost():
     assert outages.lost(3, 90.0, 900).rejoined_at is None and 3 in outages.open
 
 
+def test_two_failures_one_look_finds_count_in_a_row_only_without_a_connection_that_exchanged_between_them():
+    """One look at Spark's tasks can find a worker's two failures (its retry forks in milliseconds and trains
+    before the next look): whether it trained between them is told by Spark's times of the failures and the
+    exchanger's of its connections' first exchanges, not by the look they were found in."""
+    from deepspark.spark.losses import Losses
+
+    class Found(Losses):  # what Spark's status store lists: each failure's worker, cause, attempt and end
+        def failed_tasks(self, membership):
+            found, self.found = self.found, []
+            return found
+
+    class Membership:  # every worker needed: one whose budget is spent stops the job
+        left = {}
+
+        def leave(self, worker, stop):
+            return stop
+
+    def look(trained_at, *ends):
+        losses = Found(None, 60.0, Budget(Limits(in_a_row=2, window=3600, per_worker=0, per_job=0)))
+        losses.found = [(0, CRASH, (1, n), ended) for n, ended in enumerate(ends)]
+        stop = losses.failures({0: {"iteration": 7, "trained_at": trained_at}}, Membership())
+        return stop, losses.budget.failures(0)
+
+    # Its first connection trained (before the first failure), its second (between the two) too: 1 in a row.
+    assert look((90.0, 105.0), 100.0, 110.0) == (None, (2, 1))
+    # The second connected but was killed before its first exchange; the third trains after both: 2 in a row.
+    stop, counts = look((90.0, 115.0), 100.0, 110.0)
+    assert stop.startswith("worker 0 failed 2 times in a row") and counts == (2, 2)
+    # Found a look apart, the same: the driver keeps the first's end.
+    losses = Found(None, 60.0, Budget(Limits(in_a_row=2, window=3600, per_worker=0, per_job=0)))
+    for ended, trained_at in ((100.0, (90.0,)), (110.0, (90.0, 105.0))):
+        losses.found = [(0, CRASH, (1, 0), ended)]
+        assert losses.failures({0: {"trained_at": trained_at}}, Membership()) is None
+    assert losses.budget.failures(0) == (2, 1)
+
+
 # The tiny job (synthetic.py) of one worker, long enough for three kills and their rejoins in its first half
 # on a loaded machine (its iterations take a millisecond or two; a rejoin, seconds).
 KILLED_MAX_ITER = 6000

@@ -27,6 +27,9 @@ HANDSHAKE_SECONDS = 10.0
 # Connections from one address in their handshake at once: local[N]'s workers all join from one address at the
 # job's start, and a few more than that absorb a rejoin beside them; a flood from one address churns within these.
 PER_ADDRESS = 16
+# A worker's connections that exchanged whose times its stats keep: far more than can come between two of the
+# driver's looks, which each place a failure between them.
+TRAINED_AT_KEPT = 16
 
 
 class ExchangeServer:
@@ -144,7 +147,8 @@ class ExchangeServer:
         """Per worker_id, a plain dict: exchanges, iteration, joined_at (the iteration its last
         connection started at), finished (it said BYE), loss, latency (seconds from its last EXCHANGE header to the last
         byte of the reply handed to the kernel: receiving x, the rule, sending d), seconds_since_exchange,
-        seconds_since_contact, connected, connections, refused_nonfinite, peer."""
+        seconds_since_contact, connected, connections, refused_nonfinite, peer, trained_at (when each of its last
+        connections that exchanged first did: time.time())."""
         now = time.monotonic()
         with self._books:
             out = {}
@@ -197,8 +201,12 @@ class ExchangeServer:
         with self._books:
             self._exchanges += 1
             for wid in worker_ids:
-                self._workers[wid]["exchanges"] += 1
-                self._workers[wid]["last_exchange"] = now
+                stats = self._workers[wid]
+                stats["exchanges"] += 1
+                stats["last_exchange"] = now
+                if not stats["exchanged_here"]:  # this connection's first: when it trained, on Spark's clock
+                    stats["exchanged_here"] = True
+                    stats["trained_at"] = (*stats["trained_at"], time.time())[-TRAINED_AT_KEPT:]
 
     def count(self, worker_id, key):
         """Add one to a counter of the worker's stats."""
@@ -459,6 +467,10 @@ def joined(prev, iteration, peer):
         "connected": True,
         "finished": False,  # it said BYE: done training
         "connections": (prev["connections"] if prev else 0) + 1,
+        "exchanged_here": False,  # whether this connection has exchanged
+        # The wall-clock time of the first exchange of each of its last connections that exchanged (the driver tells
+        # by them whether a worker trained between two of its failures that one look at Spark's tasks finds).
+        "trained_at": prev["trained_at"] if prev else (),
         "refused_nonfinite": prev["refused_nonfinite"] if prev else 0,
         "peer": peer,
         "history_iteration": prev["history_iteration"] if prev else None,  # of the last it sent

@@ -80,14 +80,15 @@ def task_cause(message):
 
 
 def failed_tasks(sc, group, seen):
-    """Spark's tasks of job group `group` that failed since the last call, as [(partition, cause, (stage,
-    attempt))], each stage attempt's in the order they ended; `seen` ({stage: (attempt, ids of its failed tasks
-    seen)}, updated) is what earlier calls saw. Every attempt of a stage is read, a barrier stage's reruns among them:
-    Spark's status store has a failed task before the attempt after it (its listener's events come in order). A
-    failure is known by its task id, not by its place in Spark's list: tasks fail in another order than their ids (a
-    retry, launched later, can fail before the first attempt of another partition), and an offset into a list in
-    another order than the failures' reads one already counted in place of the new one, under the wrong worker. A look
-    Spark cannot answer (its context stopping) returns what it read: the rest is read by the next."""
+    """Spark's tasks of job group `group` that failed since the last call, as [(partition, cause, (stage, attempt), when
+    it ended (s since the epoch, the driver's clock))], each stage attempt's in the order they ended; `seen` ({stage:
+    (attempt, ids of its failed tasks seen)}, updated) is what earlier calls saw. Every attempt of a stage is read, a
+    barrier stage's reruns among them: Spark's status store has a failed task before the attempt after it (its
+    listener's events come in order). A failure is known by its task id, not by its place in Spark's list: tasks fail in
+    another order than their ids (a retry, launched later, can fail before the first attempt of another partition), and
+    an offset into a list in another order than the failures' reads one already counted in place of the new one, under
+    the wrong worker. A look Spark cannot answer (its context stopping) returns what it read: the rest is read by the
+    next."""
     tracker = sc.statusTracker()
     found = []
     try:
@@ -100,7 +101,8 @@ def failed_tasks(sc, group, seen):
                 read = []
                 while True:
                     tasks = [t for t in stage_failures(sc, stage_id, attempt) if t[1] not in ids]
-                    read += [(partition, cause, (stage_id, attempt)) for _, _, partition, cause in sorted(tasks)]
+                    read += [(partition, cause, (stage_id, attempt), ended / 1000)
+                             for ended, _, partition, cause in sorted(tasks)]
                     if attempt == stage.currentAttemptId:
                         break
                     attempt, ids = attempt + 1, frozenset()

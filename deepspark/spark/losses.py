@@ -2,6 +2,7 @@
 
 import dataclasses
 import logging
+import math
 import time
 
 from deepspark.spark.budget import Budget, Outages
@@ -30,12 +31,12 @@ class Losses:
     executors: dict = dataclasses.field(default_factory=dict)  # executor id -> host:port as Spark last gave it
     named: set = dataclasses.field(default_factory=set)  # executors whose loss has been told
     lost_with: dict = dataclasses.field(default_factory=dict)  # lost worker -> the executors Spark lost with it
-    # Every loss and rejoin with its cost (Outages), what failed_tasks has seen, and each worker's exchanges at its
-    # last failure (more since: it trained), and when each last exchanged, as far as the driver has seen (a loss's
-    # time: a lost worker's stats may be its next connection's by the next look).
+    # Every loss and rejoin with its cost (Outages), what failed_tasks has seen, when each worker's last failure
+    # ended (a connection that exchanged since: it trained), and when each last exchanged, as far as the driver has
+    # seen (a loss's time: a lost worker's stats may be its next connection's by the next look).
     outages: Outages = dataclasses.field(default_factory=Outages)
     seen: dict = dataclasses.field(default_factory=dict)
-    marks: dict = dataclasses.field(default_factory=dict)
+    failed_at: dict = dataclasses.field(default_factory=dict)  # worker -> its last failure's end (s, the epoch)
     exchanged_at: dict = dataclasses.field(default_factory=dict)  # worker -> its last exchange seen (monotonic)
     # Whether a spent budget stops the job: not where Spark's own count does (its attempts as max_failures: a
     # caller's context, max_failures 1, average), which says its own line.
@@ -99,15 +100,18 @@ class Losses:
         line that stops the job, else None."""
         now = time.monotonic()
         for wid, s in stats.items():
-            if s.get("exchanges", 0) > self.marks.get(wid, 0):
-                self.budget.trained(wid)
             if s.get("connections", 1) == self.connections.get(wid, 1) and s.get("seconds_since_exchange") is not None:
                 self.exchanged_at[wid] = now - s["seconds_since_exchange"]
-        for wid, cause, attempt in self.failed_tasks(membership):
+        for wid, cause, attempt, ended in self.failed_tasks(membership):
             if wid in membership.left:  # it left with an earlier failure of this look
                 continue
+            # It trained since its last failure if a connection of its exchanged between the two: told by Spark's
+            # times, not by looks, since one look can find several failures (a retry forks in milliseconds).
+            since = self.failed_at.get(wid, -math.inf)
+            if any(since < at < ended for at in stats.get(wid, {}).get("trained_at", ())):
+                self.budget.trained(wid)
+            self.failed_at[wid] = ended
             iteration = stats.get(wid, {}).get("iteration", 0)
-            self.marks[wid] = stats.get(wid, {}).get("exchanges", 0)
             if self.barrier and attempt in self.charged:
                 outage = self.outages.lost(wid, self.exchanged_at.get(wid, now), iteration) or self.outages.open[wid]
                 outage.said = True
@@ -132,13 +136,13 @@ class Losses:
         return None
 
     def failed_tasks(self, membership):
-        """failed_tasks of the training's Spark jobs since the last look, as [(worker, cause, (stage, attempt))]: a
-        task's partition in the single job, the worker whose job it is in one of each worker's."""
+        """failed_tasks of the training's Spark jobs since the last look, as [(worker, cause, (stage, attempt), when it
+        ended)]: a task's partition in the single job, the worker whose job it is in one of each worker's."""
         found = []
         for worker, job in sorted(membership.jobs.items(), key=str):
             if worker not in membership.left:
-                found += [(partition if worker is None else worker, cause, attempt)
-                          for partition, cause, attempt in failed_tasks(self.sc, job.group, self.seen)]
+                found += [(partition if worker is None else worker, cause, attempt, ended)
+                          for partition, cause, attempt, ended in failed_tasks(self.sc, job.group, self.seen)]
         return found
 
     def tell_losses(self, after):
