@@ -90,6 +90,57 @@ def test_a_driver_killed_outright_leaves_no_zygote_folder(tmp_path):
         driver.wait()
 
 
+def test_an_error_raised_while_an_interrupt_went_out_through_py4j_stops_the_job_as_that_interrupt():
+    """The average-SIGINT case under load: Ctrl-C cut the round's collect short, Py4J shut its connection, and
+    pyspark's call-site `with` around the collect failed on a new one ("Answer from Java side is empty"), which
+    Python raised in the interrupt's place; the round made it a JobError, and the job ended as "the Spark job failed"
+    instead of "interrupted". Job.train finds the interrupt behind it (failures.interrupted)."""
+    from py4j.protocol import Py4JNetworkError
+
+    from deepspark.spark.failures import JobError, interrupted
+    from deepspark.spark.job import HungUp, Job
+
+    def round_cut_short(signal_error):
+        try:
+            try:
+                raise signal_error
+            except KeyboardInterrupt:
+                raise Py4JNetworkError("Answer from Java side is empty")  # the call-site `with`'s exit
+        except Exception as error:
+            raise JobError(f"the Spark job failed: {error}") from None  # rounds.one_round
+
+    class Algorithm:
+        def __init__(self, raises):
+            self.raises = raises
+
+        def train(self, job, task):
+            self.raises()
+
+    stopped = []
+    job = Job.__new__(Job)
+    job.task, job.own_sc = None, None
+    job.stopped_early, job.stop_session = stopped.append, lambda: None
+    for signal_error in (KeyboardInterrupt(), HungUp("SIGHUP")):
+        job.algorithm = Algorithm(lambda: round_cut_short(signal_error))
+        with pytest.raises(KeyboardInterrupt) as raised:
+            job.train()
+        assert raised.value is signal_error and stopped[-1] is signal_error
+    # A job's own failure, and any other error, go on as they were; only the failure is snapshotted first.
+    failure = JobError("the Spark job failed: Job aborted")
+
+    def abort():
+        raise failure
+
+    job.algorithm = Algorithm(abort)
+    with pytest.raises(JobError) as raised:
+        job.train()
+    assert raised.value is failure and stopped[-1] is failure and len(stopped) == 3
+    job.algorithm = Algorithm(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        job.train()
+    assert len(stopped) == 3 and interrupted(ValueError()) is None
+
+
 def test_py4j_s_log_of_a_connection_an_interrupt_broke_is_dropped_and_other_errors_are_not(capsys):
     """The average-SIGINT case's stray traceback: Py4J logs the BrokenPipeError it met shutting down the connection
     the interrupt left half-used, through its own logger ("py4j.clientserver"), whose records reach the root's

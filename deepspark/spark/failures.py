@@ -70,6 +70,18 @@ def failed(error, sc):
     return JobError(f"the Spark job failed: {line}; {executor_report(sc)}", detail=str(error))
 
 
+def interrupted(error):
+    """The KeyboardInterrupt (SIGINT, or SIGHUP as job.HungUp) that `error` was raised while handling, else None. A
+    signal cuts the main thread's Py4J call short and Py4J shuts that call's connection; the next call on the way out
+    (pyspark's call-site `with` around an action) can then fail on a new connection ("Answer from Java side is
+    empty"), and Python raises that error in the interrupt's place."""
+    for _ in range(8):
+        if error is None or isinstance(error, KeyboardInterrupt):
+            return error
+        error = error.__context__
+    return None
+
+
 # Spark's own advice at the end of a crashed Python worker's report, which is no cause.
 _ADVICE = re.compile(r"\.?\s+Consider setting .*$", re.S)
 

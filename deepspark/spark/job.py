@@ -29,7 +29,7 @@ from deepspark.spark import executor, rounds, shards
 from deepspark.spark.budget import Budget, Limits, Outages
 from deepspark.spark.center import HISTORY_SECONDS, CenterCadence
 from deepspark.spark.executor import Task
-from deepspark.spark.failures import JobError
+from deepspark.spark.failures import JobError, interrupted
 from deepspark.spark.session import (WATCHED_ATTEMPTS, is_local, on_loopback, quiet_tasks, setting, spark_context,
                                      stop_context, this_python, threads_line)
 from deepspark.spark.watch import Watch
@@ -86,12 +86,7 @@ class Py4JQuiet(logging.Filter):
         if not record.exc_info or f"{os.sep}py4j{os.sep}" not in record.pathname:
             return True
         # The interrupt itself, or what it broke on the way out (a BrokenPipeError while Py4J shut the connection).
-        error, seen = record.exc_info[1], 0
-        while error is not None and seen < 8:
-            if isinstance(error, KeyboardInterrupt):
-                return False
-            error, seen = error.__context__, seen + 1
-        return True
+        return interrupted(record.exc_info[1]) is None
 
     def __enter__(self):
         root = logging.getLogger()
@@ -308,17 +303,23 @@ class Job:
 
     def train(self):
         """The algorithm's training (its workers' Summaries); a job that stops early (StopSignals, or a JobError)
-        is snapshotted (stopped_early) and its Spark session stopped before the exception goes on."""
+        is snapshotted (stopped_early) and its Spark session stopped before the exception goes on. An error raised
+        while a signal's interrupt went out through Py4J (failures.interrupted) is that interrupt."""
         try:
             with StopSignals():
                 return self.algorithm.train(self, self.task)
-        except (KeyboardInterrupt, JobError) as error:
-            self.stopped_early(error)
+        except (KeyboardInterrupt, Exception) as error:
+            stop = interrupted(error) or error
+            if not isinstance(stop, (KeyboardInterrupt, JobError)):
+                raise
+            self.stopped_early(stop)
             if self.own_sc is not None:  # Spark's errors about the tasks its stop kills are no news
                 with contextlib.suppress(Exception):
                     self.own_sc.setLogLevel("OFF")
             self.stop_session()  # the workers go before the exchanger does, or each says it lost it
-            raise
+            if stop is error:
+                raise
+            raise stop from None
 
     def stopped_early(self, error):
         """Before a job that stops early (SIGINT, SIGHUP, Spark's retries spent, its workers lost) exits, its

@@ -36,7 +36,7 @@ from deepspark.errors import ConfigError, DeepSparkError
 from deepspark.graph import Graph, fmt, layer_included, tap_name, with_batch_size, with_taps
 from deepspark.proto import deepspark_pb2 as pb
 from deepspark.spark.executor import set_threads
-from deepspark.spark.failures import failed
+from deepspark.spark.failures import failed, interrupted
 from deepspark.spark.session import spark_session, stop_context, worker_threads
 from deepspark.spark.shards import parquet_located, unreadable_lmdb
 
@@ -448,7 +448,7 @@ def score(path, weights, source=None, backend=None, batch_size=0, ds=None):
         try:
             counted = records.mapInArrow(arrow_sums(forward, source), SUMS).collect()
         except Exception as error:
-            raise failed(error, sc) from None
+            raise interrupted(error) or failed(error, sc) from None
         sums = collections.OrderedDict()
         for row in counted:
             name, value = row["output"], np.array(row["sum"], np.float64).reshape(row["shape"])
@@ -501,7 +501,7 @@ def extract_features(path, weights, blobs, outputs, source=None, backend=None, b
         except DeepSparkError:
             raise
         except Exception as error:
-            raise failed(error, sc) from None
+            raise interrupted(error) or failed(error, sc) from None
         finally:
             features.unpersist()
         return written

@@ -17,7 +17,7 @@ from deepspark.data.sources import datum_shape, row_datum
 from deepspark.errors import ConfigError
 from deepspark.graph import layer_included
 from deepspark.proto import deepspark_pb2 as pb
-from deepspark.spark.failures import failed, first_line
+from deepspark.spark.failures import failed, first_line, interrupted
 from deepspark.spark.session import sql_session
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def partition_counts(sc, rows):
     try:
         counted = rows.mapPartitions(count).collect()
     except Exception as error:
-        raise failed(error, sc) from None
+        raise interrupted(error) or failed(error, sc) from None
     return [n for n, _ in counted], next((row for n, row in counted if n), None)
 
 
