@@ -5,12 +5,14 @@ import fcntl
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from conftest import ROOT
@@ -91,16 +93,23 @@ def kill_while_training(driver, train_log, max_iter, kills, seed, window, timeou
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
 
-def train_with_straggler(solver, *flags, share=0.1):
+def train_with_straggler(solver, *flags, share=0.1, go=None):
     """Train `solver` in a driver of its own (start_training), the first worker to connect to its exchanger held to
-    `share` of the wall clock from before its first step (chaos.Throttle); (the driver's return code, its log, the
-    pid of the worker held). A driver still running at the end, however it ends, is killed."""
+    `share` of the wall clock (chaos.Throttle); with `go`, a file written once the throttle holds it, for a net
+    whose workers wait for it before their first step (a job shorter than the throttle's look at /proc under load
+    can end unheld). (the driver's return code, its log, the pid of the worker held: None if none was). A driver
+    still running at the end, however it ends, is killed."""
     driver = start_training(solver, *flags)
     throttle = None
     try:
         seen = read_until(driver, r"Exchanger listening on ")
         port = int(re.search(r"Exchanger listening on [\d.]+:(\d+)", seen[-1]).group(1))
         throttle = chaos.Throttle(port, share=share, ended=lambda: driver.poll() is not None, timeout=120).start()
+        if go is not None:
+            def release():
+                if throttle.holding.wait(120):
+                    pathlib.Path(go).touch()
+            threading.Thread(target=release, daemon=True).start()
         _, stderr = driver.communicate(timeout=600)
     finally:
         if throttle is not None:

@@ -122,6 +122,7 @@ def test_a_throttled_worker_runs_a_share_of_the_time_and_runs_on_after(exchanger
     try:
         connected(port, accept, 1)
         throttle = chaos.Throttle(port, share=0.25, period=0.2).start()
+        assert throttle.holding.wait(30) and throttle.pid == worker.pid
         time.sleep(0.5)
         before = cpu_seconds(worker.pid)
         time.sleep(2.0)

@@ -215,6 +215,18 @@ def test_two_feeders_read_exactly_the_blocks_granted_them_the_fast_one_its_own_a
     assert read[0][:10] != sorted(read[0][:10])  # shuffled within the blocks held
 
 
+# The Recorder, its workers waiting before their first step for the file `go` beside the folder it writes to (the
+# throttle, looking at /proc from a loaded machine, could find a worker only after the job), then 20 ms a step: the
+# tiny net's 100 iterations alone pass in a few of the throttle's 0.3 s periods, too few for a tenth's share to tell.
+STOLEN_RECORDER = RECORDER.replace("import os", "import os\nimport time").replace(
+    "    def forward(self, bottom, top):\n",
+    "    def forward(self, bottom, top):\n"
+    "        deadline = time.monotonic() + 60\n"
+    "        while not os.path.exists(os.path.join(os.path.dirname(self.param_str), 'go')) and "
+    "time.monotonic() < deadline:\n"
+    "            time.sleep(0.02)\n"
+    "        time.sleep(0.02)\n")
+
 # 1x256x256 records (64 KB each): a block, 4 MB of records, is 64 of them, and each worker's range of 200 is four
 # blocks; the net crops them to 8x8. Record i is labelled i, so the labels the Recorder layer writes name the records.
 STOLEN_NET = RECORDED_NET.replace("transform_param {{ scale", "transform_param {{ crop_size: 8 scale")
@@ -228,14 +240,15 @@ def test_a_stragglers_unread_records_are_read_by_the_other_worker_each_record_on
     write_lmdb(source, ((b"%08d" % i, encode_datum(rng.integers(0, 255, (1, 256, 256), dtype=np.uint8), i))
                         for i in range(400)))
     (tmp_path / "seen").mkdir()
-    (tmp_path / "order_recorder.py").write_text(RECORDER)
+    (tmp_path / "order_recorder.py").write_text(STOLEN_RECORDER)
     (tmp_path / "net.prototxt").write_text(STOLEN_NET.format(train=source, seen=tmp_path / "seen"))
     (tmp_path / "solver.prototxt").write_text(RECORDED_SOLVER.format(net=tmp_path / "net.prototxt",
                                                                      prefix=tmp_path / "out" / "stolen")
                                               .replace("max_iter: 24", f"max_iter: {STOLEN_ITER}"))
     # The first worker to connect runs a tenth of the time from before its first step: the straggler.
-    returncode, log, straggler = train_with_straggler(str(tmp_path / "solver.prototxt"), share=0.1)
-    assert returncode == 0 and workers_done(log) == [0, 1], log[-3000:]
+    returncode, log, straggler = train_with_straggler(str(tmp_path / "solver.prototxt"), share=0.1,
+                                                      go=tmp_path / "go")
+    assert returncode == 0 and workers_done(log) == [0, 1] and straggler is not None, log[-3000:]
     assert "Work stealing: on; the workers claim blocks of 64 records" in log, log[-3000:]
     assert "blocks of 4 MB of records through a 8 MB shuffle buffer" in log
     ledger = re.search(r"Records read through the job's ledger \(blocks of 64 records\): (\d+) of (\d+) job epochs "

@@ -323,13 +323,13 @@ class Chaos:
 class Throttle:
     """A straggler: one worker connected to the exchanger on `port` (the first seen) held to `share` of the wall
     clock, SIGCONT for share x `period` s and SIGSTOP for the rest, as cpulimit does, until it leaves the exchanger
-    (it finished, or died), the job ends or stop(); then it runs on. `pid` is the worker held (None before);
-    `held` the seconds from its first hold to its release and `released` why it was let go ("left", "died",
-    "ended", "stopped"; None before)."""
+    (it finished, or died), the job ends or stop(); then it runs on. `pid` is the worker held (None before), and
+    `holding` is set once it is chosen; `held` the seconds from its first hold to its release and `released` why
+    it was let go ("left", "died", "ended", "stopped"; None before)."""
 
     def __init__(self, port, share=1 / 3, period=0.3, ended=lambda: False, timeout=300.0):
         self.port, self.share, self.period, self.ended, self.timeout = port, share, period, ended, timeout
-        self.pid, self.stopping, self._thread = None, threading.Event(), None
+        self.pid, self.stopping, self.holding, self._thread = None, threading.Event(), threading.Event(), None
         self.held, self.released = None, None
 
     def run(self):
@@ -338,6 +338,8 @@ class Throttle:
             connected = exchanger_connections(self.port)
             self.pid = connected[min(connected)] if connected else None
             time.sleep(POLL_SECONDS)
+        if self.pid is not None:
+            self.holding.set()
         start, why = time.monotonic(), None
         try:
             while self.pid is not None and why is None:
