@@ -16,9 +16,10 @@ load       `--clients` processes each exchange with blocking `exchange()` in a l
 reconnect  as many processes, each `--cycles` times: connect, `--per-cycle` exchanges, then leave in turn with BYE,
            by closing the socket between frames without BYE, or by resetting it half-way through an EXCHANGE
            frame; in `--phases` phases, after each of which the server's open connections must return to 0 and its
-           RSS is read. Checked: the server's exchange count (total and per worker id) equals the clients'
-           completed exchanges exactly, its threads return to their idle number, the center holds only finite
-           values, and RSS growth per 100 connections after the first phase (which warms the allocator up).
+           threads to their number before, and its RSS is read. Checked: the server's exchange count (total and
+           per worker id) equals the clients' completed exchanges exactly, its threads return to their idle
+           number, the center holds only finite values, and RSS growth per 100 connections after the first phase
+           (which warms the allocator up).
 
 A connection's buffers are mappings of their own (transport.mapped), returned to the kernel when it ends; from
 malloc, glibc's per-thread arenas kept them (its dynamic mmap threshold puts model-sized blocks below 32 MB there
@@ -125,12 +126,16 @@ class Server:
         record["workers"] = {int(wid): w for wid, w in record["workers"].items()}  # JSON keys are strings
         return record
 
-    def drained(self, timeout=30.0):
-        """The server's status once its open connections are back to 0, and the seconds that took."""
+    def drained(self, timeout=30.0, threads=None):
+        """The server's status once its open connections are back to 0 and, given `threads`, its threads back to
+        that many, and the seconds that took. A connection's buffers live as long as its thread, which ends a
+        little after the connection stops counting: on a loaded machine an RSS read in between (CI run K) held one
+        connection's buffers, 5-6 MB for LeNet."""
         started = time.monotonic()
         while True:
             status = self.ask()
-            if status["open_connections"] == 0 or time.monotonic() - started > timeout:
+            done = status["open_connections"] == 0 and (threads is None or status["threads"] <= threads)
+            if done or time.monotonic() - started > timeout:
                 return status, time.monotonic() - started
             time.sleep(0.05)
 
@@ -269,7 +274,7 @@ def load(server, n, clients, seconds, compute_ms):
             seen["connected"] = server.ask()
 
     got = _run_clients(_load_client, clients, (server.port, n, seconds, compute_ms / 1e3), 3, pause)
-    after, drain_seconds = server.drained()
+    after, drain_seconds = server.drained(threads=idle["threads"])
     connected = seen["connected"]
     rates = sorted(r["timed"] / r["seconds"] for r in got.values())
     wall = max(r["seconds"] for r in got.values())
@@ -305,7 +310,7 @@ def reconnect(server, n, clients, cycles, phases, per_cycle):
     ends = []
 
     def pause(step):
-        ends.append(server.drained())
+        ends.append(server.drained(threads=before["threads"]))
 
     got = _run_clients(_reconnect_client, clients, (server.port, n, cycles, phases, per_cycle), 2 * phases,
                        lambda step: step % 2 == 0 and pause(step))

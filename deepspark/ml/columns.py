@@ -5,10 +5,12 @@ classic Spark and under Spark Connect alike."""
 import logging
 import sys
 import threading
+import time
 from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
+from py4j.protocol import Py4JError
 from pyspark.accumulators import AccumulatorParam
 from pyspark.sql import functions as F
 
@@ -19,19 +21,22 @@ from deepspark.ml.frames import spark_job
 log = logging.getLogger(__name__)
 # Bytes of Datums an Arrow batch's are decoded in at a time (their images as many bytes again, at most).
 DECODE_BYTES = 16 << 20
-# Seconds with no task reporting skipped rows after which the driver says how many an action skipped: a task's
-# count comes in as it ends, and an action's tasks end within this of each other.
+# Seconds with no task reporting skipped rows after which the driver says how many an action skipped, once Spark
+# runs no job: a task's count comes in as it ends, and on a loaded machine an action's tasks can end seconds apart.
 SAID_AFTER = 1.0
+# The longest the driver holds a count back while Spark runs jobs (an action that goes on, or another's).
+SAID_AT_MOST = 60.0
 
 
 class SkipCount(AccumulatorParam):
     """The rows handleInvalid='skip' leaves out of a transform, as a classic Spark accumulator: the executors count
     them as they score (no second pass over the data), and the driver adds up the tasks' counts as they come in and
-    says them in one warning once an action's tasks stop reporting (SAID_AFTER)."""
+    says them in one warning once its tasks stop reporting (SAID_AFTER) and `tracker` (the SparkContext's
+    StatusTracker) shows no job running, or SAID_AT_MOST after the first count."""
 
-    def __init__(self, column):
-        self.column, self.on_driver = column, True
-        self.pending, self.timer, self.lock = 0, None, threading.Lock()
+    def __init__(self, column, tracker):
+        self.column, self.tracker, self.on_driver = column, tracker, True
+        self.pending, self.first, self.timer, self.lock = 0, None, None, threading.Lock()
 
     def __getstate__(self):  # what the executors get: the count alone
         return {"column": self.column}
@@ -46,18 +51,38 @@ class SkipCount(AccumulatorParam):
         if self.on_driver and value2:  # a task's count, reported to the driver
             with self.lock:
                 self.pending += value2
-                if self.timer is not None:
-                    self.timer.cancel()
-                self.timer = threading.Timer(SAID_AFTER, self.say)
-                self.timer.daemon = True
-                self.timer.start()
+                self.first = self.first or time.monotonic()
+                self._wait()
         return value1 + value2
 
+    def _wait(self):
+        """(Re)start the timer that says the count: called with the lock held."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = threading.Timer(SAID_AFTER, self.say)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def running(self):
+        """Whether Spark runs a job now (the tracker's view lags the tasks' ends a little: one more wait)."""
+        try:
+            return bool(self.tracker.getActiveJobsIds())
+        except Py4JError:  # the context stopped: nothing more will come
+            return False
+
     def say(self):
+        running = self.running()  # a call into the JVM: not under the lock, which the accumulator server takes
         with self.lock:
-            count, self.pending, self.timer = self.pending, 0, None
+            if self.timer is not threading.current_thread():  # a newer count started a timer of its own
+                return
+            if running and time.monotonic() - self.first < SAID_AT_MOST:
+                self._wait()
+                return
+            count, self.pending, self.first, self.timer = self.pending, 0, None, None
         log.warning(f"transform: skipped {count} row{'s' if count != 1 else ''} with a null or wrong-sized inputCol "
                     f"'{self.column}' (handleInvalid='skip')")
+
+
 # What a Spark Connect server's Python workers must import to run a transform, beside the backend's module; and the
 # function that looks, defined outside any module so that it travels by value (the workers may not have deepspark).
 WORKER_NEEDS = ("pyarrow", "numpy", "deepspark")

@@ -242,8 +242,9 @@ class DeepSparkModel(Model, Stage, MLWritable, MLReadable):
                                  else f.dataType) for f in fields]
         # An Arrow UDF takes no vectors: Spark's vector_to_array makes them flat arrays of doubles (below).
         arrays = dataclasses.replace(inputs, kind=ARRAY, depth=1) if inputs.kind == VECTOR else inputs
-        skipped = None if not skip or is_connect(dataset) else \
-            dataset.sparkSession.sparkContext.accumulator(0, SkipCount(inputs.column))
+        context = None if not skip or is_connect(dataset) else dataset.sparkSession.sparkContext
+        skipped = None if context is None else \
+            context.accumulator(0, SkipCount(inputs.column, context.statusTracker()))
         net = F.arrow_udf(outputs_of(forward, arrays, columns, skip, skipped), T.StructType(carried))
         # One struct column from the UDF, then its fields: Spark evaluates the UDF once (it does not inline an
         # expensive expression into each field's reference), and the other columns never leave the JVM.
