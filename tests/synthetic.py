@@ -76,3 +76,39 @@ def before_conv(folder, name, module, layer, code):
         f'layer {{ name: "{name}" type: "Python" bottom: "data" top: "{name}" '
         f'python_param {{ module: "{module}" layer: "{layer}" }} }}\n'
         f'layer {{ name: "conv" type: "Convolution" bottom: "{name}"')))
+
+
+# A pass-through Python layer that, in a Spark task (the driver's tests never wait), holds its forward number HOLD until
+# the file GO exists (at most 120 s): a harness writes GO once what it does has landed while the workers train (a
+# throttle found its worker, a kill was made). A tiny job's thousands of iterations pass in seconds, and a harness
+# looking at /proc from a loaded machine can come after them.
+HOLD_LAYER = '''import os
+import time
+import caffe
+from pyspark import TaskContext
+
+
+class Hold(caffe.Layer):
+    def setup(self, bottom, top):
+        self.forwards, self.waiting = 0, TaskContext.get() is not None
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        self.forwards += 1
+        deadline = time.monotonic() + 120
+        while self.waiting and self.forwards >= HOLD and not os.path.exists(GO) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.waiting = self.waiting and self.forwards < HOLD
+        top[0].data[...] = bottom[0].data
+
+    def backward(self, top, propagate_down, bottom):
+        bottom[0].diff[...] = top[0].diff
+'''
+
+
+def hold_before_conv(folder, go, hold=1):
+    """The tiny net of make_job in `folder` with HOLD_LAYER before its Convolution: each Spark task's forward number
+    `hold` waits for the file `go`."""
+    before_conv(folder, "hold", "hold_layer", "Hold", f"GO = {str(go)!r}\nHOLD = {int(hold)}\n{HOLD_LAYER}")

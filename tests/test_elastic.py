@@ -17,7 +17,7 @@ from deepspark.spark.budget import Budget, Limits
 
 from conftest import ROOT
 from sparkjobs import cluster, kill_while_training, start_training, workers_done
-from synthetic import before_conv, make_job
+from synthetic import before_conv, hold_before_conv, make_job
 from test_failure_budget import CRASH, gated
 
 
@@ -80,8 +80,12 @@ def test_below_min_workers_the_job_stops_in_one_line(tmp_path):
                      text), text[-3000:]
 
 
-# A job long enough that a kill lands while both train, short enough for the suite.
+# A job long enough that the other worker's share outlasts the kill's handling, short enough for the suite.
 KILLED_MAX_ITER = 4000
+# Where the workers hold until the kill is made: its moment (the seed's point in (0.01, 0.05) of max_iter, ~80) comes
+# before it, so the kill lands mid-run however late the harness looks (CI run S: 8,000 iterations in 7 s, the kill
+# seen to have no effect).
+KILLED_HOLD = 400
 
 
 @pytest.mark.spark
@@ -89,16 +93,23 @@ def test_a_worker_lost_for_good_leaves_the_job_finishing_with_one_fewer_and_sayi
     """max_failures 1: Spark gives each task one attempt, so a killed worker cannot be restarted; min_workers 1 lets
     the other finish the job."""
     solver = make_job(tmp_path, max_iter=KILLED_MAX_ITER, test_interval=KILLED_MAX_ITER)
+    hold_before_conv(tmp_path, tmp_path / "go", KILLED_HOLD)
     driver = start_training(solver, "--max-failures", "1", "--min-workers", "1")
     said = []
-    _, stderr, kills = kill_while_training(driver, tmp_path / "out" / "train.log", KILLED_MAX_ITER, 1, 3, (0.1, 0.4),
-                                           timeout=120, wait=300, say=said.append)
+
+    def say(line):
+        said.append(line)
+        if line.startswith("chaos: kill 1: "):
+            (tmp_path / "go").touch()
+
+    _, stderr, kills = kill_while_training(driver, tmp_path / "out" / "train.log", KILLED_MAX_ITER, 1, 3, (0.01, 0.05),
+                                           timeout=120, wait=300, say=say)
     assert driver.returncode == 0, (said, stderr[-3000:])
     text = (tmp_path / "out" / "train.log").read_text()
     assert len(kills) == 1, (said, text[-3000:])
     left = re.findall(r"Worker (\d) left the job: its Spark job failed: (.*); 1 of 2 workers train on "
                       r"\(min_workers 1\)", text)
-    assert len(left) == 1 and "Python worker exited unexpectedly" in left[0][1], text[-3000:]
+    assert len(left) == 1 and "Python worker exited unexpectedly" in left[0][1], (said, text[-3000:])
     gone = int(left[0][0])
     assert workers_done(text) == [1 - gone] and "Optimization Done." in text, text[-3000:]
     assert f"Trained on 1 of 2 workers to the end: worker {gone} left" in text

@@ -18,7 +18,7 @@ from deepspark.exchange import ExchangeClient, ExchangeServer
 from deepspark.exchange import protocol as P
 from deepspark.exchange.handlers import Leases
 from sparkjobs import train_with_straggler, workers_done
-from synthetic import before_conv, make_job
+from synthetic import hold_before_conv, make_job
 
 MAX_ITER = 1000
 SECRET = b"per-job-secret"
@@ -63,39 +63,13 @@ def test_a_released_workers_lease_goes_back_to_the_others_and_poly_caps_at_max_i
     assert capped.grant(0, 0) == 50 and capped.grant(1, 0) == 50
 
 
-# A pass-through layer whose workers wait before their first step for the file GO, which the harness writes once the
-# throttle holds a worker: on a loaded machine the throttle's look at /proc found one only near the job's end (CI run
-# K: 956 and 1,044 iterations at 131 and 157 it/s, no straggler), and the job's 2 x 1,000 tiny iterations take
-# seconds. The driver's tests do not wait.
-GATE = '''import os
-import time
-import caffe
-from pyspark import TaskContext
-
-
-class Gate(caffe.Layer):
-    def setup(self, bottom, top):
-        self.waiting = TaskContext.get() is not None
-
-    def reshape(self, bottom, top):
-        top[0].reshape(*bottom[0].data.shape)
-
-    def forward(self, bottom, top):
-        deadline = time.monotonic() + 120
-        while self.waiting and not os.path.exists(GO) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        self.waiting = False
-        top[0].data[...] = bottom[0].data
-
-    def backward(self, top, propagate_down, bottom):
-        bottom[0].diff[...] = top[0].diff
-'''
-
-
 @pytest.mark.spark
 def test_a_throttled_worker_trains_fewer_the_other_more_and_the_job_ends_on_their_sum(tmp_path):
     solver = make_job(tmp_path, max_iter=MAX_ITER, test_interval=250, snapshot=0)
-    before_conv(tmp_path, "gate", "straggler_gate", "Gate", f"GO = {str(tmp_path / 'go')!r}\n{GATE}")
+    # Its workers wait before their first step for the file `go`, which the harness writes once the throttle holds a
+    # worker: on a loaded machine the throttle's look at /proc found one only near the job's end (CI run K: 956 and
+    # 1,044 iterations at 131 and 157 it/s, no straggler), and the job's 2 x 1,000 tiny iterations take seconds.
+    hold_before_conv(tmp_path, tmp_path / "go")
     # The first worker to connect runs a tenth of the time from before its first step.
     returncode, log, straggler = train_with_straggler(solver, "--workers", "2", share=0.1, go=tmp_path / "go")
     assert returncode == 0 and workers_done(log) == [0, 1] and straggler is not None, log[-3000:]
