@@ -90,17 +90,17 @@ from pyspark import TaskContext
 
 class Hold(caffe.Layer):
     def setup(self, bottom, top):
-        self.forwards, self.waiting = 0, TaskContext.get() is not None
+        self.forwards, self.in_task = 0, TaskContext.get() is not None
 
     def reshape(self, bottom, top):
         top[0].reshape(*bottom[0].data.shape)
 
     def forward(self, bottom, top):
         self.forwards += 1
-        deadline = time.monotonic() + 120
-        while self.waiting and self.forwards >= HOLD and not os.path.exists(GO) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        self.waiting = self.waiting and self.forwards < HOLD
+        if self.in_task and self.forwards == HOLD:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(GO) and time.monotonic() < deadline:
+                time.sleep(0.02)
         top[0].data[...] = bottom[0].data
 
     def backward(self, top, propagate_down, bottom):
